@@ -1,0 +1,18 @@
+"""nanolm: train small GPTs from scratch, with runs you can trust."""
+
+__version__ = "0.1.0"
+
+from .errors import NanolmError
+from .loss import masked_cross_entropy, masked_cross_entropy_sum
+from .model import GPT, GPTConfig
+from .optim import cosine_lr, get_param_groups
+
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "NanolmError",
+    "cosine_lr",
+    "get_param_groups",
+    "masked_cross_entropy",
+    "masked_cross_entropy_sum",
+]

@@ -1,0 +1,142 @@
+"""The ``nanolm`` command: train, sample, eval, prepare, data.
+
+User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import NanolmError
+
+
+def _train(args) -> None:
+    from .config import config_from_args
+    from .train import train
+
+    train(config_from_args(args))
+
+
+def _sample(args) -> None:
+    from .sample import generate
+
+    print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature,
+                   args.top_k or None, args.top_p, args.seed, args.device))
+
+
+def _eval(args) -> None:
+    from .sample import evaluate_file
+
+    r = evaluate_file(args.run, args.data, args.batch_size, args.device)
+    print(f"{args.data}: loss {r['loss']:.4f} nats/token | perplexity {r['ppl']:.2f} | "
+          f"{r['bpb']:.4f} bits/byte | {r['tokens']} tokens, {r['bytes']} bytes")
+    if args.json:
+        print(json.dumps(r))
+
+
+def _prepare(args) -> None:
+    from .data import prepare
+
+    data = prepare(args.data, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.separator,
+                   args.text_field, seq_len=args.seq_len, progress=sys.stderr.isatty())
+    m = data.meta
+    s = m["splits"]
+    print(f"prepared {args.data} -> {args.out} in {m['seconds']:.1f}s ({m['mb_per_s']:.1f} MB/s)")
+    print(f"tokenizer: {m['tokenizer']}, {m['vocab_size']} tokens, shards {m['dtype']}")
+    for name in ("train", "val"):
+        print(f"{name}: {s[name]['documents']} documents, {s[name]['tokens']} tokens, {s[name]['bytes']} bytes")
+    print(f"mean document length: {m['mean_doc_tokens']} tokens; empty documents skipped: "
+          f"{m['empty_documents_skipped']}; bad records skipped: {m['bad_records']}")
+    if m["windows"]:
+        print(f"windows of {m['seq_len_for_stats']} tokens crossing a document boundary: "
+              f"{m['windows_crossing_a_boundary']} of {m['windows']} "
+              f"({100 * m['windows_crossing_a_boundary'] / m['windows']:.1f}%)")
+    if m["compressor_bpb"]:
+        bounds = ", ".join(f"{k} {v:.3f}" for k, v in m["compressor_bpb"].items())
+        print(f"compressor bits per byte on the validation text (a model must beat these): {bounds}")
+    if "floor" in m:
+        print(f"entropy floor of the validation text: {m['floor']['bpb']:.4f} bits/byte, "
+              f"{m['floor']['nats_per_token']:.4f} nats/token")
+
+
+def _data_stories(args) -> None:
+    from .corpus import entropy_path, write_stories
+
+    summary = write_stories(args.out, args.docs, args.seed)
+    print(f"wrote {args.docs} stories ({summary['bytes']} bytes) to {args.out}; "
+          f"entropy {summary['nats']:.1f} nats = {summary['bits_per_byte']:.4f} bits/byte "
+          f"(per document: {entropy_path(args.out)})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .config import add_run_arguments
+
+    parser = argparse.ArgumentParser(prog="nanolm", description="Train small GPTs you can trust.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    p = sub.add_parser("train", help="train a model", description="Train a GPT. Every option can also be set in "
+                       "a TOML file passed with --config (sections [model], [data], [optim], [train]); flags win.")
+    add_run_arguments(p)
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("sample", help="generate text from a trained run", formatter_class=fmt)
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `nanolm train`")
+    p.add_argument("--prompt", default="", help="text to continue (empty: start a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with probability >= p")
+    p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same text)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.set_defaults(func=_sample)
+
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run on a text file", formatter_class=fmt)
+    p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `nanolm train`")
+    p.add_argument("--data", required=True, metavar="FILE", help="text to score (.txt, .jsonl, .parquet or a directory)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    p.set_defaults(func=_eval)
+
+    from .tokenizer import EOS, KINDS
+
+    p = sub.add_parser("prepare", help="tokenize a corpus once into token shards", formatter_class=fmt)
+    p.add_argument("--data", required=True, metavar="SRC", help=".txt, .jsonl, .parquet or a directory of .txt files")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the shards, tokenizer.json and meta.json")
+    p.add_argument("--tokenizer", choices=KINDS, default="bpe", help="tokenizer to train")
+    p.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (EOS included)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of documents held out for validation")
+    p.add_argument("--separator", default=EOS, help="line separating documents in a .txt file")
+    p.add_argument("--text-field", default="text", help="jsonl field / parquet column with the text")
+    p.add_argument("--seq-len", type=int, default=256, help="window length used for the boundary statistics")
+    p.set_defaults(func=_prepare)
+
+    p = sub.add_parser("data", help="built-in and downloadable corpora")
+    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="CORPUS")
+    q = data_sub.add_parser("stories", help="write the built-in story corpus with its exact entropy", formatter_class=fmt)
+    q.add_argument("--docs", type=int, default=4000, help="number of stories")
+    q.add_argument("--seed", type=int, default=0, help="random seed")
+    q.add_argument("--out", required=True, metavar="FILE", help="output text file (entropy goes to FILE.entropy.json)")
+    q.set_defaults(func=_data_stories)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except NanolmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Run configuration: one small dataclass per concern, TOML in and out, flags for free.
+
+Every option lives in exactly one place: a field of :class:`ModelOptions`,
+:class:`DataOptions`, :class:`OptimOptions` or :class:`TrainOptions`, with its default
+and its help text. The command-line flag ``--some-option`` and the TOML key
+``some_option`` (in the section of its dataclass) are derived from the field, so they
+cannot drift apart. Precedence: defaults < ``--config FILE.toml`` < command line.
+
+A run writes its *resolved* configuration (derived values such as ``min_lr`` and
+``warmup`` filled in) to ``config.toml``, so ``--config runs/x/config.toml`` repeats it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import NanolmError
+from .model import MLP_KINDS, GPTConfig
+from .tokenizer import EOS, KINDS as TOKENIZER_KINDS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def option(default, help: str, choices=None, flag: str | None = None):
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+@dataclass
+class ModelOptions:
+    seq_len: int = option(128, "context length in tokens (the window the model sees)")
+    n_layer: int = option(4, "number of transformer blocks")
+    n_head: int = option(4, "attention heads per block (must divide n_embd)")
+    n_embd: int = option(128, "width of the residual stream")
+    mlp: str = option("swiglu", "MLP kind", choices=MLP_KINDS)
+    qk_norm: bool = option(False, "RMS-normalise queries and keys per head (bounds attention logits)")
+    rope_theta: float = option(10000.0, "RoPE base: larger means slower-turning positions")
+    tie_embeddings: bool = option(True, "share the input embedding and the output head")
+    dropout: float = option(0.0, "dropout probability (0 is right for single-epoch pretraining)")
+
+    def gpt_config(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))
+
+
+@dataclass
+class DataOptions:
+    data: str = option("", "training text: a .txt/.jsonl/.parquet file, a directory of .txt files, "
+                       "or a directory made by `nanolm prepare`; empty = the built-in story corpus")
+    tokenizer: str = option("bpe", "tokenizer to train on the data", choices=TOKENIZER_KINDS)
+    vocab_size: int = option(512, "BPE vocabulary size, EOS included (>= 257); ignored by char")
+    val_fraction: float = option(0.1, "share of the data held out for validation (whole documents)")
+    doc_mask: bool = option(True, "block-diagonal attention: tokens never attend across a document boundary")
+    reset_positions: bool = option(False, "restart RoPE positions at 0 at every document")
+    mask_boundary: bool = option(False, "do not count the prediction of a document's first token "
+                                 "(by default EOS opens each document and predicts it)")
+    random_offset: bool = option(False, "shift the window grid by a random offset every epoch")
+    separator: str = option(EOS, "line that separates documents in a .txt file")
+    text_field: str = option("text", "field (jsonl) or column (parquet) holding the text")
+    stories: int = option(4000, "documents of the built-in story corpus (used when --data is empty)")
+
+
+@dataclass
+class OptimOptions:
+    lr: float = option(3e-3, "peak learning rate")
+    min_lr: float | None = option(None, "final learning rate of the cosine decay (default: lr / 10)")
+    warmup: int | None = option(None, "linear warmup steps (default: steps / 10, at most 200)")
+    weight_decay: float = option(0.1, "AdamW weight decay on matrices (never on norms, biases, embeddings)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    clip: float = option(1.0, "clip the global gradient norm to this value (0 = never clip)")
+
+
+@dataclass
+class TrainOptions:
+    steps: int = option(1000, "optimizer steps")
+    batch_size: int = option(16, "sequences per micro-batch")
+    grad_accum: int = option(1, "micro-batches per optimizer step (tokens/step = batch_size × grad_accum × seq_len)")
+    seed: int = option(1337, "seed for initialisation, data order and sampling")
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    compile: bool = option(False, "torch.compile the model (pays off on GPU; ~20 s start-up)")
+    eval_every: int = option(100, "evaluate on the validation set every N steps (and at the end)")
+    eval_batches: int = option(20, "validation batches per evaluation (a fixed set, the same every time)")
+    log_every: int = option(10, "print and record training metrics every N steps")
+    out_dir: str = option("", "run directory (default: runs/<data name>, numbered if it exists)")
+    sample_tokens: int = option(200, "tokens to generate as a sample at the end (0 = none)")
+
+
+SECTIONS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "train": TrainOptions}
+
+
+@dataclass
+class RunConfig:
+    model: ModelOptions = field(default_factory=ModelOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    train: TrainOptions = field(default_factory=TrainOptions)
+
+    def resolved(self) -> "RunConfig":
+        """A copy with derived defaults filled in and every value checked."""
+        cfg = RunConfig(*(dataclasses.replace(getattr(self, s)) for s in SECTIONS))
+        o, t = cfg.optim, cfg.train
+        if o.min_lr is None:
+            o.min_lr = o.lr / 10
+        if o.warmup is None:
+            o.warmup = min(200, t.steps // 10)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        positive = [("steps", self.train.steps), ("batch_size", self.train.batch_size),
+                    ("grad_accum", self.train.grad_accum), ("eval_every", self.train.eval_every),
+                    ("log_every", self.train.log_every), ("eval_batches", self.train.eval_batches),
+                    ("stories", self.data.stories)]
+        for name, value in positive:
+            if value <= 0:
+                raise NanolmError(f"--{flag_name(name)} must be positive, got {value}")
+        if not self.optim.lr > 0 or not math.isfinite(self.optim.lr):
+            raise NanolmError(f"--lr must be a positive number, got {self.optim.lr}")
+        if self.optim.min_lr is not None and not 0 <= self.optim.min_lr <= self.optim.lr:
+            raise NanolmError(f"--min-lr must be between 0 and --lr ({self.optim.lr}), got {self.optim.min_lr}")
+        if self.optim.warmup is not None and self.optim.warmup < 0:
+            raise NanolmError(f"--warmup must be >= 0, got {self.optim.warmup}")
+        if self.optim.clip < 0:
+            raise NanolmError(f"--clip must be >= 0 (0 disables clipping), got {self.optim.clip}")
+        if not 0 <= self.data.val_fraction < 1:
+            raise NanolmError(f"--val-fraction must be in [0, 1), got {self.data.val_fraction}")
+        if self.model.seq_len < 2:
+            raise NanolmError(f"--seq-len must be at least 2, got {self.model.seq_len}")
+        self.model.gpt_config(vocab_size=1)  # shape checks (n_embd divisible by n_head, ...)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section in SECTIONS:
+            lines.append(f"[{section}]")
+            for f in dataclasses.fields(getattr(self, section)):
+                value = getattr(getattr(self, section), f.name)
+                if value is not None:
+                    lines.append(f"{f.name} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def flag_name(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+def _field_type(f) -> type:
+    hint = typing.get_type_hints(_OWNER[f.name])[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+_OWNER = {f.name: cls for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+assert len(_OWNER) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values()), "option names must be unique"
+
+
+def _coerce(name: str, value, source: str):
+    kind = _field_type(next(f for f in dataclasses.fields(_OWNER[name]) if f.name == name))
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise NanolmError(f"{name} in {source} must be true or false, got {value!r}")
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise NanolmError(f"{name} in {source} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def load_toml(path) -> dict[str, dict]:
+    """Sections and values of a config file, checked against the known options."""
+    path = Path(path)
+    if not path.is_file():
+        raise NanolmError(f"config file {path} does not exist")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise NanolmError(f"{path} is not valid TOML: {e}") from None
+    out: dict[str, dict] = {}
+    for section, values in raw.items():
+        if section not in SECTIONS or not isinstance(values, dict):
+            raise NanolmError(f"unknown section [{section}] in {path}; known: {', '.join(f'[{s}]' for s in SECTIONS)}")
+        known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+        for key, value in values.items():
+            if key not in known:
+                hint = f" (it belongs in [{_section_of(key)}])" if key in _OWNER else ""
+                raise NanolmError(f"unknown option {key!r} in [{section}] of {path}{hint}; known: {', '.join(sorted(known))}")
+            out.setdefault(section, {})[key] = _coerce(key, value, str(path))
+    return out
+
+
+def _section_of(name: str) -> str:
+    return next(s for s, cls in SECTIONS.items() if cls is _OWNER[name])
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per option field, grouped by section, each showing its default."""
+    parser.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file (flags override it)")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} options")
+        for f in dataclasses.fields(cls):
+            kind = _field_type(f)
+            default = f.default
+            shown = "derived" if default is None else ('""' if default == "" else default)
+            kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{f.metadata['help']} (default: {shown})")
+            if kind is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs["type"] = kind
+                kwargs["metavar"] = f.name.upper() if not f.metadata["choices"] else None
+                if f.metadata["choices"]:
+                    kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(f"--{flag_name(f.name)}", **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Defaults, then the TOML file, then the flags given on the command line."""
+    values: dict[str, dict] = {s: {} for s in SECTIONS}
+    if getattr(args, "config", None):
+        for section, vals in load_toml(args.config).items():
+            values[section].update(vals)
+    for name, cls in _OWNER.items():
+        if hasattr(args, name):
+            values[_section_of(name)][name] = getattr(args, name)
+    for section in values:  # choices given through TOML are checked here
+        for name, value in values[section].items():
+            choices = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name).metadata["choices"]
+            if choices and value not in choices:
+                raise NanolmError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return RunConfig(**{s: SECTIONS[s](**values[s]) for s in SECTIONS}).resolved()
+
+
+def load_run_config(path) -> RunConfig:
+    """The resolved configuration stored in a run directory's ``config.toml``."""
+    values = load_toml(path)
+    return RunConfig(**{s: SECTIONS[s](**values.get(s, {})) for s in SECTIONS}).resolved()

@@ -1,0 +1,640 @@
+"""From text files to batches: sources → documents → token shards → packed windows → Batch.
+
+**Documents.** A corpus is a sequence of documents (stories, articles, files). They are
+read from a ``.txt`` file (one document, or several separated by lines holding exactly
+``<|endoftext|>``), a directory of ``.txt`` files (one document each), a ``.jsonl`` file
+(one JSON object per line with a text field) or a ``.parquet`` file (the Hugging Face
+datasets layout; needs ``pyarrow``).
+
+**Shards.** :func:`prepare` tokenizes once and writes each split as one flat token file
+(``train.bin``/``val.bin``, uint16 when the vocabulary fits, else uint32) read back through
+``np.memmap``: the OS pages in only what a batch touches, so a corpus larger than memory
+trains fine. The stream is ``EOS doc EOS doc ... doc EOS``: every document sits between
+two EOS tokens, so every one of its tokens, and its end, is predicted. The validation
+split holds out *whole documents* (every k-th one), so no validation story was half-seen
+in training.
+
+**Packing.** A window is ``seq_len + 1`` consecutive tokens of that stream, cut with no
+regard for where documents start: no padding, no waste. A window can therefore start
+with the end of a recipe and continue with a news story. Three things make that honest:
+
+* ``doc_ids``: with the document mask on, attention is block-diagonal, so the news story
+  cannot read the recipe.
+* ``positions``: optionally restart RoPE positions at each document.
+* the boundary rule. Each EOS *opens* the document after it (it is that document's
+  first token, like a BOS): the last token of the recipe predicts EOS from the recipe,
+  and EOS predicts the news story's first token from nothing else. Every position is
+  counted and nothing crosses a boundary. The other choice (``--mask-boundary``)
+  leaves the token after EOS unpredicted (not counted) and lets EOS close the
+  document it ends instead.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import math
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import NanolmError
+from .tokenizer import EOS, Tokenizer, train_tokenizer
+
+SEPARATOR = EOS
+MAX_DOC_CHARS = 1 << 24  # 16 Mi characters; longer documents are split at a line boundary
+META_FILE = "meta.json"
+
+
+# --------------------------------------------------------------------------- sources
+def _open_text_lines(path: Path):
+    """Lines of a UTF-8 text file, with errors that name the problem."""
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if b"\x00" in head:
+        raise NanolmError(f"{path} looks like a binary file (it contains NUL bytes); pass a UTF-8 text file")
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            yield from f
+    except UnicodeDecodeError as e:
+        raise NanolmError(f"{path} is not valid UTF-8 ({e.reason} near byte {e.start}); convert it to UTF-8") from None
+
+
+def _txt_documents(path: Path, separator: str) -> Iterator[str]:
+    """Documents of a text file split on lines that hold exactly ``separator``.
+
+    The line break before a separator line is not part of the document. Over-long documents
+    (more than ``MAX_DOC_CHARS``) are cut at the next line end into pieces that become
+    documents of their own, so no single document has to fit in memory.
+    """
+    parts: list[str] = []
+    size = 0
+    for line in _open_text_lines(path):
+        if separator and line.rstrip("\r\n") == separator:
+            yield _strip_one_line_break("".join(parts))
+            parts, size = [], 0
+            continue
+        parts.append(line)
+        size += len(line)
+        if size >= MAX_DOC_CHARS:
+            yield "".join(parts)
+            parts, size = [], 0
+    yield "".join(parts)
+
+
+def _strip_one_line_break(text: str) -> str:
+    """The line break just before a separator line belongs to the separator, not the text."""
+    if text.endswith("\r\n"):
+        return text[:-2]
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _jsonl_documents(path: Path, text_field: str, problems: list[str]) -> Iterator[str]:
+    for lineno, line in enumerate(_open_text_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{path}:{lineno}: not valid JSON ({e.msg})")
+            continue
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            problems.append(f"{path}:{lineno}: no string field {text_field!r}")
+            continue
+        yield text
+
+
+def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise NanolmError("reading .parquet needs pyarrow: pip install 'nanolm[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise NanolmError(f"{path} is not a readable parquet file ({e})") from None
+    if text_field not in pf.schema_arrow.names:
+        raise NanolmError(f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); set --text-field")
+    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str):
+                yield text
+
+
+class DocumentSource:
+    """Iterates the documents of a path, counting what it skips.
+
+    ``problems`` collects unreadable records (bad JSON lines with their line number);
+    ``empty`` counts documents skipped because they hold only whitespace.
+    """
+
+    def __init__(self, path, separator: str = SEPARATOR, text_field: str = "text"):
+        self.path = Path(path)
+        self.separator = separator
+        self.text_field = text_field
+        self.problems: list[str] = []
+        self.empty = 0
+        if not self.path.exists():
+            raise NanolmError(f"data path {self.path} does not exist")
+        if self.path.is_dir():
+            self.files = sorted(p for p in self.path.rglob("*.txt") if p.is_file())
+            if not self.files:
+                raise NanolmError(f"directory {self.path} holds no .txt files")
+        elif self.path.suffix not in (".txt", ".jsonl", ".parquet", ".md", ".text", ""):
+            raise NanolmError(f"{self.path}: unsupported file type {self.path.suffix!r}; use .txt, .jsonl, .parquet or a directory of .txt files")
+        if self.path.is_file() and self.path.stat().st_size == 0:
+            raise NanolmError(f"{self.path} is empty")
+
+    def size_bytes(self) -> int:
+        if self.path.is_dir():
+            return sum(f.stat().st_size for f in self.files)
+        return self.path.stat().st_size
+
+    def _raw(self) -> Iterator[str]:
+        if self.path.is_dir():
+            for f in self.files:
+                yield "".join(_open_text_lines(f))
+        elif self.path.suffix == ".jsonl":
+            yield from _jsonl_documents(self.path, self.text_field, self.problems)
+        elif self.path.suffix == ".parquet":
+            yield from _parquet_documents(self.path, self.text_field)
+        else:
+            yield from _txt_documents(self.path, self.separator)
+
+    def __iter__(self) -> Iterator[str]:
+        self.problems.clear()
+        self.empty = 0
+        for doc in self._raw():
+            if doc.strip():
+                yield doc
+            else:
+                self.empty += 1
+
+
+def split_single_document(text: str, val_fraction: float) -> tuple[str, str]:
+    """Train and validation parts of a corpus that is one document: the last
+    ``val_fraction`` of its UTF-8 bytes (moved back to a character boundary) is validation."""
+    data = text.encode("utf-8")
+    cut = int(len(data) * (1 - val_fraction))
+    while cut > 0 and (data[cut] & 0xC0) == 0x80:
+        cut -= 1
+    return data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
+
+
+def split_documents(docs: Iterator[str], val_fraction: float) -> Iterator[tuple[str, str]]:
+    """(split, text) for every document: every k-th document (k = round(1 / val_fraction))
+    is held out for validation. A corpus of a single document is split by bytes instead
+    (its last ``val_fraction``), one with fewer than k documents gives its last one."""
+    k = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
+    iterator = iter(docs)
+    first = next(iterator, None)
+    if first is None:
+        return
+    second = next(iterator, None)
+    if second is None:
+        train, val = split_single_document(first, val_fraction) if k else (first, "")
+        yield "train", train
+        if val:
+            yield "val", val
+        return
+    pending, n_val, i = None, 0, 0
+    for doc in _chain([first, second], iterator):
+        if pending is not None:
+            yield "train", pending
+            pending = None
+        if k and i % k == k - 1:
+            n_val += 1
+            yield "val", doc
+        else:
+            pending = doc
+        i += 1
+    if pending is not None:
+        yield ("val" if k and n_val == 0 else "train"), pending
+
+
+def _chain(first, rest):
+    yield from first
+    yield from rest
+
+
+# --------------------------------------------------------------------------- prepare
+@dataclass
+class Split:
+    """One split of a prepared corpus: a flat token stream and where its documents start."""
+
+    tokens: np.ndarray  # memmap, uint16 or uint32
+    doc_starts: np.ndarray  # int64, offset of each document's first token
+    n_bytes: int  # UTF-8 bytes of the text (EOS excluded)
+
+    def __len__(self):
+        return len(self.tokens)
+
+
+class PreparedData:
+    """A directory written by :func:`prepare`: ``train.bin``, ``val.bin``, document starts,
+    ``tokenizer.json`` and ``meta.json``."""
+
+    def __init__(self, directory):
+        self.dir = Path(directory)
+        meta_path = self.dir / META_FILE
+        if not meta_path.is_file():
+            raise NanolmError(f"{self.dir} is not a prepared data directory (no {META_FILE}); run `nanolm prepare` first")
+        self.meta = json.loads(meta_path.read_text())
+        self.tokenizer = Tokenizer.load(self.dir / "tokenizer.json")
+        if self.tokenizer.fingerprint() != self.meta["tokenizer_fingerprint"]:
+            raise NanolmError(f"{self.dir}/tokenizer.json is not the tokenizer these shards were made with; prepare the data again")
+        dtype = np.dtype(self.meta["dtype"])
+        self.splits = {}
+        for name in ("train", "val"):
+            n = self.meta["splits"][name]["tokens"]
+            path = self.dir / f"{name}.bin"
+            if path.stat().st_size != n * dtype.itemsize:
+                raise NanolmError(f"{path} holds {path.stat().st_size} bytes, expected {n * dtype.itemsize}; it is truncated or corrupt, prepare again")
+            tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+            starts = np.load(self.dir / f"{name}_docs.npy")
+            self.splits[name] = Split(tokens, starts, self.meta["splits"][name]["bytes"])
+
+    @property
+    def train(self) -> Split:
+        return self.splits["train"]
+
+    @property
+    def val(self) -> Split:
+        return self.splits["val"]
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse shards whose ids do not fit the model's embedding table."""
+        if self.meta["max_id"] >= vocab_size:
+            raise NanolmError(
+                f"{self.dir} holds token id {self.meta['max_id']} but the model's vocabulary has "
+                f"{vocab_size} entries; the shards were made with another tokenizer"
+            )
+
+
+class _SplitWriter:
+    def __init__(self, path: Path, dtype):
+        self.f = open(path, "wb")
+        self.dtype = dtype
+        self.n_tokens = 0
+        self.n_bytes = 0
+        self.doc_starts: list[int] = []
+        self.max_id = -1
+
+    def write_docs(self, ids_list: list[np.ndarray], texts: list[str], eos_id: int):
+        if not ids_list:
+            return
+        parts = [] if self.n_tokens else [np.array([eos_id])]  # the stream opens with EOS
+        offset = self.n_tokens + len(parts)
+        for ids, text in zip(ids_list, texts):
+            self.doc_starts.append(offset)
+            parts += [ids, np.array([eos_id])]
+            offset += len(ids) + 1
+            self.n_bytes += len(text.encode("utf-8"))
+        block = np.concatenate(parts)
+        self.max_id = max(self.max_id, int(block.max()))
+        self.f.write(block.astype(self.dtype).tobytes())
+        self.n_tokens += len(block)
+
+    def close(self, directory: Path, name: str):
+        self.f.close()
+        np.save(directory / f"{name}_docs.npy", np.asarray(self.doc_starts, dtype=np.int64))
+
+
+def join_documents(ids_list: list[np.ndarray], eos_id: int) -> np.ndarray:
+    """One token stream ``EOS doc EOS doc ... EOS`` from encoded documents."""
+    eos = np.array([eos_id])
+    return np.concatenate([eos] + [part for ids in ids_list for part in (ids, eos)])
+
+
+def boundary_crossing_windows(doc_starts: np.ndarray, n_tokens: int, seq_len: int) -> tuple[int, int]:
+    """(windows whose input holds more than one document, all windows), stride ``seq_len``.
+
+    A document's span starts at the EOS before its first token (the EOS opens it), so a
+    window w crosses a boundary when such an EOS sits strictly inside it: w·T < eos < w·T + T.
+    """
+    n_windows = max(0, (n_tokens - 1) // seq_len)
+    if n_windows == 0:
+        return 0, 0
+    eos = np.asarray(doc_starts)[np.asarray(doc_starts) > 0] - 1
+    eos = eos[eos % seq_len != 0]
+    window = eos // seq_len
+    crossing = np.unique(window[window < n_windows])
+    return int(len(crossing)), n_windows
+
+
+def compressor_bits_per_byte(context: bytes, text: bytes) -> dict:
+    """Bits per byte that zlib and xz need for ``text`` once they have seen ``context``.
+
+    A general-purpose compressor is a language model too (a weak one). A trained model
+    should need fewer bits per byte than xz; a model that does worse has learned less
+    than a zip file.
+    """
+    out = {}
+    if not text:
+        return out
+    for name, compress in (("zlib", lambda b: zlib.compress(b, 9)), ("xz", lambda b: lzma.compress(b, preset=6))):
+        extra = len(compress(context + text)) - (len(compress(context)) if context else 0)
+        out[name] = round(8 * max(extra, 1) / len(text), 4)
+    return out
+
+
+def _known_document_entropy(source: Path) -> list[float] | None:
+    """Per-document information (nats) written by ``nanolm data stories`` beside the text."""
+    from .corpus import entropy_path
+
+    path = entropy_path(source)
+    if not source.is_file() or not path.is_file():
+        return None
+    try:
+        return [float(x) for x in json.loads(path.read_text())["doc_nats"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def prepare(
+    source,
+    out_dir,
+    tokenizer_kind: str = "bpe",
+    vocab_size: int = 512,
+    val_fraction: float = 0.1,
+    separator: str = SEPARATOR,
+    text_field: str = "text",
+    tokenizer: Tokenizer | None = None,
+    seq_len: int = 256,
+    progress: bool = True,
+    compressor_sample_bytes: int = 1 << 21,
+    log=print,
+) -> PreparedData:
+    """Tokenize ``source`` once into ``out_dir``; returns the opened result.
+
+    Two streaming passes: the first trains the tokenizer (BPE on the training documents,
+    up to 100 MB of them; the char vocabulary on everything), the second encodes in chunks,
+    with BPE running on all cores, and appends to the shard files. Memory stays bounded by
+    the chunk size whatever the corpus size.
+    """
+    t0 = time.perf_counter()
+    docs = DocumentSource(source, separator, text_field)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    total_bytes = docs.size_bytes()
+
+    if tokenizer is None:
+        def training_texts():
+            budget = 100_000_000
+            for split, text in split_documents(iter(docs), val_fraction):
+                if tokenizer_kind == "char" or split == "train":
+                    yield text
+                    budget -= len(text)
+                    if budget <= 0 and tokenizer_kind != "char":
+                        return
+        tokenizer = train_tokenizer(tokenizer_kind, training_texts(), vocab_size)
+    tokenizer.save(out / "tokenizer.json")
+    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+    writers = {name: _SplitWriter(out / f"{name}.bin", dtype) for name in ("train", "val")}
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", leave=False)
+    chunk: dict[str, list[str]] = {"train": [], "val": []}
+    chunk_chars = 0
+    sample = {"train": [], "val": []}
+    sample_size = {"train": 0, "val": 0}
+
+    def flush():
+        nonlocal chunk_chars
+        for name, texts in chunk.items():
+            if texts:
+                writers[name].write_docs(tokenizer.encode_batch(texts), texts, tokenizer.eos_id)
+                if bar is not None:
+                    bar.update(sum(len(t.encode("utf-8")) for t in texts))
+        chunk["train"], chunk["val"], chunk_chars = [], [], 0
+
+    doc_nats = _known_document_entropy(Path(source))
+    val_nats = 0.0
+    n_docs = {"train": 0, "val": 0}
+    for i, (split, text) in enumerate(split_documents(iter(docs), val_fraction)):
+        chunk[split].append(text)
+        n_docs[split] += 1
+        if doc_nats is not None and split == "val" and i < len(doc_nats):
+            val_nats += doc_nats[i]
+        chunk_chars += len(text)
+        if sample_size[split] < compressor_sample_bytes:
+            piece = text.encode("utf-8")[: compressor_sample_bytes - sample_size[split]]
+            sample[split].append(piece)
+            sample_size[split] += len(piece)
+        if chunk_chars >= 8_000_000:
+            flush()
+    flush()
+    if bar is not None:
+        bar.close()
+    for name, w in writers.items():
+        w.close(out, name)
+    if n_docs["train"] == 0:
+        raise NanolmError(f"{source} holds no document with text (empty documents skipped: {docs.empty})")
+
+    seconds = time.perf_counter() - t0
+    crossing, n_windows = boundary_crossing_windows(
+        np.asarray(writers["train"].doc_starts), writers["train"].n_tokens, seq_len
+    )
+    meta = {
+        "source": str(source),
+        "tokenizer": tokenizer.kind,
+        "tokenizer_fingerprint": tokenizer.fingerprint(),
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "dtype": np.dtype(dtype).name,
+        "max_id": max(w.max_id for w in writers.values()),
+        "val_fraction": val_fraction,
+        "splits": {
+            name: {"documents": n_docs[name], "tokens": w.n_tokens, "bytes": w.n_bytes}
+            for name, w in writers.items()
+        },
+        "empty_documents_skipped": docs.empty,
+        "bad_records": len(docs.problems),
+        "mean_doc_tokens": round(writers["train"].n_tokens / max(1, n_docs["train"]), 1),
+        "seq_len_for_stats": seq_len,
+        "windows_crossing_a_boundary": crossing,
+        "windows": n_windows,
+        "compressor_bpb": compressor_bits_per_byte(b"".join(sample["train"]), b"".join(sample["val"])),
+        "seconds": round(seconds, 2),
+        "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
+    }
+    if doc_nats is not None and len(doc_nats) == sum(n_docs.values()) and writers["val"].n_tokens:
+        meta["floor"] = {
+            "nats": val_nats,
+            "bpb": val_nats / math.log(2) / max(1, writers["val"].n_bytes),
+            "nats_per_token": val_nats / (writers["val"].n_tokens - 1),
+        }
+    elif doc_nats is not None:
+        log("note: the corpus's entropy file does not match its documents; no loss floor is reported")
+    (out / META_FILE).write_text(json.dumps(meta, indent=2))
+    for problem in docs.problems[:20]:
+        log(f"skipped {problem}")
+    if len(docs.problems) > 20:
+        log(f"... and {len(docs.problems) - 20} more bad records")
+    return PreparedData(out)
+
+
+# --------------------------------------------------------------------------- batches
+@dataclass
+class Batch:
+    """One micro-batch. ``idx``/``targets``/``loss_mask``/``doc_ids``/``positions`` are (B, T).
+
+    ``doc_ids`` is None when the document mask is off (plain causal attention), and
+    ``positions`` is None when positions simply run 0..T-1.
+    """
+
+    idx: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def to(self, device) -> "Batch":
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        move = lambda t: None if t is None else t.pin_memory().to(device, non_blocking=True)
+        return Batch(move(self.idx), move(self.targets), move(self.loss_mask), move(self.doc_ids), move(self.positions))
+
+    @property
+    def counted(self) -> torch.Tensor:
+        return self.loss_mask.sum()
+
+
+def pack_windows(
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    seq_len: int,
+    eos_id: int,
+    doc_mask: bool = True,
+    reset_positions: bool = False,
+    mask_boundary: bool = False,
+) -> Batch:
+    """Cut windows of ``seq_len + 1`` tokens at ``starts`` and describe their documents.
+
+    Default boundary rule: an EOS starts a new document (it is that document's first
+    token). With ``mask_boundary`` the EOS ends the document before it and the token after
+    it is not counted.
+    """
+    offsets = np.arange(seq_len + 1)
+    window = torch.from_numpy(tokens[np.asarray(starts)[:, None] + offsets].astype(np.int64))
+    idx, targets = window[:, :-1], window[:, 1:]
+    is_eos = idx == eos_id
+    loss_mask = ~is_eos if mask_boundary else torch.ones_like(idx, dtype=torch.bool)
+    doc_ids = positions = None
+    if doc_mask or reset_positions:
+        if mask_boundary:
+            new_doc = torch.zeros_like(is_eos)
+            new_doc[:, 1:] = is_eos[:, :-1]
+        else:
+            new_doc = is_eos
+        ar = torch.arange(seq_len).expand_as(idx)
+        if doc_mask:
+            doc_ids = new_doc.cumsum(1, dtype=torch.int32)
+        if reset_positions:
+            doc_start = torch.where(new_doc, ar, 0).cummax(1).values
+            positions = ar - doc_start
+    return Batch(idx, targets, loss_mask, doc_ids, positions)
+
+
+class WindowSampler:
+    """Seeded, epoch-based, without replacement: every window once per epoch.
+
+    Window i covers tokens [o + i·T, o + i·T + T] (T + 1 tokens, consecutive windows
+    overlapping by the one token that is a target in the first and an input in the next).
+    Each epoch visits the windows in a fresh permutation drawn from (seed, epoch); with
+    ``random_offset`` the grid itself shifts by a random o in [0, T) each epoch, so
+    different cuts of the same text are seen over the epochs.
+
+    The whole state is (epoch, cursor): a checkpoint can hold it and a resumed run draws
+    exactly the windows the uninterrupted run would have. Under torchrun each rank takes
+    its own disjoint slice of every global batch.
+    """
+
+    def __init__(self, n_tokens: int, seq_len: int, batch_size: int, seed: int = 0,
+                 random_offset: bool = False, rank: int = 0, world_size: int = 1):
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.random_offset, self.rank, self.world_size = random_offset, rank, world_size
+        self.n_windows = (n_tokens - 1 - (seq_len if random_offset else 0)) // seq_len
+        if self.n_windows < 1:
+            raise NanolmError(
+                f"the training split holds {n_tokens} tokens, fewer than one window of "
+                f"seq_len + 1 = {seq_len + 1}; use more text or a smaller --seq-len"
+            )
+        self.epoch, self.cursor = 0, 0
+        self._order = None
+
+    def _epoch_order(self):
+        if self._order is None or self._order[0] != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            perm = torch.randperm(self.n_windows, generator=g).numpy()
+            offset = int(torch.randint(self.seq_len, (1,), generator=g)) if self.random_offset else 0
+            self._order = (self.epoch, perm * self.seq_len + offset)
+        return self._order[1]
+
+    def next_starts(self) -> np.ndarray:
+        """Start offsets of this rank's windows for the next micro-batch."""
+        need = self.batch_size * self.world_size
+        taken = []
+        while need:
+            order = self._epoch_order()
+            take = order[self.cursor : self.cursor + need]
+            taken.append(take)
+            self.cursor += len(take)
+            need -= len(take)
+            if self.cursor >= self.n_windows:
+                self.epoch, self.cursor = self.epoch + 1, 0
+        starts = np.concatenate(taken)
+        return starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor, self.seed = int(state["epoch"]), int(state["cursor"]), int(state["seed"])
+        self._order = None
+
+
+def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = None) -> tuple[np.ndarray, int]:
+    """Fixed evaluation windows: (starts, first counted position of the last window).
+
+    The windows tile the split back to back, so every target token is counted exactly once;
+    the last one is moved back to end on the final token and only its new targets count.
+    With ``max_windows``, an evenly spaced subset (always the same one) is used instead.
+    """
+    if n_tokens < seq_len + 1:
+        return np.zeros(0, dtype=np.int64), 0
+    full = (n_tokens - 1) // seq_len
+    starts = np.arange(full, dtype=np.int64) * seq_len
+    tail_from = 0
+    covered = full * seq_len
+    if covered < n_tokens - 1:
+        last = n_tokens - 1 - seq_len
+        tail_from = covered - last
+        starts = np.append(starts, last)
+    if max_windows is not None and len(starts) > max_windows:
+        pick = np.linspace(0, full - 1, max_windows).round().astype(np.int64)
+        return starts[np.unique(pick)], 0
+    return starts, tail_from
+
+
+def eval_batches(split: Split, seq_len: int, batch_size: int, eos_id: int, max_windows: int | None = None,
+                 **pack_options) -> list[Batch]:
+    """The validation set as a list of batches, identical at every evaluation."""
+    starts, tail_from = eval_window_starts(len(split.tokens), seq_len, max_windows)
+    batches = []
+    for i in range(0, len(starts), batch_size):
+        batch = pack_windows(split.tokens, starts[i : i + batch_size], seq_len, eos_id, **pack_options)
+        if tail_from and i + batch_size >= len(starts):
+            batch.loss_mask[-1, :tail_from] = False
+        batches.append(batch)
+    return batches

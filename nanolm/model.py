@@ -1,0 +1,381 @@
+"""A small modern GPT: RoPE, RMSNorm, optional QK-norm, SwiGLU, tied embeddings.
+
+The layout follows Llama (and Qwen3 when ``qk_norm`` is on) closely enough that a trained
+model can be exported to Hugging Face ``transformers`` without changing any number:
+pre-norm blocks, no biases, rotary embeddings applied to the two halves of each head.
+
+Two optional inputs make the model document-aware (see ``nanolm.data``):
+
+* ``doc_ids`` (B, T): which document each position belongs to. Attention is then
+  block-diagonal causal: a token sees earlier tokens *of its own document* only, so the
+  first word of a news story cannot read the recipe packed before it.
+* ``positions`` (B, T): the rotary position of each token. Restarting them at every
+  document makes a document look the same wherever it lands in a window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import NanolmError
+from .loss import masked_cross_entropy
+
+MLP_KINDS = ("swiglu", "gelu")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 512
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp: str = "swiglu"
+    qk_norm: bool = False
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) <= 0:
+                raise NanolmError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise NanolmError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
+                f"try n_embd={self.n_head * max(2, round(self.n_embd / self.n_head / 2) * 2)}"
+            )
+        if self.head_dim % 2:
+            raise NanolmError(
+                f"head size n_embd/n_head = {self.head_dim} must be even for rotary embeddings"
+            )
+        if self.mlp not in MLP_KINDS:
+            raise NanolmError(f"mlp must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise NanolmError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        """Hidden width of the MLP.
+
+        GELU uses the classic 4x. SwiGLU has three matrices instead of two, so its width is
+        2/3 of that (rounded up to a multiple of 32) to keep the parameter count equal.
+        """
+        if self.mlp == "gelu":
+            return 4 * self.n_embd
+        return 32 * math.ceil(8 * self.n_embd / 3 / 32)
+
+
+class RMSNorm(nn.Module):
+    """Scale each vector to unit root-mean-square, then by a learned gain.
+
+    Cheaper than LayerNorm (no mean, no bias) and just as stable in practice.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float):
+    """cos and sin of every (position, frequency) pair, in fp32, shape (seq_len, head_dim).
+
+    Frequencies are duplicated across the two halves of a head, the layout that
+    ``rotate_half`` below (and Llama) expects.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each pair (x_i, x_{i+d/2}) by its position's angle.
+
+    After rotation the dot product of a query and a key depends only on how far apart
+    they are, which is what makes the model's sense of order relative.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean (B, 1, T, T) mask: True where query t may attend to key s.
+
+    Allowed means s <= t *and* both positions belong to the same document.
+    """
+    T = doc_ids.shape[1]
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
+def reference_attention(q, k, v, mask=None):
+    """Attention written out by hand: softmax(q k^T / sqrt(d) + mask) v.
+
+    Slow and obviously right; tests compare the fast path against it. ``mask`` is a
+    boolean tensor broadcastable to (B, H, Tq, Tk); without one, attention is causal.
+    """
+    scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if mask is None:
+        Tq, Tk = q.shape[-2], k.shape[-2]
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+class KVCache:
+    """Keys and values of every layer for positions already processed during generation.
+
+    Without it, producing token n re-runs attention for all n previous tokens; with it,
+    each new token costs one row of attention.
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
+        shape = (config.n_layer, batch_size, config.n_head, config.seq_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, layer: int, k, v):
+        start, end = self.length, self.length + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_head = config.n_head
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(self.layer, k, v)
+        dropout = self.dropout if self.training else 0.0
+        if mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        elif T == k.shape[2]:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        elif T == 1:  # one new token during generation: it may see every cached key
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:
+            allowed = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.kind = config.mlp
+        hidden = config.mlp_hidden
+        if self.kind == "swiglu":
+            self.gate = nn.Linear(config.n_embd, hidden, bias=False)
+        self.up = nn.Linear(config.n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        if self.kind == "swiglu":
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.attn = Attention(config, layer)
+        self.mlp_norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        x = x + self.dropout(self.attn(self.attn_norm(x), cos, sin, mask, cache))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self):
+        """Initialise so that a fresh model predicts (almost) uniformly: loss ≈ ln V.
+
+        Every matrix gets N(0, 0.02). The two projections that write into the residual
+        stream (attention output, MLP down) get 0.02 / sqrt(2 · n_layer): each block adds
+        two such contributions, and this keeps the residual stream's variance from growing
+        with depth.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.ones_(p)
+            elif name.endswith(("attn.proj.weight", "mlp.down.weight")):
+                nn.init.normal_(p, mean=0.0, std=residual_std)
+            else:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Number of trainable parameters (a tied matrix counts once).
+
+        ``non_embedding=True`` leaves out the input embedding table, the convention of
+        scaling-law papers; an untied output matrix is still counted.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.embed.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token: forward + backward = 3 × forward, 2 FLOPs per MAC.
+
+        6 per weight in a matrix multiply (every Linear, including the output head, but not
+        the embedding lookup) plus attention's own two matmuls, QK^T and AV: 12 · T · d per
+        layer. Causal attention could skip half of the latter; like PaLM, nanoGPT and
+        torchtitan we count it whole, so MFU figures compare across projects.
+        """
+        c = self.config
+        T = seq_len or c.seq_len
+        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        attention = 12 * c.n_layer * T * c.n_embd
+        return 6 * matmul_params + attention
+
+    def rope(self, T: int, positions: torch.Tensor | None, offset: int = 0):
+        if positions is None:
+            return self.rope_cos[offset : offset + T], self.rope_sin[offset : offset + T]
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    def forward(self, idx, targets=None, doc_ids=None, positions=None, loss_mask=None):
+        """Logits for every position, and the mean loss over counted targets if given.
+
+        ``targets`` are the next tokens; positions where ``loss_mask`` is False (or the
+        target is negative) are not counted.
+        """
+        B, T = idx.shape
+        if T > self.config.seq_len:
+            raise NanolmError(f"sequence of {T} tokens is longer than seq_len={self.config.seq_len}")
+        cos, sin = self.rope(T, positions)
+        mask = document_causal_mask(doc_ids) if doc_ids is not None else None
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        logits = self.lm_head(self.norm(x))
+        loss = None
+        if targets is not None:
+            if loss_mask is None:
+                loss_mask = targets >= 0
+            loss = masked_cross_entropy(logits, targets, loss_mask)
+        return logits, loss
+
+    def forward_cached(self, idx, cache: KVCache):
+        """Logits of the new tokens ``idx``, reading and extending ``cache``."""
+        T = idx.shape[1]
+        cos, sin = self.rope(T, None, offset=cache.length)
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin, None, cache)
+        cache.length += T
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue each row of ``idx`` (B, T) by up to ``max_new_tokens`` tokens.
+
+        ``temperature`` 0 means greedy. ``top_k`` keeps the k most likely tokens,
+        ``top_p`` the smallest set whose probability reaches p (nucleus sampling).
+        Generation stops once every row has produced ``eos_id``; rows that finished
+        early are padded with ``eos_id``. Pass a seeded ``generator`` for repeatable text.
+        When the context fills up, the cache is rebuilt from the last half window.
+        """
+        was_training = self.training
+        self.eval()
+        B = idx.shape[0]
+        dtype = self.embed.weight.dtype
+        cache = KVCache(self.config, B, idx.device, dtype)
+        logits = self.forward_cached(idx[:, -self.config.seq_len :], cache)[:, -1]
+        finished = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        out = [idx]
+        for _ in range(max_new_tokens):
+            next_token = sample_next_token(logits, temperature, top_k, top_p, generator)
+            if eos_id is not None:
+                next_token = torch.where(finished, torch.full_like(next_token, eos_id), next_token)
+                finished |= next_token == eos_id
+            out.append(next_token[:, None])
+            if eos_id is not None and bool(finished.all()):
+                break
+            if cache.length >= self.config.seq_len:
+                context = torch.cat(out, dim=1)[:, -(self.config.seq_len // 2) :]
+                cache = KVCache(self.config, B, idx.device, dtype)
+                logits = self.forward_cached(context, cache)[:, -1]
+            else:
+                logits = self.forward_cached(next_token[:, None], cache)[:, -1]
+        self.train(was_training)
+        return torch.cat(out, dim=1)
+
+
+def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """Draw one token id per row from ``logits`` (B, V)."""
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= top_p  # keeps the token crossing p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

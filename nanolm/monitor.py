@@ -1,0 +1,56 @@
+"""Where the numbers go: ``metrics.jsonl`` (always) and the terminal.
+
+``metrics.jsonl`` has one JSON object per line. Training rows hold ``step`` (optimizer
+steps done), ``loss`` (mean over the step's counted tokens), ``lr``, ``grad_norm`` (global
+norm before clipping), ``tokens_per_sec`` (since the previous row) and ``elapsed_s``.
+Evaluation rows add ``val_loss`` (nats per token), ``val_bpb`` (bits per byte of text) and,
+for a corpus of known entropy, ``floor_bpb``. The row at step 0 is the evaluation of the
+untrained model and has no training fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsFile:
+    """Appends rows to ``metrics.jsonl``, flushed line by line so a crash loses nothing."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, row: dict) -> None:
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def format_train_line(row: dict, total_steps: int) -> str:
+    width = len(str(total_steps))
+    return (
+        f"step {row['step']:>{width}}/{total_steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+        f"grad norm {row['grad_norm']:.3f} | {row['tokens_per_sec'] / 1000:.1f}k tok/s | {row['elapsed_s']:.1f}s"
+    )
+
+
+def format_eval_line(row: dict) -> str:
+    line = f"eval step {row['step']} | val loss {row['val_loss']:.4f} | val bpb {row['val_bpb']:.4f}"
+    if "val_ppl" in row:
+        line += f" | ppl {row['val_ppl']:.2f}"
+    if "floor_bpb" in row:
+        line += f" | floor {row['floor_bpb']:.4f} bpb / {row['floor_loss']:.4f} nats/token"
+    return line
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700.0))

@@ -1,0 +1,171 @@
+"""Tokenizers: one id per character, or byte-level BPE trained on your text.
+
+Both are stored as a Hugging Face ``tokenizers`` JSON file (``tokenizer.json``), so a
+run directory is self-describing and an exported model loads with ``transformers``.
+
+* **char**: the vocabulary is the set of characters of the training text plus EOS.
+  Small and transparent (a loss in nats/char is directly comparable to the classic
+  tiny-shakespeare numbers), but text with a character it never saw cannot be encoded.
+* **bpe**: byte-level BPE. The base alphabet is the 256 byte values, so *any* UTF-8
+  text round-trips exactly; merges learned on the training text then shorten common
+  byte sequences into single tokens. Needs ``vocab_size >= 257`` (256 bytes + EOS).
+
+The end-of-text token ``<|endoftext|>`` (id 0 in both) separates documents. The same
+string inside a document's text is encoded as ordinary text, never as EOS, so a
+document cannot forge a boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from .errors import NanolmError
+
+EOS = "<|endoftext|>"
+MIN_BPE_VOCAB = 257
+KINDS = ("bpe", "char")
+
+
+class Tokenizer:
+    """A trained tokenizer: ``encode``/``decode`` plus what training and evaluation need."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.hf.encode_special_tokens = True
+        model = json.loads(hf.to_str())["model"]
+        self.kind = "char" if model["type"] == "BPE" and not model["merges"] else "bpe"
+        self.eos_id = hf.token_to_id(EOS)
+        if self.eos_id is None:
+            raise NanolmError(f"tokenizer has no {EOS} token; retrain it with nanolm")
+        vocab = hf.get_vocab()
+        self.vocab_size = hf.get_vocab_size()
+        if self.kind == "char":
+            chars = [(i, t) for t, i in vocab.items() if i != self.eos_id]
+            self._char_of_id = {i: t for i, t in chars}
+            codepoints = np.array([ord(t) for _, t in chars], dtype=np.int64)
+            ids = np.array([i for i, _ in chars], dtype=np.int64)
+            order = np.argsort(codepoints)
+            self._codepoints, self._ids = codepoints[order], ids[order]
+
+    # -- encoding -----------------------------------------------------------------
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` (no EOS added), as an int64 array."""
+        if self.kind == "char":
+            return self._encode_chars(text)
+        return np.asarray(self.hf.encode(text).ids, dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode many texts; BPE runs them in parallel on all cores (Rust threads)."""
+        if self.kind == "char":
+            return [self._encode_chars(t) for t in texts]
+        return [np.asarray(e.ids, dtype=np.int64) for e in self.hf.encode_batch(texts)]
+
+    def _encode_chars(self, text: str) -> np.ndarray:
+        codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+        where = np.searchsorted(self._codepoints, codepoints)
+        where = np.minimum(where, len(self._codepoints) - 1)
+        unknown = self._codepoints[where] != codepoints
+        if unknown.any():
+            missing = sorted({chr(c) for c in codepoints[unknown]})
+            shown = ", ".join(repr(c) for c in missing[:10]) + (" ..." if len(missing) > 10 else "")
+            raise NanolmError(
+                f"the char tokenizer has never seen {len(missing)} character(s) in this text: "
+                f"{shown}; use --tokenizer bpe (any text) or train on text that contains them"
+            )
+        return self._ids[where]
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.kind == "char":
+            return "".join(EOS if i == self.eos_id else self._char_of_id.get(i, "\ufffd") for i in ids)
+        return self.hf.decode(ids, skip_special_tokens=False)
+
+    # -- facts ----------------------------------------------------------------------
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text each token id stands for (0 for EOS).
+
+        Turns a loss in nats per token into bits per byte, a number that does not depend
+        on the tokenizer: bpb = Σ nats / (ln 2 · Σ bytes of the predicted tokens).
+        """
+        out = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, i in self.hf.get_vocab().items():
+            if i == self.eos_id:
+                continue
+            # byte-level BPE spells each byte as one printable character
+            out[i] = len(token.encode("utf-8")) if self.kind == "char" else len(token)
+        return out
+
+    def fingerprint(self) -> str:
+        """A short hash of the vocabulary and merges: equal iff the encodings are equal."""
+        return hashlib.sha256(self.hf.to_str().encode()).hexdigest()[:16]
+
+    def save(self, path) -> None:
+        self.hf.save(str(path))
+
+    @classmethod
+    def load(cls, path) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise NanolmError(f"no tokenizer at {path}")
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:  # the Rust parser's errors are not user-friendly types
+            raise NanolmError(f"{path} is not a valid tokenizer.json ({e})") from None
+
+
+def train_char(texts: Iterable[str]) -> Tokenizer:
+    """A character vocabulary: every distinct character of ``texts``, in code-point order."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+
+    chars: set[str] = set()
+    for t in texts:
+        chars.update(t)
+    chars.discard("")
+    vocab = {EOS: 0}
+    for c in sorted(chars):
+        vocab[c] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    hf.add_special_tokens([EOS])
+    hf.decoder = decoders.Fuse()
+    return Tokenizer(hf)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE with ``vocab_size`` entries (EOS included), learned from ``texts``.
+
+    If the text is too small to learn that many merges, the vocabulary comes out smaller;
+    the caller reads the real size from ``Tokenizer.vocab_size``.
+    """
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < MIN_BPE_VOCAB:
+        raise NanolmError(
+            f"--vocab-size {vocab_size} is too small for byte-level BPE: it needs at least "
+            f"{MIN_BPE_VOCAB} (256 byte values + EOS); use --tokenizer char for a tiny vocabulary"
+        )
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    hf.train_from_iterator(texts, trainer)
+    return Tokenizer(hf)
+
+
+def train_tokenizer(kind: str, texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    if kind == "char":
+        return train_char(texts)
+    if kind == "bpe":
+        return train_bpe(texts, vocab_size)
+    raise NanolmError(f"unknown tokenizer {kind!r}; choose one of {', '.join(KINDS)}")

@@ -1,0 +1,152 @@
+"""The command line end to end, and every kind of bad input getting one clear line."""
+
+import json
+
+import pytest
+
+from nanolm.cli import main
+from nanolm.monitor import read_metrics
+
+from conftest import TINY_TRAIN, run_cli
+
+TRAIN_ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_s"}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, stories_file):
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    result = run_cli("train", "--data", stories_file, "--steps", 6, "--eval-every", 3, "--log-every", 2,
+                     "--out-dir", out, *TINY_TRAIN)
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
+def test_training_writes_a_complete_run_directory(trained_run):
+    out, result = trained_run
+    for name in ("config.toml", "tokenizer.json", "metrics.jsonl", "model.safetensors"):
+        assert (out / name).is_file(), name
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 6]
+    assert rows[0].keys() >= {"step", "val_loss", "val_bpb"} and "loss" not in rows[0]
+    for r in rows[1:]:
+        assert r.keys() >= TRAIN_ROW_KEYS
+    evals = [r["step"] for r in rows if "val_loss" in r]
+    assert evals == [0, 3, 6] and all(rows[i].keys() >= TRAIN_ROW_KEYS for i in (3, 5))
+    assert "val bpb" in result.stdout and "sample:" in result.stdout and "tok/s" in result.stdout
+
+
+def test_sample_and_eval_read_the_run_directory(trained_run, stories_file):
+    out, _ = trained_run
+    a = run_cli("sample", "--run", out, "--prompt", "Once upon", "--max-new-tokens", 20, "--seed", 1)
+    b = run_cli("sample", "--run", out, "--prompt", "Once upon", "--max-new-tokens", 20, "--seed", 1)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.startswith("Once upon")
+    r = run_cli("eval", "--run", out, "--data", stories_file, "--json")
+    assert r.returncode == 0, r.stderr
+    figures = json.loads(r.stdout.splitlines()[-1])
+    assert figures["ppl"] == pytest.approx(2.718281828 ** figures["loss"], rel=1e-6)
+    separators = 299 * len("\n<|endoftext|>\n")
+    assert figures["bytes"] == stories_file.stat().st_size - separators  # every byte of text counted once
+    again = run_cli("eval", "--run", out, "--data", stories_file, "--json")
+    assert again.stdout == r.stdout  # deterministic
+
+
+def test_module_entry_points_match_the_cli(trained_run, tmp_path, stories_file):
+    out, _ = trained_run
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "nanolm.sample", "--run", str(out), "--max-new-tokens", "5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "nanolm.train", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--grad-accum" in r.stdout
+
+
+def test_help_documents_every_flag_with_its_default():
+    r = run_cli("train", "--help")
+    flags = ["--data", "--tokenizer", "--vocab-size", "--steps", "--lr", "--min-lr", "--warmup", "--batch-size",
+             "--grad-accum", "--seq-len", "--n-layer", "--n-head", "--n-embd", "--weight-decay", "--clip", "--seed",
+             "--device", "--compile", "--eval-every", "--eval-batches", "--out-dir", "--config"]
+    for flag in flags:
+        assert flag in r.stdout, flag
+    assert r.stdout.count("(default:") >= len(flags) - 1
+
+
+def _error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    return err[0]
+
+
+@pytest.mark.parametrize("content, flags, message", [
+    (None, [], "does not exist"),
+    (b"", [], "is empty"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00", [], "binary"),
+    ("caf\u00e9".encode("latin-1") * 100, [], "not valid UTF-8"),
+    (b"too short", [], "fewer than one window"),
+    (b"plenty of text " * 500, ["--vocab-size", "100"], "at least 257"),
+    (b"plenty of text " * 500, ["--n-embd", "30", "--n-head", "4"], "divisible"),
+    (b"plenty of text " * 500, ["--device", "tpu"], "device"),
+    (b"plenty of text " * 500, ["--device", "cuda:7"], "device"),
+    (b"plenty of text " * 500, ["--steps", "0"], "--steps must be positive"),
+    (b"plenty of text " * 500, ["--batch-size", "-2"], "--batch-size must be positive"),
+    (b"plenty of text " * 500, ["--lr", "-1"], "--lr"),
+])
+def test_bad_input_gets_one_line_exit_2_and_writes_nothing(tmp_path, capsys, content, flags, message):
+    data = tmp_path / "data.txt"
+    if content is not None:
+        data.write_bytes(content)
+    out = tmp_path / "run"
+    code = main(["train", "--data", str(data), "--out-dir", str(out), "--steps", "2", *TINY_TRAIN[:-2], *flags])
+    assert code == 2
+    assert message in _error_line(capsys)
+    assert not out.exists()
+
+
+def test_bad_input_from_a_fresh_process_has_no_traceback(tmp_path):
+    r = run_cli("train", "--data", tmp_path / "missing.txt", "--out-dir", tmp_path / "run")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"error: data path {tmp_path / 'missing.txt'} does not exist"]
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_an_existing_run_is_never_overwritten(trained_run, capsys, stories_file):
+    out, _ = trained_run
+    before = (out / "metrics.jsonl").read_bytes()
+    assert main(["train", "--data", str(stories_file), "--out-dir", str(out), *TINY_TRAIN]) == 2
+    assert "already holds a run" in _error_line(capsys)
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_config_file_sets_options_and_flags_win(tmp_path, capsys, stories_file):
+    toml = tmp_path / "c.toml"
+    toml.write_text(f'[data]\ndata = "{stories_file}"\ntokenizer = "char"\n[train]\nsteps = 2\nsample_tokens = 0\n'
+                    f'[model]\nn_layer = 1\nn_embd = 32\nseq_len = 16\n')
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(toml), "--steps", "3", "--out-dir", str(out)]) == 0
+    written = (out / "config.toml").read_text()
+    assert "steps = 3" in written and 'tokenizer = "char"' in written and "n_layer = 1" in written
+    assert "min_lr = " in written and "warmup = " in written  # derived values are resolved and recorded
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")][-1] == 3
+    # the written config repeats the run
+    again = tmp_path / "again"
+    assert main(["train", "--config", str(out / "config.toml"), "--out-dir", str(again)]) == 0
+    rows = [r for r in read_metrics(again / "metrics.jsonl") if "loss" in r]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[train]\nstep = 3\n", "unknown option 'step'"),
+    ("[train]\nlr = 0.1\n", "belongs in [optim]"),
+    ("[training]\n", "unknown section"),
+    ("[train]\nsteps = 'many'\n", "must be a int"),
+    ("[data]\ntokenizer = 'word'\n", "must be one of"),
+    ("[train\n", "not valid TOML"),
+])
+def test_bad_config_files_get_one_line(tmp_path, capsys, text, message):
+    toml = tmp_path / "c.toml"
+    toml.write_text(text)
+    assert main(["train", "--config", str(toml), "--out-dir", str(tmp_path / "run")]) == 2
+    assert message in _error_line(capsys)
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,308 @@
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import nanolm.data as data_mod
+from nanolm.data import (
+    DocumentSource,
+    PreparedData,
+    WindowSampler,
+    boundary_crossing_windows,
+    eval_batches,
+    eval_window_starts,
+    pack_windows,
+    prepare,
+)
+from nanolm.errors import NanolmError
+from nanolm.tokenizer import EOS
+
+from conftest import tiny_model
+
+E = 0  # EOS id
+
+
+# ------------------------------------------------------------------ packing and the mask
+def test_eos_opens_the_next_document_by_default():
+    tokens = np.array([5, 6, E, 7, 8, 9, E, 3, 4])
+    b = pack_windows(tokens, np.array([0]), 8, eos_id=E, doc_mask=True, reset_positions=True)
+    assert b.idx.tolist() == [[5, 6, E, 7, 8, 9, E, 3]]
+    assert b.targets.tolist() == [[6, E, 7, 8, 9, E, 3, 4]]
+    assert b.doc_ids.tolist() == [[0, 0, 1, 1, 1, 1, 2, 2]]  # EOS belongs to the document it opens
+    assert b.positions.tolist() == [[0, 1, 0, 1, 2, 3, 0, 1]]
+    assert b.loss_mask.all()  # every prediction is made from inside one document
+
+
+def test_mask_boundary_leaves_the_first_token_of_a_document_unpredicted():
+    tokens = np.array([5, 6, E, 7, 8, 9, E, 3, 4])
+    b = pack_windows(tokens, np.array([0]), 8, eos_id=E, doc_mask=True, reset_positions=True, mask_boundary=True)
+    assert b.doc_ids.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2]]  # EOS closes the document it ends
+    assert b.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]
+    assert b.loss_mask.tolist() == [[True, True, False, True, True, True, False, True]]
+
+
+def test_without_the_mask_batches_carry_no_document_ids():
+    b = pack_windows(np.arange(1, 20), np.array([0, 5]), 8, eos_id=E, doc_mask=False)
+    assert b.doc_ids is None and b.positions is None
+    assert torch.equal(b.targets[:, :-1], b.idx[:, 1:])
+
+
+def _two_document_window():
+    doc_a = [E, 11, 12, 13, 14, 15, 16]
+    doc_b = [E, 21, 22, 23, 24, 25, 26, 27, 28]
+    tokens = np.array(doc_a + doc_b + [E])
+    return tokens, len(doc_a), len(tokens) - 1
+
+
+def test_no_cross_document_leak_with_the_mask_on():
+    """Change a token of document A: no logit of document B in the same window moves."""
+    model = tiny_model().eval()
+    tokens, len_a, T = _two_document_window()
+    changed = tokens.copy()
+    changed[3] = 40  # inside document A
+    for reset in (False, True):
+        a = pack_windows(tokens, np.array([0]), T, E, doc_mask=True, reset_positions=reset)
+        b = pack_windows(changed, np.array([0]), T, E, doc_mask=True, reset_positions=reset)
+        with torch.no_grad():
+            la, _ = model(a.idx, doc_ids=a.doc_ids, positions=a.positions)
+            lb, _ = model(b.idx, doc_ids=b.doc_ids, positions=b.positions)
+        assert torch.equal(la[:, len_a:], lb[:, len_a:])  # bitwise on CPU fp32
+        assert not torch.equal(la[:, 3:len_a], lb[:, 3:len_a])
+    # the same change leaks into document B when the mask is off: the test can fail
+    a = pack_windows(tokens, np.array([0]), T, E, doc_mask=False)
+    b = pack_windows(changed, np.array([0]), T, E, doc_mask=False)
+    with torch.no_grad():
+        assert not torch.allclose(model(a.idx)[0][:, len_a:], model(b.idx)[0][:, len_a:])
+
+
+def test_masked_window_equals_each_document_run_alone():
+    model = tiny_model().eval()
+    tokens, len_a, T = _two_document_window()
+    packed = pack_windows(tokens, np.array([0]), T, E, doc_mask=True, reset_positions=True)
+    with torch.no_grad():
+        together, _ = model(packed.idx, doc_ids=packed.doc_ids, positions=packed.positions)
+        alone_a, _ = model(torch.from_numpy(tokens[None, :len_a]).long())
+        alone_b, _ = model(torch.from_numpy(tokens[None, len_a:T]).long())
+    torch.testing.assert_close(together[:, :len_a], alone_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together[:, len_a:], alone_b, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_attention_makes_the_position_reset_redundant_under_the_mask():
+    """RoPE scores depend only on the distance between query and key. Inside a masked
+    document every distance is the same wherever the document starts, so resetting the
+    positions changes nothing but rounding; without the mask it does change the logits."""
+    model = tiny_model().eval()
+    tokens, len_a, T = _two_document_window()
+    kw = dict(seq_len=T, eos_id=E)
+    with torch.no_grad():
+        outs = {}
+        for mask in (True, False):
+            for reset in (True, False):
+                b = pack_windows(tokens, np.array([0]), doc_mask=mask, reset_positions=reset, **kw)
+                outs[mask, reset] = model(b.idx, doc_ids=b.doc_ids, positions=b.positions)[0][:, len_a:]
+    torch.testing.assert_close(outs[True, True], outs[True, False], rtol=1e-5, atol=1e-5)
+    assert (outs[False, True] - outs[False, False]).abs().max() > 1e-5
+
+
+# ------------------------------------------------------------------ sampler
+def test_sampler_is_deterministic_for_a_seed():
+    a = WindowSampler(10_000, 16, 8, seed=3)
+    b = WindowSampler(10_000, 16, 8, seed=3)
+    c = WindowSampler(10_000, 16, 8, seed=4)
+    draws_a = [a.next_starts() for _ in range(5)]
+    assert all(np.array_equal(x, b.next_starts()) for x in draws_a)
+    assert not all(np.array_equal(x, c.next_starts()) for x in draws_a)
+
+
+def test_sampler_visits_every_window_once_per_epoch():
+    s = WindowSampler(1001, 10, 7, seed=0)  # 100 windows, batches of 7 cross the epoch boundary
+    seen = np.concatenate([s.next_starts() for _ in range(100)])  # 700 windows = 7 epochs
+    for epoch in range(7):
+        chunk = seen[epoch * 100 : (epoch + 1) * 100]
+        assert sorted(chunk.tolist()) == list(range(0, 1000, 10))
+    assert not np.array_equal(seen[:100], seen[100:200])  # a new order each epoch
+
+
+def test_random_offset_shifts_the_grid_each_epoch_and_stays_in_range():
+    s = WindowSampler(1001, 10, 33, seed=0, random_offset=True)
+    seen = np.concatenate([s.next_starts() for _ in range(9)])
+    assert seen.max() + 11 <= 1001
+    offsets = {int(x) % 10 for x in seen[:99]}, {int(x) % 10 for x in seen[99:198]}
+    assert all(len(o) == 1 for o in offsets)  # one grid per epoch
+
+
+def test_sampler_state_round_trips_mid_epoch():
+    s = WindowSampler(5000, 16, 4, seed=9)
+    for _ in range(37):
+        s.next_starts()
+    state = json.loads(json.dumps(s.state_dict()))  # a few integers, JSON-safe
+    expected = [s.next_starts() for _ in range(200)]
+    fresh = WindowSampler(5000, 16, 4, seed=0)
+    fresh.load_state_dict(state)
+    assert all(np.array_equal(e, fresh.next_starts()) for e in expected)
+
+
+def test_ranks_draw_disjoint_windows_that_together_make_the_single_process_batch():
+    single = WindowSampler(5000, 16, 8, seed=1)
+    ranks = [WindowSampler(5000, 16, 4, seed=1, rank=r, world_size=2) for r in range(2)]
+    for _ in range(50):
+        parts = [r.next_starts() for r in ranks]
+        assert not set(parts[0]) & set(parts[1])
+        assert np.array_equal(np.concatenate(parts), single.next_starts())
+
+
+def test_sampler_refuses_a_split_shorter_than_one_window():
+    with pytest.raises(NanolmError, match="fewer than one window"):
+        WindowSampler(10, 16, 2)
+
+
+def test_evaluation_windows_count_every_target_exactly_once():
+    for n, T in [(101, 10), (107, 10), (11, 10), (50, 7)]:
+        tokens = np.arange(n) + 1
+        counted = []
+        for batch in eval_batches(data_mod.Split(tokens, np.zeros(0), 0), T, 3, eos_id=0, doc_mask=False):
+            counted += batch.targets[batch.loss_mask].tolist()
+        assert sorted(counted) == list(range(2, n + 1))
+    starts, _ = eval_window_starts(10_000, 10, max_windows=7)
+    assert len(starts) == 7 and np.array_equal(starts, eval_window_starts(10_000, 10, max_windows=7)[0])
+
+
+# ------------------------------------------------------------------ sources and prepare
+DOCS = ["First story about a cat.\nIt had two lines.", "Second: caf\u00e9 \u65e5\u672c \U0001F600", "Third one.",
+        "Fourth, short.", "Fifth story!\n\nWith a blank line inside."]
+
+
+def _decode_split(data: PreparedData, name: str) -> list[str]:
+    split = data.splits[name]
+    tokens = np.asarray(split.tokens).astype(np.int64)
+    bounds = list(split.doc_starts) + [len(tokens)]
+    assert tokens[0] == data.tokenizer.eos_id  # the stream opens with EOS
+    docs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        assert tokens[b - 1] == data.tokenizer.eos_id  # every document is followed by EOS
+        docs.append(data.tokenizer.decode(tokens[a : b - 1]))
+    return docs
+
+
+def _write_txt(path, docs):
+    path.write_text(f"\n{EOS}\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+def test_prepare_round_trip_gives_back_the_documents(tmp_path):
+    for kind in ("bpe", "char"):
+        src = _write_txt(tmp_path / f"docs_{kind}.txt", DOCS * 3)
+        data = prepare(src, tmp_path / f"out_{kind}", kind, 300, val_fraction=0.2, progress=False)
+        train, val = _decode_split(data, "train"), _decode_split(data, "val")
+        assert len(val) == 3 and len(train) == 12  # every 5th document is held out, whole
+        assert train == [d for i, d in enumerate(DOCS * 3) if i % 5 != 4]
+        assert val == [DOCS[4]] * 2 + [DOCS[4] + "\n"]  # the file's final line break ends the last one
+        assert data.meta["dtype"] == "uint16" and data.meta["splits"]["val"]["documents"] == 3
+
+
+def test_each_source_format_gives_the_same_documents(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "dir").mkdir()
+    for i, d in enumerate(DOCS):
+        (tmp_path / "dir" / f"{i:02d}.txt").write_text(d, encoding="utf-8")
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(DOCS)))
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "d.parquet")
+    _write_txt(tmp_path / "d.txt", DOCS)
+    for src in ("dir", "d.jsonl", "d.parquet"):
+        assert list(DocumentSource(tmp_path / src)) == DOCS, src
+    assert list(DocumentSource(tmp_path / "d.txt"))[:-1] == DOCS[:-1]
+    data = prepare(tmp_path / "d.parquet", tmp_path / "out", "bpe", 300, val_fraction=0.2, progress=False)
+    assert _decode_split(data, "train") == DOCS[:4] and _decode_split(data, "val") == DOCS[4:]
+
+
+def test_bad_jsonl_lines_are_reported_with_their_line_numbers(tmp_path):
+    lines = [json.dumps({"text": "good one"}), "{broken", json.dumps({"body": "no text"}), json.dumps({"text": "good two"})]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines))
+    messages = []
+    data = prepare(tmp_path / "d.jsonl", tmp_path / "out", "char", val_fraction=0.0, progress=False, log=messages.append)
+    assert any("d.jsonl:2:" in m and "JSON" in m for m in messages)
+    assert any("d.jsonl:3:" in m and "'text'" in m for m in messages)
+    assert data.meta["bad_records"] == 2 and _decode_split(data, "train") == ["good one", "good two"]
+
+
+def test_empty_documents_are_skipped_and_counted(tmp_path):
+    src = _write_txt(tmp_path / "d.txt", ["one", "", "  \n ", "two", "three"])
+    data = prepare(src, tmp_path / "out", "char", val_fraction=0.0, progress=False)
+    assert data.meta["empty_documents_skipped"] == 2
+    assert _decode_split(data, "train") == ["one", "two", "three\n"]
+
+
+def test_over_long_documents_are_split_at_line_ends(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_mod, "MAX_DOC_CHARS", 20)
+    long_doc = "".join(f"line number {i}\n" for i in range(6))  # 6 lines of 14-15 chars
+    src = _write_txt(tmp_path / "d.txt", ["short", long_doc.rstrip("\n")])
+    docs = list(DocumentSource(src))
+    assert docs[0] == "short"
+    assert "".join(docs[1:]) == long_doc.rstrip("\n") + "\n"
+    assert all(len(d) <= 20 + 15 for d in docs) and len(docs) == 4
+    assert all(d.endswith("\n") for d in docs[1:-1])  # cut only at line ends
+
+
+def test_a_single_document_is_split_by_bytes(tmp_path):
+    text = "".join(f"Line {i}: to be or not to be.\n" for i in range(200))
+    (tmp_path / "one.txt").write_text(text)
+    data = prepare(tmp_path / "one.txt", tmp_path / "out", "char", val_fraction=0.1, progress=False)
+    train, val = _decode_split(data, "train"), _decode_split(data, "val")
+    assert train[0] + val[0] == text
+    assert len(val[0].encode()) == len(text.encode()) - int(len(text.encode()) * 0.9)
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    (b"", "is empty"),
+    (b"\x00\x01\x02binary", "binary"),
+    (b"caf\xe9 latin-1", "not valid UTF-8"),
+])
+def test_unreadable_sources_get_a_clear_error(tmp_path, content, message):
+    path = tmp_path / "d.txt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(NanolmError, match=message):
+        prepare(path, tmp_path / "out", "char", progress=False)
+
+
+def test_shards_from_another_tokenizer_are_refused(tmp_path):
+    src = _write_txt(tmp_path / "d.txt", DOCS * 2)
+    data = prepare(src, tmp_path / "out", "bpe", 300, progress=False)
+    with pytest.raises(NanolmError, match="another tokenizer"):
+        data.check_vocab(200)
+    from nanolm.tokenizer import train_char
+
+    train_char(["xyz"]).save(tmp_path / "out" / "tokenizer.json")
+    with pytest.raises(NanolmError, match="not the tokenizer"):
+        PreparedData(tmp_path / "out")
+
+
+def test_truncated_shards_are_detected(tmp_path):
+    src = _write_txt(tmp_path / "d.txt", DOCS * 4)
+    prepare(src, tmp_path / "out", "char", progress=False)
+    with open(tmp_path / "out" / "train.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(NanolmError, match="truncated"):
+        PreparedData(tmp_path / "out")
+
+
+def test_boundary_statistics_match_a_brute_force_count():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, size=200)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    n = int(lengths.sum())
+    for T in (8, 16, 64):
+        crossing, windows = boundary_crossing_windows(starts, n, T)
+        brute = sum(any(w * T < s - 1 < w * T + T for s in starts[1:]) for w in range((n - 1) // T))
+        assert windows == (n - 1) // T and crossing == brute
+
+
+def test_prepare_reports_compressor_bounds(tmp_path, stories_file):
+    data = prepare(stories_file, tmp_path / "out", "bpe", 300, progress=False)
+    bounds = data.meta["compressor_bpb"]
+    assert 0 < bounds["xz"] < bounds["zlib"] < 8
+    assert data.meta["mb_per_s"] > 0

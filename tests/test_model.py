@@ -1,0 +1,151 @@
+import math
+
+import pytest
+import torch
+
+from nanolm.errors import NanolmError
+from nanolm.model import GPT, GPTConfig, document_causal_mask, reference_attention, sample_next_token
+
+from conftest import tiny_model
+
+
+def test_model_is_causal():
+    """Logits at position t must not change when tokens after t change."""
+    model = tiny_model().eval()
+    idx = torch.randint(64, (2, 20))
+    changed = idx.clone()
+    changed[:, 12:] = torch.randint(64, (2, 8))
+    with torch.no_grad():
+        a, _ = model(idx)
+        b, _ = model(changed)
+    assert torch.equal(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_model_can_overfit_one_batch():
+    model = tiny_model(n_layer=2)
+    idx = torch.randint(64, (4, 32))
+    targets = torch.roll(idx, -1, dims=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        _, loss = model(idx, targets=targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+
+
+def test_initial_loss_is_close_to_ln_vocab():
+    for vocab in (64, 512, 2048):
+        model = tiny_model(vocab_size=vocab)
+        idx = torch.randint(vocab, (8, 32))
+        _, loss = model(idx, targets=torch.randint(vocab, (8, 32)))
+        assert abs(loss.item() - math.log(vocab)) < 0.1 * math.log(vocab)
+        assert abs(loss.item() - math.log(vocab)) < 0.05  # small-std init: near-uniform predictions
+
+
+def test_fast_attention_matches_reference_attention():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 8) for _ in range(3))
+    doc_ids = torch.tensor([[0] * 4 + [1] * 6, [0] * 10])
+    mask = document_causal_mask(doc_ids)
+    expected = reference_attention(q, k, v, mask)
+    got = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(causal, reference_attention(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_model_attention_equals_reference_implementation(monkeypatch):
+    """The whole model with SDPA gives the same logits as with hand-written attention."""
+    import nanolm.model as m
+
+    model = tiny_model().eval()
+    idx = torch.randint(64, (2, 16))
+    doc_ids = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    with torch.no_grad():
+        fast_plain, _ = model(idx)
+        fast_docs, _ = model(idx, doc_ids=doc_ids)
+
+    def slow(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0):
+        return reference_attention(q, k, v, attn_mask)
+
+    monkeypatch.setattr(m.F, "scaled_dot_product_attention", slow)
+    with torch.no_grad():
+        slow_plain, _ = model(idx)
+        slow_docs, _ = model(idx, doc_ids=doc_ids)
+    torch.testing.assert_close(fast_plain, slow_plain, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast_docs, slow_docs, rtol=1e-4, atol=1e-5)
+
+
+def test_kv_cache_gives_the_same_logits_as_a_full_forward():
+    model = tiny_model(qk_norm=True).eval()
+    idx = torch.randint(64, (2, 20))
+    from nanolm.model import KVCache
+
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache(model.config, 2, "cpu", torch.float32)
+        prefix = model.forward_cached(idx[:, :12], cache)
+        steps = [model.forward_cached(idx[:, t : t + 1], cache) for t in range(12, 20)]
+    incremental = torch.cat([prefix] + steps, dim=1)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-5)
+
+
+def test_greedy_generation_follows_the_argmax_of_full_forwards():
+    model = tiny_model().eval()
+    prompt = torch.randint(64, (1, 5))
+    out = model.generate(prompt, 40, temperature=0)  # runs past seq_len=32: exercises the cache refill
+    assert out.shape == (1, 45) and torch.equal(out[:, :5], prompt)
+    with torch.no_grad():
+        for t in range(5, 25):
+            logits, _ = model(out[:, :t])
+            assert logits[0, -1].argmax().item() == out[0, t].item()
+
+
+def test_generation_is_seeded_and_stops_at_eos():
+    model = tiny_model().eval()
+    prompt = torch.randint(64, (3, 4))
+    a = model.generate(prompt, 30, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    b = model.generate(prompt, 30, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    c = model.generate(prompt, 30, temperature=1.0, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    # an untied head that makes token 7 overwhelmingly likely: generation must stop at it
+    eos_model = tiny_model(tie_embeddings=False).eval()
+    with torch.no_grad():
+        eos_model.lm_head.weight.zero_()
+        eos_model.lm_head.weight[7] = 50.0 * eos_model.lm_head.weight.new_ones(32)
+    out = eos_model.generate(prompt, 30, temperature=1.0, eos_id=7, generator=torch.Generator().manual_seed(0))
+    assert out.shape[1] < 4 + 30  # stopped early
+    assert (out[:, 4:] == 7).any(dim=1).all()
+
+
+def test_top_k_and_top_p_only_sample_allowed_tokens():
+    logits = torch.tensor([[5.0, 4.0, 3.0, -10.0, -10.0]]).repeat(200, 1)
+    g = torch.Generator().manual_seed(0)
+    assert set(sample_next_token(logits, 1.0, top_k=2, generator=g).tolist()) <= {0, 1}
+    probs = logits[0].softmax(-1)  # 0.665, 0.245, 0.090, ...
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    assert set(sample_next_token(logits, 1.0, top_p=0.7, generator=g).tolist()) == {0, 1}
+    assert set(sample_next_token(logits, 0.0).tolist()) == {0}
+
+
+def test_gpt_config_rejects_impossible_shapes():
+    with pytest.raises(NanolmError, match="divisible"):
+        GPTConfig(n_embd=100, n_head=3)
+    with pytest.raises(NanolmError, match="even"):
+        GPTConfig(n_embd=12, n_head=4)
+    with pytest.raises(NanolmError, match="mlp"):
+        GPTConfig(mlp="relu")
+
+
+def test_num_params_and_flops_per_token_match_hand_counts():
+    c = GPTConfig(vocab_size=100, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(c)
+    hidden = c.mlp_hidden  # 96
+    per_block = 3 * 32 * 32 + 32 * 32 + 3 * 32 * hidden + 2 * 32
+    assert model.num_params() == 100 * 32 + 2 * per_block + 32  # tied head counted once
+    matmul = 2 * (4 * 32 * 32 + 3 * 32 * hidden) + 100 * 32
+    assert model.flops_per_token() == 6 * matmul + 12 * 2 * 16 * 32
+    untied = GPT(GPTConfig(vocab_size=100, seq_len=16, n_layer=2, n_head=2, n_embd=32, tie_embeddings=False))
+    assert untied.num_params() == model.num_params() + 100 * 32

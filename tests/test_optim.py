@@ -1,0 +1,67 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nanolm.optim import build_optimizer, cosine_lr, get_param_groups
+
+from conftest import tiny_model
+
+
+def _names(model, params):
+    ids = {id(p) for p in params}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def test_param_groups_exclude_norms_and_biases():
+    model = tiny_model()
+    decay_group, no_decay_group = get_param_groups(model, weight_decay=0.1)
+    decayed, not_decayed = _names(model, decay_group["params"]), _names(model, no_decay_group["params"])
+    assert decay_group["weight_decay"] == 0.1 and no_decay_group["weight_decay"] == 0.0
+    assert all("norm" not in n for n in decayed)
+    assert {n for n, _ in model.named_parameters() if "norm" in n} <= not_decayed
+    assert "embed.weight" in not_decayed  # the documented choice: embeddings are not decayed
+    assert "blocks.0.attn.qkv.weight" in decayed and "blocks.0.mlp.down.weight" in decayed
+    n_params = sum(p.numel() for g in (decay_group, no_decay_group) for p in g["params"])
+    assert n_params == model.num_params()  # every parameter once, the tied head included once
+
+    with_bias = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Embedding(3, 4))
+    decay_group, no_decay_group = get_param_groups(with_bias, 0.1)
+    assert _names(with_bias, decay_group["params"]) == {"0.weight"}
+    assert _names(with_bias, no_decay_group["params"]) == {"0.bias", "1.weight", "1.bias", "2.weight"}
+
+
+def test_bias_correction_makes_first_step_full_size():
+    """Adam's moments start at zero; without bias correction the first update would be
+    (1-β1)/sqrt(1-β2) ≈ 0.45 of lr. With it, every element moves by ≈ lr on step one,
+    whatever the gradient's scale."""
+    lr = 1e-2
+    for scale in (1e-6, 1.0, 1e4):
+        w = nn.Parameter(torch.zeros(100))
+        opt = torch.optim.AdamW([w], lr=lr, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        w.grad = scale * torch.randn(100).sign()
+        opt.step()
+        torch.testing.assert_close(w.detach().abs(), torch.full((100,), lr), rtol=1e-4, atol=0)
+    # the optimizer nanolm builds behaves the same
+    model = tiny_model()
+    before = model.blocks[0].attn.qkv.weight.detach().clone()
+    opt = build_optimizer(model, lr=lr, weight_decay=0.0)
+    logits, loss = model(torch.randint(64, (2, 8)), targets=torch.randint(64, (2, 8)))
+    loss.backward()
+    opt.step()
+    moved = (model.blocks[0].attn.qkv.weight.detach() - before).abs()
+    moving = model.blocks[0].attn.qkv.weight.grad.abs() > 1e-6
+    assert moved[moving].mean().item() == pytest.approx(lr, rel=0.02)
+
+
+def test_cosine_lr_warms_up_linearly_then_decays_to_min_lr():
+    lrs = [cosine_lr(s, max_lr=1.0, warmup_steps=10, total_steps=110) for s in range(130)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(b > a for a, b in zip(lrs[:10], lrs[1:10]))  # strictly rising warmup
+    assert lrs[10] == pytest.approx(1.0)
+    assert all(b <= a for a, b in zip(lrs[10:110], lrs[11:111]))  # then never rising
+    assert lrs[60] == pytest.approx(0.55)  # half-way through the cosine: midpoint of 1.0 and 0.1
+    assert lrs[110] == pytest.approx(0.1) and lrs[129] == pytest.approx(0.1)  # the floor
+    assert cosine_lr(200, 1.0, 10, 110, min_lr=0.0) == 0.0
+    assert cosine_lr(0, 3e-3, 0, 100) == pytest.approx(3e-3)  # no warmup: full rate at once

@@ -1,0 +1,130 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from nanolm.config import RunConfig
+from nanolm.data import Batch, Split, eval_batches
+from nanolm.loss import masked_cross_entropy_sum
+from nanolm.monitor import read_metrics
+from nanolm.train import accumulate_gradients, estimate_loss, get_batch, train
+
+from conftest import tiny_model
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _uneven_batch(seed=0, B=8, T=16, V=64):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(V, (B, T), generator=g)
+    targets = torch.randint(V, (B, T), generator=g)
+    counted = torch.tensor([0, 0, 1, 16, 3, 16, 7, 2])  # rows 0-1: nothing counted at all
+    loss_mask = torch.arange(T)[None, :] < counted[:, None]
+    return Batch(idx, targets, loss_mask)
+
+
+def _rows(batch, rows):
+    return Batch(batch.idx[rows], batch.targets[rows], batch.loss_mask[rows])
+
+
+def test_grad_accum_equals_one_big_batch_with_uneven_token_counts():
+    big = _uneven_batch()
+    model = tiny_model()
+    loss_big, count_big = accumulate_gradients(model, [big], "cpu")
+    grads_big = _grads(model)
+    model.zero_grad()
+    micro = [_rows(big, slice(i, i + 2)) for i in range(0, 8, 2)]  # the first holds no counted token
+    loss_acc, count_acc = accumulate_gradients(model, micro, "cpu")
+    grads_acc = _grads(model)
+    assert count_big == count_acc == 45
+    assert loss_acc.item() == pytest.approx(loss_big.item(), rel=1e-6)
+    assert ((grads_acc - grads_big).abs().max() / grads_big.abs().max()).item() < 1e-6
+    assert torch.isfinite(grads_acc).all()
+
+    # the tempting alternative, a mean of per-micro-batch means, is measurably different
+    model.zero_grad()
+    for m in micro[1:]:
+        logits, _ = model(m.idx)
+        total, count = masked_cross_entropy_sum(logits, m.targets, m.loss_mask)
+        (total / count / 3).backward()
+    assert ((_grads(model) - grads_big).abs().max() / grads_big.abs().max()).item() > 1e-2
+
+
+def _tiny_cfg(path, out_dir, **train):
+    cfg = RunConfig()
+    cfg.data.data, cfg.data.tokenizer = str(path), "char"
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.seq_len = 1, 2, 32, 32
+    cfg.train.out_dir, cfg.train.sample_tokens, cfg.train.eval_batches = str(out_dir), 0, 2
+    cfg.train.log_every = 1
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    return cfg
+
+
+def test_batch_times_4_equals_grad_accum_4_in_the_training_loop(tmp_path, stories_file):
+    big = train(_tiny_cfg(stories_file, tmp_path / "big", steps=3, batch_size=8, grad_accum=1), log=lambda *_: None)
+    acc = train(_tiny_cfg(stories_file, tmp_path / "acc", steps=3, batch_size=2, grad_accum=4), log=lambda *_: None)
+    rows_big = [r for r in read_metrics(tmp_path / "big" / "metrics.jsonl") if "loss" in r]
+    rows_acc = [r for r in read_metrics(tmp_path / "acc" / "metrics.jsonl") if "loss" in r]
+    for a, b in zip(rows_big, rows_acc):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert rows_big[0]["grad_norm"] == pytest.approx(rows_acc[0]["grad_norm"], rel=1e-5)
+
+
+def test_gradients_are_clipped_once_per_step_after_every_backward_pass(tmp_path, stories_file, monkeypatch):
+    events = []
+    original_backward, original_clip = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_
+
+    def backward(self, *a, **k):
+        events.append("backward")
+        return original_backward(self, *a, **k)
+
+    def clip(*a, **k):
+        events.append("clip")
+        return original_clip(*a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+    handle = register_optimizer_step_pre_hook(lambda *a: events.append("step"))
+    try:
+        train(_tiny_cfg(stories_file, tmp_path / "run", steps=3, batch_size=2, grad_accum=3), log=lambda *_: None)
+    finally:
+        handle.remove()
+    assert events == ["backward", "backward", "backward", "clip", "step"] * 3
+
+
+def test_clipping_limits_the_update_to_the_clip_norm(tmp_path, stories_file):
+    cfg = _tiny_cfg(stories_file, tmp_path / "run", steps=2, batch_size=2)
+    cfg.optim.clip = 1e-3
+    train(cfg, log=lambda *_: None)
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "grad_norm" in r]
+    assert all(r["grad_norm"] > 1e-3 for r in rows)  # logged norm is the one *before* clipping
+
+
+def test_estimate_loss_is_deterministic_and_equals_a_direct_computation():
+    model = tiny_model()
+    model.train()  # estimate_loss must switch to eval mode itself and back
+    tokens = np.random.default_rng(0).integers(1, 64, size=500)
+    split = Split(tokens, np.zeros(0), 0)
+    batches = eval_batches(split, 32, 4, eos_id=0, doc_mask=False)
+    token_bytes = torch.ones(64, dtype=torch.long)
+    first = estimate_loss(model, batches, token_bytes)
+    second = estimate_loss(model, batches, token_bytes)
+    assert first == second and model.training
+    assert first["tokens"] == 499
+    with torch.no_grad():
+        total = sum(masked_cross_entropy_sum(model(b.idx)[0], b.targets, b.loss_mask)[0].item() for b in batches)
+    assert first["loss"] == pytest.approx(total / 499, rel=1e-6)
+    assert first["bpb"] == pytest.approx(first["loss"] / math.log(2), rel=1e-9)  # one byte per token here
+
+
+def test_get_batch_returns_windows_and_their_next_tokens():
+    tokens = np.arange(1000)
+    x, y = get_batch(tokens, 6, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (6, 16)
+    assert torch.equal(y, x + 1)  # targets are the inputs shifted by one token
+    assert torch.equal(x[:, 1:], x[:, :-1] + 1)  # contiguous windows
