@@ -70,6 +70,13 @@ def _data_stories(args) -> None:
           f"(per document: {entropy_path(args.out)})")
 
 
+def _data_download(args) -> None:
+    from .download import CORPORA, fetch
+
+    path = fetch(args.name, args.dir, progress=sys.stderr.isatty())
+    print(f"{path}  ({CORPORA[args.name].about})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import add_run_arguments
 
@@ -121,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="random seed")
     q.add_argument("--out", required=True, metavar="FILE", help="output text file (entropy goes to FILE.entropy.json)")
     q.set_defaults(func=_data_stories)
+    from .download import CORPORA
+
+    q = data_sub.add_parser("download", help="fetch a public corpus (verified, cached)",
+                            description="Download a public corpus once, verify its size and SHA-256, and cache it. "
+                            "Known: " + "; ".join(f"{k}: {v.about}" for k, v in CORPORA.items()))
+    q.add_argument("name", choices=list(CORPORA), help="corpus to fetch")
+    q.add_argument("--dir", default=None, help="cache directory (default: $NANOLM_CACHE or ~/.cache/nanolm)")
+    q.set_defaults(func=_data_download)
     return parser
 
 
@@ -132,6 +147,13 @@ def main(argv=None) -> int:
     except NanolmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from .train import TrainingInterrupted
+
+        if not isinstance(e, TrainingInterrupted):
+            raise
+        print(str(e), file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

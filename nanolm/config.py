@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import NanolmError
-from .model import MLP_KINDS, GPTConfig
+from .model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from .tokenizer import EOS, KINDS as TOKENIZER_KINDS
 
 if sys.version_info >= (3, 11):
@@ -45,6 +45,9 @@ class ModelOptions:
     rope_theta: float = option(10000.0, "RoPE base: larger means slower-turning positions")
     tie_embeddings: bool = option(True, "share the input embedding and the output head")
     dropout: float = option(0.0, "dropout probability (0 is right for single-epoch pretraining)")
+    attention: str = option("auto", "attention kernel for the document mask: auto (FlexAttention on CUDA, "
+                            "SDPA with a boolean mask elsewhere), sdpa, or flex (CUDA only for training)",
+                            choices=ATTENTION_BACKENDS)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))
@@ -91,9 +94,27 @@ class TrainOptions:
     log_every: int = option(10, "print and record training metrics every N steps")
     out_dir: str = option("", "run directory (default: runs/<data name>, numbered if it exists)")
     sample_tokens: int = option(200, "tokens to generate as a sample at the end (0 = none)")
+    ckpt_every: int | None = option(None, "save a checkpoint every N steps (default: at every evaluation); "
+                                    "one is always saved at the end and on SIGINT/SIGTERM")
+    keep: int = option(3, "checkpoints to keep: the newest K plus the best by validation loss")
+    resume: str = option("auto", "auto: continue from the newest valid checkpoint in --out-dir if there is one; "
+                         "never; or the path of a checkpoint (or run) directory")
+    deterministic: bool = option(False, "make every kernel deterministic (torch.use_deterministic_algorithms); "
+                                 "free on CPU, slower on GPU")
 
 
-SECTIONS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "train": TrainOptions}
+@dataclass
+class DebugOptions:
+    """Deliberate breakage for tests and the lab; hidden from --help."""
+
+    drop_optimizer_state: bool = option(False, "on resume, do not restore the optimizer state", flag="debug-drop-optimizer-state")
+    kill_after_checkpoint: int = option(0, "SIGKILL this process right after saving the checkpoint of this step",
+                                        flag="debug-kill-after-checkpoint")
+
+
+SECTIONS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "train": TrainOptions,
+            "debug": DebugOptions}
+HIDDEN_SECTIONS = {"debug"}
 
 
 @dataclass
@@ -102,6 +123,7 @@ class RunConfig:
     data: DataOptions = field(default_factory=DataOptions)
     optim: OptimOptions = field(default_factory=OptimOptions)
     train: TrainOptions = field(default_factory=TrainOptions)
+    debug: DebugOptions = field(default_factory=DebugOptions)
 
     def resolved(self) -> "RunConfig":
         """A copy with derived defaults filled in and every value checked."""
@@ -111,6 +133,8 @@ class RunConfig:
             o.min_lr = o.lr / 10
         if o.warmup is None:
             o.warmup = min(200, t.steps // 10)
+        if t.ckpt_every is None:
+            t.ckpt_every = t.eval_every
         cfg.validate()
         return cfg
 
@@ -118,7 +142,7 @@ class RunConfig:
         positive = [("steps", self.train.steps), ("batch_size", self.train.batch_size),
                     ("grad_accum", self.train.grad_accum), ("eval_every", self.train.eval_every),
                     ("log_every", self.train.log_every), ("eval_batches", self.train.eval_batches),
-                    ("stories", self.data.stories)]
+                    ("stories", self.data.stories), ("ckpt_every", self.train.ckpt_every or 1)]
         for name, value in positive:
             if value <= 0:
                 raise NanolmError(f"--{flag_name(name)} must be positive, got {value}")
@@ -139,6 +163,8 @@ class RunConfig:
     def to_toml(self) -> str:
         lines = []
         for section in SECTIONS:
+            if section in HIDDEN_SECTIONS and getattr(self, section) == SECTIONS[section]():
+                continue
             lines.append(f"[{section}]")
             for f in dataclasses.fields(getattr(self, section)):
                 value = getattr(getattr(self, section), f.name)
@@ -162,6 +188,30 @@ def _toml_value(value) -> str:
 
 def flag_name(field_name: str) -> str:
     return field_name.replace("_", "-")
+
+
+COMPATIBLE_ON_RESUME = {
+    # what may change between a run and its resumption: how long, how often, where, and the
+    # optimizer's knobs (lowering the LR for a restart is a classic); everything else shapes
+    # the model or the data stream, and changing it mid-run would silently mix two runs
+    "train": {"steps", "eval_every", "eval_batches", "log_every", "sample_tokens", "out_dir", "device",
+              "compile", "ckpt_every", "keep", "resume", "deterministic"},
+    "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip"},
+    "debug": {f.name for f in dataclasses.fields(DebugOptions)},
+}
+
+
+def resume_differences(saved: "RunConfig", new: "RunConfig") -> tuple[list[str], list[str]]:
+    """(allowed changes, incompatible changes) between a run's config and a resumption's,
+    each as lines like ``steps: 300 -> 600``."""
+    allowed, refused = [], []
+    for section in SECTIONS:
+        a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(new, section))
+        for key in a:
+            if a[key] != b[key]:
+                line = f"{key}: {a[key]!r} -> {b[key]!r}"
+                (allowed if key in COMPATIBLE_ON_RESUME.get(section, set()) else refused).append(line)
+    return allowed, refused
 
 
 def _field_type(f) -> type:
@@ -217,12 +267,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per option field, grouped by section, each showing its default."""
     parser.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file (flags override it)")
     for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(f"{section} options")
+        hidden = section in HIDDEN_SECTIONS
+        group = parser if hidden else parser.add_argument_group(f"{section} options")
         for f in dataclasses.fields(cls):
             kind = _field_type(f)
             default = f.default
             shown = "derived" if default is None else ('""' if default == "" else default)
-            kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=f"{f.metadata['help']} (default: {shown})")
+            help_text = argparse.SUPPRESS if hidden else f"{f.metadata['help']} (default: {shown})"
+            kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
@@ -230,7 +282,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                 kwargs["metavar"] = f.name.upper() if not f.metadata["choices"] else None
                 if f.metadata["choices"]:
                     kwargs["choices"] = f.metadata["choices"]
-            group.add_argument(f"--{flag_name(f.name)}", **kwargs)
+            group.add_argument(f"--{f.metadata['flag'] or flag_name(f.name)}", **kwargs)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:

@@ -8,7 +8,10 @@ Two optional inputs make the model document-aware (see ``nanolm.data``):
 
 * ``doc_ids`` (B, T): which document each position belongs to. Attention is then
   block-diagonal causal: a token sees earlier tokens *of its own document* only, so the
-  first word of a news story cannot read the recipe packed before it.
+  first word of a news story cannot read the recipe packed before it. On CUDA the mask
+  runs as a FlexAttention block mask; on CPU as SDPA with a boolean mask, which is also
+  the reference the fast path is tested against (with ``reference_attention``, written
+  out by hand, as the reference for both).
 * ``positions`` (B, T): the rotary position of each token. Restarting them at every
   document makes a document look the same wherever it lands in a window.
 """
@@ -26,6 +29,7 @@ from .errors import NanolmError
 from .loss import masked_cross_entropy
 
 MLP_KINDS = ("swiglu", "gelu")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
 
 @dataclass
@@ -40,6 +44,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     dropout: float = 0.0
+    attention: str = "auto"
     norm_eps: float = 1e-6
 
     def __post_init__(self):
@@ -57,6 +62,8 @@ class GPTConfig:
             )
         if self.mlp not in MLP_KINDS:
             raise NanolmError(f"mlp must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise NanolmError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise NanolmError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -125,6 +132,40 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
+_compiled_flex_attention = None
+
+
+def flex_document_mask(doc_ids: torch.Tensor):
+    """The document mask as a FlexAttention ``BlockMask``, built once per batch.
+
+    FlexAttention skips every (query block, key block) tile that the mask empties, so a
+    window packed with many short documents costs less than full causal attention, where
+    a dense boolean mask would cost more. The block mask is computed once per forward and
+    shared by all layers.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = doc_ids.shape
+
+    def same_document_and_causal(b, h, q_idx, kv_idx):
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return create_block_mask(same_document_and_causal, B, None, T, T, device=doc_ids.device,
+                             _compile=doc_ids.is_cuda)
+
+
+def flex_attention(q, k, v, block_mask):
+    """FlexAttention, compiled into a fused kernel on GPU (eager elsewhere: forward only)."""
+    global _compiled_flex_attention
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    if not q.is_cuda:
+        return flex(q, k, v, block_mask=block_mask)
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask)
+
+
 def reference_attention(q, k, v, mask=None):
     """Attention written out by hand: softmax(q k^T / sqrt(d) + mask) v.
 
@@ -180,7 +221,9 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
         dropout = self.dropout if self.training else 0.0
-        if mask is not None:
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            y = flex_attention(q, k, v, mask)
+        elif mask is not None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         elif T == k.shape[2]:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
@@ -285,6 +328,18 @@ class GPT(nn.Module):
             return self.rope_cos[offset : offset + T], self.rope_sin[offset : offset + T]
         return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
 
+    def uses_flex_attention(self, device) -> bool:
+        """FlexAttention for the document mask on CUDA (auto), SDPA with a boolean mask
+        elsewhere. Dropout needs SDPA: FlexAttention has none."""
+        if self.config.attention == "sdpa" or (self.training and self.config.dropout > 0):
+            return False
+        return self.config.attention == "flex" or torch.device(device).type == "cuda"
+
+    def document_mask(self, doc_ids):
+        if self.uses_flex_attention(doc_ids.device):
+            return flex_document_mask(doc_ids)
+        return document_causal_mask(doc_ids)
+
     def forward(self, idx, targets=None, doc_ids=None, positions=None, loss_mask=None):
         """Logits for every position, and the mean loss over counted targets if given.
 
@@ -295,7 +350,7 @@ class GPT(nn.Module):
         if T > self.config.seq_len:
             raise NanolmError(f"sequence of {T} tokens is longer than seq_len={self.config.seq_len}")
         cos, sin = self.rope(T, positions)
-        mask = document_causal_mask(doc_ids) if doc_ids is not None else None
+        mask = self.document_mask(doc_ids) if doc_ids is not None else None
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin, mask)

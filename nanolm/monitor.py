@@ -16,10 +16,21 @@ from pathlib import Path
 
 
 class MetricsFile:
-    """Appends rows to ``metrics.jsonl``, flushed line by line so a crash loses nothing."""
+    """Appends rows to ``metrics.jsonl``, flushed line by line so a crash loses nothing.
 
-    def __init__(self, path):
+    ``after_step`` continues an existing file for a resumed run: rows of later steps (logged
+    after the checkpoint the run resumes from, and about to be logged again) are dropped, so
+    the file has neither duplicated nor missing steps.
+    """
+
+    def __init__(self, path, after_step: int | None = None):
         self.path = Path(path)
+        if after_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line)["step"] <= after_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            tmp.replace(self.path)
         self.file = open(self.path, "a", encoding="utf-8")
 
     def write(self, row: dict) -> None:

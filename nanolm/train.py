@@ -18,26 +18,44 @@ micro-batch more than one in a long micro-batch.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .checkpoint import atomic_write_text, save_weights
-from .config import RunConfig
+from .checkpoint import (
+    CHECKPOINTS,
+    atomic_write_text,
+    capture_rng,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_state,
+    load_weights,
+    restore_rng,
+    save_checkpoint,
+    save_weights,
+    verify_checkpoint,
+)
+from .config import RunConfig, load_run_config, resume_differences
 from .corpus import write_stories
+from .download import resolve_data_path
 from .data import Batch, PreparedData, WindowSampler, eval_batches, pack_windows, prepare
 from .errors import NanolmError
 from .loss import masked_cross_entropy_sum
 from .model import GPT
 from .monitor import MetricsFile, format_eval_line, format_train_line, perplexity
 from .optim import build_optimizer, cosine_lr
+from .tokenizer import Tokenizer
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,16 +106,20 @@ def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, generator: torc
     return window[:, :-1], window[:, 1:]
 
 
-def accumulate_gradients(model, micro_batches: list[Batch], device) -> tuple[torch.Tensor, int]:
+def accumulate_gradients(model, micro_batches: list[Batch], device, step_count: int | None = None):
     """Forward and backward over every micro-batch of one optimizer step.
 
     The tokens that count are first counted over *all* micro-batches; each micro-batch
     then backpropagates (sum of its token losses) ÷ (that count). The gradients that
     accumulate are exactly those of the mean loss over every counted token of the step,
     whatever the split, and a micro-batch with nothing to count adds zero.
-    Returns (that mean loss, detached; the count).
+
+    ``step_count`` overrides the count: under data parallelism it is the count summed over
+    every rank, so that the gradients, once averaged across ranks, are those of one big batch.
+    Returns (the mean loss over this process's counted tokens, detached; the count used).
     """
-    step_count = max(1, sum(int(b.counted) for b in micro_batches))
+    local_count = sum(int(b.counted) for b in micro_batches)
+    step_count = max(1, local_count if step_count is None else step_count)
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
         batch = batch.to(device)
@@ -105,7 +127,7 @@ def accumulate_gradients(model, micro_batches: list[Batch], device) -> tuple[tor
         micro_sum, _ = masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)
         (micro_sum / step_count).backward()
         loss_sum += micro_sum.detach()
-    return loss_sum / step_count, step_count
+    return loss_sum / max(1, local_count), step_count
 
 
 @torch.no_grad()
@@ -144,17 +166,20 @@ def load_training_data(cfg: RunConfig, scratch: Path, log=print) -> PreparedData
 
     No ``--data``: the built-in story corpus, generated from the seed, with its exact
     entropy. A directory made by ``nanolm prepare`` is used as it is, tokenizer included.
+    A known corpus name (``shakespeare``, ``tinystories``) that is not a local path is
+    downloaded once, verified and cached.
     """
     d = cfg.data
     if not d.data:
         source = scratch / "stories.txt"
-        write_stories(source, d.stories, seed=cfg.train.seed)
+        write_stories(source, d.stories, seed=0)  # the corpus stays fixed whatever --seed is
         log(f"data: {d.stories} generated stories (the built-in corpus; its entropy is known)")
     else:
-        source = Path(d.data)
+        source = resolve_data_path(d.data, log)
         if (source / "meta.json").is_file():
             data = PreparedData(source)
-            log(f"data: prepared shards in {source} ({data.meta['tokenizer']} tokenizer, {data.tokenizer.vocab_size} tokens)")
+            log(f"data: prepared shards in {source}; their {data.meta['tokenizer']} tokenizer of "
+                f"{data.tokenizer.vocab_size} tokens is used (--tokenizer and --vocab-size do not apply)")
             return data
         log(f"data: {source}")
     return prepare(source, scratch / "data", d.tokenizer, d.vocab_size, d.val_fraction, d.separator,
@@ -171,27 +196,115 @@ def default_out_dir(cfg: RunConfig) -> Path:
     return out
 
 
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving a checkpoint; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopOnSignal:
+    """Turns SIGINT/SIGTERM into a request to stop after the current step.
+
+    Killing a run mid-step would lose everything since the last checkpoint; instead the
+    loop finishes its step, saves a checkpoint and exits. A second Ctrl-C stops at once.
+    """
+
+    def __init__(self):
+        self.requested: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def configure_determinism(enabled: bool) -> None:
+    """Deterministic kernels everywhere, or PyTorch's defaults.
+
+    On CPU nanolm's step is already deterministic for a given thread count, so this costs
+    nothing there. On CUDA it forbids the non-deterministic (atomic-add) backward kernels,
+    e.g. of the embedding lookup, which makes those slower, and raises on an operation that
+    has no deterministic version at all.
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
+
+
+def find_resume_checkpoint(out_dir: Path, resume: str, log=print) -> Path | None:
+    """The checkpoint to continue from, or None for a fresh run (``--resume``)."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if (path / CHECKPOINTS).is_dir() or not (path / "meta.json").is_file():
+            found = latest_valid_checkpoint(path, log)
+            if found is None:
+                raise NanolmError(f"--resume {resume}: no valid checkpoint there")
+            return found
+        verify_checkpoint(path)
+        return path
+    if not list_checkpoints(out_dir):
+        return None
+    found = latest_valid_checkpoint(out_dir, log)
+    if found is None:
+        raise NanolmError(f"{out_dir} has checkpoints but none is valid; use --resume never with another --out-dir")
+    return found
+
+
 def train(cfg: RunConfig, log=print) -> dict:
-    """Train a model as ``cfg`` says; returns the final figures. Writes the run directory."""
+    """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
+
+    With ``--resume auto`` (the default) a run directory that holds checkpoints is continued
+    from its newest valid one, exactly where it stopped.
+    """
     cfg = cfg.resolved()
-    t, o = cfg.train, cfg.optim
+    t, o, d = cfg.train, cfg.optim, cfg.data
     device = resolve_device(t.device)
+    if cfg.model.attention == "flex" and device.type != "cuda":
+        raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
     out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
-    if (out_dir / "metrics.jsonl").exists():
-        raise NanolmError(f"{out_dir} already holds a run; choose another --out-dir (or delete it)")
+    checkpoint = find_resume_checkpoint(out_dir, t.resume, log)
+    if checkpoint is None and (out_dir / "metrics.jsonl").exists():
+        hint = "" if t.resume == "never" else " without a checkpoint to resume"
+        raise NanolmError(f"{out_dir} already holds a run{hint}; choose another --out-dir")
+    configure_determinism(t.deterministic)
     seed_everything(t.seed)
 
     # ---- data: validated and tokenized in a scratch directory; out_dir is untouched so far
     scratch = Path(tempfile.mkdtemp(prefix="nanolm-"))
     try:
-        data = load_training_data(cfg, scratch, log)
+        if checkpoint is not None and (out_dir / "data" / "meta.json").is_file():
+            data = PreparedData(out_dir / "data")  # what the run was trained on, tokenized once
+        else:
+            data = load_training_data(cfg, scratch, log)
         tokenizer = data.tokenizer
         if len(data.train) < cfg.model.seq_len + 1:
             raise NanolmError(
                 f"the training split holds {len(data.train)} tokens, fewer than one window of "
                 f"--seq-len + 1 = {cfg.model.seq_len + 1}; use more text or a smaller --seq-len"
             )
-        cfg.data.tokenizer, cfg.data.vocab_size = tokenizer.kind, tokenizer.vocab_size
+        d.tokenizer, d.vocab_size = tokenizer.kind, tokenizer.vocab_size
+        if checkpoint is not None:
+            check_resume_compatible(checkpoint, cfg, tokenizer, log)
+            done_steps = json.loads((checkpoint / "meta.json").read_text())["step"]
+            if done_steps >= t.steps:
+                log(f"{out_dir} is already at step {done_steps} of {t.steps}; nothing to do (raise --steps to train longer)")
+                return {"out_dir": str(out_dir), "step": done_steps}
         model = GPT(cfg.model.gpt_config(tokenizer.vocab_size))
         data.check_vocab(model.config.vocab_size)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -200,22 +313,33 @@ def train(cfg: RunConfig, log=print) -> dict:
             data = PreparedData(out_dir / "data")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    atomic_write_text(out_dir / "config.toml", cfg.to_toml())
+    config_toml = cfg.to_toml()
+    atomic_write_text(out_dir / "config.toml", config_toml)
     tokenizer.save(out_dir / "tokenizer.json")
-    metrics = MetricsFile(out_dir / "metrics.jsonl")
     floor = data.meta.get("floor")
 
     # ---- model, optimizer, batches
     model.to(device)
     optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
     step_model = torch.compile(model) if t.compile else model
-    d = cfg.data
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
     sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset)
     val_batches = eval_batches(data.val, cfg.model.seq_len, t.batch_size, tokenizer.eos_id,
                                max_windows=t.eval_batches * t.batch_size, **pack)
     token_bytes = torch.from_numpy(tokenizer.token_bytes())
     tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len
+    counters = {"tokens_seen": 0, "elapsed_s": 0.0, "best_val_loss": None}
+    start_step = 0
+    if checkpoint is not None:
+        state = load_state(checkpoint)
+        load_weights(model, checkpoint / "model.safetensors")
+        if not cfg.debug.drop_optimizer_state:
+            optimizer.load_state_dict(state["optimizer"])
+        sampler.load_state_dict(state["sampler"])
+        restore_rng(state["rng"])
+        counters, start_step = state["counters"], state["step"]
+        log(f"resumed from {checkpoint} at step {start_step}")
+    metrics = MetricsFile(out_dir / "metrics.jsonl", after_step=start_step if checkpoint is not None else None)
     log(f"model: {model.num_params() / 1e6:.2f}M parameters | {tokenizer.kind} vocabulary of {tokenizer.vocab_size} | "
         f"{tokens_per_step} tokens per step | device {device} | run dir {out_dir}")
     if not val_batches:
@@ -228,45 +352,67 @@ def train(cfg: RunConfig, log=print) -> dict:
         row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
         if floor:
             row.update(floor_bpb=floor["bpb"], floor_loss=floor["nats_per_token"])
+        best = counters["best_val_loss"]
+        counters["best_val_loss"] = result["loss"] if best is None else min(best, result["loss"])
         log(format_eval_line(row))
         return row
 
-    started = time.perf_counter()
-    metrics.write(evaluate(0, {"step": 0, "elapsed_s": 0.0}))
-    last_log_time, last_log_step = time.perf_counter(), 0
+    def save_checkpoint_at(step: int, row: dict) -> Path:
+        state = {"step": step, "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
+                 "rng": capture_rng(), "counters": dict(counters)}
+        return save_checkpoint(out_dir, step, model, state, config_toml, tokenizer, row.get("val_loss"), t.keep)
+
+    started = time.perf_counter() - counters["elapsed_s"]
+    if start_step == 0:
+        metrics.write(evaluate(0, {"step": 0, "elapsed_s": 0.0}))
+    last_log_time, last_log_step = time.perf_counter(), start_step
     row: dict = {}
-    for step in range(t.steps):
-        lr = cosine_lr(step, o.lr, o.warmup, t.steps, o.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    with StopOnSignal() as stop:
+        for step in range(start_step, t.steps):
+            lr = cosine_lr(step, o.lr, o.warmup, t.steps, o.min_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
-        micro_batches = [pack_windows(data.train.tokens, sampler.next_starts(), cfg.model.seq_len,
-                                      tokenizer.eos_id, **pack) for _ in range(t.grad_accum)]
-        loss, step_count = accumulate_gradients(step_model, micro_batches, device)
+            micro_batches = [pack_windows(data.train.tokens, sampler.next_starts(), cfg.model.seq_len,
+                                          tokenizer.eos_id, **pack) for _ in range(t.grad_accum)]
+            loss, step_count = accumulate_gradients(step_model, micro_batches, device)
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
-        done = step + 1
-        if done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1:
-            now = time.perf_counter()
-            row = {
-                "step": done,
-                "loss": loss.item(),
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens_per_sec": (done - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9),
-                "elapsed_s": now - started,
-            }
-            log(format_train_line(row, t.steps))
-            if not math.isfinite(row["loss"]):
+            done = step + 1
+            counters["tokens_seen"] += tokens_per_step
+            row = {}
+            if done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1:
+                now = time.perf_counter()
+                row = {
+                    "step": done,
+                    "loss": loss.item(),
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_sec": (done - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9),
+                    "elapsed_s": now - started,
+                }
+                log(format_train_line(row, t.steps))
+                if not math.isfinite(row["loss"]):
+                    metrics.write(row)
+                    raise NanolmError(f"the loss became {row['loss']} at step {done}; lower --lr or raise --warmup")
+                if done % t.eval_every == 0 or done == t.steps:
+                    row = evaluate(done, row)
                 metrics.write(row)
-                raise NanolmError(f"the loss became {row['loss']} at step {done}; lower --lr or raise --warmup")
-            if done % t.eval_every == 0 or done == t.steps:
-                row = evaluate(done, row)
-            metrics.write(row)
-            last_log_time, last_log_step = time.perf_counter(), done
+                last_log_time, last_log_step = time.perf_counter(), done
+
+            if done % t.ckpt_every == 0 or done == t.steps or stop.requested:
+                counters["elapsed_s"] = time.perf_counter() - started
+                saved = save_checkpoint_at(done, row)
+                if cfg.debug.kill_after_checkpoint == done:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if stop.requested:
+                    metrics.close()
+                    name = signal.Signals(stop.requested).name
+                    raise TrainingInterrupted(f"{name} at step {done}: checkpoint saved to {saved}; "
+                                              f"run the same command again to resume", stop.requested)
 
     metrics.close()
     save_weights(model, out_dir / "model.safetensors")
@@ -274,8 +420,21 @@ def train(cfg: RunConfig, log=print) -> dict:
     if t.sample_tokens:
         result["sample"] = sample_text(model, tokenizer, device, t.sample_tokens, seed=t.seed)
         log("sample:\n" + result["sample"])
-    log(f"done in {result['elapsed_s']:.1f}s; weights, config, tokenizer and metrics in {out_dir}")
+    log(f"done in {result['elapsed_s']:.1f}s; weights, config, tokenizer, checkpoints and metrics in {out_dir}")
     return result
+
+
+def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print) -> None:
+    """Refuse a resumption that would silently mix two different runs; log allowed changes."""
+    saved = load_run_config(checkpoint / "config.toml")
+    allowed, refused = resume_differences(saved, cfg)
+    if Tokenizer.load(checkpoint / "tokenizer.json").fingerprint() != tokenizer.fingerprint():
+        refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
+    if refused:
+        raise NanolmError(f"cannot resume from {checkpoint}: incompatible changes: {'; '.join(refused)}. "
+                          f"Keep those settings, or start a new run with another --out-dir")
+    for line in allowed:
+        log(f"resume: {line} (allowed)")
 
 
 def sample_text(model: GPT, tokenizer, device, max_new_tokens: int, prompt: str = "",

@@ -92,6 +92,7 @@ def _error_line(capsys):
     (b"plenty of text " * 500, ["--steps", "0"], "--steps must be positive"),
     (b"plenty of text " * 500, ["--batch-size", "-2"], "--batch-size must be positive"),
     (b"plenty of text " * 500, ["--lr", "-1"], "--lr"),
+    (b"plenty of text " * 500, ["--attention", "flex", "--device", "cpu"], "FlexAttention has no backward"),
 ])
 def test_bad_input_gets_one_line_exit_2_and_writes_nothing(tmp_path, capsys, content, flags, message):
     data = tmp_path / "data.txt"
@@ -113,10 +114,13 @@ def test_bad_input_from_a_fresh_process_has_no_traceback(tmp_path):
 
 def test_an_existing_run_is_never_overwritten(trained_run, capsys, stories_file):
     out, _ = trained_run
-    before = (out / "metrics.jsonl").read_bytes()
-    assert main(["train", "--data", str(stories_file), "--out-dir", str(out), *TINY_TRAIN]) == 2
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert main(["train", "--data", str(stories_file), "--out-dir", str(out), "--resume", "never", *TINY_TRAIN]) == 2
     assert "already holds a run" in _error_line(capsys)
-    assert (out / "metrics.jsonl").read_bytes() == before
+    # the same command again resumes the finished run: nothing to do, nothing rewritten
+    assert main(["train", "--data", str(stories_file), "--out-dir", str(out), "--steps", "6", *TINY_TRAIN]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
 
 
 def test_config_file_sets_options_and_flags_win(tmp_path, capsys, stories_file):

@@ -149,3 +149,24 @@ def test_num_params_and_flops_per_token_match_hand_counts():
     assert model.flops_per_token() == 6 * matmul + 12 * 2 * 16 * 32
     untied = GPT(GPTConfig(vocab_size=100, seq_len=16, n_layer=2, n_head=2, n_embd=32, tie_embeddings=False))
     assert untied.num_params() == model.num_params() + 100 * 32
+
+
+def test_flex_attention_document_mask_matches_the_sdpa_reference():
+    """FlexAttention (the CUDA path) gives the logits of the SDPA boolean-mask path.
+
+    On CPU FlexAttention runs forward only (no backward), which is enough to compare."""
+    import warnings
+
+    sdpa = tiny_model(attention="sdpa").eval()
+    flex = tiny_model(attention="flex").eval()
+    flex.load_state_dict(sdpa.state_dict())
+    idx = torch.randint(64, (2, 32))
+    doc_ids = torch.tensor([[0] * 7 + [1] * 20 + [2] * 5, [0] * 32])
+    positions = torch.cat([torch.arange(7), torch.arange(20), torch.arange(5)]).expand(2, 32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "flex_attention called without torch.compile"
+        expected, _ = sdpa(idx, doc_ids=doc_ids, positions=positions)
+        got, _ = flex(idx, doc_ids=doc_ids, positions=positions)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert flex.uses_flex_attention("cpu") and not sdpa.uses_flex_attention("cuda")
+    assert tiny_model().uses_flex_attention("cuda") and not tiny_model().uses_flex_attention("cpu")

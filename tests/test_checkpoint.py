@@ -1,0 +1,244 @@
+"""Checkpoints: exact resume, crash safety, integrity, safe loading."""
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import nanolm.checkpoint as ckpt
+from nanolm.checkpoint import (
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_state,
+    read_latest,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from nanolm.cli import main
+from nanolm.errors import NanolmError
+from nanolm.monitor import read_metrics
+from nanolm.tokenizer import train_char
+
+from conftest import run_cli, tiny_model
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
+        "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--dropout", "0.1", "--log-every", "1"]
+TIMING = {"tokens_per_sec", "elapsed_s"}
+
+
+def _train(data, out, *flags):
+    return run_cli("train", "--data", data, "--out-dir", out, *TINY, *map(str, flags))
+
+
+def _weights(run_dir):
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _rows(run_dir):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, stories_file):
+    out = tmp_path_factory.mktemp("straight") / "run"
+    r = _train(stories_file, out, "--steps", 8, "--eval-every", 2)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_resume_after_sigkill_is_bit_identical(straight_run, tmp_path, stories_file):
+    out = tmp_path / "run"
+    killed = _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 4,
+                    "--debug-kill-after-checkpoint", 4)
+    assert killed.returncode == -signal.SIGKILL
+    assert read_latest(out).name == "step_000004" and not (out / "model.safetensors").exists()
+    resumed = _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 4)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    a, b = _weights(straight_run), _weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _rows(out) == _rows(straight_run)  # no duplicated, missing or different row
+
+
+def test_resume_is_exact_across_a_change_of_eval_every(straight_run, tmp_path, stories_file):
+    out = tmp_path / "run"
+    assert _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 4,
+                  "--debug-kill-after-checkpoint", 4).returncode == -signal.SIGKILL
+    resumed = _train(stories_file, out, "--steps", 8, "--eval-every", 3, "--ckpt-every", 4)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "eval_every: 2 -> 3 (allowed)" in resumed.stdout
+    a, b = _weights(straight_run), _weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 8
+
+
+def test_resume_without_optimizer_state_visibly_changes_the_first_step(straight_run, tmp_path, stories_file):
+    """Adam's m and v carry the history that scales each update; a fresh optimizer's first
+    bias-corrected update is a full-size lr·sign(g) step (see test_optim). Forgetting the
+    state on resume shows up as an oversized first update."""
+    normal, dropped = tmp_path / "normal", tmp_path / "dropped"
+    for out, extra in ((normal, []), (dropped, ["--debug-drop-optimizer-state"])):
+        assert _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 1, "--keep", 0,
+                      "--debug-kill-after-checkpoint", 5).returncode == -signal.SIGKILL
+        assert _train(stories_file, out, "--steps", 6, "--eval-every", 2, "--ckpt-every", 1, "--keep", 0,
+                      *extra).returncode == 0
+
+    def update_norm(run):
+        w5 = load_file(str(run / "checkpoints" / "step_000005" / "model.safetensors"))
+        w6 = load_file(str(run / "checkpoints" / "step_000006" / "model.safetensors"))
+        return sum(((w6[k] - w5[k]) ** 2).sum() for k in w5).sqrt().item()
+
+    assert update_norm(dropped) > 1.5 * update_norm(normal)
+
+
+def test_sigterm_saves_a_checkpoint_then_exits_and_the_run_resumes(tmp_path, stories_file):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "nanolm", "train", "--data", str(stories_file), "--out-dir", str(out),
+                             *TINY, "--steps", "100000", "--eval-every", "1000", "--ckpt-every", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while read_latest(out) is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert "SIGTERM at step" in err and "checkpoint saved" in err
+    stopped_at = int(err.split("SIGTERM at step ")[1].split(":")[0])
+    assert read_latest(out).name == f"step_{stopped_at:06d}"
+    r = _train(stories_file, out, "--steps", stopped_at + 2, "--eval-every", 1000, "--ckpt-every", 5)
+    assert r.returncode == 0, r.stderr
+    assert f"at step {stopped_at}" in r.stdout and (out / "model.safetensors").exists()
+
+
+def test_incompatible_resume_is_refused_with_a_readable_diff(straight_run, tmp_path, stories_file, capsys):
+    out = tmp_path / "run"
+    assert _train(stories_file, out, "--steps", 4, "--eval-every", 2).returncode == 0
+    before = sorted(p.name for p in out.iterdir())
+    code = main(["train", "--data", str(stories_file), "--out-dir", str(out), *TINY, "--steps", "8",
+                 "--n-embd", "64", "--batch-size", "8"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "n_embd: 32 -> 64" in err and "batch_size: 4 -> 8" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+# ------------------------------------------------------------------ the checkpoint files
+def _state(step=1):
+    return {"step": step, "sampler": {"epoch": 0, "cursor": 3, "seed": 0}, "counters": {"tokens_seen": 1}}
+
+
+def _save(run_dir, step, model=None, **kw):
+    return save_checkpoint(run_dir, step, model or tiny_model(), _state(step), "[train]\n", train_char(["ab"]), **kw)
+
+
+def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
+    _save(tmp_path, 1)
+
+    def crash(*a, **k):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(ckpt, "_torch_save_synced", crash)
+    with pytest.raises(OSError, match="simulated"):
+        _save(tmp_path, 2)
+    assert read_latest(tmp_path).name == "step_000001"
+    assert verify_checkpoint(read_latest(tmp_path))["step"] == 1
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # the half-written one is gone
+
+
+def test_a_crash_before_the_pointer_moves_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    _save(tmp_path, 1)
+    real = ckpt.atomic_write_text
+
+    def crash_on_pointer(path, text):
+        if str(path).endswith("latest"):
+            raise KeyboardInterrupt("killed between rename and pointer (simulated)")
+        return real(path, text)
+
+    monkeypatch.setattr(ckpt, "atomic_write_text", crash_on_pointer)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path, 2)
+    assert read_latest(tmp_path).name == "step_000001"
+    assert latest_valid_checkpoint(tmp_path).name == "step_000001"
+
+
+def test_a_corrupted_checkpoint_is_named_and_skipped(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    weights = tmp_path / "checkpoints" / "step_000002" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(NanolmError, match="model.safetensors is corrupt"):
+        verify_checkpoint(weights.parent)
+    warnings = []
+    assert latest_valid_checkpoint(tmp_path, log=warnings.append).name == "step_000001"
+    assert "step_000002" in warnings[0] and "corrupt" in warnings[0]
+
+
+def test_a_truncated_checkpoint_falls_back_during_auto_resume(straight_run, tmp_path, stories_file):
+    out = tmp_path / "run"
+    assert _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 2,
+                  "--debug-kill-after-checkpoint", 6).returncode == -signal.SIGKILL
+    state = out / "checkpoints" / "step_000006" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    r = _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 2)
+    assert r.returncode == 0, r.stderr
+    assert "state.pt is corrupt" in r.stdout and "step_000004" in r.stdout
+    a, b = _weights(straight_run), _weights(out)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # resumed from step 4, still exact
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Exploit.marker}",))
+
+
+def test_a_checkpoint_holding_a_malicious_pickle_is_refused_unexecuted(tmp_path):
+    _Exploit.marker = tmp_path / "pwned"
+    (tmp_path / "ckpt").mkdir()
+    with open(tmp_path / "ckpt" / "state.pt", "wb") as f:
+        pickle.dump({"step": 1, "payload": _Exploit()}, f)
+    with pytest.raises(NanolmError, match="must not contain code"):
+        load_state(tmp_path / "ckpt")
+    assert not _Exploit.marker.exists()
+
+
+def test_weights_with_nan_are_never_checkpointed(tmp_path):
+    model = tiny_model()
+    with torch.no_grad():
+        model.blocks[0].mlp.up.weight[0, 0] = float("nan")
+    with pytest.raises(NanolmError, match="NaN"):
+        _save(tmp_path, 1, model=model)
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_keep_retains_the_newest_k_and_the_best(tmp_path):
+    losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5, 5: 2.2, 6: 2.4}
+    for step, loss in losses.items():
+        _save(tmp_path, step, val_loss=loss, keep=2)
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 5, 6]
+    assert read_latest(tmp_path).name == "step_000006"
+
+
+def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
+    import random
+
+    import numpy as np
+
+    ckpt_dir = _save(tmp_path, 1)
+    state = {"rng": ckpt.capture_rng()}
+    torch.save(state, ckpt_dir / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    for _ in range(3):
+        random.random(), np.random.rand(), torch.rand(1)
+    ckpt.restore_rng(torch.load(ckpt_dir / "rng.pt", weights_only=True)["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
