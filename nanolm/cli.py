@@ -1,4 +1,4 @@
-"""The ``nanolm`` command: train, sample, eval, prepare, data.
+"""The ``nanolm`` command: train, sample, eval, prepare, export, data.
 
 User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with status 2.
 """
@@ -77,6 +77,12 @@ def _data_download(args) -> None:
     print(f"{path}  ({CORPORA[args.name].about})")
 
 
+def _export(args) -> None:
+    from .export import export_run
+
+    export_run(args.run, args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import add_run_arguments
 
@@ -120,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column with the text")
     p.add_argument("--seq-len", type=int, default=256, help="window length used for the boundary statistics")
     p.set_defaults(func=_prepare)
+
+    p = sub.add_parser("export", help="write a run as a Hugging Face transformers model", formatter_class=fmt,
+                       description="Export a trained run so that transformers' AutoModelForCausalLM.from_pretrained(OUT) "
+                       "loads it (Llama, or Qwen3 with --qk-norm) with the same logits.")
+    p.add_argument("run", metavar="RUN_DIR", help="run directory (its final weights, else its newest checkpoint)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must be new or empty)")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("data", help="built-in and downloadable corpora")
     data_sub = p.add_subparsers(dest="data_command", required=True, metavar="CORPUS")

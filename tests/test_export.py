@@ -1,0 +1,69 @@
+"""Export to Hugging Face transformers: same logits (skipped only without transformers;
+the dev extra installs it, so CI runs it)."""
+
+import pytest
+import torch
+
+from nanolm.checkpoint import save_weights
+from nanolm.cli import main
+from nanolm.config import RunConfig
+from nanolm.export import export_run
+from nanolm.errors import NanolmError
+from nanolm.tokenizer import train_char
+
+from conftest import tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def _fake_run(tmp_path, **model_options):
+    """A run directory holding a randomly initialised (not trained) model."""
+    cfg = RunConfig()
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.seq_len = 2, 2, 32, 32
+    for k, v in model_options.items():
+        setattr(cfg.model, k, v)
+    tok = train_char(["abcdefghijklmnopqrstuvwxyz .,\n"])
+    model = tiny_model(seed=3, vocab_size=tok.vocab_size, **{k: v for k, v in model_options.items()})
+    with torch.no_grad():  # move the norm gains away from 1 so a mix-up of them would show
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.mul_(1 + 0.3 * torch.randn_like(p))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(cfg.resolved().to_toml())
+    tok.save(run / "tokenizer.json")
+    save_weights(model, run / "model.safetensors")
+    return run, model, tok
+
+
+@pytest.mark.parametrize("options, architecture", [
+    ({}, "LlamaForCausalLM"),
+    ({"qk_norm": True}, "Qwen3ForCausalLM"),
+    ({"tie_embeddings": False, "rope_theta": 500.0}, "LlamaForCausalLM"),
+])
+def test_exported_model_gives_the_same_logits_in_transformers(tmp_path, options, architecture):
+    run, model, tok = _fake_run(tmp_path, **options)
+    out = export_run(run, tmp_path / "hf", log=lambda *_: None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    assert type(hf).__name__ == architecture
+    idx = torch.randint(tok.vocab_size, (2, 32))
+    with torch.no_grad():
+        expected, _ = model.eval()(idx)
+        got = hf(idx).logits
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_exported_tokenizer_loads_and_encodes_the_same(tmp_path):
+    run, _, tok = _fake_run(tmp_path)
+    out = export_run(run, tmp_path / "hf", log=lambda *_: None)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "hello world, abc."
+    assert hf_tok(text)["input_ids"] == tok.encode(text).tolist()
+    assert hf_tok.eos_token_id == tok.eos_id
+
+
+def test_gelu_models_are_refused_with_a_clear_message(tmp_path, capsys):
+    run, _, _ = _fake_run(tmp_path, mlp="gelu")
+    assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "mlp='gelu' maps to no standard" in err and not (tmp_path / "hf").exists()
