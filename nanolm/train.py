@@ -6,8 +6,9 @@ One optimizer step, in order:
 2. draw ``grad_accum`` micro-batches; :func:`accumulate_gradients` counts the tokens that
    count in *all* of them, then for each micro-batch runs forward, divides the sum of its
    token losses by that step-wide count, and runs backward (gradients add up);
-4. clip the global gradient norm once, after every backward pass;
-5. update the weights, zero the gradients;
+4. fp16 only: divide the gradients by the loss scale; clip the global gradient norm once,
+   after every backward pass;
+5. update the weights (fp16: unless a gradient overflowed), zero the gradients;
 6. every few steps: log, evaluate on the fixed validation set.
 
 Dividing each micro-batch's *sum* by the step-wide count makes the accumulated gradient
@@ -18,6 +19,7 @@ micro-batch more than one in a long micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import shutil
@@ -37,7 +39,8 @@ from .errors import NanolmError
 from .loss import masked_cross_entropy_sum
 from .model import GPT
 from .monitor import MetricsFile, format_eval_line, format_train_line, perplexity
-from .optim import build_optimizer, cosine_lr
+from .optim import build_optimizer, cosine_lr, get_param_groups
+from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, grad_zero_fraction, resolve_precision
 
 
 def resolve_device(name: str) -> torch.device:
@@ -88,22 +91,26 @@ def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, generator: torc
     return window[:, :-1], window[:, 1:]
 
 
-def accumulate_gradients(model, micro_batches: list[Batch], device) -> tuple[torch.Tensor, int]:
+def accumulate_gradients(model, micro_batches: list[Batch], device, autocast=contextlib.nullcontext,
+                         loss_scale: float = 1.0) -> tuple[torch.Tensor, int]:
     """Forward and backward over every micro-batch of one optimizer step.
 
     The tokens that count are first counted over *all* micro-batches; each micro-batch
     then backpropagates (sum of its token losses) ÷ (that count). The gradients that
     accumulate are exactly those of the mean loss over every counted token of the step,
     whatever the split, and a micro-batch with nothing to count adds zero.
-    Returns (that mean loss, detached; the count).
+    The forward pass runs under ``autocast()`` (see ``nanolm.precision``); the loss, in fp32,
+    is multiplied by ``loss_scale`` before backward (fp16; the caller divides it out again).
+    Returns (that mean loss, detached and unscaled; the count).
     """
     step_count = max(1, sum(int(b.counted) for b in micro_batches))
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
         batch = batch.to(device)
-        logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
+        with autocast():
+            logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
         micro_sum, _ = masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)
-        (micro_sum / step_count).backward()
+        (micro_sum / step_count * loss_scale).backward()
         loss_sum += micro_sum.detach()
     return loss_sum / step_count, step_count
 
@@ -176,6 +183,8 @@ def train(cfg: RunConfig, log=print) -> dict:
     cfg = cfg.resolved()
     t, o = cfg.train, cfg.optim
     device = resolve_device(t.device)
+    precision = resolve_precision(t.precision, device)
+    log(f"precision: {precision.describe()}")
     out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
     if (out_dir / "metrics.jsonl").exists():
         raise NanolmError(f"{out_dir} already holds a run; choose another --out-dir (or delete it)")
@@ -207,7 +216,13 @@ def train(cfg: RunConfig, log=print) -> dict:
 
     # ---- model, optimizer, batches
     model.to(device)
-    optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
+    if precision.pure_bf16:
+        cast_weights_(model, torch.bfloat16)
+        optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                              master_weights=t.fp32_master, seed=t.seed)
+    else:
+        optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
+    scaler = DynamicLossScaler(enabled=precision.name == "fp16")
     step_model = torch.compile(model) if t.compile else model
     d = cfg.data
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
@@ -224,7 +239,8 @@ def train(cfg: RunConfig, log=print) -> dict:
     def evaluate(step: int, row: dict) -> dict:
         if not val_batches:
             return row
-        result = estimate_loss(model, val_batches, token_bytes, device)
+        with precision.autocast():
+            result = estimate_loss(model, val_batches, token_bytes, device)
         row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
         if floor:
             row.update(floor_bpb=floor["bpb"], floor_loss=floor["nats_per_token"])
@@ -242,14 +258,19 @@ def train(cfg: RunConfig, log=print) -> dict:
 
         micro_batches = [pack_windows(data.train.tokens, sampler.next_starts(), cfg.model.seq_len,
                                       tokenizer.eos_id, **pack) for _ in range(t.grad_accum)]
-        loss, step_count = accumulate_gradients(step_model, micro_batches, device)
+        loss, step_count = accumulate_gradients(step_model, micro_batches, device, precision.autocast,
+                                                scaler.loss_scale)
+        done = step + 1
+        log_now = done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1
+        underflow = {"grad_zero_frac": grad_zero_fraction(model.parameters())} if log_now and scaler.enabled else {}
 
+        scaler.unscale_(model.parameters())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
-        optimizer.step()
+        if scaler.update(grad_norm):  # False only under fp16, when a gradient overflowed: skip the step
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        done = step + 1
-        if done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1:
+        if log_now:
             now = time.perf_counter()
             row = {
                 "step": done,
@@ -258,6 +279,8 @@ def train(cfg: RunConfig, log=print) -> dict:
                 "grad_norm": grad_norm.item(),
                 "tokens_per_sec": (done - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9),
                 "elapsed_s": now - started,
+                **scaler.metrics(),
+                **underflow,
             }
             log(format_train_line(row, t.steps))
             if not math.isfinite(row["loss"]):
@@ -272,7 +295,8 @@ def train(cfg: RunConfig, log=print) -> dict:
     save_weights(model, out_dir / "model.safetensors")
     result = {"out_dir": str(out_dir), "elapsed_s": time.perf_counter() - started, **row}
     if t.sample_tokens:
-        result["sample"] = sample_text(model, tokenizer, device, t.sample_tokens, seed=t.seed)
+        with precision.autocast():
+            result["sample"] = sample_text(model, tokenizer, device, t.sample_tokens, seed=t.seed)
         log("sample:\n" + result["sample"])
     log(f"done in {result['elapsed_s']:.1f}s; weights, config, tokenizer and metrics in {out_dir}")
     return result
