@@ -296,9 +296,13 @@ def test_small_learning_rates_train_bf16_weights_only_with_stochastic_rounding_o
 def test_auto_is_fp32_on_cpu_and_bf16_only_on_a_gpu_that_has_it(monkeypatch):
     cpu = resolve_precision("auto", torch.device("cpu"))
     assert cpu.name == "fp32" and "auto" in cpu.reason and cpu.autocast_dtype is None
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_precision("auto", torch.device("cuda")).name == "bf16"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    assert resolve_precision("auto", torch.device("cuda")).name == "fp32"  # emulated bf16 is slow: not auto's pick
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # so that CUDA autocast can be constructed here
+    assert "only emulates bf16" in resolve_precision("bf16", torch.device("cuda")).reason
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     assert resolve_precision("auto", torch.device("cuda")).name == "fp32"
     with pytest.raises(NanolmError, match="Tesla T4.*no bf16"):
