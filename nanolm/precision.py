@@ -100,8 +100,10 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
         if kind == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
             return Precision("bf16", kind, "auto: this GPU computes in bf16 natively; weights stay fp32")
         if kind == "cuda":
-            return Precision("fp32", kind, "auto: this GPU has no native bf16; --precision fp16 adds loss scaling if you want speed")
-        return Precision("fp32", kind, f"auto: on {kind} bf16 is usually slower than fp32; ask --precision bf16 to override")
+            return Precision("fp32", kind, "auto: this GPU has no native bf16; "
+                                           "--precision fp16 (with loss scaling) is its fast format")
+        return Precision("fp32", kind, f"auto: on {kind} bf16 is usually slower than fp32; "
+                                       "ask --precision bf16 to override")
     if name == "fp32":
         return Precision("fp32", kind, "requested")
     if "bf16" in name and kind == "cuda" and not torch.cuda.is_bf16_supported():
@@ -118,7 +120,7 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
                           f"({str(caught[0].message).strip()}); use --precision fp32")
     reason = "requested"
     if kind == "cpu":
-        reason += "; on a CPU without native 16-bit units this is much slower than fp32 (useful to check numerics)"
+        reason += "; a CPU without native 16-bit units emulates it, slower than fp32 (fine to check numerics)"
     if "bf16" in name and kind == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         reason += "; this GPU only emulates bf16, which is slow: fp16 is its fast 16-bit format"
     return Precision(name, kind, reason)
