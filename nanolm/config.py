@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .errors import NanolmError
 from .model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
+from .precision import PRECISIONS
 from .tokenizer import EOS, KINDS as TOKENIZER_KINDS
 
 if sys.version_info >= (3, 11):
@@ -89,6 +90,11 @@ class TrainOptions:
     seed: int = option(1337, "seed for initialisation, data order and sampling")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     compile: bool = option(False, "torch.compile the model (pays off on GPU; ~20 s start-up)")
+    precision: str = option("auto", "number format: auto (bf16 on a GPU that has it, else fp32), fp32, bf16 or fp16 "
+                            "(autocast over fp32 weights; fp16 adds loss scaling), bf16-pure (bf16 weights, "
+                            "stochastic rounding); see docs/precision.md", choices=PRECISIONS)
+    fp32_master: bool = option(False, "with --precision bf16-pure: keep an fp32 master copy of the weights in the "
+                               "optimizer (round to nearest) instead of stochastic rounding")
     eval_every: int = option(100, "evaluate on the validation set every N steps (and at the end)")
     eval_batches: int = option(20, "validation batches per evaluation (a fixed set, the same every time)")
     log_every: int = option(10, "print and record training metrics every N steps")
@@ -156,6 +162,9 @@ class RunConfig:
             raise NanolmError(f"--clip must be >= 0 (0 disables clipping), got {self.optim.clip}")
         if not 0 <= self.data.val_fraction < 1:
             raise NanolmError(f"--val-fraction must be in [0, 1), got {self.data.val_fraction}")
+        if self.train.fp32_master and self.train.precision != "bf16-pure":
+            raise NanolmError("--fp32-master only applies to --precision bf16-pure "
+                              "(fp32, bf16 and fp16 keep fp32 weights already)")
         if self.model.seq_len < 2:
             raise NanolmError(f"--seq-len must be at least 2, got {self.model.seq_len}")
         self.model.gpt_config(vocab_size=1)  # shape checks (n_embd divisible by n_head, ...)

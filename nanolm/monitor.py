@@ -5,7 +5,10 @@ steps done), ``loss`` (mean over the step's counted tokens), ``lr``, ``grad_norm
 norm before clipping), ``tokens_per_sec`` (since the previous row) and ``elapsed_s``.
 Evaluation rows add ``val_loss`` (nats per token), ``val_bpb`` (bits per byte of text) and,
 for a corpus of known entropy, ``floor_bpb``. The row at step 0 is the evaluation of the
-untrained model and has no training fields.
+untrained model and has no training fields. Under ``--precision fp16`` training rows add
+``loss_scale`` (the scale after this step's update: halved if the step overflowed),
+``skipped_steps`` (steps skipped for overflow so far; ``grad_norm`` is inf or NaN on such a
+step) and ``grad_zero_frac`` (share of gradient elements exactly zero: underflow).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def format_train_line(row: dict, total_steps: int) -> str:
     return (
         f"step {row['step']:>{width}}/{total_steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
         f"grad norm {row['grad_norm']:.3f} | {row['tokens_per_sec'] / 1000:.1f}k tok/s | {row['elapsed_s']:.1f}s"
-    )
+    ) + (f" | scale {row['loss_scale']:g}, {row['skipped_steps']} skipped, {row['grad_zero_frac']:.1%} zero grads"
+         if "loss_scale" in row else "")
 
 
 def format_eval_line(row: dict) -> str:

@@ -6,8 +6,9 @@ One optimizer step, in order:
 2. draw ``grad_accum`` micro-batches; :func:`accumulate_gradients` counts the tokens that
    count in *all* of them, then for each micro-batch runs forward, divides the sum of its
    token losses by that step-wide count, and runs backward (gradients add up);
-4. clip the global gradient norm once, after every backward pass;
-5. update the weights, zero the gradients;
+4. fp16 only: divide the gradients by the loss scale; clip the global gradient norm once,
+   after every backward pass;
+5. update the weights (fp16: unless a gradient overflowed), zero the gradients;
 6. every few steps: log, evaluate on the fixed validation set.
 
 Dividing each micro-batch's *sum* by the step-wide count makes the accumulated gradient
@@ -18,6 +19,7 @@ micro-batch more than one in a long micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -54,7 +56,8 @@ from .errors import NanolmError
 from .loss import masked_cross_entropy_sum
 from .model import GPT
 from .monitor import MetricsFile, format_eval_line, format_train_line, perplexity
-from .optim import build_optimizer, cosine_lr
+from .optim import build_optimizer, cosine_lr, get_param_groups
+from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, grad_zero_fraction, resolve_precision
 from .tokenizer import Tokenizer
 
 
@@ -106,7 +109,8 @@ def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, generator: torc
     return window[:, :-1], window[:, 1:]
 
 
-def accumulate_gradients(model, micro_batches: list[Batch], device, step_count: int | None = None):
+def accumulate_gradients(model, micro_batches: list[Batch], device, autocast=contextlib.nullcontext,
+                         loss_scale: float = 1.0, step_count: int | None = None) -> tuple[torch.Tensor, int]:
     """Forward and backward over every micro-batch of one optimizer step.
 
     The tokens that count are first counted over *all* micro-batches; each micro-batch
@@ -114,18 +118,22 @@ def accumulate_gradients(model, micro_batches: list[Batch], device, step_count: 
     accumulate are exactly those of the mean loss over every counted token of the step,
     whatever the split, and a micro-batch with nothing to count adds zero.
 
+    The forward pass runs under ``autocast()`` (see ``nanolm.precision``); the loss, in fp32,
+    is multiplied by ``loss_scale`` before backward (fp16; the caller divides it out again).
     ``step_count`` overrides the count: under data parallelism it is the count summed over
     every rank, so that the gradients, once averaged across ranks, are those of one big batch.
-    Returns (the mean loss over this process's counted tokens, detached; the count used).
+    Returns (the mean loss over this process's counted tokens, detached and unscaled; the
+    count used).
     """
     local_count = sum(int(b.counted) for b in micro_batches)
     step_count = max(1, local_count if step_count is None else step_count)
     loss_sum = torch.zeros((), device=device)
     for batch in micro_batches:
         batch = batch.to(device)
-        logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
+        with autocast():
+            logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
         micro_sum, _ = masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)
-        (micro_sum / step_count).backward()
+        (micro_sum / step_count * loss_scale).backward()
         loss_sum += micro_sum.detach()
     return loss_sum / max(1, local_count), step_count
 
@@ -277,6 +285,8 @@ def train(cfg: RunConfig, log=print) -> dict:
     device = resolve_device(t.device)
     if cfg.model.attention == "flex" and device.type != "cuda":
         raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
+    precision = resolve_precision(t.precision, device)
+    log(f"precision: {precision.describe()}")
     out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
     checkpoint = find_resume_checkpoint(out_dir, t.resume, log)
     if checkpoint is None and (out_dir / "metrics.jsonl").exists():
@@ -320,7 +330,13 @@ def train(cfg: RunConfig, log=print) -> dict:
 
     # ---- model, optimizer, batches
     model.to(device)
-    optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
+    if precision.pure_bf16:
+        cast_weights_(model, torch.bfloat16)
+        optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                              master_weights=t.fp32_master, seed=t.seed)
+    else:
+        optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
+    scaler = DynamicLossScaler(enabled=precision.name == "fp16")
     step_model = torch.compile(model) if t.compile else model
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
     sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset)
@@ -336,6 +352,7 @@ def train(cfg: RunConfig, log=print) -> dict:
         if not cfg.debug.drop_optimizer_state:
             optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
+        scaler.load_state_dict(state["scaler"])
         restore_rng(state["rng"])
         counters, start_step = state["counters"], state["step"]
         log(f"resumed from {checkpoint} at step {start_step}")
@@ -348,7 +365,8 @@ def train(cfg: RunConfig, log=print) -> dict:
     def evaluate(step: int, row: dict) -> dict:
         if not val_batches:
             return row
-        result = estimate_loss(model, val_batches, token_bytes, device)
+        with precision.autocast():
+            result = estimate_loss(model, val_batches, token_bytes, device)
         row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
         if floor:
             row.update(floor_bpb=floor["bpb"], floor_loss=floor["nats_per_token"])
@@ -359,7 +377,7 @@ def train(cfg: RunConfig, log=print) -> dict:
 
     def save_checkpoint_at(step: int, row: dict) -> Path:
         state = {"step": step, "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
-                 "rng": capture_rng(), "counters": dict(counters)}
+                 "scaler": scaler.state_dict(), "rng": capture_rng(), "counters": dict(counters)}
         return save_checkpoint(out_dir, step, model, state, config_toml, tokenizer, row.get("val_loss"), t.keep)
 
     started = time.perf_counter() - counters["elapsed_s"]
@@ -375,16 +393,21 @@ def train(cfg: RunConfig, log=print) -> dict:
 
             micro_batches = [pack_windows(data.train.tokens, sampler.next_starts(), cfg.model.seq_len,
                                           tokenizer.eos_id, **pack) for _ in range(t.grad_accum)]
-            loss, step_count = accumulate_gradients(step_model, micro_batches, device)
+            loss, step_count = accumulate_gradients(step_model, micro_batches, device, precision.autocast,
+                                                    scaler.loss_scale)
+            done = step + 1
+            log_now = done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1
+            underflow = {"grad_zero_frac": grad_zero_fraction(model.parameters())} if log_now and scaler.enabled else {}
 
+            scaler.unscale_(model.parameters())
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
-            optimizer.step()
+            if scaler.update(grad_norm):  # False only under fp16, when a gradient overflowed: skip the step
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-            done = step + 1
             counters["tokens_seen"] += tokens_per_step
             row = {}
-            if done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1:
+            if log_now:
                 now = time.perf_counter()
                 row = {
                     "step": done,
@@ -393,6 +416,8 @@ def train(cfg: RunConfig, log=print) -> dict:
                     "grad_norm": grad_norm.item(),
                     "tokens_per_sec": (done - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9),
                     "elapsed_s": now - started,
+                    **scaler.metrics(),
+                    **underflow,
                 }
                 log(format_train_line(row, t.steps))
                 if not math.isfinite(row["loss"]):
@@ -418,7 +443,8 @@ def train(cfg: RunConfig, log=print) -> dict:
     save_weights(model, out_dir / "model.safetensors")
     result = {"out_dir": str(out_dir), "elapsed_s": time.perf_counter() - started, **row}
     if t.sample_tokens:
-        result["sample"] = sample_text(model, tokenizer, device, t.sample_tokens, seed=t.seed)
+        with precision.autocast():
+            result["sample"] = sample_text(model, tokenizer, device, t.sample_tokens, seed=t.seed)
         log("sample:\n" + result["sample"])
     log(f"done in {result['elapsed_s']:.1f}s; weights, config, tokenizer, checkpoints and metrics in {out_dir}")
     return result

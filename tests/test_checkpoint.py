@@ -242,3 +242,17 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
         random.random(), np.random.rand(), torch.rand(1)
     ckpt.restore_rng(torch.load(ckpt_dir / "rng.pt", weights_only=True)["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16-pure"])
+def test_resume_is_bit_identical_under_low_precision(tmp_path, stories_file, precision):
+    """The loss scaler's state (fp16) and the bf16 optimizer's state resume exactly too."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ["--steps", 6, "--eval-every", 3, "--ckpt-every", 3, "--precision", precision]
+    assert _train(stories_file, straight, *common).returncode == 0
+    assert _train(stories_file, resumed, *common, "--debug-kill-after-checkpoint", 3).returncode == -signal.SIGKILL
+    r = _train(stories_file, resumed, *common)
+    assert r.returncode == 0, r.stderr
+    a, b = _weights(straight), _weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _rows(resumed) == _rows(straight)

@@ -1,0 +1,346 @@
+"""Number formats for training: autocast, loss scaling for fp16, stochastic rounding for pure bf16.
+
+Three 16-bit-or-more formats matter here (sign bit + exponent bits + mantissa bits):
+
+* fp32: 8 exponent bits, 23 mantissa bits. Range ~1e-38 to ~3e38, ~7 significant digits.
+* bf16: 8 exponent bits, 7 mantissa bits. The *same range* as fp32, ~2-3 significant digits.
+  Near 1.0 the next bf16 number is 1.0078125: adding 0.001 to a bf16 1.0 gives 1.0 again.
+* fp16: 5 exponent bits, 10 mantissa bits. More precise than bf16 (~3-4 digits) but a tiny
+  range: the largest value is 65,504 and nothing below ~6e-8 survives (it becomes 0).
+
+What each ``--precision`` does:
+
+* ``fp32``: everything in fp32. The reference; on a CPU also the fastest.
+* ``bf16`` / ``fp16`` (mixed precision, "autocast"): the weights and the optimizer state stay
+  fp32 (the *master weights*); inside the forward pass, matrix multiplies and attention cast
+  their inputs to 16 bits, which is where the speed comes from on a GPU. The residual stream,
+  the norms and the loss stay fp32 (the residual add of an fp32 stream and a 16-bit branch
+  is fp32, ``F.rms_norm`` takes its mean of squares in fp32 even for 16-bit inputs, the loss
+  upcasts the logits, attention kernels keep softmax statistics in fp32). Gradients reach
+  the fp32 weights in fp32, and AdamW adds its small updates to fp32 numbers, where they are
+  not lost.
+* ``fp16`` adds *dynamic loss scaling* (:class:`DynamicLossScaler`): a good share of the
+  gradient values in a network's backward pass are smaller than fp16's smallest number
+  (Micikevicius et al., "Mixed Precision Training", 2018), and fp16 silently turns them into
+  zeros. Multiplying the loss by s = 2^16 multiplies every gradient
+  by s, lifting them into fp16's range; they are divided by s again, in fp32, before anyone
+  (clipping, AdamW) looks at them.
+* ``bf16-pure``: the weights themselves are bf16 (half the memory of fp32 weights, no casts).
+  Simpler and riskier: an update smaller than half the gap between two bf16 numbers rounds
+  away to nothing, every step, so small learning rates (the end of a cosine schedule) stop
+  training without any error. :class:`BF16AdamW` keeps AdamW's moments in fp32 and writes
+  each new weight back with *stochastic rounding* (up or down at random, with probabilities
+  that make the rounding exact on average), or, with ``--fp32-master``, keeps an fp32 master
+  copy of the weights in the optimizer and rounds to nearest.
+
+``auto`` picks bf16 on a CUDA GPU that supports it and fp32 everywhere else: on a CPU bf16 is
+usually far slower than fp32 (no native bf16 units), and auto never picks fp16, whose loss
+scaling is a moving part a user should ask for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .errors import NanolmError
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "bf16-pure")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved ``--precision``: never ``auto``; ``reason`` says why it was chosen."""
+
+    name: str
+    device_type: str
+    reason: str
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return AUTOCAST_DTYPES.get(self.name)
+
+    @property
+    def pure_bf16(self) -> bool:
+        return self.name == "bf16-pure"
+
+    def autocast(self):
+        """The context the forward pass runs in: autocast to 16 bits, or nothing for fp32.
+
+        bf16-pure runs under bf16 autocast as well: its weights are bf16 already, and autocast
+        lines up the places where fp32 tensors (the RoPE tables, kept fp32) meet bf16 ones
+        before attention.
+        """
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.reason})"
+
+
+def resolve_precision(name: str, device: torch.device) -> Precision:
+    """Turn ``--precision`` into a :class:`Precision` for ``device``, or a one-line error.
+
+    Called before anything is written, so an impossible combination (bf16 on a GPU without
+    bf16, a dtype autocast does not support on this device) stops the run cleanly. PyTorch
+    itself only *warns* and quietly runs in fp32 when autocast cannot use a dtype; that
+    warning is turned into an error here, since a run that silently trains in another
+    precision than asked is exactly what nanolm exists to prevent.
+    """
+    if name not in PRECISIONS:
+        raise NanolmError(f"unknown precision {name!r}; use one of {', '.join(PRECISIONS)}")
+    kind = device.type
+    if name == "auto":
+        if kind == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+            return Precision("bf16", kind, "auto: this GPU computes in bf16 natively; weights stay fp32")
+        if kind == "cuda":
+            return Precision("fp32", kind, "auto: this GPU has no native bf16; "
+                                           "--precision fp16 (with loss scaling) is its fast format")
+        return Precision("fp32", kind, f"auto: on {kind} bf16 is usually slower than fp32; "
+                                       "ask --precision bf16 to override")
+    if name == "fp32":
+        return Precision("fp32", kind, "requested")
+    if "bf16" in name and kind == "cuda" and not torch.cuda.is_bf16_supported():
+        raise NanolmError(f"--precision {name}: this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; "
+                          "use --precision fp16 (with loss scaling) or fp32")
+    dtype = AUTOCAST_DTYPES[name]
+    if not torch.amp.is_autocast_available(kind):
+        raise NanolmError(f"--precision {name}: PyTorch has no autocast for {kind} devices; use --precision fp32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.autocast(kind, dtype=dtype)
+    if caught:
+        raise NanolmError(f"--precision {name} is not supported on {kind} by this PyTorch "
+                          f"({str(caught[0].message).strip()}); use --precision fp32")
+    reason = "requested"
+    if kind == "cpu":
+        reason += "; a CPU without native 16-bit units emulates it, slower than fp32 (fine to check numerics)"
+    if "bf16" in name and kind == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        reason += "; this GPU only emulates bf16, which is slow: fp16 is its fast 16-bit format"
+    return Precision(name, kind, reason)
+
+
+def cast_weights_(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Store every parameter of ``model`` in ``dtype``, in place; buffers keep theirs.
+
+    The RoPE tables (buffers) stay fp32: they are constants, cost nothing to keep exact, and
+    autocast takes care of mixing them with bf16 activations. Tied parameters stay tied.
+    """
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+
+
+class DynamicLossScaler:
+    """Loss scaling for fp16, with its state in plain sight.
+
+    The loss is multiplied by ``loss_scale`` (2^16 to start) before backward, so every gradient
+    is too, and fp16 can represent them. After the last backward pass of a step:
+
+    1. :meth:`unscale_` divides the gradients by the scale, in fp32. This comes *before*
+       clipping: clipping compares the gradient norm with ``--clip``, and a norm 65,536 times
+       too large would clip every step down to nothing. The scale is always a power of two,
+       so dividing by it is exact.
+    2. :meth:`update` looks at the (unscaled) global gradient norm. Non-finite means some
+       gradient overflowed fp16 (inf) or became NaN: the step must be skipped, since one inf
+       in AdamW's moments poisons that weight for good, and the scale is halved. After
+       ``growth_interval`` steps in a row without overflow the scale doubles again, so it keeps
+       sitting just below the overflow point, where the most small gradients survive.
+
+    Why not ``torch.amp.GradScaler``? It does the same arithmetic, but hides the skip inside
+    ``scaler.step(optimizer)``, keeps no count of skipped steps and ties itself to optimizer
+    objects. Here the loop reads "unscale, clip, step unless it overflowed", the scale and
+    the skipped steps are logged (:meth:`metrics`) and checkpointed (:meth:`state_dict`), and
+    the overflow check reuses the gradient norm that clipping computes anyway.
+
+    Disabled (any precision but fp16), the scale is 1, unscaling does nothing and every step
+    is taken: a non-finite gradient in fp32 is a real failure, not an overflow to ride out.
+    """
+
+    def __init__(self, enabled: bool = True, init_scale: float = 2.0**16, growth_interval: int = 2000,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5):
+        self.enabled = enabled
+        self.loss_scale = float(init_scale) if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    @torch.no_grad()
+    def unscale_(self, parameters) -> None:
+        """Divide every gradient by the loss scale (exact: the scale is a power of two)."""
+        if not self.enabled:
+            return
+        inv = 1.0 / self.loss_scale
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(inv)
+
+    def update(self, grad_norm) -> bool:
+        """Adapt the scale to this step's gradients; returns whether the step should be taken.
+
+        ``grad_norm`` is the global norm of the unscaled gradients: it is inf or NaN exactly
+        when some gradient is (or when the norm itself overflows fp32, a step no one should
+        take either).
+        """
+        if not self.enabled:
+            return True
+        if math.isfinite(float(grad_norm)):
+            self.good_steps += 1
+            if self.good_steps >= self.growth_interval:
+                self.loss_scale *= self.growth_factor
+                self.good_steps = 0
+            return True
+        self.skipped_steps += 1
+        self.good_steps = 0
+        self.loss_scale *= self.backoff_factor
+        if self.loss_scale < 1.0:
+            raise NanolmError(
+                f"fp16 gradients overflow even without loss scaling ({self.skipped_steps} steps skipped); "
+                "the gradients are not finite or exceed fp16's range: use --precision bf16 or fp32, or lower --lr"
+            )
+        return False
+
+    def metrics(self) -> dict:
+        """``loss_scale`` (after this step's update) and ``skipped_steps`` (so far), fp16 only."""
+        if not self.enabled:
+            return {}
+        return {"loss_scale": self.loss_scale, "skipped_steps": self.skipped_steps}
+
+    def state_dict(self) -> dict:
+        return {"loss_scale": self.loss_scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_scale = float(state["loss_scale"])
+        self.good_steps = int(state["good_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
+
+@torch.no_grad()
+def grad_zero_fraction(parameters) -> float:
+    """Fraction of gradient elements that are exactly zero: fp16's underflow detector.
+
+    A gradient below fp16's smallest number (~6e-8) does not come out small, it comes out 0,
+    and training goes on with that weight frozen. A rising share of exact zeros under fp16,
+    against the same run in fp32, is the sign; a loss scale that is too low is the usual
+    cause. Some zeros are structural and appear in fp32 too (with untied embeddings, the rows
+    of tokens absent from the batch). One pass over the gradients: measured on logged steps.
+    """
+    zeros, total = 0, 0
+    for p in parameters:
+        if p.grad is not None:
+            zeros += int((p.grad == 0).sum())
+            total += p.grad.numel()
+    return zeros / max(total, 1)
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round fp32 ``x`` to bf16, up or down at random, so that the *expected* result is ``x``.
+
+    A bf16 number is the top 16 bits of an fp32 one. Adding a uniform random integer in
+    [0, 2^16) to the fp32 bit pattern and then cutting the low 16 bits rounds up with
+    probability (distance to the lower bf16 neighbour) / (gap between the neighbours): a
+    weight of 1.0 receiving +0.001 (an eighth of the gap 2^-7) becomes 1.0078125 one time
+    in eight and stays 1.0 otherwise; on average it moved by exactly 0.001. The bit pattern
+    holds the magnitude, so the same holds for negative numbers; a carry into the exponent
+    is the correct round-up to the next power of two. Round-to-nearest instead returns 1.0
+    every time, and the update is lost for good.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round_to_bf16 expects fp32, got {x.dtype}")
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
+    truncated = (bits + noise) & -65536  # -65536 == 0xFFFF0000: keep sign, exponent, top 7 mantissa bits
+    return truncated.view(torch.float32).to(torch.bfloat16)  # exact: the dropped bits are zero
+
+
+class BF16AdamW(torch.optim.Optimizer):
+    """AdamW for weights stored in bf16: fp32 arithmetic, fp32 moments, careful write-back.
+
+    The update is the same as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
+    moments), computed in fp32 from the bf16 weight and gradient. How the new fp32 weight
+    gets back into the bf16 parameter is the point:
+
+    * default: :func:`stochastic_round_to_bf16`. No fp32 copy of the weights is kept (12
+      bytes per parameter: bf16 weight and gradient, fp32 moments), and updates far smaller
+      than a bf16 gap still move the weight *on average*. The rounding noise at step t is
+      drawn from a generator seeded by (``seed``, t, parameter index), so a run is
+      repeatable and a resumed one needs nothing but the optimizer state.
+    * ``master_weights=True``: an fp32 master copy lives in the optimizer state (16 bytes per
+      parameter, as with autocast); AdamW updates it, and the bf16 weight is its
+      round-to-nearest copy. Nothing is ever lost; the forward pass sees the master rounded.
+
+    Parameters that are not bf16 are updated in place in their own dtype (for fp32, this is
+    exactly AdamW), which is also how the arithmetic is tested against PyTorch's.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 master_weights: bool = False, seed: int = 0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.master_weights = master_weights
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore exactly, keeping the fp32 moments and master copy in fp32.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to each
+        parameter's dtype, which would round the fp32 moments of a bf16 weight to bf16 and
+        make a resumed run drift from an uninterrupted one.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, param in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if torch.is_tensor(value) and key != "step":
+                    self.state[param][key] = value.to(param.device).clone()
+
+    def _generator(self, device, step: int, index: int) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device].manual_seed((self.seed * 1_000_003 + step) * 65_537 + index)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = -1
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                    if self.master_weights and p.dtype != torch.float32:
+                        state["master"] = p.detach().float()
+                state["step"] += 1
+                t = state["step"]
+                w = state["master"] if "master" in state else p.float()  # p.float() is p itself for fp32
+                g = p.grad.float()
+                w.mul_(1 - lr * wd)
+                state["exp_avg"].lerp_(g, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+                w.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
+                if w is p:
+                    continue
+                if p.dtype == torch.bfloat16 and "master" not in state:
+                    p.copy_(stochastic_round_to_bf16(w, self._generator(p.device, t, index)))
+                else:
+                    p.copy_(w)
+        return loss
