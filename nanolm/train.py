@@ -204,6 +204,9 @@ def default_out_dir(cfg: RunConfig) -> Path:
     return out
 
 
+RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "model.safetensors", "checkpoints", "data")
+
+
 class TrainingInterrupted(Exception):
     """Training stopped on SIGINT/SIGTERM after saving a checkpoint; ``exit_code`` is 128 + signal."""
 
@@ -289,9 +292,11 @@ def train(cfg: RunConfig, log=print) -> dict:
     log(f"precision: {precision.describe()}")
     out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
     checkpoint = find_resume_checkpoint(out_dir, t.resume, log)
-    if checkpoint is None and (out_dir / "metrics.jsonl").exists():
-        hint = "" if t.resume == "never" else " without a checkpoint to resume"
-        raise NanolmError(f"{out_dir} already holds a run{hint}; choose another --out-dir")
+    if checkpoint is None:
+        existing = sorted(name for name in RUN_FILES if (out_dir / name).exists())
+        if existing:
+            hint = "" if t.resume == "never" else " without a checkpoint to resume"
+            raise NanolmError(f"{out_dir} already holds a run{hint} ({', '.join(existing)}); choose another --out-dir")
     configure_determinism(t.deterministic)
     seed_everything(t.seed)
 

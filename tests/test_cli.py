@@ -154,3 +154,11 @@ def test_bad_config_files_get_one_line(tmp_path, capsys, text, message):
     assert main(["train", "--config", str(toml), "--out-dir", str(tmp_path / "run")]) == 2
     assert message in _error_line(capsys)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_directory_holding_files_a_run_would_write_is_refused(tmp_path, capsys, stories_file):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.txt").write_text("the user's own file")
+    assert main(["train", "--data", str(stories_file), "--out-dir", str(tmp_path), *TINY_TRAIN]) == 2
+    assert "already holds a run" in _error_line(capsys)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["data", "mine.txt"]
