@@ -1,4 +1,4 @@
-"""The ``nanolm`` command: train, sample, eval, prepare, export, data.
+"""The ``nanolm`` command: train, sample, eval, prepare, doctor, export, data.
 
 User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with status 2.
 """
@@ -77,6 +77,14 @@ def _data_download(args) -> None:
     print(f"{path}  ({CORPORA[args.name].about})")
 
 
+def _doctor(args) -> int:
+    from .config import config_from_args
+    from .doctor import run_doctor
+
+    results = run_doctor(config_from_args(args), args.model)
+    return 0 if all(c.passed for c in results) else 1
+
+
 def _export(args) -> None:
     from .export import export_run
 
@@ -127,6 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="window length used for the boundary statistics")
     p.set_defaults(func=_prepare)
 
+    p = sub.add_parser("doctor", help="check the setup before a long run (PASS/FAIL per invariant)",
+                       description="Run health checks on a training configuration (the same options as "
+                       "`nanolm train`): initial loss = ln V, memorising one batch, causality, no cross-document "
+                       "leak, grad accumulation = big batch, weight-decay groups, LR schedule, decoded data, "
+                       "token ids, the loss floor. Exit status 1 if any check fails.")
+    p.add_argument("--model", metavar="PKG.MODULE:CLASS", default=None,
+                   help="check your own model class instead (built as CLASS(GPTConfig(...)), forward(idx, ...) "
+                   "returning (logits, loss)); runs the model invariants only")
+    add_run_arguments(p)
+    p.set_defaults(func=_doctor)
+
     p = sub.add_parser("export", help="write a run as a Hugging Face transformers model", formatter_class=fmt,
                        description="Export a trained run so that transformers' AutoModelForCausalLM.from_pretrained(OUT) "
                        "loads it (Llama, or Qwen3 with --qk-norm) with the same logits.")
@@ -156,7 +175,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except NanolmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -170,7 +189,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":
