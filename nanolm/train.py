@@ -6,9 +6,12 @@ One optimizer step, in order:
 2. draw ``grad_accum`` micro-batches; :func:`accumulate_gradients` counts the tokens that
    count in *all* of them, then for each micro-batch runs forward, divides the sum of its
    token losses by that step-wide count, and runs backward (gradients add up);
+3. every ``--stats-every`` steps: take per-layer statistics before clipping (see
+   ``nanolm.diagnostics``);
 4. clip the global gradient norm once, after every backward pass;
 5. update the weights, zero the gradients;
-6. every few steps: log, evaluate on the fixed validation set.
+6. every few steps: log (``metrics.jsonl``, the terminal, wandb/TensorBoard if asked),
+   evaluate on the fixed validation set.
 
 Dividing each micro-batch's *sum* by the step-wide count makes the accumulated gradient
 exactly the gradient of the mean loss over every counted token of the step, the same as
@@ -33,10 +36,11 @@ from .checkpoint import atomic_write_text, save_weights
 from .config import RunConfig
 from .corpus import write_stories
 from .data import Batch, PreparedData, WindowSampler, eval_batches, pack_windows, prepare
+from .diagnostics import LayerStats, StepMeter, is_stats_step, peak_flops
 from .errors import NanolmError
 from .loss import masked_cross_entropy_sum
 from .model import GPT
-from .monitor import MetricsFile, format_eval_line, format_train_line, perplexity
+from .monitor import Monitor, missing_sink_packages, parse_sinks, perplexity
 from .optim import build_optimizer, cosine_lr
 
 
@@ -179,6 +183,8 @@ def train(cfg: RunConfig, log=print) -> dict:
     out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
     if (out_dir / "metrics.jsonl").exists():
         raise NanolmError(f"{out_dir} already holds a run; choose another --out-dir (or delete it)")
+    for sink in missing_sink_packages(parse_sinks(t.log)):
+        raise NanolmError(f"--log {sink} needs the {sink} package: pip install 'nanolm[{sink}]'")
     seed_everything(t.seed)
 
     # ---- data: validated and tokenized in a scratch directory; out_dir is untouched so far
@@ -202,7 +208,6 @@ def train(cfg: RunConfig, log=print) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
     atomic_write_text(out_dir / "config.toml", cfg.to_toml())
     tokenizer.save(out_dir / "tokenizer.json")
-    metrics = MetricsFile(out_dir / "metrics.jsonl")
     floor = data.meta.get("floor")
 
     # ---- model, optimizer, batches
@@ -220,6 +225,9 @@ def train(cfg: RunConfig, log=print) -> dict:
         f"{tokens_per_step} tokens per step | device {device} | run dir {out_dir}")
     if not val_batches:
         log("warning: the validation split is shorter than one window; no validation loss will be reported")
+    peak, peak_source = peak_flops(device, torch.float32, t.peak_flops)
+    log(f"MFU: {model.flops_per_token() / 1e6:.2f} MFLOP per token, against "
+        f"{f'{peak / 1e12:.3g} TFLOP/s' if peak else 'no peak'} ({peak_source})")
 
     def evaluate(step: int, row: dict) -> dict:
         if not val_batches:
@@ -228,14 +236,16 @@ def train(cfg: RunConfig, log=print) -> dict:
         row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
         if floor:
             row.update(floor_bpb=floor["bpb"], floor_loss=floor["nats_per_token"])
-        log(format_eval_line(row))
         return row
 
+    monitor = Monitor(out_dir, t.steps, parse_sinks(t.log), cfg.to_dict(), log, t.progress)
+    meter = StepMeter(t.steps, tokens_per_step, model.flops_per_token(), peak, o.clip, device)
     started = time.perf_counter()
-    metrics.write(evaluate(0, {"step": 0, "elapsed_s": 0.0}))
-    last_log_time, last_log_step = time.perf_counter(), 0
+    monitor.record(evaluate(0, {"step": 0, "elapsed_s": 0.0, "n_params": model.num_params(), **meter.constants()}))
+    meter.lap(0)
     row: dict = {}
     for step in range(t.steps):
+        done = step + 1
         lr = cosine_lr(step, o.lr, o.warmup, t.steps, o.min_lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -244,31 +254,26 @@ def train(cfg: RunConfig, log=print) -> dict:
                                       tokenizer.eos_id, **pack) for _ in range(t.grad_accum)]
         loss, step_count = accumulate_gradients(step_model, micro_batches, device)
 
+        layer_stats = LayerStats(model, micro_batches[0]) if is_stats_step(done, t.stats_every) else None
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
+        meter.count_clipped(grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        done = step + 1
-        if done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1:
-            now = time.perf_counter()
-            row = {
-                "step": done,
-                "loss": loss.item(),
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens_per_sec": (done - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9),
-                "elapsed_s": now - started,
-            }
-            log(format_train_line(row, t.steps))
+        if done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1 or layer_stats:
+            row = meter.row(done, loss, lr, grad_norm)  # the one host sync of the step
+            if layer_stats:
+                row.update(layer_stats.after_update())
             if not math.isfinite(row["loss"]):
-                metrics.write(row)
+                monitor.record(row)
+                monitor.close()
                 raise NanolmError(f"the loss became {row['loss']} at step {done}; lower --lr or raise --warmup")
             if done % t.eval_every == 0 or done == t.steps:
                 row = evaluate(done, row)
-            metrics.write(row)
-            last_log_time, last_log_step = time.perf_counter(), done
+            monitor.record(row)
+            meter.lap(done)
 
-    metrics.close()
+    monitor.close()
     save_weights(model, out_dir / "model.safetensors")
     result = {"out_dir": str(out_dir), "elapsed_s": time.perf_counter() - started, **row}
     if t.sample_tokens:
