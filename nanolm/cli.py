@@ -124,11 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_prepare)
 
     p = sub.add_parser("report", help="plot runs: PNG panels, a dashboard and a self-contained HTML page",
-                       formatter_class=fmt, description="Plot one run, or overlay several on the same axes.")
+                       description="Plot one run, or overlay several on the same axes.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `nanolm train`")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: FIRST_RUN_DIR/report)")
     p.add_argument("--x", choices=("step", "tokens", "time"), default="step",
-                   help="horizontal axis: optimizer steps, training tokens, or seconds")
+                   help="horizontal axis: optimizer steps, training tokens, or seconds (default: step)")
     p.set_defaults(func=_report)
 
     p = sub.add_parser("data", help="built-in and downloadable corpora")

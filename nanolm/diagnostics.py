@@ -264,7 +264,8 @@ class LayerStats:
         return row
 
 
-def max_attention_logit(attn, x: torch.Tensor, cos, sin, mask: torch.Tensor | None = None) -> torch.Tensor:
+def max_attention_logit(attn, x: torch.Tensor, cos, sin, mask: torch.Tensor | None = None,
+                        max_scores: int = 2**24) -> torch.Tensor:
     """The largest logit ``q·k / sqrt(head_dim)`` that attention ``attn`` lets through for input ``x``.
 
     Recomputed from the layer's own :meth:`~nanolm.model.Attention.queries_keys_values`
@@ -272,15 +273,17 @@ def max_attention_logit(attn, x: torch.Tensor, cos, sin, mask: torch.Tensor | No
     and within one document when ``mask`` is given. These logits are what the softmax
     exponentiates; when their maximum keeps growing, attention collapses onto single keys
     and the softmax's gradient vanishes, the instability QK-norm was invented to prevent.
-    One sequence at a time, so memory stays at one (heads, T, T) score matrix.
+    A few sequences at a time, so the score matrices never hold more than ``max_scores``
+    numbers (64 MiB in fp32 by default), however long the context.
     """
     q, k, _ = attn.queries_keys_values(x, cos, sin)
-    T = q.shape[-2]
+    B, H, T, D = q.shape
     causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
     best = torch.full((), -math.inf, device=x.device)
-    for b in range(q.shape[0]):
-        scores = (q[b].float() @ k[b].float().transpose(-2, -1)) / math.sqrt(q.shape[-1])
-        allowed = causal if mask is None else mask[b] & causal
+    rows = max(1, max_scores // (H * T * T))
+    for b in range(0, B, rows):
+        scores = (q[b : b + rows].float() @ k[b : b + rows].float().transpose(-2, -1)) / math.sqrt(D)
+        allowed = causal if mask is None else mask[b : b + rows] & causal
         best = torch.maximum(best, scores.masked_fill(~allowed, -math.inf).max())
     return best
 

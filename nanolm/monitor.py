@@ -187,9 +187,9 @@ class Terminal:
     def show(self, row: dict) -> None:
         if "loss" in row:
             if self.bar is not None:
-                self.bar.update(row["step"] - self.bar.n)
                 self.bar.set_postfix_str(f"loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
                                          f"{row['tokens_per_sec'] / 1000:.1f}k tok/s", refresh=False)
+                self.bar.update(row["step"] - self.bar.n)
             else:
                 self.log(format_train_line(row, self.total_steps))
                 if any(k.startswith("attn_logit_max/") or k.startswith("update_ratio/") for k in row):

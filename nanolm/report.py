@@ -49,7 +49,8 @@ class Run:
         for r in self.rows:
             if "tokens_per_step" in r:
                 return r["tokens_per_step"]
-        seq, batch, accum = self.option("model", "seq_len"), self.option("train", "batch_size"), self.option("train", "grad_accum")
+        seq, batch = self.option("model", "seq_len"), self.option("train", "batch_size")
+        accum = self.option("train", "grad_accum")
         return seq * batch * accum if seq and batch and accum else None
 
     def x_of(self, row: dict, x: str) -> float | None:
@@ -184,7 +185,8 @@ def draw_clipped(ax, runs, x, colors):
                 window.append((r["clipped_steps"] - prev_count) / (r["step"] - prev_step))
             prev_step, prev_count = r["step"], r["clipped_steps"]
         if xs:
-            ax.step(xs, window, where="post", color=c, linewidth=1, label=f"{run.name} per window" if len(runs) > 1 else "per logging window")
+            label = f"{run.name} per window" if len(runs) > 1 else "per logging window"
+            ax.step(xs, window, where="post", color=c, linewidth=1, label=label)
         _line(ax, run, "clipped_frac", x, c, "since the start" if run is runs[0] else None, linestyle="--", linewidth=1)
     ax.set_ylim(-0.03, 1.03)
     ax.set_ylabel("fraction of steps clipped")
@@ -234,7 +236,10 @@ def _per_layer(prefix, ylabel, percent=False):
                     style["color"] = colormaps["viridis"](0.9 * depth)
                 else:
                     style.update(color=c, alpha=0.3 + 0.7 * depth)
-                label = (name if not name.isdigit() else f"block {name}") if single else (run.name if name == (blocks or names)[-1] else None)
+                if single:
+                    label = f"block {name}" if name.isdigit() else name
+                else:  # one legend entry per run, on its deepest block
+                    label = run.name if name == (blocks or names)[-1] else None
                 ax.plot(xs, ys, label=label, **style)
         ax.set_ylabel(ylabel)
         if percent:

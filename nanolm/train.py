@@ -183,8 +183,9 @@ def train(cfg: RunConfig, log=print) -> dict:
     out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
     if (out_dir / "metrics.jsonl").exists():
         raise NanolmError(f"{out_dir} already holds a run; choose another --out-dir (or delete it)")
-    for sink in missing_sink_packages(parse_sinks(t.log)):
-        raise NanolmError(f"--log {sink} needs the {sink} package: pip install 'nanolm[{sink}]'")
+    missing = missing_sink_packages(parse_sinks(t.log))
+    if missing:
+        raise NanolmError(f"--log {missing[0]} needs the {missing[0]} package: pip install 'nanolm[{missing[0]}]'")
     seed_everything(t.seed)
 
     # ---- data: validated and tokenized in a scratch directory; out_dir is untouched so far
@@ -260,9 +261,10 @@ def train(cfg: RunConfig, log=print) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        if done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1 or layer_stats:
+        logged = done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1
+        if logged or layer_stats is not None:
             row = meter.row(done, loss, lr, grad_norm)  # the one host sync of the step
-            if layer_stats:
+            if layer_stats is not None:
                 row.update(layer_stats.after_update())
             if not math.isfinite(row["loss"]):
                 monitor.record(row)

@@ -113,6 +113,8 @@ def test_attention_logit_max_is_the_scaled_dot_product_with_rope_and_qk_norm():
             logits = q @ k.transpose(-2, -1) / math.sqrt(cfg.head_dim)
             future = torch.ones(T, T, dtype=torch.bool).triu(1)
             assert found[i].item() == pytest.approx(logits.masked_fill(future, -math.inf).max().item(), rel=1e-5)
+            one_at_a_time = max_attention_logit(block.attn, h, cos, sin, max_scores=1)  # chunked over the batch
+            assert one_at_a_time.item() == pytest.approx(found[i].item(), rel=1e-6)
             x = block(x, cos, sin)
 
 

@@ -54,7 +54,7 @@ def _lines(panel_name, runs):
     panel = next(p for p in PANELS if p.name == panel_name)
     ax = Figure().add_subplot()
     panel.draw(ax, runs, "step", ["C0", "C1", "C2"][: len(runs)])
-    return ax.get_lines()
+    return [line for line in ax.get_lines() if list(line.get_xdata()) != [0, 1]]  # not the reference lines
 
 
 def test_several_runs_overlay_on_the_same_axes(observed_run, tmp_path, capsys):
