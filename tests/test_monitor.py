@@ -56,6 +56,15 @@ def test_metrics_rows_follow_the_documented_schema(observed_run):
             assert not any("/" in k for k in r)
 
 
+def test_every_logged_key_is_documented(observed_run):
+    """Every number in metrics.jsonl has a stated meaning in docs/observability.md."""
+    doc = (REPO / "docs" / "observability.md").read_text(encoding="utf-8")
+    keys = {re.sub(r"/(\d+|embed|final_norm|head)$", "/", k) for r in read_metrics(observed_run / "metrics.jsonl") for k in r}
+    keys |= {"cuda_max_alloc_mb", "floor_bpb", "floor_loss", "loss_scale"}
+    undocumented = sorted(k for k in keys if f"`{k.rstrip('/')}" not in doc)
+    assert not undocumented
+
+
 def _rows(steps):
     return [{"step": s, "loss": 1.0 / (s + 1)} for s in steps]
 
