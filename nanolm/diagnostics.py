@@ -223,9 +223,9 @@ class LayerStats:
     how far the optimizer moved each group, ‖Δw‖ / ‖w‖, and returns every figure as
     ``name/group`` keys for the metrics row, read from the device in one transfer.
 
-    The ratio ‖Δw‖/‖w‖ is the learning rate as the weights feel it: around 1e-3 per step is
-    typical for AdamW; a layer far above its neighbours is being rewritten each step, one
-    near zero has stopped learning. The weight copy costs one model's worth of memory, on
+    The ratio ‖Δw‖/‖w‖ is the learning rate as the weights feel it: with AdamW, 1e-3 to a
+    few 1e-2 per step; a layer far above its neighbours is being rewritten every few steps,
+    one near zero has stopped learning. The weight copy costs one model's worth of memory, on
     statistics steps only.
     """
 

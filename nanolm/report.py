@@ -281,8 +281,9 @@ PANELS = [
     Panel("layer_grad_norm", "Gradient norm per layer", "within an order of magnitude of each other",
           "first blocks far below the last (vanishing) or far above (exploding)", ("grad_norm/",),
           _per_layer("grad_norm", "‖g‖, before clipping"), log_y=True),
-    Panel("update_ratio", "Update / weight per layer", "around 1e-3 per step at peak LR, falling with the schedule",
-          "above 1e-2 for long (weights rewritten every step); below 1e-5 (a layer that stopped learning)",
+    Panel("update_ratio", "Update / weight per layer", "1e-3 to a few 1e-2, highest after warmup, falling with the schedule",
+          "above ~5e-2 for long (weights rewritten within tens of steps); below 1e-5 (a layer that stopped "
+          "learning); one layer far from the others",
           ("update_ratio/",), _per_layer("update_ratio", "‖Δw‖ / ‖w‖"), log_y=True),
     Panel("attn_logit_max", "Max attention logit per layer", "grows early, then levels off (tens at most)",
           "keeps growing (hundreds): attention saturates onto single tokens and training destabilises; "
