@@ -122,7 +122,7 @@ def test_attention_logit_max_is_the_scaled_dot_product_with_rope_and_qk_norm():
 def test_dead_units_are_those_never_open_on_any_token_of_the_batch(mlp):
     """One block whose MLP input is ±√C along two directions A, B; units wired by hand."""
     model = tiny_model(n_layer=1, mlp=mlp)
-    C, hidden = model.config.n_embd, model.config.mlp_hidden
+    hidden = model.config.mlp_hidden
     A, B = 3, 5
     with torch.no_grad():
         model.blocks[0].attn.proj.weight.zero_()  # attention adds nothing: the MLP sees the embedding

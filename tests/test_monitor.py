@@ -1,12 +1,10 @@
 """metrics.jsonl (schema, resume), the optional sinks, and the terminal."""
 
 import io
-import json
 import math
 import re
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from nanolm import monitor
 from nanolm.cli import main
-from nanolm.monitor import MetricsFile, Monitor, Terminal, choose_progress, read_metrics
+from nanolm.monitor import MetricsFile, Terminal, choose_progress, read_metrics
 from nanolm.train import train
 
 from conftest import REPO, TINY_TRAIN, tiny_run_config
@@ -249,3 +247,20 @@ def test_plain_lines_carry_every_step_figure():
     assert lines[0] == ("step  20/100 | loss 2.5000 | lr 1.00e-03 | grad norm 0.400 (clipped) | 12.3k tok/s | "
                         "mfu 25.0% | 10.0s | eta 1m30s")
     assert lines[1].startswith("layers step 20 | update/weight 1.0e-03..1.0e-03 | attn logit max 3.00 (block 0)")
+
+
+def test_a_resumed_run_continues_tensorboard_without_duplicates(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = monitor.TensorBoardSink(tmp_path, {})
+    for row in _rows(range(0, 11)):
+        first.write(row)
+    first.close()
+    resumed = monitor.TensorBoardSink(tmp_path, {}, resume_step=6)
+    for row in _rows(range(7, 13)):
+        resumed.write(row)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(13))
