@@ -1,4 +1,4 @@
-"""The ``nanolm`` command: train, sample, eval, prepare, doctor, export, data.
+"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, export, data.
 
 User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with status 2.
 """
@@ -59,6 +59,15 @@ def _prepare(args) -> None:
     if "floor" in m:
         print(f"entropy floor of the validation text: {m['floor']['bpb']:.4f} bits/byte, "
               f"{m['floor']['nats_per_token']:.4f} nats/token")
+
+
+def _report(args) -> None:
+    from .report import render
+
+    result = render(args.runs, args.out, args.x)
+    print(f"{len(result['panels'])} panels ({', '.join(result['panels'])}) in {result['out_dir']}/panels")
+    print(f"dashboard: {result['dashboard']}")
+    print(f"report: {result['html']}")
 
 
 def _data_stories(args) -> None:
@@ -152,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN_DIR", help="run directory (its final weights, else its newest checkpoint)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must be new or empty)")
     p.set_defaults(func=_export)
+    p = sub.add_parser("report", help="plot runs: PNG panels, a dashboard and a self-contained HTML page",
+                       description="Plot one run, or overlay several on the same axes.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `nanolm train`")
+    p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: FIRST_RUN_DIR/report)")
+    p.add_argument("--x", choices=("step", "tokens", "time"), default="step",
+                   help="horizontal axis: optimizer steps, training tokens, or seconds (default: step)")
+    p.set_defaults(func=_report)
 
     p = sub.add_parser("data", help="built-in and downloadable corpora")
     data_sub = p.add_subparsers(dest="data_command", required=True, metavar="CORPUS")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .errors import NanolmError
 from .model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
+from .monitor import LOG_SINKS, PROGRESS_MODES, parse_sinks
 from .precision import PRECISIONS
 from .tokenizer import EOS, KINDS as TOKENIZER_KINDS
 
@@ -98,6 +99,13 @@ class TrainOptions:
     eval_every: int = option(100, "evaluate on the validation set every N steps (and at the end)")
     eval_batches: int = option(20, "validation batches per evaluation (a fixed set, the same every time)")
     log_every: int = option(10, "print and record training metrics every N steps")
+    stats_every: int = option(50, "record per-layer statistics after step 1 and every N steps: weight and gradient "
+                              "norms, update/weight ratios, max attention logit, dead MLP units, activation RMS (0 = never)")
+    log: str = option("", "extra metric sinks beside metrics.jsonl, comma-separated: " + ", ".join(LOG_SINKS))
+    progress: str = option("auto", "terminal output: a progress bar, plain lines, or auto (a bar on a terminal)",
+                           choices=PROGRESS_MODES)
+    peak_flops: float = option(0.0, "peak FLOP/s that MFU is measured against (0 = the data sheet for known GPUs, "
+                               "a measured matmul on CPU)")
     out_dir: str = option("", "run directory (default: runs/<data name>, numbered if it exists)")
     sample_tokens: int = option(200, "tokens to generate as a sample at the end (0 = none)")
     ckpt_every: int | None = option(None, "save a checkpoint every N steps (default: at every evaluation); "
@@ -158,6 +166,14 @@ class RunConfig:
             raise NanolmError(f"--min-lr must be between 0 and --lr ({self.optim.lr}), got {self.optim.min_lr}")
         if self.optim.warmup is not None and self.optim.warmup < 0:
             raise NanolmError(f"--warmup must be >= 0, got {self.optim.warmup}")
+        if self.train.stats_every < 0:
+            raise NanolmError(f"--stats-every must be >= 0 (0 = never), got {self.train.stats_every}")
+        if not (self.train.peak_flops >= 0 and math.isfinite(self.train.peak_flops)):
+            raise NanolmError(f"--peak-flops must be a FLOP/s figure >= 0 (0 = look it up), got {self.train.peak_flops}")
+        unknown = [s for s in parse_sinks(self.train.log) if s not in LOG_SINKS]
+        if unknown:
+            raise NanolmError(f"unknown --log sink {unknown[0]!r}; known: {', '.join(LOG_SINKS)} "
+                              f"(metrics.jsonl is always written)")
         if self.optim.clip < 0:
             raise NanolmError(f"--clip must be >= 0 (0 disables clipping), got {self.optim.clip}")
         if not 0 <= self.data.val_fraction < 1:
@@ -204,9 +220,9 @@ COMPATIBLE_ON_RESUME = {
     # optimizer's knobs (lowering the LR for a restart is a classic); everything else shapes
     # the model or the data stream, and changing it mid-run would silently mix two runs
     "train": {"steps", "eval_every", "eval_batches", "log_every", "sample_tokens", "out_dir", "device",
-              "compile", "ckpt_every", "keep", "resume", "deterministic"},
+              "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
+              "peak_flops"},
     "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip"},
-    "debug": {f.name for f in dataclasses.fields(DebugOptions)},
 }
 
 
@@ -215,6 +231,8 @@ def resume_differences(saved: "RunConfig", new: "RunConfig") -> tuple[list[str],
     each as lines like ``steps: 300 -> 600``."""
     allowed, refused = [], []
     for section in SECTIONS:
+        if section in HIDDEN_SECTIONS:
+            continue
         a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(new, section))
         for key in a:
             if a[key] != b[key]:

@@ -212,12 +212,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
-    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
-        B, T, C = x.shape
+    def queries_keys_values(self, x, cos, sin):
+        """q, k, v of shape (B, n_head, T, head_dim), with QK-norm and RoPE applied.
+
+        Exactly what attention compares: ``q @ k^T / sqrt(head_dim)`` are the logits the
+        softmax sees (``nanolm.diagnostics`` recomputes them to watch their maximum).
+        """
+        B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
+        B, T, C = x.shape
+        q, k, v = self.queries_keys_values(x, cos, sin)
         if cache is not None:
             k, v = cache.append(self.layer, k, v)
         dropout = self.dropout if self.training else 0.0

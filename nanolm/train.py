@@ -6,10 +6,12 @@ One optimizer step, in order:
 2. draw ``grad_accum`` micro-batches; :func:`accumulate_gradients` counts the tokens that
    count in *all* of them, then for each micro-batch runs forward, divides the sum of its
    token losses by that step-wide count, and runs backward (gradients add up);
+3. every ``--stats-every`` steps: take per-layer statistics (see ``nanolm.diagnostics``);
 4. fp16 only: divide the gradients by the loss scale; clip the global gradient norm once,
    after every backward pass;
 5. update the weights (fp16: unless a gradient overflowed), zero the gradients;
-6. every few steps: log, evaluate on the fixed validation set.
+6. every few steps: log (``metrics.jsonl``, the terminal, wandb/TensorBoard if asked),
+   evaluate on the fixed validation set, save a checkpoint.
 
 Dividing each micro-batch's *sum* by the step-wide count makes the accumulated gradient
 exactly the gradient of the mean loss over every counted token of the step, the same as
@@ -52,10 +54,12 @@ from .config import RunConfig, load_run_config, resume_differences
 from .corpus import write_stories
 from .download import resolve_data_path
 from .data import Batch, PreparedData, WindowSampler, eval_batches, pack_windows, prepare
+from .diagnostics import LayerStats, StepMeter, is_stats_step, peak_flops
 from .errors import NanolmError
 from .loss import masked_cross_entropy_sum
 from .model import GPT
-from .monitor import MetricsFile, format_eval_line, format_train_line, perplexity
+from .diagnostics import LayerStats, StepMeter, is_stats_step, peak_flops
+from .monitor import Monitor, missing_sink_packages, parse_sinks, perplexity
 from .optim import build_optimizer, cosine_lr, get_param_groups
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, grad_zero_fraction, resolve_precision
 from .tokenizer import Tokenizer
@@ -297,6 +301,9 @@ def train(cfg: RunConfig, log=print) -> dict:
         if existing:
             hint = "" if t.resume == "never" else " without a checkpoint to resume"
             raise NanolmError(f"{out_dir} already holds a run{hint} ({', '.join(existing)}); choose another --out-dir")
+    missing = missing_sink_packages(parse_sinks(t.log))
+    if missing:
+        raise NanolmError(f"--log {missing[0]} needs the {missing[0]} package: pip install 'nanolm[{missing[0]}]'")
     configure_determinism(t.deterministic)
     seed_everything(t.seed)
 
@@ -361,11 +368,13 @@ def train(cfg: RunConfig, log=print) -> dict:
         restore_rng(state["rng"])
         counters, start_step = state["counters"], state["step"]
         log(f"resumed from {checkpoint} at step {start_step}")
-    metrics = MetricsFile(out_dir / "metrics.jsonl", after_step=start_step if checkpoint is not None else None)
     log(f"model: {model.num_params() / 1e6:.2f}M parameters | {tokenizer.kind} vocabulary of {tokenizer.vocab_size} | "
         f"{tokens_per_step} tokens per step | device {device} | run dir {out_dir}")
     if not val_batches:
         log("warning: the validation split is shorter than one window; no validation loss will be reported")
+    peak, peak_source = peak_flops(device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
+    log(f"MFU: {model.flops_per_token() / 1e6:.2f} MFLOP per token, against "
+        f"{f'{peak / 1e12:.3g} TFLOP/s' if peak else 'no peak'} ({peak_source})")
 
     def evaluate(step: int, row: dict) -> dict:
         if not val_batches:
@@ -377,7 +386,6 @@ def train(cfg: RunConfig, log=print) -> dict:
             row.update(floor_bpb=floor["bpb"], floor_loss=floor["nats_per_token"])
         best = counters["best_val_loss"]
         counters["best_val_loss"] = result["loss"] if best is None else min(best, result["loss"])
-        log(format_eval_line(row))
         return row
 
     def save_checkpoint_at(step: int, row: dict) -> Path:
@@ -385,13 +393,19 @@ def train(cfg: RunConfig, log=print) -> dict:
                  "scaler": scaler.state_dict(), "rng": capture_rng(), "counters": dict(counters)}
         return save_checkpoint(out_dir, step, model, state, config_toml, tokenizer, row.get("val_loss"), t.keep)
 
-    started = time.perf_counter() - counters["elapsed_s"]
-    if start_step == 0:
-        metrics.write(evaluate(0, {"step": 0, "elapsed_s": 0.0}))
-    last_log_time, last_log_step = time.perf_counter(), start_step
+    resuming = checkpoint is not None
+    monitor = Monitor(out_dir, t.steps, parse_sinks(t.log), cfg.to_dict(), log, t.progress,
+                      resume_step=start_step if resuming else None)
+    clipped_before = monitor.metrics.rows[-1].get("clipped_steps", 0) if resuming and monitor.metrics.rows else 0
+    meter = StepMeter(t.steps, tokens_per_step, model.flops_per_token(), peak, o.clip, device,
+                      start_step=start_step, clipped_steps=clipped_before, elapsed_s=counters["elapsed_s"])
+    if not resuming:
+        monitor.record(evaluate(0, {"step": 0, "elapsed_s": 0.0, "n_params": model.num_params(), **meter.constants()}))
+    meter.lap(start_step)
     row: dict = {}
     with StopOnSignal() as stop:
         for step in range(start_step, t.steps):
+            done = step + 1
             lr = cosine_lr(step, o.lr, o.warmup, t.steps, o.min_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -400,53 +414,48 @@ def train(cfg: RunConfig, log=print) -> dict:
                                           tokenizer.eos_id, **pack) for _ in range(t.grad_accum)]
             loss, step_count = accumulate_gradients(step_model, micro_batches, device, precision.autocast,
                                                     scaler.loss_scale)
-            done = step + 1
-            log_now = done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1
+            stats_now = is_stats_step(done, t.stats_every)
+            log_now = done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1 or stats_now
             underflow = {"grad_zero_frac": grad_zero_fraction(model.parameters())} if log_now and scaler.enabled else {}
 
             scaler.unscale_(model.parameters())
+            layer_stats = LayerStats(model, micro_batches[0], precision.autocast) if stats_now else None
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
             if scaler.update(grad_norm):  # False only under fp16, when a gradient overflowed: skip the step
+                meter.count_clipped(grad_norm)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
             counters["tokens_seen"] += tokens_per_step
             row = {}
             if log_now:
-                now = time.perf_counter()
-                row = {
-                    "step": done,
-                    "loss": loss.item(),
-                    "lr": lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_sec": (done - last_log_step) * tokens_per_step / max(now - last_log_time, 1e-9),
-                    "elapsed_s": now - started,
-                    **scaler.metrics(),
-                    **underflow,
-                }
-                log(format_train_line(row, t.steps))
-                if not math.isfinite(row["loss"]):
-                    metrics.write(row)
+                row = meter.row(done, loss, lr, grad_norm)  # the one host sync of the step
+                row.update(**scaler.metrics(), **underflow)
+                if layer_stats is not None:
+                    row.update(layer_stats.after_update())
+                if not math.isfinite(row["loss"]) and not scaler.enabled:  # fp16 skips overflowing steps instead
+                    monitor.record(row)
+                    monitor.close()
                     raise NanolmError(f"the loss became {row['loss']} at step {done}; lower --lr or raise --warmup")
                 if done % t.eval_every == 0 or done == t.steps:
                     row = evaluate(done, row)
-                metrics.write(row)
-                last_log_time, last_log_step = time.perf_counter(), done
+                monitor.record(row)
+                meter.lap(done)
 
             if done % t.ckpt_every == 0 or done == t.steps or stop.requested:
-                counters["elapsed_s"] = time.perf_counter() - started
+                counters["elapsed_s"] = meter.elapsed()
                 saved = save_checkpoint_at(done, row)
                 if cfg.debug.kill_after_checkpoint == done:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if stop.requested:
-                    metrics.close()
+                    monitor.close()
                     name = signal.Signals(stop.requested).name
                     raise TrainingInterrupted(f"{name} at step {done}: checkpoint saved to {saved}; "
                                               f"run the same command again to resume", stop.requested)
 
-    metrics.close()
+    monitor.close()
     save_weights(model, out_dir / "model.safetensors")
-    result = {"out_dir": str(out_dir), "elapsed_s": time.perf_counter() - started, **row}
+    result = {"out_dir": str(out_dir), "elapsed_s": meter.elapsed(), **row}
     if t.sample_tokens:
         with precision.autocast():
             result["sample"] = sample_text(model, tokenizer, device, t.sample_tokens, seed=t.seed)

@@ -93,6 +93,9 @@ def _error_line(capsys):
     (b"plenty of text " * 500, ["--batch-size", "-2"], "--batch-size must be positive"),
     (b"plenty of text " * 500, ["--lr", "-1"], "--lr"),
     (b"plenty of text " * 500, ["--attention", "flex", "--device", "cpu"], "FlexAttention has no backward"),
+    (b"plenty of text " * 500, ["--stats-every", "-1"], "--stats-every must be >= 0"),
+    (b"plenty of text " * 500, ["--peak-flops", "-5"], "--peak-flops"),
+    (b"plenty of text " * 500, ["--log", "tensorboard,csv"], "unknown --log sink 'csv'"),
 ])
 def test_bad_input_gets_one_line_exit_2_and_writes_nothing(tmp_path, capsys, content, flags, message):
     data = tmp_path / "data.txt"
