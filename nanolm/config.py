@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import NanolmError
+from .guards import NAN_ACTIONS, SPIKE_ACTIONS
 from .model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from .monitor import LOG_SINKS, PROGRESS_MODES, parse_sinks
 from .precision import PRECISIONS
@@ -118,16 +119,41 @@ class TrainOptions:
 
 
 @dataclass
+class GuardOptions:
+    on_nan: str = option("rollback", "on a non-finite loss or gradient: stop, skip the update, or roll back to the "
+                         "last checkpoint and skip the offending batches", choices=NAN_ACTIONS)
+    on_spike: str = option("warn", "on a loss or gradient-norm spike: off, warn, skip the update, or roll back",
+                           choices=SPIKE_ACTIONS)
+    spike_threshold: float = option(6.0, "a spike is this many robust standard deviations above the recent median")
+    spike_window: int = option(50, "steps of history the spike detector compares with")
+    max_rollbacks: int = option(3, "stop with a report after this many rollbacks")
+    rollback_lr_scale: float = option(1.0, "multiply the learning rate by this after each rollback (e.g. 0.5)")
+
+
+@dataclass
 class DebugOptions:
-    """Deliberate breakage for tests and the lab; hidden from --help."""
+    """Deliberate breakage for tests and the lab (``nanolm lab``); hidden from --help.
+
+    Each switch breaks the real training code in one known way, so that what the logs show
+    and what ``nanolm diagnose`` says can be checked against the truth.
+    """
 
     drop_optimizer_state: bool = option(False, "on resume, do not restore the optimizer state", flag="debug-drop-optimizer-state")
     kill_after_checkpoint: int = option(0, "SIGKILL this process right after saving the checkpoint of this step",
                                         flag="debug-kill-after-checkpoint")
+    unshifted_targets: bool = option(False, "targets are the inputs themselves, not the next tokens",
+                                     flag="debug-unshifted-targets")
+    non_causal: bool = option(False, "attention sees the whole window, future included", flag="debug-non-causal")
+    loss_not_averaged: bool = option(False, "micro-batch losses are not divided by the accumulation count",
+                                     flag="debug-loss-not-averaged")
+    no_loss_scaling: bool = option(False, "fp16 without loss scaling", flag="debug-no-loss-scaling")
+    corrupt_data: float = option(0.0, "replace this share of the training tokens (one contiguous region) with random ids",
+                                 flag="debug-corrupt-data")
+    inject_nan_at: int = option(0, "make one gradient non-finite at this step", flag="debug-inject-nan-at")
 
 
 SECTIONS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "train": TrainOptions,
-            "debug": DebugOptions}
+            "guard": GuardOptions, "debug": DebugOptions}
 HIDDEN_SECTIONS = {"debug"}
 
 
@@ -137,6 +163,7 @@ class RunConfig:
     data: DataOptions = field(default_factory=DataOptions)
     optim: OptimOptions = field(default_factory=OptimOptions)
     train: TrainOptions = field(default_factory=TrainOptions)
+    guard: GuardOptions = field(default_factory=GuardOptions)
     debug: DebugOptions = field(default_factory=DebugOptions)
 
     def resolved(self) -> "RunConfig":
@@ -176,6 +203,12 @@ class RunConfig:
                               f"(metrics.jsonl is always written)")
         if self.optim.clip < 0:
             raise NanolmError(f"--clip must be >= 0 (0 disables clipping), got {self.optim.clip}")
+        g = self.guard
+        if g.spike_threshold <= 0 or g.spike_window < 5 or g.max_rollbacks < 0 or not 0 < g.rollback_lr_scale <= 1:
+            raise NanolmError("guard options: --spike-threshold > 0, --spike-window >= 5, --max-rollbacks >= 0 "
+                              "and 0 < --rollback-lr-scale <= 1")
+        if not 0 <= self.debug.corrupt_data < 1:
+            raise NanolmError("--debug-corrupt-data must be in [0, 1)")
         if not 0 <= self.data.val_fraction < 1:
             raise NanolmError(f"--val-fraction must be in [0, 1), got {self.data.val_fraction}")
         if self.train.fp32_master and self.train.precision != "bf16-pure":
@@ -223,6 +256,7 @@ COMPATIBLE_ON_RESUME = {
               "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
               "peak_flops"},
     "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip"},
+    "guard": {f.name for f in dataclasses.fields(GuardOptions)},
 }
 
 

@@ -137,11 +137,14 @@ class StepMeter:
 
     def __init__(self, total_steps: int, tokens_per_step: int, flops_per_token: int, peak: float | None,
                  clip: float, device: torch.device, start_step: int = 0, clipped_steps: int = 0,
-                 elapsed_s: float = 0.0):
+                 elapsed_s: float = 0.0, host_values: bool = False):
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
         self.flops_per_token, self.peak, self.clip = flops_per_token, peak, clip
         self.device = torch.device(device)
-        self.clipped_steps = torch.tensor(float(clipped_steps), device=self.device)
+        # With a guard that reads every step's loss and norm (``host_values``), the count lives
+        # on the host; otherwise on the device, so that counting needs no read.
+        self.host_values = host_values
+        self.clipped_steps = float(clipped_steps) if host_values else torch.tensor(float(clipped_steps), device=self.device)
         self.started = time.perf_counter()
         self.elapsed_before = elapsed_s  # time spent by the processes this run resumed from
         self.start_step = start_step
@@ -151,13 +154,18 @@ class StepMeter:
 
     def count_clipped(self, grad_norm: torch.Tensor) -> None:
         """Add this step to the count of clipped steps (no host sync)."""
-        if self.clip > 0:
+        if self.clip > 0 and self.host_values:
+            self.clipped_steps += float(grad_norm > self.clip)
+        elif self.clip > 0:
             self.clipped_steps += (grad_norm > self.clip).to(self.clipped_steps.dtype)
 
     def row(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> dict:
-        loss_v, norm_v, clipped_v = torch.stack(
-            [loss.detach().float(), grad_norm.detach().float().to(loss.device), self.clipped_steps.to(loss.device)]
-        ).tolist()
+        if self.host_values:
+            loss_v, norm_v, clipped_v = float(loss), float(grad_norm), self.clipped_steps
+        else:
+            loss_v, norm_v, clipped_v = torch.stack(
+                [loss.detach().float(), grad_norm.detach().float().to(loss.device), self.clipped_steps.to(loss.device)]
+            ).tolist()
         now = time.perf_counter()
         tokens_per_sec = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
         this_process = now - self.started

@@ -287,6 +287,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.see_the_future = False  # only ``--debug-non-causal`` (the lab) sets it
         self.reset_parameters()
 
     @torch.no_grad()
@@ -360,6 +361,8 @@ class GPT(nn.Module):
             raise NanolmError(f"sequence of {T} tokens is longer than seq_len={self.config.seq_len}")
         cos, sin = self.rope(T, positions)
         mask = self.document_mask(doc_ids) if doc_ids is not None else None
+        if self.see_the_future:  # a deliberate bug, for the lab: no causal mask at all
+            mask = torch.ones(B, 1, T, T, dtype=torch.bool, device=idx.device)
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin, mask)

@@ -69,6 +69,12 @@ class MetricsFile:
         self.file.flush()
         self.last_step = row["step"]
 
+    def rewind(self, step: int) -> None:
+        """Drop the rows after ``step``: a rollback discarded the trajectory they describe
+        (``events.jsonl`` keeps the evidence)."""
+        self.file.close()
+        self.__init__(self.path, resume_step=step)
+
     def close(self) -> None:
         self.file.close()
 
@@ -247,6 +253,11 @@ class Monitor:
 
     def write(self, line: str) -> None:
         self.terminal.write(line)
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to ``step``: ``metrics.jsonl`` loses the discarded rows. Extra sinks
+        keep them (they cannot delete), so their curves show the excursion."""
+        self.metrics.rewind(step)
 
     def _warn(self, name: str, what: str, error: Exception) -> None:
         self.terminal.write(f"warning: the {name} logger {what} ({type(error).__name__}: {error}); it is off for "

@@ -55,10 +55,12 @@ from .corpus import write_stories
 from .download import resolve_data_path
 from .data import Batch, PreparedData, WindowSampler, eval_batches, pack_windows, prepare
 from .diagnostics import LayerStats, StepMeter, is_stats_step, peak_flops
+from .guards import Guard, nan_origin
 from .errors import NanolmError
 from .loss import masked_cross_entropy_sum
 from .model import GPT
 from .diagnostics import LayerStats, StepMeter, is_stats_step, peak_flops
+from .guards import Guard, nan_origin
 from .monitor import Monitor, missing_sink_packages, parse_sinks, perplexity
 from .optim import build_optimizer, cosine_lr, get_param_groups
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, grad_zero_fraction, resolve_precision
@@ -208,6 +210,20 @@ def default_out_dir(cfg: RunConfig) -> Path:
     return out
 
 
+def step_count_without_averaging(micro_batches: list[Batch], grad_accum: int) -> int:
+    """The lab's "loss not divided by grad_accum" bug: each micro-batch's mean is summed."""
+    return max(1, sum(int(b.counted) for b in micro_batches) // grad_accum)
+
+
+def corrupt_tokens(tokens: np.ndarray, share: float, vocab_size: int, seed: int) -> np.ndarray:
+    """The lab's corrupted shard: one contiguous region of random ids (a copy; shards stay intact)."""
+    out = np.array(tokens, dtype=np.int64)
+    n = int(len(out) * share)
+    start = len(out) // 3
+    out[start : start + n] = np.random.default_rng(seed).integers(1, vocab_size, size=n)
+    return out
+
+
 RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "model.safetensors", "checkpoints", "data")
 
 
@@ -288,7 +304,7 @@ def train(cfg: RunConfig, log=print) -> dict:
     from its newest valid one, exactly where it stopped.
     """
     cfg = cfg.resolved()
-    t, o, d = cfg.train, cfg.optim, cfg.data
+    t, o, d, g = cfg.train, cfg.optim, cfg.data, cfg.guard
     device = resolve_device(t.device)
     if cfg.model.attention == "flex" and device.type != "cuda":
         raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
@@ -356,17 +372,30 @@ def train(cfg: RunConfig, log=print) -> dict:
                                max_windows=t.eval_batches * t.batch_size, **pack)
     token_bytes = torch.from_numpy(tokenizer.token_bytes())
     tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len
-    counters = {"tokens_seen": 0, "elapsed_s": 0.0, "best_val_loss": None}
-    start_step = 0
-    if checkpoint is not None:
-        state = load_state(checkpoint)
-        load_weights(model, checkpoint / "model.safetensors")
+    counters = {"tokens_seen": 0, "elapsed_s": 0.0, "best_val_loss": None, "lr_scale": 1.0, "rollbacks": 0}
+    model.see_the_future = cfg.debug.non_causal
+    if cfg.debug.no_loss_scaling:
+        scaler = DynamicLossScaler(enabled=False)
+    if cfg.debug.corrupt_data:
+        data.train.tokens = corrupt_tokens(data.train.tokens, cfg.debug.corrupt_data, tokenizer.vocab_size, t.seed)
+
+    def restore(path: Path, data_position: bool = True) -> int:
+        """Load a checkpoint into the live run; returns its step. A rollback keeps the data
+        position (``data_position=False``), so the offending batches are not replayed."""
+        state = load_state(path)
+        load_weights(model, path / "model.safetensors")
         if not cfg.debug.drop_optimizer_state:
             optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])
+        if data_position:
+            sampler.load_state_dict(state["sampler"])
+            restore_rng(state["rng"])
         scaler.load_state_dict(state["scaler"])
-        restore_rng(state["rng"])
-        counters, start_step = state["counters"], state["step"]
+        counters.update({k: v for k, v in state["counters"].items() if data_position or k not in ("lr_scale", "rollbacks")})
+        return state["step"]
+
+    start_step = 0
+    if checkpoint is not None:
+        start_step = restore(checkpoint)
         log(f"resumed from {checkpoint} at step {start_step}")
     log(f"model: {model.num_params() / 1e6:.2f}M parameters | {tokenizer.kind} vocabulary of {tokenizer.vocab_size} | "
         f"{tokens_per_step} tokens per step | device {device} | run dir {out_dir}")
@@ -396,44 +425,86 @@ def train(cfg: RunConfig, log=print) -> dict:
     resuming = checkpoint is not None
     monitor = Monitor(out_dir, t.steps, parse_sinks(t.log), cfg.to_dict(), log, t.progress,
                       resume_step=start_step if resuming else None)
+    guard = Guard(out_dir, g.on_nan, g.on_spike, g.spike_window, g.spike_threshold, g.max_rollbacks, monitor.write)
     clipped_before = monitor.metrics.rows[-1].get("clipped_steps", 0) if resuming and monitor.metrics.rows else 0
     meter = StepMeter(t.steps, tokens_per_step, model.flops_per_token(), peak, o.clip, device,
-                      start_step=start_step, clipped_steps=clipped_before, elapsed_s=counters["elapsed_s"])
-    if not resuming:
+                      start_step=start_step, clipped_steps=clipped_before, elapsed_s=counters["elapsed_s"],
+                      host_values=guard.reads_every_step)
+    if resuming:
+        guard.note("resume", start_step)
+    else:
         monitor.record(evaluate(0, {"step": 0, "elapsed_s": 0.0, "n_params": model.num_params(), **meter.constants()}))
     meter.lap(start_step)
     row: dict = {}
+    step, resumed_at = start_step, start_step
     with StopOnSignal() as stop:
-        for step in range(start_step, t.steps):
+        while step < t.steps:
             done = step + 1
-            lr = cosine_lr(step, o.lr, o.warmup, t.steps, o.min_lr)
+            lr = cosine_lr(step, o.lr, o.warmup, t.steps, o.min_lr) * counters["lr_scale"]
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
             micro_batches = [pack_windows(data.train.tokens, sampler.next_starts(), cfg.model.seq_len,
                                           tokenizer.eos_id, **pack) for _ in range(t.grad_accum)]
-            loss, step_count = accumulate_gradients(step_model, micro_batches, device, precision.autocast,
-                                                    scaler.loss_scale)
+            if cfg.debug.unshifted_targets:
+                for b in micro_batches:
+                    b.targets = b.idx.clone()
+            loss, _ = accumulate_gradients(step_model, micro_batches, device, precision.autocast, scaler.loss_scale,
+                                           step_count=step_count_without_averaging(micro_batches, t.grad_accum)
+                                           if cfg.debug.loss_not_averaged else None)
+            if cfg.debug.inject_nan_at == done and not counters["rollbacks"]:  # a one-off fault, like a bad batch
+                next(model.parameters()).grad.view(-1)[0] = float("nan")
             stats_now = is_stats_step(done, t.stats_every)
-            log_now = done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1 or stats_now
-            underflow = {"grad_zero_frac": grad_zero_fraction(model.parameters())} if log_now and scaler.enabled else {}
+            log_now = (done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1
+                       or stats_now or done - resumed_at <= 3)  # the first steps after a (re)start are all shown
+            underflow = {"grad_zero_frac": grad_zero_fraction(model.parameters())} if log_now and precision.name == "fp16" else {}
 
             scaler.unscale_(model.parameters())
             layer_stats = LayerStats(model, micro_batches[0], precision.autocast) if stats_now else None
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
-            if scaler.update(grad_norm):  # False only under fp16, when a gradient overflowed: skip the step
+            action, event = "take", None
+            if guard.reads_every_step:
+                loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()  # the step's one read
+                if not (scaler.enabled and not math.isfinite(grad_norm)):  # an fp16 overflow is the scaler's to skip
+                    action, event = guard.check(done, loss, grad_norm, lr)
+            if action == "take" and scaler.update(grad_norm):  # False only under fp16, when a gradient overflowed
                 meter.count_clipped(grad_norm)
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+            if event is not None:
+                if event["kind"] == "nan":
+                    event.update(nan_origin(model, micro_batches[0], precision.autocast, tokenizer.vocab_size))
+                target = latest_valid_checkpoint(out_dir, monitor.write) if action == "rollback" else None
+                if action == "rollback" and target is None:
+                    action, event["note"] = "skip", "no checkpoint yet: skipped instead of rolled back"
+                if action == "rollback" and counters["rollbacks"] >= g.max_rollbacks:
+                    action, event["note"] = "stop", f"already rolled back {g.max_rollbacks} times (--max-rollbacks)"
+                if action == "rollback":
+                    counters["rollbacks"] += 1
+                    step = restore(target, data_position=False)
+                    counters["lr_scale"] *= g.rollback_lr_scale
+                    guard.record(event, "rollback", to_step=step, lr_scale=counters["lr_scale"])
+                    guard.reset_history()
+                    monitor.rewind(step)
+                    meter.lap(step)
+                    resumed_at = step
+                    continue
+                guard.record(event, {"take": "warn"}.get(action, action))
+                if action == "stop":
+                    monitor.close()
+                    raise NanolmError(f"training stopped at step {done} on a {event['kind']} event "
+                                      f"({event.get('origin') or event.get('note') or 'see events.jsonl'}); "
+                                      f"run `nanolm diagnose {out_dir}`")
+
             counters["tokens_seen"] += tokens_per_step
             row = {}
             if log_now:
-                row = meter.row(done, loss, lr, grad_norm)  # the one host sync of the step
+                row = meter.row(done, loss, lr, grad_norm)  # the one host sync of a logged step
                 row.update(**scaler.metrics(), **underflow)
                 if layer_stats is not None:
                     row.update(layer_stats.after_update())
-                if not math.isfinite(row["loss"]) and not scaler.enabled:  # fp16 skips overflowing steps instead
+                if not math.isfinite(row["loss"]) and not scaler.enabled and not guard.reads_every_step:
                     monitor.record(row)
                     monitor.close()
                     raise NanolmError(f"the loss became {row['loss']} at step {done}; lower --lr or raise --warmup")
@@ -452,6 +523,7 @@ def train(cfg: RunConfig, log=print) -> dict:
                     name = signal.Signals(stop.requested).name
                     raise TrainingInterrupted(f"{name} at step {done}: checkpoint saved to {saved}; "
                                               f"run the same command again to resume", stop.requested)
+            step = done
 
     monitor.close()
     save_weights(model, out_dir / "model.safetensors")

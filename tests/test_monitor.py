@@ -188,7 +188,7 @@ def test_wandb_logs_offline_without_network(tmp_path, stories_file, monkeypatch)
     assert b"val_bpb" in data and b"update_ratio/0" in data and b"attn_logit_max/0" in data
 
 
-def test_the_loop_reads_the_device_once_per_logged_step_and_never_otherwise(tmp_path, stories_file, monkeypatch):
+def test_the_loop_reads_the_device_once_per_step_with_guards_and_only_when_logging_without(tmp_path, stories_file, monkeypatch):
     """The loss and the gradient norm live on the accelerator; every read waits for it."""
     events = []
     for name in ("item", "tolist"):
@@ -202,15 +202,25 @@ def test_the_loop_reads_the_device_once_per_logged_step_and_never_otherwise(tmp_
     # the optimizer's own reads of its step counters (kept on the host) are not the loop's
     handles = [register_optimizer_step_pre_hook(lambda *a: events.append("step")),
                register_optimizer_step_post_hook(lambda *a: events.append("done"))]
+    def syncs_between_updates(**guard):
+        events.clear()
+        cfg = tiny_run_config(stories_file, tmp_path / f"run{len(guard)}", steps=6, log_every=2, eval_every=100,
+                              stats_every=0)
+        for k, v in guard.items():
+            setattr(cfg.guard, k, v)
+        train(cfg, log=lambda *_: None)
+        # from one update to the next: logging, then the next step's forward, backward and clipping
+        return [chunk.split("step")[0].count("sync") for chunk in " ".join(events).split("done")[1:]][:5]
+
     try:
-        train(tiny_run_config(stories_file, tmp_path / "run", steps=5, log_every=2, eval_every=100, stats_every=0),
-              log=lambda *_: None)
+        # a guard that can skip or roll back reads each step's loss and norm once, before the
+        # update; a logged step reuses that read
+        assert syncs_between_updates() == [1, 1, 1, 1, 1]
+        # with no such guard, only logged steps read: 1-3 (the first steps after a start), 4; not 5
+        assert syncs_between_updates(on_nan="stop", on_spike="off") == [1, 1, 1, 1, 0]
     finally:
         for handle in handles:
             handle.remove()
-    # from one update to the next: logging, then the next step's forward, backward and clipping
-    between_updates = [chunk.split("step")[0] for chunk in " ".join(events).split("done")[1:]]
-    assert [chunk.count("sync") for chunk in between_updates[:4]] == [1, 1, 0, 1]  # steps 1, 2 and 4 are logged
 
 
 def test_plain_lines_when_output_is_not_a_terminal(monkeypatch):

@@ -1,0 +1,194 @@
+"""Guards: catch non-finite values and spikes during training, and recover as an expert would.
+
+**What is watched.** After the backward pass of every step, before the update: the step's
+loss and its global gradient norm (one read of two numbers from the device). A value that is
+not finite is a NaN event. A value far above its recent history is a spike: the detector
+keeps the last ``window`` finite values and measures how many robust standard deviations
+(1.4826 × the median absolute deviation) the new one sits above their median. The median
+and MAD, unlike a mean and a standard deviation, are not dragged up by the spikes they are
+meant to catch. Gradient norms are compared on a log scale, since they vary by factors.
+
+**What is done** (``--on-nan``, ``--on-spike``):
+
+* ``skip``: drop this step's update; the batch that caused it is never trained on.
+* ``rollback``: reload the last good checkpoint (weights, optimizer, loss scale), keep the
+  data sampler where it is, so the offending batches (and those since the checkpoint) are
+  skipped rather than replayed, optionally scale the learning rate down
+  (``--rollback-lr-scale``), and continue. After ``--max-rollbacks`` the run stops with a
+  report instead of looping.
+* ``warn`` (spikes only): record the event, take the step.
+* ``stop`` (NaN only): record the event and stop.
+
+Nothing non-finite is ever checkpointed (``save_checkpoint`` refuses it), so a rollback
+always lands on finite weights.
+
+**Where a NaN came from.** :func:`nan_origin` re-runs the offending micro-batch with forward
+hooks on every module and names the first one whose output is not finite, or, when the
+forward pass is finite, the first parameter whose gradient is not, and says whether the
+batch held token ids outside the vocabulary.
+
+Every event goes to ``events.jsonl`` with its evidence: the recent losses, gradient norms
+and learning rates, the step, the action taken.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from pathlib import Path
+
+import torch
+
+NAN_ACTIONS = ("stop", "skip", "rollback")
+SPIKE_ACTIONS = ("off", "warn", "skip", "rollback")
+
+
+class SpikeDetector:
+    """Robust z-score of a new value against the last ``window`` values."""
+
+    def __init__(self, window: int = 50, threshold: float = 6.0, min_history: int = 20, log_scale: bool = False):
+        self.values: deque[float] = deque(maxlen=window)
+        self.threshold, self.min_history, self.log_scale = threshold, min_history, log_scale
+
+    def _scaled(self, value: float) -> float:
+        return math.log(max(value, 1e-30)) if self.log_scale else value
+
+    def zscore(self, value: float) -> float | None:
+        """How far above the recent median ``value`` is, in robust standard deviations."""
+        if len(self.values) < self.min_history:
+            return None
+        history = sorted(self.values)
+        median = history[len(history) // 2]
+        mad = sorted(abs(v - median) for v in history)[len(history) // 2]
+        scale = 1.4826 * mad + 1e-3 * abs(median) + 1e-12  # a floor: a flat history is not infinitely sure
+        return (self._scaled(value) - median) / scale
+
+    def is_spike(self, value: float) -> tuple[bool, float | None]:
+        z = self.zscore(value)
+        return (z is not None and z > self.threshold), z
+
+    def add(self, value: float) -> None:
+        if math.isfinite(value):
+            self.values.append(self._scaled(value))
+
+
+class Guard:
+    """Decides, each step, whether to take the update, skip it or roll back, and records why."""
+
+    def __init__(self, out_dir, on_nan: str = "rollback", on_spike: str = "warn", window: int = 50,
+                 threshold: float = 6.0, max_rollbacks: int = 3, log=print):
+        self.on_nan, self.on_spike, self.max_rollbacks = on_nan, on_spike, max_rollbacks
+        self.loss = SpikeDetector(window, threshold)
+        self.grad = SpikeDetector(window, threshold, log_scale=True)
+        self.history: deque[dict] = deque(maxlen=window)
+        self.events_path = Path(out_dir) / "events.jsonl"
+        self.rollbacks = 0
+        self.log = log
+
+    @property
+    def reads_every_step(self) -> bool:
+        """A guard that may skip or roll back needs every step's numbers before the update."""
+        return self.on_nan != "stop" or self.on_spike != "off"
+
+    def check(self, step: int, loss: float, grad_norm: float, lr: float) -> tuple[str, dict | None]:
+        """The action for this step (``take``, ``skip``, ``rollback`` or ``stop``) and its event."""
+        evidence = {"recent": list(self.history)}
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            event = {"step": step, "kind": "nan", "loss": _json_number(loss), "grad_norm": _json_number(grad_norm),
+                     "lr": lr, **evidence}
+            return self.on_nan, event
+        spike_loss, z_loss = self.loss.is_spike(loss)
+        spike_grad, z_grad = self.grad.is_spike(grad_norm)
+        self.history.append({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr})
+        if self.on_spike != "off" and (spike_loss or spike_grad):
+            event = {"step": step, "kind": "spike", "on": [n for n, s in (("loss", spike_loss), ("grad_norm", spike_grad)) if s],
+                     "loss": loss, "grad_norm": grad_norm, "lr": lr, "z_loss": z_loss, "z_grad_norm": z_grad, **evidence}
+            action = {"warn": "take"}.get(self.on_spike, self.on_spike)
+            if action == "take":  # a warned spike still belongs to the history
+                self.loss.add(loss)
+                self.grad.add(grad_norm)
+            return action, event
+        self.loss.add(loss)
+        self.grad.add(grad_norm)
+        return "take", None
+
+    def record(self, event: dict, action: str, **details) -> None:
+        """Append the event, with the action taken, to ``events.jsonl`` and say it in one line."""
+        event = {**event, "action": action, **details}
+        with open(self.events_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+        what = "non-finite loss or gradient" if event["kind"] == "nan" else f"{'/'.join(event['on'])} spike"
+        extra = f"; first non-finite: {event['origin']}" if event.get("origin") else ""
+        self.log(f"guard: {what} at step {event['step']} (loss {event['loss']}, grad norm {event['grad_norm']}"
+                 f"{extra}): {action}")
+
+    def note(self, kind: str, step: int, **details) -> None:
+        """Record a non-guard event that diagnosis needs (a resume, a rollback landing)."""
+        with open(self.events_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "kind": kind, **details}) + "\n")
+
+    def reset_history(self) -> None:
+        """After a rollback the recent values belong to a discarded trajectory."""
+        self.history.clear()
+        self.loss.values.clear()
+        self.grad.values.clear()
+
+
+def _json_number(x: float):
+    return x if math.isfinite(x) else str(x)
+
+
+def read_events(run_dir) -> list[dict]:
+    path = Path(run_dir) / "events.jsonl"
+    if not path.is_file():
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def nan_origin(model: torch.nn.Module, batch, autocast, vocab_size: int) -> dict:
+    """Re-run ``batch`` with hooks: the first module whose output, or else the first
+    parameter whose gradient, is not finite; and whether the ids are out of range."""
+    report: dict = {}
+    ids = batch.idx
+    bad_ids = int(((ids < 0) | (ids >= vocab_size)).sum())
+    if bad_ids:
+        report["bad_ids"] = bad_ids
+    first: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+
+    def hook(module, inputs, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if not first and torch.is_tensor(out) and out.is_floating_point() and not torch.isfinite(out).all():
+            first.append(names.get(module) or type(module).__name__)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    was_training = model.training
+    try:
+        model.zero_grad(set_to_none=True)
+        with autocast():
+            logits, _ = model(batch.idx.clamp(0, vocab_size - 1), doc_ids=batch.doc_ids, positions=batch.positions)
+        from .loss import masked_cross_entropy
+
+        loss = masked_cross_entropy(logits, batch.targets, batch.loss_mask)
+    finally:
+        for h in handles:
+            h.remove()
+    if first:
+        report["origin"] = f"the output of {first[0]}"
+        model.zero_grad(set_to_none=True)
+        return report
+    if not torch.isfinite(loss):
+        report["origin"] = "the loss (finite logits, non-finite cross-entropy)"
+        return report
+    loss.backward()
+    for name, p in reversed(list(model.named_parameters())):  # backward visits the last layers first
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            report["origin"] = f"the gradient of {name}"
+            break
+    else:
+        report["origin"] = "none on a re-run of the batch (the fault did not come from this batch's forward/backward)"
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+    return report
