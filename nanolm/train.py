@@ -433,7 +433,8 @@ def train(cfg: RunConfig, log=print) -> dict:
                 metrics.write(row)
                 last_log_time, last_log_step = time.perf_counter(), done
 
-            if done % t.ckpt_every == 0 or done == t.steps or stop.requested:
+            reached = 0 < t.target_val_bpb and row.get("val_bpb", math.inf) <= t.target_val_bpb
+            if done % t.ckpt_every == 0 or done == t.steps or stop.requested or reached:
                 counters["elapsed_s"] = time.perf_counter() - started
                 saved = save_checkpoint_at(done, row)
                 if cfg.debug.kill_after_checkpoint == done:
@@ -443,6 +444,9 @@ def train(cfg: RunConfig, log=print) -> dict:
                     name = signal.Signals(stop.requested).name
                     raise TrainingInterrupted(f"{name} at step {done}: checkpoint saved to {saved}; "
                                               f"run the same command again to resume", stop.requested)
+            if reached:
+                log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {t.target_val_bpb} at step {done}: done")
+                break
 
     metrics.close()
     save_weights(model, out_dir / "model.safetensors")
