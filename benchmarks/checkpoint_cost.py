@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -61,6 +62,7 @@ def main():
         "resume_load_s_median": round(statistics.median(loads), 3),
         "checkpoint_mb": round(sum(sizes.values()) / 1e6, 2),
         "files_mb": {k: round(v / 1e6, 3) for k, v in sizes.items()},
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }, indent=2))
 
 

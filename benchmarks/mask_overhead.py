@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -76,6 +77,7 @@ def main():
         "mask_off_tokens_per_sec": round(tokens_per_step / off),
         "ratio_on_over_off": round(on / off, 3),
         "windows_crossing_a_document_boundary": round(crossing / windows, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }, indent=2))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ def main():
                 "tokens": data.meta["splits"]["train"]["tokens"] + data.meta["splits"]["val"]["tokens"],
                 "compressor_bpb": data.meta["compressor_bpb"],
             }
+    results["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     print(json.dumps(results, indent=2))
 
 

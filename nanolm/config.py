@@ -109,6 +109,8 @@ class TrainOptions:
                                "a measured matmul on CPU)")
     out_dir: str = option("", "run directory (default: runs/<data name>, numbered if it exists)")
     sample_tokens: int = option(200, "tokens to generate as a sample at the end (0 = none)")
+    target_val_bpb: float = option(0.0, "stop as soon as an evaluation's val bpb is at or below this, as if --steps "
+                                   "were reached there (0 = never); the LR schedule still spans --steps")
     ckpt_every: int | None = option(None, "save a checkpoint every N steps (default: at every evaluation); "
                                     "one is always saved at the end and on SIGINT/SIGTERM")
     keep: int = option(3, "checkpoints to keep: the newest K plus the best by validation loss")
@@ -201,6 +203,8 @@ class RunConfig:
         if unknown:
             raise NanolmError(f"unknown --log sink {unknown[0]!r}; known: {', '.join(LOG_SINKS)} "
                               f"(metrics.jsonl is always written)")
+        if not 0 <= self.train.target_val_bpb < math.inf:
+            raise NanolmError(f"--target-val-bpb must be >= 0 (0 = no target), got {self.train.target_val_bpb}")
         if self.optim.clip < 0:
             raise NanolmError(f"--clip must be >= 0 (0 disables clipping), got {self.optim.clip}")
         g = self.guard
@@ -254,7 +258,7 @@ COMPATIBLE_ON_RESUME = {
     # the model or the data stream, and changing it mid-run would silently mix two runs
     "train": {"steps", "eval_every", "eval_batches", "log_every", "sample_tokens", "out_dir", "device",
               "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
-              "peak_flops"},
+              "peak_flops", "target_val_bpb"},
     "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip"},
     "guard": {f.name for f in dataclasses.fields(GuardOptions)},
 }

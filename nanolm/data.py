@@ -37,6 +37,7 @@ import math
 import time
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,13 +334,19 @@ def compressor_bits_per_byte(context: bytes, text: bytes) -> dict:
 
     A general-purpose compressor is a language model too (a weak one). A trained model
     should need fewer bits per byte than xz; a model that does worse has learned less
-    than a zip file.
+    than a zip file. The four compressions run in parallel threads (zlib and lzma release
+    the GIL): on tiny-shakespeare this takes about half the time of running them in turn.
     """
-    out = {}
     if not text:
-        return out
-    for name, compress in (("zlib", lambda b: zlib.compress(b, 9)), ("xz", lambda b: lzma.compress(b, preset=6))):
-        extra = len(compress(context + text)) - (len(compress(context)) if context else 0)
+        return {}
+    compressors = {"zlib": lambda b: len(zlib.compress(b, 9)), "xz": lambda b: len(lzma.compress(b, preset=6))}
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        sizes = {(name, part): pool.submit(compress, data) for name, compress in compressors.items()
+                 for part, data in (("context", context), ("both", context + text)) if data}
+        sizes = {key: future.result() for key, future in sizes.items()}
+    out = {}
+    for name in compressors:
+        extra = sizes[name, "both"] - sizes.get((name, "context"), 0)
         out[name] = round(8 * max(extra, 1) / len(text), 4)
     return out
 
@@ -432,7 +439,9 @@ def prepare(
             sample_size[split] += len(piece)
         if chunk_chars >= 8_000_000:
             flush()
-    flush()
+    with ThreadPoolExecutor(max_workers=1) as background:  # the compressors run while the last chunk encodes
+        compressor_bpb = background.submit(compressor_bits_per_byte, b"".join(sample["train"]), b"".join(sample["val"]))
+        flush()
     if bar is not None:
         bar.close()
     for name, w in writers.items():
@@ -463,7 +472,7 @@ def prepare(
         "seq_len_for_stats": seq_len,
         "windows_crossing_a_boundary": crossing,
         "windows": n_windows,
-        "compressor_bpb": compressor_bits_per_byte(b"".join(sample["train"]), b"".join(sample["val"])),
+        "compressor_bpb": compressor_bpb.result(),
         "seconds": round(seconds, 2),
         "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
     }

@@ -513,7 +513,8 @@ def train(cfg: RunConfig, log=print) -> dict:
                 monitor.record(row)
                 meter.lap(done)
 
-            if done % t.ckpt_every == 0 or done == t.steps or stop.requested:
+            reached = 0 < t.target_val_bpb and row.get("val_bpb", math.inf) <= t.target_val_bpb
+            if done % t.ckpt_every == 0 or done == t.steps or stop.requested or reached:
                 counters["elapsed_s"] = meter.elapsed()
                 saved = save_checkpoint_at(done, row)
                 if cfg.debug.kill_after_checkpoint == done:
@@ -524,6 +525,9 @@ def train(cfg: RunConfig, log=print) -> dict:
                     raise TrainingInterrupted(f"{name} at step {done}: checkpoint saved to {saved}; "
                                               f"run the same command again to resume", stop.requested)
             step = done
+            if reached:
+                log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {t.target_val_bpb} at step {done}: done")
+                break
 
     monitor.close()
     save_weights(model, out_dir / "model.safetensors")

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from nanolm.errors import NanolmError
-from nanolm.model import GPT, GPTConfig, document_causal_mask, reference_attention, sample_next_token
+from nanolm.model import (GPT, GPTConfig, apply_rope, attention, document_causal_mask, reference_attention, rope_tables,
+                          sample_next_token)
 
 from conftest import tiny_model
 
@@ -170,3 +171,34 @@ def test_flex_attention_document_mask_matches_the_sdpa_reference():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert flex.uses_flex_attention("cpu") and not sdpa.uses_flex_attention("cuda")
     assert tiny_model().uses_flex_attention("cuda") and not tiny_model().uses_flex_attention("cpu")
+
+
+def test_rope_equals_the_textbook_rotate_half_formula_bit_for_bit():
+    """apply_rope rolls x and keeps the sign in the sin table; the numbers must be exactly
+    those of x·cos + rotate_half(x)·sin with the plain tables (what Llama and HF compute)."""
+    T, D, theta = 16, 8, 10000.0
+    cos, sin = rope_tables(T, D, theta)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    angles = torch.outer(torch.arange(T, dtype=torch.float64), inv_freq).repeat(1, 2)
+    assert torch.equal(cos, angles.cos().float())
+    x = torch.randn(2, 3, T, D)
+    rotate_half = torch.cat([-x[..., D // 2:], x[..., : D // 2]], dim=-1)
+    assert torch.equal(apply_rope(x, cos, sin), x * angles.cos().float() + rotate_half * angles.sin().float())
+
+
+def test_attention_runs_in_fp32_under_cpu_autocast():
+    """On CPU under bf16 autocast only the Linear layers use bf16: attention gets fp32 inputs
+    (its bf16 backward is several times slower on CPU) and returns exactly fp32 SDPA."""
+    q, k, v = (torch.randn(2, 2, 8, 16).bfloat16() for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attention(q, k, v, is_causal=True)
+    assert y.dtype == torch.float32
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert torch.equal(y, expected)
+    model = tiny_model()
+    idx = torch.randint(64, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx, targets=idx)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    torch.testing.assert_close(logits.float(), model(idx)[0], rtol=0.05, atol=0.05)

@@ -128,3 +128,19 @@ def test_get_batch_returns_windows_and_their_next_tokens():
     assert x.shape == y.shape == (6, 16)
     assert torch.equal(y, x + 1)  # targets are the inputs shifted by one token
     assert torch.equal(x[:, 1:], x[:, :-1] + 1)  # contiguous windows
+
+
+def test_training_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path, stories_file):
+    """--target-val-bpb ends the run at the first evaluation at or below it, like --steps would:
+    the checkpoint, the final weights and the metrics all stop at that step."""
+    cfg = _tiny_cfg(stories_file, tmp_path / "run", steps=12, batch_size=2, eval_every=4)
+    cfg.train.target_val_bpb = 100.0  # any trained model is below 100 bits per byte
+    result = train(cfg, log=lambda *_: None)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert result["step"] == 4 and rows[-1]["step"] == 4 and rows[-1]["val_bpb"] <= 100.0
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_000004").is_dir()
+
+    cfg = _tiny_cfg(stories_file, tmp_path / "unreached", steps=8, batch_size=2, eval_every=4)
+    cfg.train.target_val_bpb = 1e-3
+    assert train(cfg, log=lambda *_: None)["step"] == 8

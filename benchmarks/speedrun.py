@@ -1,0 +1,156 @@
+"""CPU speedrun: whole-process wall time until tiny-shakespeare's validation bits per byte <= 2.72.
+
+Runs ``python -m nanolm train --config configs/speedrun_cpu.toml --data FILE --target-val-bpb 2.72``
+as a fresh subprocess and times it from launch to exit: interpreter and PyTorch start-up,
+tokenizer training, tokenization, every evaluation, checkpoint and final save all count. The
+validation set is the last 10 % of the file's bytes (a single-document corpus is split that way)
+and bits per byte are computed on those bytes, so any tokenizer compares. 2.72 bits per byte is
+the 1.886 nats per character nanoGPT's CPU recipe reaches (≈ 150 s on the 2-core development
+machine).
+
+Which validation tokens decide: the config's ``eval_batches`` covers the whole validation split,
+so the decision is taken on every validation byte; the script re-evaluates the final weights on
+the whole split afterwards (outside the timed process) and reports that figure too.
+
+Prints JSON: for each repeat the curve (step, seconds since launch, val bpb), the time to target,
+the child's CPU time and peak RSS, and the load average around it.
+
+    python benchmarks/speedrun.py --data path/to/tinyshakespeare.txt
+    python benchmarks/speedrun.py --data shakespeare --repeats 3          # downloads it once
+    python benchmarks/speedrun.py --data FILE --threads 1                 # on a busy machine
+    python benchmarks/speedrun.py --data FILE --config configs/shakespeare_char.toml   # the baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EVAL_LINE = re.compile(r"^eval step (\d+) \|.*\| val bpb ([0-9.]+)")
+TRAIN_LINE = re.compile(r"^step +(\d+)/\d+ \| loss ([0-9.]+)")
+
+
+def run_once(args, out_dir: Path) -> dict:
+    cmd = [sys.executable, "-m", "nanolm", "train", "--config", args.config, "--data", args.data,
+           "--out-dir", str(out_dir), "--target-val-bpb", str(args.target), *args.extra]
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    env.setdefault("PYTHONPATH", str(REPO))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    curve, train_curve, lines, phases = [], [], [], {}
+    for line in proc.stdout:
+        now = round(time.perf_counter() - start, 2)
+        lines.append(line.rstrip())
+        phases.setdefault("first_output_s", now)  # Python and PyTorch imported, config read
+        if line.startswith("model: "):
+            phases["data_ready_s"] = now  # tokenizer trained, text tokenized, model built
+        m = EVAL_LINE.match(line)
+        if m:
+            curve.append({"step": int(m.group(1)), "seconds": now, "val_bpb": float(m.group(2))})
+        m = TRAIN_LINE.match(line)
+        if m:
+            train_curve.append({"step": int(m.group(1)), "seconds": now, "loss": float(m.group(2))})
+    proc.wait()
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed (exit {proc.returncode}):\n" + "\n".join(lines[-20:]))
+    # the values themselves from metrics.jsonl (stdout only gives each one its time since launch)
+    seen = {row["step"]: row["seconds"] for row in curve}
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    curve = [{"step": r["step"], "seconds": seen.get(r["step"]), "train_elapsed_s": round(r["elapsed_s"], 2),
+              "val_bpb": round(r["val_bpb"], 4)} for r in rows if "val_bpb" in r]
+    reached = [row for row in curve if row["val_bpb"] <= args.target]
+    return {
+        "reached_target": bool(reached),
+        "time_to_target_s": round(wall, 2) if reached else None,
+        "wall_s": round(wall, 2),
+        "target_seen_at_s": reached[0]["seconds"] if reached else None,
+        "final_step": curve[-1]["step"] if curve else None,
+        "final_val_bpb": curve[-1]["val_bpb"] if curve else None,
+        "child_cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 2),
+        "child_peak_rss_mb": round(after.ru_maxrss / 1024, 1),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "phases": {**phases, "step0_eval_done_s": curve[0]["seconds"] if curve else None},
+        "curve": curve,  # seconds since launch; step 0 comes after start-up, data preparation and one evaluation
+        "train_loss_curve": train_curve,
+    }
+
+
+def full_validation_bpb(run_dir: Path, threads: int | None) -> dict:
+    """Bits per byte of the final weights on every token of the validation split."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    sys.path.insert(0, str(REPO))
+    from nanolm.checkpoint import load_weights
+    from nanolm.config import load_run_config
+    from nanolm.data import PreparedData, eval_batches, eval_window_starts
+    from nanolm.model import GPT
+    from nanolm.precision import resolve_precision
+    from nanolm.train import estimate_loss
+
+    cfg = load_run_config(run_dir / "config.toml")
+    data = PreparedData(run_dir / "data")
+    model = GPT(cfg.model.gpt_config(data.tokenizer.vocab_size))
+    load_weights(model, run_dir / "model.safetensors")
+    batches = eval_batches(data.val, cfg.model.seq_len, 64, data.tokenizer.eos_id, doc_mask=cfg.data.doc_mask,
+                           reset_positions=cfg.data.reset_positions, mask_boundary=cfg.data.mask_boundary)
+    with resolve_precision(cfg.train.precision, torch.device("cpu")).autocast():
+        result = estimate_loss(model, batches, torch.from_numpy(data.tokenizer.token_bytes()))
+    all_windows = len(eval_window_starts(len(data.val.tokens), cfg.model.seq_len)[0])
+    return {"full_val_bpb": round(result["bpb"], 4), "val_tokens": result["tokens"], "val_bytes": result["bytes"],
+            "decided_on_the_full_val_split": cfg.train.eval_batches * cfg.train.batch_size >= all_windows}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default="shakespeare", help="tiny-shakespeare: a local path, or 'shakespeare' to download it")
+    p.add_argument("--config", default="configs/speedrun_cpu.toml")
+    p.add_argument("--target", type=float, default=2.72, help="validation bits per byte to reach")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the run (default: PyTorch's)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("extra", nargs="*", help="more flags for nanolm train, after --")
+    args = p.parse_args()
+    if Path(args.data).exists():
+        args.data = str(Path(args.data).resolve())
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="speedrun-") as tmp:
+        for i in range(args.repeats):
+            run_dir = Path(tmp) / f"run{i}"
+            result = run_once(args, run_dir)
+            result.update(full_validation_bpb(run_dir, args.threads))
+            runs.append(result)
+    times = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
+    print(json.dumps({
+        "date": time.strftime("%Y-%m-%d"),
+        "config": args.config,
+        "data": args.data,
+        "target_val_bpb": args.target,
+        "threads": args.threads or "default",
+        "cpus": os.cpu_count(),
+        "extra_flags": args.extra,
+        "median_time_to_target_s": statistics.median(times) if times else None,
+        "reached": f"{len(times)}/{len(runs)}",
+        "runs": runs,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
