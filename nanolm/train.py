@@ -15,6 +15,10 @@ Dividing each micro-batch's *sum* by the step-wide count makes the accumulated g
 exactly the gradient of the mean loss over every counted token of the step, the same as
 one big batch. Averaging per-micro-batch means instead would weigh a token in a short
 micro-batch more than one in a long micro-batch.
+
+Under torchrun (``nanolm.distributed``) the step-wide count is also summed over every rank,
+gradients are summed across ranks after the last micro-batch only, and rank 0 logs and
+writes the run directory: the same step, split over processes.
 """
 
 from __future__ import annotations
@@ -38,20 +42,16 @@ import torch
 from .checkpoint import (
     CHECKPOINTS,
     atomic_write_text,
-    capture_rng,
     latest_valid_checkpoint,
     list_checkpoints,
     load_state,
-    load_weights,
-    restore_rng,
-    save_checkpoint,
-    save_weights,
     verify_checkpoint,
 )
 from .config import RunConfig, load_run_config, resume_differences
 from .corpus import write_stories
 from .download import resolve_data_path
 from .data import Batch, PreparedData, WindowSampler, eval_batches, pack_windows, prepare
+from .distributed import Distributed, Muted, gradient_sync, launch
 from .errors import NanolmError
 from .loss import masked_cross_entropy_sum
 from .model import GPT
@@ -121,30 +121,35 @@ def accumulate_gradients(model, micro_batches: list[Batch], device, autocast=con
     The forward pass runs under ``autocast()`` (see ``nanolm.precision``); the loss, in fp32,
     is multiplied by ``loss_scale`` before backward (fp16; the caller divides it out again).
     ``step_count`` overrides the count: under data parallelism it is the count summed over
-    every rank, so that the gradients, once averaged across ranks, are those of one big batch.
+    every rank, so that the gradients, once summed across ranks, are those of one big batch.
+    A distributed model reduces gradients across ranks in the last micro-batch's backward
+    pass only (the others accumulate locally).
     Returns (the mean loss over this process's counted tokens, detached and unscaled; the
     count used).
     """
     local_count = sum(int(b.counted) for b in micro_batches)
     step_count = max(1, local_count if step_count is None else step_count)
     loss_sum = torch.zeros((), device=device)
-    for batch in micro_batches:
+    for i, batch in enumerate(micro_batches):
         batch = batch.to(device)
-        with autocast():
-            logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
-        micro_sum, _ = masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)
-        (micro_sum / step_count * loss_scale).backward()
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+            with autocast():
+                logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
+            micro_sum, _ = masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)
+            (micro_sum / step_count * loss_scale).backward()
         loss_sum += micro_sum.detach()
     return loss_sum / max(1, local_count), step_count
 
 
 @torch.no_grad()
-def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, device="cpu") -> dict:
+def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, device="cpu", reduce=None) -> dict:
     """Loss (nats per counted token) and bits per byte over a fixed list of batches.
 
     Deterministic: the same batches, the model in eval mode (no dropout), sums accumulated
     in float64. Bits per byte divides the total information by the bytes of text the
     predicted tokens spell (EOS spells none), so it compares across tokenizers.
+    ``reduce`` combines the three sums (nats, tokens, bytes) with other processes' before
+    the division: each rank evaluates its share of the batches.
     """
     was_training = model.training
     model.eval()
@@ -160,6 +165,8 @@ def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, d
         tokens += count
         n_bytes += (token_bytes[batch.targets] * batch.loss_mask).sum()
     model.train(was_training)
+    if reduce is not None:
+        nats, tokens, n_bytes = reduce(nats, tokens, n_bytes)
     nats, tokens, n_bytes = nats.item(), tokens.item(), n_bytes.item()
     return {
         "loss": nats / max(tokens, 1),
@@ -274,31 +281,48 @@ def find_resume_checkpoint(out_dir: Path, resume: str, log=print) -> Path | None
     return found
 
 
-def train(cfg: RunConfig, log=print) -> dict:
-    """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
-
-    With ``--resume auto`` (the default) a run directory that holds checkpoints is continued
-    from its newest valid one, exactly where it stopped.
-    """
-    cfg = cfg.resolved()
-    t, o, d = cfg.train, cfg.optim, cfg.data
-    device = resolve_device(t.device)
-    if cfg.model.attention == "flex" and device.type != "cuda":
-        raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
-    precision = resolve_precision(t.precision, device)
-    log(f"precision: {precision.describe()}")
+def locate_run(cfg: RunConfig, log=print) -> tuple[Path, Path | None]:
+    """The run directory and the checkpoint to continue from (None: a fresh run)."""
+    t = cfg.train
     out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
     checkpoint = find_resume_checkpoint(out_dir, t.resume, log)
     if checkpoint is None and (out_dir / "metrics.jsonl").exists():
         hint = "" if t.resume == "never" else " without a checkpoint to resume"
         raise NanolmError(f"{out_dir} already holds a run{hint}; choose another --out-dir")
+    return out_dir, checkpoint
+
+
+def train(cfg: RunConfig, log=print) -> dict:
+    """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
+
+    With ``--resume auto`` (the default) a run directory that holds checkpoints is continued
+    from its newest valid one, exactly where it stopped. Under torchrun every process calls
+    this; they train one model together (``--dist``).
+    """
+    cfg = cfg.resolved()
+    device = resolve_device(cfg.train.device)
+    if cfg.model.attention == "flex" and device.type != "cuda":
+        raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
+    with launch(cfg.train.dist, device) as dist:
+        return _train(cfg, dist, log if dist.is_main else Muted())
+
+
+def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
+    t, o, d = cfg.train, cfg.optim, cfg.data
+    device = dist.device
+    precision = resolve_precision(t.precision, device)
+    log(f"precision: {precision.describe()}")
+    if dist.active:
+        log(f"distributed: {dist.describe()}")
+    out_dir, checkpoint = dist.from_main(lambda: locate_run(cfg, log))
     configure_determinism(t.deterministic)
     seed_everything(t.seed)
 
-    # ---- data: validated and tokenized in a scratch directory; out_dir is untouched so far
-    scratch = Path(tempfile.mkdtemp(prefix="nanolm-"))
-    try:
-        if checkpoint is not None and (out_dir / "data" / "meta.json").is_file():
+    # ---- data: validated and tokenized in a scratch directory; out_dir is untouched so far.
+    # Rank 0 prepares it; the other ranks then read what it wrote.
+    with dist.main_first(), tempfile.TemporaryDirectory(prefix="nanolm-", ignore_cleanup_errors=True) as scratch:
+        scratch = Path(scratch)
+        if (out_dir / "data" / "meta.json").is_file() and (checkpoint is not None or not dist.is_main):
             data = PreparedData(out_dir / "data")  # what the run was trained on, tokenized once
         else:
             data = load_training_data(cfg, scratch, log)
@@ -310,7 +334,7 @@ def train(cfg: RunConfig, log=print) -> dict:
             )
         d.tokenizer, d.vocab_size = tokenizer.kind, tokenizer.vocab_size
         if checkpoint is not None:
-            check_resume_compatible(checkpoint, cfg, tokenizer, log)
+            check_resume_compatible(checkpoint, cfg, tokenizer, log, dist)
             done_steps = json.loads((checkpoint / "meta.json").read_text())["step"]
             if done_steps >= t.steps:
                 log(f"{out_dir} is already at step {done_steps} of {t.steps}; nothing to do (raise --steps to train longer)")
@@ -321,42 +345,43 @@ def train(cfg: RunConfig, log=print) -> dict:
         if data.dir.parent == scratch:
             shutil.move(str(data.dir), out_dir / "data")
             data = PreparedData(out_dir / "data")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     config_toml = cfg.to_toml()
-    atomic_write_text(out_dir / "config.toml", config_toml)
-    tokenizer.save(out_dir / "tokenizer.json")
+    if dist.is_main:
+        atomic_write_text(out_dir / "config.toml", config_toml)
+        tokenizer.save(out_dir / "tokenizer.json")
     floor = data.meta.get("floor")
 
     # ---- model, optimizer, batches
     model.to(device)
     if precision.pure_bf16:
         cast_weights_(model, torch.bfloat16)
+    step_model = dist.wrap(model)  # DDP around it, or sharded in place (FSDP): before the optimizer sees it
+    dist.seed_this_rank(t.seed)
+    if precision.pure_bf16:
         optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                               master_weights=t.fp32_master, seed=t.seed)
     else:
         optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
     scaler = DynamicLossScaler(enabled=precision.name == "fp16")
-    step_model = torch.compile(model) if t.compile else model
+    step_model = torch.compile(step_model) if t.compile else step_model
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
-    sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset)
+    sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset,
+                            rank=dist.rank, world_size=dist.world_size)
     val_batches = eval_batches(data.val, cfg.model.seq_len, t.batch_size, tokenizer.eos_id,
-                               max_windows=t.eval_batches * t.batch_size, **pack)
+                               max_windows=t.eval_batches * t.batch_size * dist.world_size, **pack)
     token_bytes = torch.from_numpy(tokenizer.token_bytes())
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
     counters = {"tokens_seen": 0, "elapsed_s": 0.0, "best_val_loss": None}
     start_step = 0
     if checkpoint is not None:
         state = load_state(checkpoint)
-        load_weights(model, checkpoint / "model.safetensors")
-        if not cfg.debug.drop_optimizer_state:
-            optimizer.load_state_dict(state["optimizer"])
+        dist.load_checkpoint(checkpoint, state, model, None if cfg.debug.drop_optimizer_state else optimizer, log)
         sampler.load_state_dict(state["sampler"])
         scaler.load_state_dict(state["scaler"])
-        restore_rng(state["rng"])
         counters, start_step = state["counters"], state["step"]
         log(f"resumed from {checkpoint} at step {start_step}")
-    metrics = MetricsFile(out_dir / "metrics.jsonl", after_step=start_step if checkpoint is not None else None)
+    metrics = (MetricsFile(out_dir / "metrics.jsonl", after_step=start_step if checkpoint is not None else None)
+               if dist.is_main else Muted())
     log(f"model: {model.num_params() / 1e6:.2f}M parameters | {tokenizer.kind} vocabulary of {tokenizer.vocab_size} | "
         f"{tokens_per_step} tokens per step | device {device} | run dir {out_dir}")
     if not val_batches:
@@ -366,7 +391,8 @@ def train(cfg: RunConfig, log=print) -> dict:
         if not val_batches:
             return row
         with precision.autocast():
-            result = estimate_loss(model, val_batches, token_bytes, device)
+            result = estimate_loss(model, dist.share_of(val_batches), token_bytes, device, reduce=dist.sum_tensors)
+        dist.reshard(model)
         row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
         if floor:
             row.update(floor_bpb=floor["bpb"], floor_loss=floor["nats_per_token"])
@@ -376,9 +402,9 @@ def train(cfg: RunConfig, log=print) -> dict:
         return row
 
     def save_checkpoint_at(step: int, row: dict) -> Path:
-        state = {"step": step, "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
-                 "scaler": scaler.state_dict(), "rng": capture_rng(), "counters": dict(counters)}
-        return save_checkpoint(out_dir, step, model, state, config_toml, tokenizer, row.get("val_loss"), t.keep)
+        state = {"step": step, "sampler": sampler.state_dict(), "scaler": scaler.state_dict(), "counters": dict(counters)}
+        return dist.save_checkpoint(out_dir, step, model, optimizer, state, config_toml, tokenizer,
+                                    row.get("val_loss"), t.keep)
 
     started = time.perf_counter() - counters["elapsed_s"]
     if start_step == 0:
@@ -393,14 +419,17 @@ def train(cfg: RunConfig, log=print) -> dict:
 
             micro_batches = [pack_windows(data.train.tokens, sampler.next_starts(), cfg.model.seq_len,
                                           tokenizer.eos_id, **pack) for _ in range(t.grad_accum)]
-            loss, step_count = accumulate_gradients(step_model, micro_batches, device, precision.autocast,
-                                                    scaler.loss_scale)
+            local_count = sum(int(b.counted) for b in micro_batches)
+            step_count = dist.sum(local_count)  # counted tokens of the whole step: every micro-batch of every rank
+            loss, _ = accumulate_gradients(step_model, micro_batches, device, precision.autocast,
+                                           scaler.loss_scale, step_count)
+            loss = dist.global_mean(loss, local_count, step_count)
             done = step + 1
             log_now = done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1
             underflow = {"grad_zero_frac": grad_zero_fraction(model.parameters())} if log_now and scaler.enabled else {}
 
             scaler.unscale_(model.parameters())
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
+            grad_norm = dist.clip_grad_norm_(model, o.clip if o.clip > 0 else math.inf)
             if scaler.update(grad_norm):  # False only under fp16, when a gradient overflowed: skip the step
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -428,32 +457,43 @@ def train(cfg: RunConfig, log=print) -> dict:
                 metrics.write(row)
                 last_log_time, last_log_step = time.perf_counter(), done
 
-            if done % t.ckpt_every == 0 or done == t.steps or stop.requested:
+            stop_signal = dist.first_signal(stop.requested)  # every rank stops after the same step
+            if done % t.ckpt_every == 0 or done == t.steps or stop_signal:
                 counters["elapsed_s"] = time.perf_counter() - started
                 saved = save_checkpoint_at(done, row)
                 if cfg.debug.kill_after_checkpoint == done:
                     os.kill(os.getpid(), signal.SIGKILL)
-                if stop.requested:
+                if stop_signal:
                     metrics.close()
-                    name = signal.Signals(stop.requested).name
+                    name = signal.Signals(stop_signal).name
                     raise TrainingInterrupted(f"{name} at step {done}: checkpoint saved to {saved}; "
-                                              f"run the same command again to resume", stop.requested)
+                                              f"run the same command again to resume", stop_signal)
 
     metrics.close()
-    save_weights(model, out_dir / "model.safetensors")
+    whole = dist.save_final_weights(model, out_dir / "model.safetensors")  # rank 0: the whole model, unsharded
     result = {"out_dir": str(out_dir), "elapsed_s": time.perf_counter() - started, **row}
-    if t.sample_tokens:
+    if t.sample_tokens and dist.is_main and not dist.sharded:
         with precision.autocast():
-            result["sample"] = sample_text(model, tokenizer, device, t.sample_tokens, seed=t.seed)
+            result["sample"] = sample_text(whole, tokenizer, device, t.sample_tokens, seed=t.seed)
         log("sample:\n" + result["sample"])
+    elif t.sample_tokens and dist.sharded:
+        log(f"no sample under --dist fsdp (the whole model may not fit one device); nanolm sample --run {out_dir}")
     log(f"done in {result['elapsed_s']:.1f}s; weights, config, tokenizer, checkpoints and metrics in {out_dir}")
     return result
 
 
-def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print) -> None:
-    """Refuse a resumption that would silently mix two different runs; log allowed changes."""
+def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print,
+                            dist: Distributed | None = None) -> None:
+    """Refuse a resumption that would silently mix two different runs; log allowed changes.
+
+    The split of the global batch (batch size, accumulation, world size) may change as long
+    as the global batch itself does not (see ``nanolm.distributed``).
+    """
     saved = load_run_config(checkpoint / "config.toml")
-    allowed, refused = resume_differences(saved, cfg)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    regroup, allowed_split, refused_split = (dist or Distributed()).resume_rules(meta, saved, cfg)
+    allowed, refused = resume_differences(saved, cfg, also_allowed=regroup)
+    allowed, refused = allowed + allowed_split, refused + refused_split
     if Tokenizer.load(checkpoint / "tokenizer.json").fingerprint() != tokenizer.fingerprint():
         refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
     if refused:
