@@ -345,3 +345,21 @@ def test_a_failure_on_rank_zero_reaches_every_rank_with_its_message(two_ranks):
     assert two_ranks[0]["from_main"].startswith("ZeroDivisionError")
     assert two_ranks[1]["from_main"].startswith("_RemoteFailure: rank 0 failed")
     assert [r["broadcast"] for r in two_ranks] == ["decided on rank 0"] * 2
+
+
+# ------------------------------------------------------------------ on GPUs (benchmarks/gpu_check.sh)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_nccl_ranks_on_gpus_equal_one_process(mode, tmp_path, uneven_corpus):
+    """The same check over NCCL, one process per GPU (two GPUs, or one rank with twice the
+    accumulation on a single GPU), in fp32 with deterministic kernels."""
+    n = min(2, torch.cuda.device_count())
+    gpu = ["--device", "cuda", "--precision", "fp32", "--attention", "sdpa", "--deterministic"]
+    single, ranks = tmp_path / "one", tmp_path / "ranks"
+    assert main(["train", "--data", str(uneven_corpus), "--out-dir", str(single), *RUN, *gpu, *ONE_PROCESS]) == 0
+    r = _ok(torchrun("--data", uneven_corpus, "--out-dir", ranks, *RUN, *gpu, "--batch-size", 2,
+                     "--grad-accum", 2 // n, "--eval-batches", 2 // n, "--dist", mode, nproc=n))
+    assert "(nccl)" in r.stdout
+    _assert_same_run(_rows(ranks), _rows(single), rel=1e-5)
+    assert _max_rel(_weights(ranks / "model.safetensors"), _weights(single / "model.safetensors")) < 1e-5
