@@ -6,6 +6,7 @@ counted tokens, gradients summed (not averaged) once per step, clipping on the g
 checkpoints that resume exactly, and a world-size change that continues the same run.
 """
 
+import datetime
 import json
 import os
 import random
@@ -26,6 +27,7 @@ from nanolm.config import RunConfig
 from nanolm.data import Batch, PreparedData, WindowSampler, pack_windows
 from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
+from nanolm.tokenizer import train_char
 from nanolm.monitor import read_metrics
 from nanolm.train import accumulate_gradients
 
@@ -173,20 +175,17 @@ def test_fsdp_writes_shards_and_one_whole_model_that_nanolm_can_load(fsdp_run):
 
 
 # ------------------------------------------------------------------ resuming
-def test_ddp_resume_after_sigkill_is_bit_identical_with_each_rank_rng(tmp_path, uneven_corpus):
-    """Dropout draws from each rank's own generator; a resumed rank must continue its own
-    stream, not rank 0's, or the weights differ."""
-    args = ["--data", uneven_corpus, *RUN, *TWO_RANKS, "--dist", "ddp", "--dropout", "0.1"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _ok(torchrun(*args, "--out-dir", straight))
-    killed = torchrun(*args, "--out-dir", resumed, "--debug-kill-after-checkpoint", 3)
-    assert killed.returncode != 0 and not (resumed / "model.safetensors").exists()
-    assert (resumed / "checkpoints" / "latest").read_text().strip() == "step_000003"
-    r = _ok(torchrun(*args, "--out-dir", resumed))
+def test_ddp_resume_after_sigkill_is_bit_identical(tmp_path, uneven_corpus, ddp_run):
+    """Both ranks die right after the checkpoint of step 3; the same command continues."""
+    args = ["--data", uneven_corpus, *RUN, *TWO_RANKS, "--dist", "ddp", "--out-dir", tmp_path / "run"]
+    killed = torchrun(*args, "--debug-kill-after-checkpoint", 3)
+    assert killed.returncode != 0 and not (tmp_path / "run" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    r = _ok(torchrun(*args))
     assert "resumed from" in r.stdout
-    a, b = _weights(straight / "model.safetensors"), _weights(resumed / "model.safetensors")
+    a, b = _weights(ddp_run / "model.safetensors"), _weights(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert _rows(resumed) == _rows(straight)
+    assert _rows(tmp_path / "run") == _rows(ddp_run)
 
 
 def test_fsdp_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path, fsdp_run, uneven_corpus):
@@ -264,10 +263,19 @@ def _uneven_micro_batches(n=4, rows=2, T=16, V=64):
     return out
 
 
+def _full_grads(model) -> dict:
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+            for n, p in model.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
 def _worker(rank, world_size, port, result_dir):
     """One rank of a 2-process gloo group: the gradient of one step, and the agreement helpers."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     result = {}
     try:
@@ -285,16 +293,29 @@ def _worker(rank, world_size, port, result_dir):
             count = ctx.sum(local)
             loss, _ = accumulate_gradients(wrapped, mine, "cpu", step_count=count)
             loss = ctx.global_mean(loss, local, count)
+            grads = _full_grads(model)
             norm = ctx.clip_grad_norm_(model, 0.1 * ref_norm)  # clipped to a tenth
-            clipped = 0.1 * ref_norm / (ref_norm + 1e-6)
-            grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                     for n, p in model.named_parameters()}
+            clipped = _full_grads(model)
+            scale = 0.1 * ref_norm / (ref_norm + 1e-6)
             result[mode] = {
-                "grad": max(((grads[n] - clipped * g).abs().max() / (clipped * g).abs().max()).item()
-                            for n, g in ref_grads.items()),
+                "grad": max(_rel(grads[n], g) for n, g in ref_grads.items()),
+                "clipped": max(_rel(clipped[n], scale * g) for n, g in ref_grads.items()),
                 "loss": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
                 "norm": abs(norm.item() - ref_norm) / ref_norm,
             }
+        for mode in ("ddp", "fsdp"):  # each rank saves and gets back its own random stream
+            ctx = Distributed(mode, torch.device("cpu"), rank, world_size)
+            model = tiny_model(seed=0)
+            ctx.wrap(model)
+            optimizer = torch.optim.AdamW(model.parameters())
+            torch.manual_seed(1000 + rank)
+            state = {"step": 1, "sampler": {"epoch": 0, "cursor": 0, "seed": 0}, "counters": {}}
+            saved = ctx.save_checkpoint(result_dir / mode, 1, model, optimizer, state, "[train]\n", train_char(["ab"]))
+            expected = torch.rand(3)
+            torch.rand(5)
+            ctx.load_checkpoint(saved, load_state(saved), model, optimizer)
+            result[mode]["rng_restored"] = torch.equal(torch.rand(3), expected)
+            result[mode]["rng_differs"] = not torch.equal(*[r["torch"] for r in load_state(saved)["rng_ranks"]])
         ctx = Distributed("ddp", torch.device("cpu"), rank, world_size)
         result["signal"] = ctx.first_signal(signal.SIGTERM if rank == 1 else None)
         ran = []
@@ -329,9 +350,15 @@ def test_ranks_gradients_sum_to_the_whole_batch_gradient_with_accumulation(mode,
     once, after the last micro-batch; clipping uses the global norm; every rank starts from
     rank 0's weights (they were initialised differently here)."""
     for rank, result in enumerate(two_ranks):
-        assert result[mode]["grad"] < 1e-6, (rank, result[mode])
-        assert result[mode]["loss"] < 1e-6, (rank, result[mode])
-        assert result[mode]["norm"] < 1e-6, (rank, result[mode])
+        for key in ("grad", "clipped", "loss", "norm"):
+            assert result[mode][key] < 1e-6, (rank, key, result[mode])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_each_rank_resumes_its_own_random_stream(mode, two_ranks):
+    """Dropout draws from each rank's own generator: a resumed rank must continue its own
+    stream, not rank 0's."""
+    assert all(r[mode]["rng_restored"] and r[mode]["rng_differs"] for r in two_ranks)
 
 
 def test_a_stop_signal_on_one_rank_stops_every_rank(two_ranks):
