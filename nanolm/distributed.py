@@ -80,6 +80,7 @@ import math
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -282,7 +283,8 @@ class Distributed:
         return out
 
     def from_main(self, fn):
-        """Run ``fn`` on rank 0 only; every rank returns its result or raises its error.
+        """Run ``fn`` on rank 0 only; every rank returns its result (sent to the others, so
+        small and picklable) or raises its error.
 
         Without the error travelling, a failure on rank 0 would leave the other ranks
         waiting forever at their next collective.
@@ -525,14 +527,16 @@ def load_sharded(checkpoint: Path, model: torch.nn.Module, optimizer=None) -> No
     )
 
     path = Path(checkpoint) / SHARDS
-    if optimizer is None:
-        model_state = get_model_state_dict(model)
-        dcp.load({"model": model_state}, checkpoint_id=path)
-        set_model_state_dict(model, model_state)
-        return
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    with warnings.catch_warnings():  # one process reading shards is intended, not a mistake to warn about
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        if optimizer is None:
+            model_state = get_model_state_dict(model)
+            dcp.load({"model": model_state}, checkpoint_id=path)
+            set_model_state_dict(model, model_state)
+            return
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 def _describe(error: BaseException) -> tuple[bool, str]:
