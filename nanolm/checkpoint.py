@@ -14,7 +14,12 @@ state; counters (tokens seen, best validation loss); the resolved config and the
   strings, lists and dicts only. Loading refuses anything else, so an untrusted checkpoint
   cannot run code (a pickle can);
 * ``config.toml``, ``tokenizer.json`` — so a checkpoint stands alone;
-* ``meta.json`` — step, validation loss, a hash of the config and the SHA-256 of every file.
+* ``meta.json`` — step, validation loss, a hash of the config, the world size that wrote it
+  and the SHA-256 of every file.
+
+Under ``--dist fsdp`` every rank holds only a shard of the weights and of the optimizer
+state, so those go to ``sharded/`` instead (``torch.distributed.checkpoint``: a file per rank
+plus its metadata) and ``state.pt`` holds the rest; see ``nanolm.distributed``.
 
 **Crash safety** — a checkpoint is written into a temporary directory, every file fsynced,
 then renamed into place (a rename is atomic), and only then is ``checkpoints/latest`` (a
@@ -46,6 +51,7 @@ from .tokenizer import Tokenizer
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+SHARDS = "sharded"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -161,27 +167,34 @@ def list_checkpoints(run_dir) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save_checkpoint(run_dir, step: int, model: torch.nn.Module, state: dict, config_toml: str,
-                    tokenizer: Tokenizer, val_loss: float | None = None, keep: int = 3) -> Path:
+def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: dict, config_toml: str,
+                    tokenizer: Tokenizer, val_loss: float | None = None, keep: int = 3, *,
+                    staged: Path | None = None, meta_extra: dict | None = None) -> Path:
     """Write checkpoint ``step`` crash-safely, move ``latest`` to it, prune old ones.
 
     ``state`` holds everything but the weights (optimizer, sampler, RNG, counters...), made
-    of tensors, numbers, strings, lists and dicts only.
+    of tensors, numbers, strings, lists and dicts only. Under FSDP the ranks have already
+    written their shards into ``staged``, a temporary directory beside the checkpoints, and
+    ``model`` is None: the checkpoint is completed there and renamed into place like any
+    other. ``meta_extra`` adds entries to ``meta.json`` (the world size that wrote it).
     """
-    if not weights_are_finite(model):
+    if model is not None and not weights_are_finite(model):
         raise NanolmError(f"refusing to checkpoint step {step}: the weights hold NaN or inf")
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step_{step:06d}-"))
+    tmp = Path(staged) if staged is not None else Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step_{step:06d}-"))
     try:
-        save_weights(model, tmp / "model.safetensors")
+        if model is not None:
+            save_weights(model, tmp / "model.safetensors")
         _torch_save_synced(state, tmp / "state.pt")
         atomic_write_text(tmp / "config.toml", config_toml)
         tokenizer.save(tmp / "tokenizer.json")
-        files = {name: sha256_file(tmp / name) for name in ("model.safetensors", "state.pt", "config.toml", "tokenizer.json")}
+        for sub in (p for p in tmp.rglob("*") if p.is_dir()):
+            _fsync_dir(sub)
+        files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
         meta = {"format": 1, "step": step, "val_loss": val_loss, "config_hash": config_hash(config_toml),
-                "files": files, "saved_at": time.time()}
+                "files": files, "saved_at": time.time(), **(meta_extra or {})}
         atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2))
         _fsync_dir(tmp)
         if final.exists():  # a checkpoint of the same step from an abandoned attempt
@@ -288,5 +301,10 @@ def load_run(run_dir, device="cpu") -> tuple[GPT, Tokenizer, RunConfig]:
         if checkpoint is None:
             raise NanolmError(f"{run_dir} has neither final weights nor a valid checkpoint")
         weights = checkpoint / "model.safetensors"
-    load_weights(model, weights)
+    if weights.is_file() or not (weights.parent / SHARDS).is_dir():
+        load_weights(model, weights)
+    else:  # an FSDP checkpoint: gather its shards into the whole model
+        from .distributed import load_sharded
+
+        load_sharded(weights.parent, model)
     return model.to(device).eval(), tokenizer, config

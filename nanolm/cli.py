@@ -1,4 +1,4 @@
-"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, export, data.
+"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, export, data, plan.
 
 User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with status 2.
 """
@@ -94,6 +94,51 @@ def _doctor(args) -> int:
     return 0 if all(c.passed for c in results) else 1
 
 
+def _plan(args) -> None:
+    import dataclasses
+
+    from .config import DataOptions, ModelOptions, load_toml
+    from .model import GPTConfig
+    from .plan import PRESETS, format_plan, make_plan, parse_count
+
+    if args.preset and args.config:
+        raise NanolmError("give --preset or --config, not both")
+    model = dataclasses.asdict(ModelOptions())
+    model.update(vocab_size=DataOptions().vocab_size)
+    train = {"batch_size": 1, "grad_accum": 1, "precision": "bf16", "dist": "auto", "fp32_master": False}
+    if args.preset:
+        model.update(PRESETS[args.preset])
+    if args.config:
+        sections = load_toml(args.config)
+        model.update(sections.get("model", {}))
+        if "vocab_size" in sections.get("data", {}):
+            model["vocab_size"] = sections["data"]["vocab_size"]
+        train.update({k: v for k, v in sections.get("train", {}).items() if k in train})
+    for key in ("n_layer", "n_head", "n_embd", "mlp", "vocab_size", "seq_len", "qk_norm", "tie_embeddings"):
+        if getattr(args, key) is not None:
+            model[key] = getattr(args, key)
+    for key in train:
+        if getattr(args, key) is not None:
+            train[key] = getattr(args, key)
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    config = GPTConfig(**{k: v for k, v in model.items() if k in known})
+    precision = "bf16" if train["precision"] == "auto" else train["precision"]
+    dist = train["dist"] if train["dist"] != "auto" else ("ddp" if args.gpus > 1 else "none")
+    tokens = parse_count(args.tokens) if args.tokens else 0
+    plan = make_plan(config, precision, dist, args.gpus, args.gpu, train["batch_size"], train["grad_accum"],
+                     config.seq_len, tokens, args.mfu, train["fp32_master"])
+    if not args.tokens:
+        plan = make_plan(config, precision, dist, args.gpus, args.gpu, train["batch_size"], train["grad_accum"],
+                         config.seq_len, 20 * plan["parameters"], args.mfu, train["fp32_master"])
+    print(format_plan(plan, config, args.preset or ""))
+    if not args.tokens:
+        print("           (--tokens not given: 20 tokens per parameter, the compute-optimal ratio of Hoffmann et al. 2022)")
+    if args.json:
+        out = {k: v for k, v in plan.items() if k != "gpu"}
+        out["gpu"] = dataclasses.asdict(plan["gpu"])
+        print(json.dumps(out))
+
+
 def _export(args) -> None:
     from .export import export_run
 
@@ -168,6 +213,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--x", choices=("step", "tokens", "time"), default="step",
                    help="horizontal axis: optimizer steps, training tokens, or seconds (default: step)")
     p.set_defaults(func=_report)
+
+    from .plan import GPUS, PRECISIONS, PRESETS
+
+    p = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU and time to train, before launching",
+                       description="Size a run: parameters, training FLOPs per token, memory per GPU (weights, "
+                       "gradients, optimizer state, activations with and without activation checkpointing) and the "
+                       "time to train a number of tokens. The model comes from --preset or --config (a nanolm TOML), "
+                       "then any flag below; formulas in docs/distributed.md.")
+    p.add_argument("--preset", choices=list(PRESETS), help="a model shape: " + ", ".join(PRESETS))
+    p.add_argument("--config", metavar="FILE.toml", help="a nanolm config ([model], [data] vocab_size, [train])")
+    for flag, kind, text in (("--n-layer", int, "transformer blocks"), ("--n-head", int, "attention heads"),
+                             ("--n-embd", int, "width of the residual stream"), ("--vocab-size", int, "vocabulary"),
+                             ("--seq-len", int, "sequence length"),
+                             ("--batch-size", int, "sequences per GPU micro-batch (default 1)"),
+                             ("--grad-accum", int, "micro-batches per step (default 1)")):
+        p.add_argument(flag, type=kind, default=None, help=text)
+    p.add_argument("--mlp", choices=["swiglu", "gelu"], default=None, help="MLP kind")
+    p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None, help="QK-norm")
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None, help="tied output head")
+    p.add_argument("--precision", choices=PRECISIONS, default=None, help="number format (default bf16)")
+    p.add_argument("--fp32-master", action=argparse.BooleanOptionalAction, default=None,
+                   help="with bf16-pure: an fp32 master copy in the optimizer")
+    p.add_argument("--dist", choices=["auto", "none", "ddp", "fsdp"], default=None,
+                   help="data parallelism (default: ddp with --gpus > 1, else none)")
+    p.add_argument("--gpus", type=int, default=1, help="number of GPUs")
+    p.add_argument("--gpu", choices=list(GPUS), default="h100", help="GPU model (peak bf16 FLOP/s and memory)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
+    p.add_argument("--tokens", default=None, help="tokens to train, e.g. 2e9, 300M, 20B (default 20 per parameter)")
+    p.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser("data", help="built-in and downloadable corpora")
     data_sub = p.add_subparsers(dest="data_command", required=True, metavar="CORPUS")

@@ -98,7 +98,7 @@ class TrainOptions:
     fp32_master: bool = option(False, "with --precision bf16-pure: keep an fp32 master copy of the weights in the "
                                "optimizer (round to nearest) instead of stochastic rounding")
     eval_every: int = option(100, "evaluate on the validation set every N steps (and at the end)")
-    eval_batches: int = option(20, "validation batches per evaluation (a fixed set, the same every time)")
+    eval_batches: int = option(20, "validation batches per evaluation and per rank (a fixed set, the same every time)")
     log_every: int = option(10, "print and record training metrics every N steps")
     stats_every: int = option(50, "record per-layer statistics after step 1 and every N steps: weight and gradient "
                               "norms, update/weight ratios, max attention logit, dead MLP units, activation RMS (0 = never)")
@@ -118,6 +118,10 @@ class TrainOptions:
                          "never; or the path of a checkpoint (or run) directory")
     deterministic: bool = option(False, "make every kernel deterministic (torch.use_deterministic_algorithms); "
                                  "free on CPU, slower on GPU")
+    dist: str = option("auto", "data parallelism under torchrun: ddp (every rank holds the whole model), fsdp "
+                       "(weights, gradients and optimizer state sharded across ranks), none, or auto (ddp when "
+                       "torchrun started several processes); see docs/distributed.md",
+                       choices=("auto", "none", "ddp", "fsdp"))
 
 
 @dataclass
@@ -215,6 +219,9 @@ class RunConfig:
             raise NanolmError("--debug-corrupt-data must be in [0, 1)")
         if not 0 <= self.data.val_fraction < 1:
             raise NanolmError(f"--val-fraction must be in [0, 1), got {self.data.val_fraction}")
+        if self.train.dist == "fsdp" and self.train.precision == "bf16-pure":
+            raise NanolmError("--precision bf16-pure does not combine with --dist fsdp (its stochastic rounding works "
+                              "on whole tensors, FSDP holds shards); use --precision bf16, or --dist ddp")
         if self.train.fp32_master and self.train.precision != "bf16-pure":
             raise NanolmError("--fp32-master only applies to --precision bf16-pure "
                               "(fp32, bf16 and fp16 keep fp32 weights already)")
@@ -258,15 +265,16 @@ COMPATIBLE_ON_RESUME = {
     # the model or the data stream, and changing it mid-run would silently mix two runs
     "train": {"steps", "eval_every", "eval_batches", "log_every", "sample_tokens", "out_dir", "device",
               "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
-              "peak_flops", "target_val_bpb"},
+              "peak_flops", "target_val_bpb", "dist"},
     "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip"},
     "guard": {f.name for f in dataclasses.fields(GuardOptions)},
 }
 
 
-def resume_differences(saved: "RunConfig", new: "RunConfig") -> tuple[list[str], list[str]]:
+def resume_differences(saved: "RunConfig", new: "RunConfig", also_allowed=()) -> tuple[list[str], list[str]]:
     """(allowed changes, incompatible changes) between a run's config and a resumption's,
-    each as lines like ``steps: 300 -> 600``."""
+    each as lines like ``steps: 300 -> 600``. ``also_allowed`` names further options that
+    may change this time (how the global batch is split, when the global batch stays)."""
     allowed, refused = [], []
     for section in SECTIONS:
         if section in HIDDEN_SECTIONS:
@@ -275,7 +283,8 @@ def resume_differences(saved: "RunConfig", new: "RunConfig") -> tuple[list[str],
         for key in a:
             if a[key] != b[key]:
                 line = f"{key}: {a[key]!r} -> {b[key]!r}"
-                (allowed if key in COMPATIBLE_ON_RESUME.get(section, set()) else refused).append(line)
+                ok = key in COMPATIBLE_ON_RESUME.get(section, set()) or key in also_allowed
+                (allowed if ok else refused).append(line)
     return allowed, refused
 
 

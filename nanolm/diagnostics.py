@@ -144,13 +144,17 @@ class StepMeter:
         # With a guard that reads every step's loss and norm (``host_values``), the count lives
         # on the host; otherwise on the device, so that counting needs no read.
         self.host_values = host_values
-        self.clipped_steps = float(clipped_steps) if host_values else torch.tensor(float(clipped_steps), device=self.device)
+        self.set_clipped_steps(clipped_steps)
         self.started = time.perf_counter()
         self.elapsed_before = elapsed_s  # time spent by the processes this run resumed from
         self.start_step = start_step
         self.last_time, self.last_step = self.started, start_step
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+
+    def set_clipped_steps(self, count: int) -> None:
+        """Start counting from ``count`` clipped steps (a resume, or a rollback to a checkpoint)."""
+        self.clipped_steps = float(count) if self.host_values else torch.tensor(float(count), device=self.device)
 
     def count_clipped(self, grad_norm: torch.Tensor) -> None:
         """Add this step to the count of clipped steps (no host sync)."""

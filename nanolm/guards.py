@@ -82,7 +82,7 @@ class Guard:
         self.loss = SpikeDetector(window, threshold)
         self.grad = SpikeDetector(window, threshold, log_scale=True)
         self.history: deque[dict] = deque(maxlen=window)
-        self.events_path = Path(out_dir) / "events.jsonl"
+        self.events_path = Path(out_dir) / "events.jsonl" if out_dir is not None else None  # None: decide, write nothing
         self.rollbacks = 0
         self.log = log
 
@@ -116,8 +116,7 @@ class Guard:
     def record(self, event: dict, action: str, **details) -> None:
         """Append the event, with the action taken, to ``events.jsonl`` and say it in one line."""
         event = {**event, "action": action, **details}
-        with open(self.events_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
+        self._append(event)
         what = "non-finite loss or gradient" if event["kind"] == "nan" else f"{'/'.join(event['on'])} spike"
         extra = f"; first non-finite: {event['origin']}" if event.get("origin") else ""
         self.log(f"guard: {what} at step {event['step']} (loss {event['loss']}, grad norm {event['grad_norm']}"
@@ -125,8 +124,12 @@ class Guard:
 
     def note(self, kind: str, step: int, **details) -> None:
         """Record a non-guard event that diagnosis needs (a resume, a rollback landing)."""
-        with open(self.events_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, "kind": kind, **details}) + "\n")
+        self._append({"step": step, "kind": kind, **details})
+
+    def _append(self, event: dict) -> None:
+        if self.events_path is not None:
+            with open(self.events_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(event) + "\n")
 
     def reset_history(self) -> None:
         """After a rollback the recent values belong to a discarded trajectory."""

@@ -17,6 +17,10 @@ Dividing each micro-batch's *sum* by the step-wide count makes the accumulated g
 exactly the gradient of the mean loss over every counted token of the step, the same as
 one big batch. Averaging per-micro-batch means instead would weigh a token in a short
 micro-batch more than one in a long micro-batch.
+
+Under torchrun (``nanolm.distributed``) the step-wide count is also summed over every rank,
+gradients are summed across ranks after the last micro-batch only, and rank 0 logs and
+writes the run directory: the same step, split over processes.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,22 +43,16 @@ import torch
 from .checkpoint import (
     CHECKPOINTS,
     atomic_write_text,
-    capture_rng,
     latest_valid_checkpoint,
     list_checkpoints,
     load_state,
-    load_weights,
-    restore_rng,
-    save_checkpoint,
-    save_weights,
     verify_checkpoint,
 )
 from .config import RunConfig, load_run_config, resume_differences
 from .corpus import write_stories
 from .download import resolve_data_path
 from .data import Batch, PreparedData, WindowSampler, eval_batches, pack_windows, prepare
-from .diagnostics import LayerStats, StepMeter, is_stats_step, peak_flops
-from .guards import Guard, nan_origin
+from .distributed import Distributed, Muted, gradient_sync, launch
 from .errors import NanolmError
 from .loss import masked_cross_entropy_sum
 from .model import GPT
@@ -127,30 +124,35 @@ def accumulate_gradients(model, micro_batches: list[Batch], device, autocast=con
     The forward pass runs under ``autocast()`` (see ``nanolm.precision``); the loss, in fp32,
     is multiplied by ``loss_scale`` before backward (fp16; the caller divides it out again).
     ``step_count`` overrides the count: under data parallelism it is the count summed over
-    every rank, so that the gradients, once averaged across ranks, are those of one big batch.
+    every rank, so that the gradients, once summed across ranks, are those of one big batch.
+    A distributed model reduces gradients across ranks in the last micro-batch's backward
+    pass only (the others accumulate locally).
     Returns (the mean loss over this process's counted tokens, detached and unscaled; the
     count used).
     """
     local_count = sum(int(b.counted) for b in micro_batches)
     step_count = max(1, local_count if step_count is None else step_count)
     loss_sum = torch.zeros((), device=device)
-    for batch in micro_batches:
+    for i, batch in enumerate(micro_batches):
         batch = batch.to(device)
-        with autocast():
-            logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
-        micro_sum, _ = masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)
-        (micro_sum / step_count * loss_scale).backward()
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+            with autocast():
+                logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
+            micro_sum, _ = masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)
+            (micro_sum / step_count * loss_scale).backward()
         loss_sum += micro_sum.detach()
     return loss_sum / max(1, local_count), step_count
 
 
 @torch.no_grad()
-def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, device="cpu") -> dict:
+def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, device="cpu", reduce=None) -> dict:
     """Loss (nats per counted token) and bits per byte over a fixed list of batches.
 
     Deterministic: the same batches, the model in eval mode (no dropout), sums accumulated
     in float64. Bits per byte divides the total information by the bytes of text the
     predicted tokens spell (EOS spells none), so it compares across tokenizers.
+    ``reduce`` combines the three sums (nats, tokens, bytes) with other processes' before
+    the division: each rank evaluates its share of the batches.
     """
     was_training = model.training
     model.eval()
@@ -166,6 +168,8 @@ def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, d
         tokens += count
         n_bytes += (token_bytes[batch.targets] * batch.loss_mask).sum()
     model.train(was_training)
+    if reduce is not None:
+        nats, tokens, n_bytes = reduce(nats, tokens, n_bytes)
     nats, tokens, n_bytes = nats.item(), tokens.item(), n_bytes.item()
     return {
         "loss": nats / max(tokens, 1),
@@ -213,6 +217,15 @@ def default_out_dir(cfg: RunConfig) -> Path:
 def step_count_without_averaging(micro_batches: list[Batch], grad_accum: int) -> int:
     """The lab's "loss not divided by grad_accum" bug: each micro-batch's mean is summed."""
     return max(1, sum(int(b.counted) for b in micro_batches) // grad_accum)
+
+
+def poison_one_gradient(model: torch.nn.Module) -> None:
+    """The lab's one-off fault: one gradient element becomes NaN (under FSDP, in rank 0's shard;
+    the global norm then carries it to every rank)."""
+    grad = next(model.parameters()).grad
+    grad = grad.to_local() if hasattr(grad, "to_local") else grad
+    if grad.numel():
+        grad.view(-1)[0] = float("nan")
 
 
 def corrupt_tokens(tokens: np.ndarray, share: float, vocab_size: int, seed: int) -> np.ndarray:
@@ -297,19 +310,9 @@ def find_resume_checkpoint(out_dir: Path, resume: str, log=print) -> Path | None
     return found
 
 
-def train(cfg: RunConfig, log=print) -> dict:
-    """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
-
-    With ``--resume auto`` (the default) a run directory that holds checkpoints is continued
-    from its newest valid one, exactly where it stopped.
-    """
-    cfg = cfg.resolved()
-    t, o, d, g = cfg.train, cfg.optim, cfg.data, cfg.guard
-    device = resolve_device(t.device)
-    if cfg.model.attention == "flex" and device.type != "cuda":
-        raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
-    precision = resolve_precision(t.precision, device)
-    log(f"precision: {precision.describe()}")
+def locate_run(cfg: RunConfig, log=print) -> tuple[Path, Path | None]:
+    """The run directory and the checkpoint to continue from (None: a fresh run)."""
+    t = cfg.train
     out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
     checkpoint = find_resume_checkpoint(out_dir, t.resume, log)
     if checkpoint is None:
@@ -317,16 +320,43 @@ def train(cfg: RunConfig, log=print) -> dict:
         if existing:
             hint = "" if t.resume == "never" else " without a checkpoint to resume"
             raise NanolmError(f"{out_dir} already holds a run{hint} ({', '.join(existing)}); choose another --out-dir")
-    missing = missing_sink_packages(parse_sinks(t.log))
+    return out_dir, checkpoint
+
+
+def train(cfg: RunConfig, log=print) -> dict:
+    """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
+
+    With ``--resume auto`` (the default) a run directory that holds checkpoints is continued
+    from its newest valid one, exactly where it stopped. Under torchrun every process calls
+    this; they train one model together (``--dist``).
+    """
+    cfg = cfg.resolved()
+    device = resolve_device(cfg.train.device)
+    if cfg.model.attention == "flex" and device.type != "cuda":
+        raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
+    missing = missing_sink_packages(parse_sinks(cfg.train.log))
     if missing:
         raise NanolmError(f"--log {missing[0]} needs the {missing[0]} package: pip install 'nanolm[{missing[0]}]'")
+    with launch(cfg.train.dist, device) as dist:
+        return _train(cfg, dist, log if dist.is_main else Muted())
+
+
+def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
+    t, o, d, g = cfg.train, cfg.optim, cfg.data, cfg.guard
+    device = dist.device
+    precision = resolve_precision(t.precision, device)
+    log(f"precision: {precision.describe()}")
+    if dist.active:
+        log(f"distributed: {dist.describe()}")
+    out_dir, checkpoint = dist.from_main(lambda: locate_run(cfg, log))
     configure_determinism(t.deterministic)
     seed_everything(t.seed)
 
-    # ---- data: validated and tokenized in a scratch directory; out_dir is untouched so far
-    scratch = Path(tempfile.mkdtemp(prefix="nanolm-"))
-    try:
-        if checkpoint is not None and (out_dir / "data" / "meta.json").is_file():
+    # ---- data: validated and tokenized in a scratch directory; out_dir is untouched so far.
+    # Rank 0 prepares it; the other ranks then read what it wrote.
+    with dist.main_first(), tempfile.TemporaryDirectory(prefix="nanolm-", ignore_cleanup_errors=True) as scratch:
+        scratch = Path(scratch)
+        if (out_dir / "data" / "meta.json").is_file() and (checkpoint is not None or not dist.is_main):
             data = PreparedData(out_dir / "data")  # what the run was trained on, tokenized once
         else:
             data = load_training_data(cfg, scratch, log)
@@ -338,7 +368,7 @@ def train(cfg: RunConfig, log=print) -> dict:
             )
         d.tokenizer, d.vocab_size = tokenizer.kind, tokenizer.vocab_size
         if checkpoint is not None:
-            check_resume_compatible(checkpoint, cfg, tokenizer, log)
+            check_resume_compatible(checkpoint, cfg, tokenizer, log, dist)
             done_steps = json.loads((checkpoint / "meta.json").read_text())["step"]
             if done_steps >= t.steps:
                 log(f"{out_dir} is already at step {done_steps} of {t.steps}; nothing to do (raise --steps to train longer)")
@@ -349,29 +379,32 @@ def train(cfg: RunConfig, log=print) -> dict:
         if data.dir.parent == scratch:
             shutil.move(str(data.dir), out_dir / "data")
             data = PreparedData(out_dir / "data")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     config_toml = cfg.to_toml()
-    atomic_write_text(out_dir / "config.toml", config_toml)
-    tokenizer.save(out_dir / "tokenizer.json")
+    if dist.is_main:
+        atomic_write_text(out_dir / "config.toml", config_toml)
+        tokenizer.save(out_dir / "tokenizer.json")
     floor = data.meta.get("floor")
 
     # ---- model, optimizer, batches
     model.to(device)
     if precision.pure_bf16:
         cast_weights_(model, torch.bfloat16)
+    step_model = dist.wrap(model)  # DDP around it, or sharded in place (FSDP): before the optimizer sees it
+    dist.seed_this_rank(t.seed)
+    if precision.pure_bf16:
         optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                               master_weights=t.fp32_master, seed=t.seed)
     else:
         optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
     scaler = DynamicLossScaler(enabled=precision.name == "fp16")
-    step_model = torch.compile(model) if t.compile else model
+    step_model = torch.compile(step_model) if t.compile else step_model
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
-    sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset)
+    sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset,
+                            rank=dist.rank, world_size=dist.world_size)
     val_batches = eval_batches(data.val, cfg.model.seq_len, t.batch_size, tokenizer.eos_id,
-                               max_windows=t.eval_batches * t.batch_size, **pack)
+                               max_windows=t.eval_batches * t.batch_size * dist.world_size, **pack)
     token_bytes = torch.from_numpy(tokenizer.token_bytes())
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
     counters = {"tokens_seen": 0, "elapsed_s": 0.0, "best_val_loss": None, "lr_scale": 1.0, "rollbacks": 0}
     model.see_the_future = cfg.debug.non_causal
     if cfg.debug.no_loss_scaling:
@@ -381,14 +414,13 @@ def train(cfg: RunConfig, log=print) -> dict:
 
     def restore(path: Path, data_position: bool = True) -> int:
         """Load a checkpoint into the live run; returns its step. A rollback keeps the data
-        position (``data_position=False``), so the offending batches are not replayed."""
+        position and the random streams (``data_position=False``), so the offending batches
+        are not replayed."""
         state = load_state(path)
-        load_weights(model, path / "model.safetensors")
-        if not cfg.debug.drop_optimizer_state:
-            optimizer.load_state_dict(state["optimizer"])
+        dist.load_checkpoint(path, state, model, None if cfg.debug.drop_optimizer_state else optimizer, log,
+                             rng=data_position)
         if data_position:
             sampler.load_state_dict(state["sampler"])
-            restore_rng(state["rng"])
         scaler.load_state_dict(state["scaler"])
         counters.update({k: v for k, v in state["counters"].items() if data_position or k not in ("lr_scale", "rollbacks")})
         return state["step"]
@@ -409,7 +441,8 @@ def train(cfg: RunConfig, log=print) -> dict:
         if not val_batches:
             return row
         with precision.autocast():
-            result = estimate_loss(model, val_batches, token_bytes, device)
+            result = estimate_loss(model, dist.share_of(val_batches), token_bytes, device, reduce=dist.sum_tensors)
+        dist.reshard(model)
         row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
         if floor:
             row.update(floor_bpb=floor["bpb"], floor_loss=floor["nats_per_token"])
@@ -418,16 +451,20 @@ def train(cfg: RunConfig, log=print) -> dict:
         return row
 
     def save_checkpoint_at(step: int, row: dict) -> Path:
-        state = {"step": step, "optimizer": optimizer.state_dict(), "sampler": sampler.state_dict(),
-                 "scaler": scaler.state_dict(), "rng": capture_rng(), "counters": dict(counters)}
-        return save_checkpoint(out_dir, step, model, state, config_toml, tokenizer, row.get("val_loss"), t.keep)
+        state = {"step": step, "sampler": sampler.state_dict(), "scaler": scaler.state_dict(), "counters": dict(counters)}
+        return dist.save_checkpoint(out_dir, step, model, optimizer, state, config_toml, tokenizer,
+                                    row.get("val_loss"), t.keep)
 
     resuming = checkpoint is not None
-    monitor = Monitor(out_dir, t.steps, parse_sinks(t.log), cfg.to_dict(), log, t.progress,
-                      resume_step=start_step if resuming else None)
-    guard = Guard(out_dir, g.on_nan, g.on_spike, g.spike_window, g.spike_threshold, g.max_rollbacks, monitor.write)
-    clipped_before = monitor.metrics.rows[-1].get("clipped_steps", 0) if resuming and monitor.metrics.rows else 0
-    meter = StepMeter(t.steps, tokens_per_step, model.flops_per_token(), peak, o.clip, device,
+    # rank 0 writes metrics and events; every rank runs the guard, on the same global numbers
+    monitor = (Monitor(out_dir, t.steps, parse_sinks(t.log), cfg.to_dict(), log, t.progress,
+                       resume_step=start_step if resuming else None) if dist.is_main else Muted())
+    guard = Guard(out_dir if dist.is_main else None, g.on_nan, g.on_spike, g.spike_window, g.spike_threshold,
+                  g.max_rollbacks, monitor.write)
+    clipped_before = counters.get("clipped_steps", 0)  # checkpoints hold it (older ones: the last metrics row)
+    if resuming and "clipped_steps" not in counters and dist.is_main and monitor.metrics.rows:
+        clipped_before = monitor.metrics.rows[-1].get("clipped_steps", 0)
+    meter = StepMeter(t.steps, tokens_per_step, model.flops_per_token(), peak * dist.world_size, o.clip, device,
                       start_step=start_step, clipped_steps=clipped_before, elapsed_s=counters["elapsed_s"],
                       host_values=guard.reads_every_step)
     if resuming:
@@ -449,24 +486,30 @@ def train(cfg: RunConfig, log=print) -> dict:
             if cfg.debug.unshifted_targets:
                 for b in micro_batches:
                     b.targets = b.idx.clone()
-            loss, _ = accumulate_gradients(step_model, micro_batches, device, precision.autocast, scaler.loss_scale,
-                                           step_count=step_count_without_averaging(micro_batches, t.grad_accum)
-                                           if cfg.debug.loss_not_averaged else None)
+            local_count = sum(int(b.counted) for b in micro_batches)
+            step_count = dist.sum(local_count)  # counted tokens of the whole step: every micro-batch of every rank
+            if cfg.debug.loss_not_averaged:
+                step_count = step_count_without_averaging(micro_batches, t.grad_accum)
+            loss, _ = accumulate_gradients(step_model, micro_batches, device, precision.autocast,
+                                           scaler.loss_scale, step_count)
+            loss = dist.global_mean(loss, local_count, dist.sum(local_count) if cfg.debug.loss_not_averaged else step_count)
             if cfg.debug.inject_nan_at == done and not counters["rollbacks"]:  # a one-off fault, like a bad batch
-                next(model.parameters()).grad.view(-1)[0] = float("nan")
+                poison_one_gradient(model)
             stats_now = is_stats_step(done, t.stats_every)
             log_now = (done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1
                        or stats_now or done - resumed_at <= 3)  # the first steps after a (re)start are all shown
             underflow = {"grad_zero_frac": grad_zero_fraction(model.parameters())} if log_now and precision.name == "fp16" else {}
 
             scaler.unscale_(model.parameters())
-            layer_stats = LayerStats(model, micro_batches[0], precision.autocast) if stats_now else None
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip if o.clip > 0 else math.inf)
+            # per-layer probes run on rank 0's own model; under FSDP no rank holds whole layers
+            layer_stats = (LayerStats(model, micro_batches[0], precision.autocast)
+                           if stats_now and dist.is_main and not dist.sharded else None)
+            grad_norm = dist.clip_grad_norm_(model, o.clip if o.clip > 0 else math.inf)
             action, event = "take", None
             if guard.reads_every_step:
                 loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()  # the step's one read
                 if not (scaler.enabled and not math.isfinite(grad_norm)):  # an fp16 overflow is the scaler's to skip
-                    action, event = guard.check(done, loss, grad_norm, lr)
+                    action, event = guard.check(done, loss, grad_norm, lr)  # global numbers: every rank decides alike
             if action == "take" and scaler.update(grad_norm):  # False only under fp16, when a gradient overflowed
                 meter.count_clipped(grad_norm)
                 optimizer.step()
@@ -475,7 +518,7 @@ def train(cfg: RunConfig, log=print) -> dict:
             if event is not None:
                 if event["kind"] == "nan":
                     event.update(nan_origin(model, micro_batches[0], precision.autocast, tokenizer.vocab_size))
-                target = latest_valid_checkpoint(out_dir, monitor.write) if action == "rollback" else None
+                target = dist.from_main(lambda: latest_valid_checkpoint(out_dir, monitor.write)) if action == "rollback" else None
                 if action == "rollback" and target is None:
                     action, event["note"] = "skip", "no checkpoint yet: skipped instead of rolled back"
                 if action == "rollback" and counters["rollbacks"] >= g.max_rollbacks:
@@ -486,6 +529,7 @@ def train(cfg: RunConfig, log=print) -> dict:
                     counters["lr_scale"] *= g.rollback_lr_scale
                     guard.record(event, "rollback", to_step=step, lr_scale=counters["lr_scale"])
                     guard.reset_history()
+                    meter.set_clipped_steps(counters.get("clipped_steps", 0))
                     monitor.rewind(step)
                     meter.lap(step)
                     resumed_at = step
@@ -514,36 +558,48 @@ def train(cfg: RunConfig, log=print) -> dict:
                 meter.lap(done)
 
             reached = 0 < t.target_val_bpb and row.get("val_bpb", math.inf) <= t.target_val_bpb
-            if done % t.ckpt_every == 0 or done == t.steps or stop.requested or reached:
+            stop_signal = dist.first_signal(stop.requested)  # every rank stops after the same step
+            if done % t.ckpt_every == 0 or done == t.steps or stop_signal or reached:
                 counters["elapsed_s"] = meter.elapsed()
+                counters["clipped_steps"] = int(meter.clipped_steps)
                 saved = save_checkpoint_at(done, row)
                 if cfg.debug.kill_after_checkpoint == done:
                     os.kill(os.getpid(), signal.SIGKILL)
-                if stop.requested:
+                if stop_signal:
                     monitor.close()
-                    name = signal.Signals(stop.requested).name
+                    name = signal.Signals(stop_signal).name
                     raise TrainingInterrupted(f"{name} at step {done}: checkpoint saved to {saved}; "
-                                              f"run the same command again to resume", stop.requested)
+                                              f"run the same command again to resume", stop_signal)
             step = done
             if reached:
                 log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {t.target_val_bpb} at step {done}: done")
                 break
 
     monitor.close()
-    save_weights(model, out_dir / "model.safetensors")
+    whole = dist.save_final_weights(model, out_dir / "model.safetensors")  # rank 0: the whole model, unsharded
     result = {"out_dir": str(out_dir), "elapsed_s": meter.elapsed(), **row}
-    if t.sample_tokens:
+    if t.sample_tokens and dist.is_main and not dist.sharded:
         with precision.autocast():
-            result["sample"] = sample_text(model, tokenizer, device, t.sample_tokens, seed=t.seed)
+            result["sample"] = sample_text(whole, tokenizer, device, t.sample_tokens, seed=t.seed)
         log("sample:\n" + result["sample"])
+    elif t.sample_tokens and dist.sharded:
+        log(f"no sample under --dist fsdp (the whole model may not fit one device); nanolm sample --run {out_dir}")
     log(f"done in {result['elapsed_s']:.1f}s; weights, config, tokenizer, checkpoints and metrics in {out_dir}")
     return result
 
 
-def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print) -> None:
-    """Refuse a resumption that would silently mix two different runs; log allowed changes."""
+def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print,
+                            dist: Distributed | None = None) -> None:
+    """Refuse a resumption that would silently mix two different runs; log allowed changes.
+
+    The split of the global batch (batch size, accumulation, world size) may change as long
+    as the global batch itself does not (see ``nanolm.distributed``).
+    """
     saved = load_run_config(checkpoint / "config.toml")
-    allowed, refused = resume_differences(saved, cfg)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    regroup, allowed_split, refused_split = (dist or Distributed()).resume_rules(meta, saved, cfg)
+    allowed, refused = resume_differences(saved, cfg, also_allowed=regroup)
+    allowed, refused = allowed + allowed_split, refused + refused_split
     if Tokenizer.load(checkpoint / "tokenizer.json").fingerprint() != tokenizer.fingerprint():
         refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
     if refused:

@@ -1,0 +1,602 @@
+"""Data parallelism under torchrun: DDP and FSDP2, numerically the same run as one process.
+
+**The idea.** N processes (*ranks*), usually one per GPU, each hold the model, each take a
+different slice of every batch, and combine their gradients before the optimizer steps.
+Done right, the step is the step one process would take on the whole batch: the same loss,
+the same gradient, the same weights afterwards, only faster. nanolm checks exactly that.
+
+**Launching.** PyTorch's launcher starts the processes and tells each one who it is
+through environment variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``…)::
+
+    torchrun --nproc_per_node 8 -m nanolm.train --dist ddp ...
+
+Without torchrun, nanolm is one process and none of this module does anything. Across
+machines, torchrun's rendezvous finds the other nodes (docs/distributed.md shows the
+commands). The backend is gloo on CPU and NCCL on CUDA (each process takes the GPU
+``cuda:LOCAL_RANK``).
+
+**The two modes.**
+
+* ``--dist ddp`` (DistributedDataParallel): every rank holds all the weights, gradients and
+  optimizer state; after the backward pass the gradients are summed across ranks
+  (all-reduce), so every rank applies the same update and the replicas stay identical.
+* ``--dist fsdp`` (FSDP2, ``fully_shard``): each rank *stores* only 1/N of every weight,
+  gradient and optimizer state. Before a block computes, its weights are gathered from all
+  ranks (all-gather) and freed after; gradients are summed and split back into the shards
+  (reduce-scatter). Memory per GPU for the model state falls by N, at the price of more
+  communication. Every transformer block is a unit of its own, so only one block's full
+  weights exist at a time.
+
+**The loss, normalised once for the whole step.** The gradient nanolm wants is the gradient
+of the mean loss over every counted token of the step, on every rank. Each rank counts its
+tokens, one all-reduce sums the counts, and each rank backpropagates (the sum of its token
+losses) ÷ (the global count). Summing those gradients across ranks gives exactly the
+gradient of the global mean. So the gradient reduction must *sum*, not average: DDP and
+FSDP divide by N by default, which is right only if every rank divides by its own count and
+all counts are equal. With ``--mask-boundary`` or short documents they are not, and
+averaging per-rank means would weigh a token on a rank with few counted tokens more than one
+on a busy rank. nanolm gives DDP a communication hook that sums (``_sum_gradients``) and
+tells FSDP2 to divide by 1, with sum-only collectives (``set_gradient_divide_factor(1.0)``,
+``set_force_sum_reduction_for_comms(True)``). Why not multiply the loss by N and let DDP
+divide? For N not a power of two, multiplying and then dividing by N rounds twice; a plain
+sum is the same arithmetic one process does when it accumulates micro-batches.
+
+**Communicate once per step.** With gradient accumulation, only the last micro-batch's
+backward pass may reduce gradients: DDP's ``no_sync()`` and FSDP2's
+``set_requires_gradient_sync(False)`` hold the others local (see :func:`gradient_sync`).
+For DDP this matters for correctness, not only speed: the reduction sums the whole
+accumulated ``.grad``, so reducing after every micro-batch would add the first micro-batch's
+global gradient N times.
+
+**Clipping** needs the norm of the *global* gradient. Under DDP every rank holds the whole
+reduced gradient, so the usual norm is already global. Under FSDP each rank holds a shard;
+the norm is computed over DTensors and completed across ranks before clipping.
+
+**Checkpoints.** DDP writes the single-process format (rank 0 writes; the others wait):
+``model.safetensors`` and ``state.pt``. FSDP writes the weights and optimizer state as
+shards with ``torch.distributed.checkpoint`` (``sharded/``: one file per rank plus
+metadata), and the run's final ``model.safetensors`` is gathered into one file so ``nanolm
+sample/eval/export`` work. Every rank's random state is saved (each rank draws its own
+dropout masks) and each rank restores its own. The sampler's state is global, the same on
+every rank.
+
+**Resuming on another world size** continues the same run when the global batch
+(``batch_size × grad_accum × world size`` windows per step) is unchanged: the data stream is
+global, DDP's replicas are whole, and FSDP's checkpoint reshards itself on load. Only the
+random streams cannot be mapped from N ranks onto M; they are re-derived from (seed, step,
+rank), so the continuation is correct but not bit for bit. A different global batch is
+refused. A sharded (FSDP) checkpoint can be resumed by any mode; a full (DDP or
+single-process) checkpoint cannot be resumed under FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import hashlib
+import inspect
+import math
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (
+    CHECKPOINTS,
+    SHARDS,
+    capture_rng,
+    load_weights,
+    restore_rng,
+    save_checkpoint,
+    save_weights,
+)
+from .errors import NanolmError
+
+SPLIT_OPTIONS = {"batch_size", "grad_accum"}
+"""Options that only say how the global batch is split; they may change on resume."""
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) as torchrun sets them, or None for a plain process."""
+    if not all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
+        return None
+    try:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    except ValueError:
+        raise NanolmError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (they are set by torchrun)") from None
+
+
+def _derived_seed(*parts) -> int:
+    """A 32-bit seed from several integers, different for every combination."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPT inside ``torch.compile`` and DDP wrappers (FSDP2 shards the GPT in place)."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool):
+    """Reduce gradients across ranks in the backward pass inside this block, or hold them.
+
+    Enter it *before* the forward pass: DDP decides in the forward whether the coming
+    backward reduces. A model that is not distributed ignores it.
+    """
+    inner = getattr(model, "_orig_mod", model)
+    if isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+        with contextlib.nullcontext() if enabled else inner.no_sync():
+            yield
+        return
+    if hasattr(inner, "set_requires_gradient_sync"):
+        inner.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            inner.set_requires_gradient_sync(True)
+        return
+    yield
+
+
+def _sum_gradients(process_group, bucket):
+    """DDP communication hook: sum each gradient bucket across ranks, without dividing by N.
+
+    Each rank's gradient is already divided by the global count of counted tokens, so the
+    sum is the gradient of the global mean loss.
+    """
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class Muted:
+    """Stands in for rank 0's outputs (metrics file, log) on the other ranks: does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+class _RemoteFailure(Exception):
+    """Raised on the ranks that did not fail, with the failing rank's message."""
+
+
+@dataclass
+class Distributed:
+    """This process's place in the run: its rank, the world size, the mode and its device.
+
+    A single process (no torchrun) is ``Distributed("none", device)``: rank 0 of 1, and every
+    collective below returns its input untouched, so the training loop has one code path.
+    """
+
+    mode: str = "none"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, writes the run directory and decides; the others follow."""
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode == "fsdp"
+
+    @property
+    def active(self) -> bool:
+        """Whether a process group exists (torchrun, --dist ddp or fsdp)."""
+        return self.mode != "none"
+
+    def describe(self) -> str:
+        if not self.active:
+            return "one process"
+        backend = dist.get_backend()
+        return f"{self.mode} over {self.world_size} processes ({backend}); this is rank {self.rank}"
+
+    # ------------------------------------------------------------------ collectives
+    def sum(self, value):
+        """The sum of a number over all ranks (a float64 all-reduce; exact for counts)."""
+        if not self.active:
+            return value
+        t = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return type(value)(t.item()) if isinstance(value, int) else t.item()
+
+    def global_mean(self, local_mean: torch.Tensor, local_count: int, global_count: int) -> torch.Tensor:
+        """The mean over every rank's counted tokens, from each rank's own mean and count.
+
+        Not the mean of the ranks' means: a rank with few counted tokens must weigh less.
+        """
+        if not self.active:
+            return local_mean
+        total = local_mean.detach().double() * local_count
+        dist.all_reduce(total)
+        return (total / max(1, global_count)).float()
+
+    def first_signal(self, requested: int | None) -> int | None:
+        """A stop signal seen by any rank, so that every rank stops after the same step."""
+        if not self.active:
+            return requested
+        t = torch.tensor(requested or 0, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item()) or None
+
+    def sum_tensors(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tensors summed over all ranks (in place)."""
+        if self.active:
+            for t in tensors:
+                dist.all_reduce(t)
+        return tensors
+
+    def share_of(self, batches: list) -> list:
+        """This rank's share of a fixed list of batches: every world_size-th one.
+
+        Evaluation splits the validation set this way, and :meth:`sum_tensors` adds up the
+        ranks' totals: the set is the one a single process with the global batch evaluates,
+        in 1/N of the time. Under FSDP every rank must run as many forward passes as the
+        others (each one gathers weights from all ranks), so a short share is topped up with
+        a batch that counts no token.
+        """
+        if not self.active:
+            return batches
+        mine = batches[self.rank :: self.world_size]
+        if self.sharded and batches:
+            blank = dataclasses.replace(batches[0], loss_mask=torch.zeros_like(batches[0].loss_mask))
+            mine += [blank] * (math.ceil(len(batches) / self.world_size) - len(mine))
+        return mine
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank (any picklable value)."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather(self, obj) -> list:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def from_main(self, fn):
+        """Run ``fn`` on rank 0 only; every rank returns its result (sent to the others, so
+        small and picklable) or raises its error.
+
+        Without the error travelling, a failure on rank 0 would leave the other ranks
+        waiting forever at their next collective.
+        """
+        if not self.active:
+            return fn()
+        result = error = None
+        if self.is_main:
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the others
+                error = e
+        result, failure = self.broadcast((result, None if error is None else _describe(error)))
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise _as_error(failure, rank=0)
+        return result
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """Rank 0 runs the block, then the other ranks do (finding what rank 0 wrote).
+
+        A failure on any rank is raised on every rank, with its message, so that all stop.
+        """
+        if not self.active:
+            yield
+            return
+        if self.is_main:
+            try:
+                yield
+            except BaseException as e:
+                self.all_gather(_describe(e))
+                raise
+            self.all_gather(None)
+            failures = self.all_gather(None)
+        else:
+            failures = self.all_gather(None)
+            if failures[0] is not None:
+                raise _as_error(failures[0], rank=0)
+            try:
+                yield
+            except BaseException as e:
+                self.all_gather(_describe(e))
+                raise
+            failures = self.all_gather(None)
+        for rank, failure in enumerate(failures):
+            if failure is not None and rank != self.rank:
+                raise _as_error(failure, rank)
+
+    # ------------------------------------------------------------------ the model
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the training step calls: DDP around the GPT, or the GPT sharded in place.
+
+        Under FSDP the optimizer must be built *after* this call, on the sharded parameters.
+        """
+        if self.mode == "ddp":
+            DDP = torch.nn.parallel.DistributedDataParallel
+            # the only buffers are the RoPE tables, identical everywhere: no need to resend them every forward
+            quiet = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                     else "broadcast_buffers")
+            ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                      gradient_as_bucket_view=True, **{quiet: False})
+            ddp.register_comm_hook(None, _sum_gradients)
+            return ddp
+        if self.mode == "fsdp":
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            with torch.no_grad():  # every shard must come from the same initial weights
+                for tensor in model.state_dict().values():
+                    dist.broadcast(tensor, src=0)
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
+            return model
+        return model
+
+    def reshard(self, model: torch.nn.Module) -> None:
+        """Free the gathered weights FSDP keeps after a forward pass with no backward (an
+        evaluation): its root module holds them for the backward pass that usually follows."""
+        if self.sharded:
+            model.reshard()
+
+    def clip_grad_norm_(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm``; returns the norm before clipping."""
+        if not self.sharded:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def seed_this_rank(self, seed: int) -> None:
+        """Give every rank but rank 0 its own random stream (dropout), after the model is built.
+
+        Rank 0 keeps the stream one process would have. Were all ranks seeded alike, they
+        would all draw the same dropout mask for different data.
+        """
+        if self.rank:
+            _seed_all(_derived_seed(seed, self.rank))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, run_dir, step: int, model, optimizer, state: dict, config_toml: str,
+                        tokenizer, val_loss: float | None = None, keep: int = 3) -> Path:
+        """Save a checkpoint of every rank's state; returns its directory on every rank.
+
+        ``state`` holds what all ranks share (step, sampler, scaler, counters); this adds
+        the optimizer state, every rank's RNG state and the world size.
+        """
+        rngs = self.all_gather(capture_rng())
+        state = dict(state, rng=rngs[0], world_size=self.world_size)
+        if self.world_size > 1:
+            state["rng_ranks"] = rngs
+        meta = {"world_size": self.world_size, "layout": "sharded" if self.sharded else "single"}
+        if not self.sharded:
+            def write():
+                state["optimizer"] = optimizer.state_dict()
+                return save_checkpoint(run_dir, step, unwrap(model), state, config_toml, tokenizer, val_loss, keep,
+                                       meta_extra=meta)
+
+            return self.from_main(write)
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        finite = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+        if self.sum(int(not finite)):
+            raise NanolmError(f"refusing to checkpoint step {step}: the weights hold NaN or inf")
+        staged = Path(run_dir) / CHECKPOINTS / f".tmp-step_{step:06d}-sharded"
+        self.from_main(lambda: _fresh_dir(staged))
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staged / SHARDS)
+        return self.from_main(lambda: save_checkpoint(run_dir, step, None, state, config_toml, tokenizer, val_loss,
+                                                      keep, staged=staged, meta_extra=meta))
+
+    def load_checkpoint(self, checkpoint: Path, state: dict, model, optimizer, log=print, rng: bool = True) -> None:
+        """Load weights and optimizer state (``optimizer`` None: weights only), then this
+        rank's random state (``rng`` False: keep the live one, as a rollback does, which
+        does not replay the past). ``state`` is the checkpoint's ``state.pt``."""
+        checkpoint = Path(checkpoint)
+        if (checkpoint / SHARDS).is_dir():
+            load_sharded(checkpoint, unwrap(model), optimizer)
+        else:
+            if self.sharded:
+                raise NanolmError(f"{checkpoint} holds full weights (a --dist none or ddp run); "
+                                  "resume it with --dist ddp or none")
+            load_weights(unwrap(model), checkpoint / "model.safetensors")
+            if optimizer is not None:
+                optimizer.load_state_dict(state["optimizer"])
+        saved_world = int(state.get("world_size", 1))
+        if not rng:
+            return
+        if saved_world == self.world_size:
+            restore_rng(state["rng_ranks"][self.rank] if saved_world > 1 else state["rng"])
+        else:
+            _seed_all(_derived_seed(int(state["sampler"]["seed"]), int(state["step"]), self.rank))
+            log(f"resume: the checkpoint was written by {saved_world} process(es), this run has {self.world_size}: "
+                f"random streams (dropout) are re-derived from (seed, step, rank)")
+
+    def resume_rules(self, meta: dict, saved_cfg, cfg) -> tuple[set[str], list[str], list[str]]:
+        """How resuming a checkpoint (its ``meta.json``) in this world may differ from its run.
+
+        Returns (options that may change, allowed changes, refused changes): the split of the
+        global batch may change as long as the global batch does not.
+        """
+        saved_world = int(meta.get("world_size", 1))
+        s, t = saved_cfg.train, cfg.train
+        before = s.batch_size * s.grad_accum * saved_world
+        after = t.batch_size * t.grad_accum * self.world_size
+        allowed, refused = [], []
+        if saved_world != self.world_size:
+            line = (f"world size: {saved_world} -> {self.world_size} (global batch: batch_size × grad_accum × "
+                    f"world size = {s.batch_size}×{s.grad_accum}×{saved_world} = {before} -> "
+                    f"{t.batch_size}×{t.grad_accum}×{self.world_size} = {after} windows per step)")
+            (allowed if before == after else refused).append(line)
+        if meta.get("layout", "single") == "single" and self.sharded:
+            refused.append("dist: the checkpoint holds full weights (--dist none or ddp); --dist fsdp resumes only "
+                           "sharded checkpoints")
+        return (SPLIT_OPTIONS if before == after else set()), allowed, refused
+
+    def save_final_weights(self, model, path) -> torch.nn.Module | None:
+        """Write the whole model to one ``model.safetensors`` (gathered from the shards under
+        FSDP). Returns, on rank 0, a plain GPT holding the weights (None on the others)."""
+        if not self.sharded:
+            plain = unwrap(model)
+            self.from_main(lambda: save_weights(plain, path))
+            return plain if self.is_main else None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        gathered = []
+        self.from_main(lambda: gathered.append(_save_plain(model.config, full, path)))
+        return gathered[0] if gathered else None
+
+    def close(self) -> None:
+        """Leave the process group. DDP's gradient reducer sits in a reference cycle and holds
+        the group; collected only at interpreter exit, after the group is gone, it aborts the
+        process ("terminate called without an active exception") about one run in four. So
+        it is collected here, while the group still exists."""
+        if self.active and dist.is_initialized():
+            gc.collect()
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def _save_plain(config, full_state: dict, path) -> torch.nn.Module:
+    from .model import GPT
+
+    with torch.device("meta"):
+        plain = GPT(config)
+    plain.load_state_dict(full_state, assign=True)
+    if config.tie_embeddings:
+        plain.lm_head.weight = plain.embed.weight
+    save_weights(plain, path)
+    return plain
+
+
+def load_sharded(checkpoint: Path, model: torch.nn.Module, optimizer=None) -> None:
+    """Load a sharded checkpoint into ``model`` (and ``optimizer``), whatever the world size.
+
+    ``torch.distributed.checkpoint`` reads each rank's part of every tensor, resharding when
+    the world size changed; a plain (unsharded) model reads whole tensors, in one process too.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    path = Path(checkpoint) / SHARDS
+    with warnings.catch_warnings():  # one process reading shards is intended, not a mistake to warn about
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        if optimizer is None:
+            model_state = get_model_state_dict(model)
+            dcp.load({"model": model_state}, checkpoint_id=path)
+            set_model_state_dict(model, model_state)
+            return
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+
+
+def _describe(error: BaseException) -> tuple[bool, str]:
+    return isinstance(error, NanolmError), str(error) or type(error).__name__
+
+
+def _as_error(failure: tuple[bool, str], rank: int) -> Exception:
+    user_error, message = failure
+    return NanolmError(message) if user_error else _RemoteFailure(f"rank {rank} failed: {message}")
+
+
+def setup(mode: str, device: torch.device) -> Distributed:
+    """Join the process group torchrun prepared, or stay a single process.
+
+    ``mode`` auto means DDP under torchrun with several processes, else one process.
+    Every misuse that a user can fix is a :class:`NanolmError` raised before any
+    communication, identically on every rank.
+    """
+    env = torchrun_env()
+    if env is None:
+        if mode in ("ddp", "fsdp"):
+            raise NanolmError(f"--dist {mode} needs processes started by torchrun, e.g. "
+                              f"torchrun --nproc_per_node 2 -m nanolm.train --dist {mode} ... (see docs/distributed.md)")
+        return Distributed("none", device)
+    rank, world_size, local_rank = env
+    if mode == "none" and world_size > 1:
+        raise NanolmError(f"--dist none under torchrun with {world_size} processes would train {world_size} separate "
+                          "copies writing to one run directory; use --dist ddp or fsdp (or auto)")
+    if mode in ("none", "auto") and world_size == 1:
+        return Distributed("none", device)
+    mode = "ddp" if mode == "auto" else mode
+    if not dist.is_available():
+        raise NanolmError("this PyTorch build has no torch.distributed; --dist needs it")
+    if device.type == "mps":
+        raise NanolmError("--dist: PyTorch has no distributed backend for MPS; use --device cpu")
+    if device.type == "cuda":
+        if device.index is not None and world_size > 1:
+            raise NanolmError(f"--device {device}: under torchrun every process uses cuda:LOCAL_RANK; "
+                              "pass --device cuda (or auto)")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise NanolmError(f"torchrun started local rank {local_rank} on a node with {count} GPU(s); "
+                              f"use --nproc_per_node {count} or fewer")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    return Distributed(mode, device, rank, world_size, local_rank)
+
+
+@contextlib.contextmanager
+def launch(mode: str, device: torch.device):
+    """:func:`setup`, then leave the process group however the block ends."""
+    ctx = setup(mode, device)
+    try:
+        yield ctx
+    finally:
+        ctx.close()
