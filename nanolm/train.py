@@ -488,11 +488,10 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
                     b.targets = b.idx.clone()
             local_count = sum(int(b.counted) for b in micro_batches)
             step_count = dist.sum(local_count)  # counted tokens of the whole step: every micro-batch of every rank
-            if cfg.debug.loss_not_averaged:
-                step_count = step_count_without_averaging(micro_batches, t.grad_accum)
-            loss, _ = accumulate_gradients(step_model, micro_batches, device, precision.autocast,
-                                           scaler.loss_scale, step_count)
-            loss = dist.global_mean(loss, local_count, dist.sum(local_count) if cfg.debug.loss_not_averaged else step_count)
+            loss, _ = accumulate_gradients(step_model, micro_batches, device, precision.autocast, scaler.loss_scale,
+                                           step_count_without_averaging(micro_batches, t.grad_accum)
+                                           if cfg.debug.loss_not_averaged else step_count)
+            loss = dist.global_mean(loss, local_count, step_count)
             if cfg.debug.inject_nan_at == done and not counters["rollbacks"]:  # a one-off fault, like a bad batch
                 poison_one_gradient(model)
             stats_now = is_stats_step(done, t.stats_every)
