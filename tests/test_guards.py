@@ -68,6 +68,17 @@ def test_spike_detector_on_log_scale_judges_ratios_not_differences():
     assert not small.is_spike(0.011)[0] and not large.is_spike(110.0)[0]
 
 
+def test_spike_detector_on_log_scale_measures_deviations_in_factors():
+    """Gradient norms wander by factors: 10x a history that varies by ~1.6x is unusual, not
+    extraordinary (4.6 robust deviations of the log); 100x is. On a linear scale 10x would
+    already be eighteen deviations."""
+    rng = random.Random(3)
+    d = SpikeDetector(window=200, threshold=6.0, log_scale=True)
+    for _ in range(200):
+        d.add(math.exp(rng.gauss(0, 0.5)))
+    assert not d.is_spike(10.0)[0] and d.is_spike(100.0)[0]
+
+
 def test_spike_detector_flat_history_has_a_floor_and_skips_non_finite_values():
     d = SpikeDetector()
     for _ in range(30):
@@ -232,11 +243,14 @@ def test_nan_origin_reports_token_ids_outside_the_vocabulary():
     assert report["origin"].startswith("none on a re-run")  # the forward pass itself is fine once clamped
 
 
-def test_nan_origin_names_the_parameter_when_only_a_gradient_goes_non_finite():
+def test_nan_origin_names_the_parameter_nearest_the_output_when_only_the_backward_pass_goes_non_finite():
+    """A NaN born in the backward pass at block 1's MLP input spreads to every parameter
+    upstream; the one to name is where it entered, the last in forward order."""
     model = tiny_model()
-    handle = model.blocks[0].attn.qkv.weight.register_hook(lambda g: g * float("nan"))
+    handle = model.blocks[1].mlp.register_full_backward_hook(
+        lambda module, grad_in, grad_out: tuple(None if g is None else g * float("nan") for g in grad_in))
     try:
         report = nan_origin(model, _batch([[5, 6, 7, 8] * 8]), contextlib.nullcontext, vocab_size=64)
     finally:
         handle.remove()
-    assert report["origin"] == "the gradient of blocks.0.attn.qkv.weight"
+    assert report["origin"] == "the gradient of blocks.1.mlp_norm.weight"
