@@ -156,6 +156,8 @@ class DebugOptions:
     corrupt_data: float = option(0.0, "replace this share of the training tokens (one contiguous region) with random ids",
                                  flag="debug-corrupt-data")
     inject_nan_at: int = option(0, "make one gradient non-finite at this step", flag="debug-inject-nan-at")
+    inject_spike_at: int = option(0, "multiply this step's loss and gradients by 100, like one bad batch",
+                                  flag="debug-inject-spike-at")
 
 
 SECTIONS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "train": TrainOptions,

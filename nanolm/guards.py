@@ -174,7 +174,7 @@ def nan_origin(model: torch.nn.Module, batch, autocast, vocab_size: int) -> dict
             logits, _ = model(batch.idx.clamp(0, vocab_size - 1), doc_ids=batch.doc_ids, positions=batch.positions)
         from .loss import masked_cross_entropy
 
-        loss = masked_cross_entropy(logits, batch.targets, batch.loss_mask)
+        loss = masked_cross_entropy(logits, batch.targets.clamp(0, vocab_size - 1), batch.loss_mask)
     finally:
         for h in handles:
             h.remove()

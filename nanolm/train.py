@@ -494,6 +494,9 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
             loss = dist.global_mean(loss, local_count, step_count)
             if cfg.debug.inject_nan_at == done and not counters["rollbacks"]:  # a one-off fault, like a bad batch
                 poison_one_gradient(model)
+            if cfg.debug.inject_spike_at == done and not counters["rollbacks"]:  # a one-off bad batch, loud and finite
+                loss = loss * 100
+                torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], 100.0)
             stats_now = is_stats_step(done, t.stats_every)
             log_now = (done % t.log_every == 0 or done % t.eval_every == 0 or done == t.steps or done == 1
                        or stats_now or done - resumed_at <= 3)  # the first steps after a (re)start are all shown
