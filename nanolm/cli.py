@@ -1,4 +1,4 @@
-"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, export, data.
+"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, diagnose, export, data.
 
 User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with status 2.
 """
@@ -94,6 +94,22 @@ def _doctor(args) -> int:
     return 0 if all(c.passed for c in results) else 1
 
 
+def _diagnose(args) -> int:
+    from .diagnose import diagnose, format_findings
+
+    any_found = False
+    reports = []
+    for run in args.runs:
+        findings = diagnose(run)
+        any_found = any_found or bool(findings)
+        reports.append({"run": run, "findings": [f.to_dict() for f in findings]})
+        if not args.json:
+            print(format_findings(run, findings))
+    if args.json:
+        print(json.dumps(reports, indent=2))
+    return 1 if args.strict and any_found else 0
+
+
 def _export(args) -> None:
     from .export import export_run
 
@@ -154,6 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "returning (logits, loss)); runs the model invariants only")
     add_run_arguments(p)
     p.set_defaults(func=_doctor)
+
+    p = sub.add_parser("diagnose", help="say in plain words what went wrong in a run, with the evidence",
+                       formatter_class=fmt,
+                       description="Read a run's metrics.jsonl and events.jsonl (nothing else) and print every "
+                       "finding: what was seen, what it usually means, what to do, and the steps and values it rests "
+                       "on. Rules: non-finite values, guard rollbacks, a loss stuck at ln V, a loss below the data's "
+                       "floor (a leak), a loss spike after a gradient-norm spike (LR too high), isolated spikes without "
+                       "a gradient warning (bad data), most steps clipped, validation rising while training falls, a "
+                       "training loss climbing back, a jolt after a resume (optimizer state missing), fp16 overflow "
+                       "and underflow, runaway attention logits, dead MLP units. A healthy run gets 'no findings'. "
+                       "See docs/health.md.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `nanolm train`")
+    p.add_argument("--strict", action="store_true", help="exit with status 1 when there is any finding")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON (name, title, message, evidence)")
+    p.set_defaults(func=_diagnose)
 
     p = sub.add_parser("export", help="write a run as a Hugging Face transformers model", formatter_class=fmt,
                        description="Export a trained run so that transformers' AutoModelForCausalLM.from_pretrained(OUT) "
