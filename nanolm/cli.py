@@ -1,4 +1,4 @@
-"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, diagnose, lab, export, data.
+"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, diagnose, lab, sweep, export, data.
 
 User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with status 2.
 """
@@ -118,6 +118,12 @@ def _lab(args) -> int:
     return 0 if all(r.matched for r in results) else 1
 
 
+def _sweep(args) -> None:
+    from .sweep import parse_lrs, run_sweep
+
+    run_sweep(args, parse_lrs(args.lrs), args.out, args.tolerance, report=not args.no_report)
+
+
 def _export(args) -> None:
     from .export import export_run
 
@@ -211,6 +217,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337, help="seed of every run")
     p.add_argument("--no-report", action="store_true", help="skip the dashboards (no matplotlib needed)")
     p.set_defaults(func=_lab)
+
+    p = sub.add_parser("sweep", help="short runs at several learning rates; recommends the largest stable one",
+                       description="Train the same configuration for ~200 steps at each learning rate of --lrs "
+                       "(into OUT/lr_<value>), overlay the curves (OUT/report), and recommend the largest stable rate. "
+                       "A rate is stable when its run finished with finite losses and no guard skip or rollback; "
+                       "`nanolm diagnose` finds no non_finite, guard_actions, loss_stuck, loss_spike, "
+                       "train_loss_rising or fp16_overflow; and its final loss (last validation loss) is within "
+                       "--tolerance of the best stable run's. Takes every `nanolm train` option except --lr and "
+                       "--out-dir; --steps defaults to 200 here.")
+    p.add_argument("--lrs", required=True, metavar="LR,LR,...", help="learning rates to try, e.g. 1e-3,3e-3,1e-2")
+    p.add_argument("--out", default="runs/sweep", metavar="DIR", help="directory for the runs and the plots")
+    p.add_argument("--tolerance", type=float, default=0.1,
+                   help="a stable rate must end within this fraction of the best final loss (default: 0.1)")
+    p.add_argument("--no-report", action="store_true", help="skip the plots (no matplotlib needed)")
+    add_run_arguments(p)
+    p.set_defaults(func=_sweep)
 
     p = sub.add_parser("export", help="write a run as a Hugging Face transformers model", formatter_class=fmt,
                        description="Export a trained run so that transformers' AutoModelForCausalLM.from_pretrained(OUT) "
