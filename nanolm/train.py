@@ -232,7 +232,7 @@ def corrupt_tokens(tokens: np.ndarray, share: float, vocab_size: int, seed: int)
     """The lab's corrupted shard: one contiguous region of random ids (a copy; shards stay intact)."""
     out = np.array(tokens, dtype=np.int64)
     n = int(len(out) * share)
-    start = len(out) // 3
+    start = min(len(out) // 3, len(out) - n)  # a third of the way in, or as far as a large share allows
     out[start : start + n] = np.random.default_rng(seed).integers(1, vocab_size, size=n)
     return out
 

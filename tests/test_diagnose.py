@@ -1,0 +1,201 @@
+"""Diagnosis rules: each fires on its pattern and stays silent on healthy runs.
+
+The traces in ``tests/fixtures/traces`` are real runs of nanolm's training loop (recorded by
+``tests/fixtures/record_traces.py``), healthy ones from several seeds and logging rhythms,
+and broken ones made the way ``nanolm lab`` breaks them. The diagnosis sees only their
+metrics and events, as it would a user's run. A few patterns that a short CPU run cannot
+produce honestly (fp16 overflow, a loss that climbs back, dead units) are synthetic.
+"""
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from nanolm import diagnose as dg
+from nanolm.diagnose import diagnose, diagnose_trace
+
+from conftest import run_cli
+
+TRACES = Path(__file__).parent / "fixtures" / "traces"
+HEALTHY = ["healthy_s1", "healthy_s2", "healthy_s3", "healthy_sparse_logging", "healthy_grad_accum",
+           "healthy_resumed", "healthy_fp16_scaled", "healthy_quick"]
+BROKEN = {  # trace: the finding it must raise
+    "high_lr_no_warmup": "loss_spike",
+    "fp16_no_loss_scaling": "fp16_underflow",
+    "targets_not_shifted": "leak",
+    "non_causal": "leak",
+    "loss_not_averaged": "clipped_most_steps",
+    "resume_without_optimizer_state": "resume_jump",
+    "corrupt_data": "data_spikes",
+    "bad_batch_nan": "non_finite",
+    "spike_rollback": "guard_actions",
+    "labels_random": "loss_stuck",
+    "memorising": "memorising",
+}
+
+
+def load(name: str) -> dict:
+    with gzip.open(TRACES / f"{name}.json.gz", "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
+def as_run_dir(name: str, tmp_path) -> Path:
+    """A run directory holding only the trace's metrics.jsonl and events.jsonl."""
+    trace = load(name)
+    run = tmp_path / name
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in trace["metrics"]))
+    if trace["events"]:
+        (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in trace["events"]))
+    return run
+
+
+def names(name: str) -> list[str]:
+    trace = load(name)
+    return [f.name for f in diagnose_trace(trace["metrics"], trace["events"])]
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_healthy_runs_get_no_findings(name):
+    assert names(name) == []
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_each_rule_fires_on_its_recorded_pattern(name):
+    assert BROKEN[name] in names(name)
+
+
+def test_every_rule_is_exercised_by_a_recorded_or_synthetic_trace():
+    covered = set(BROKEN.values()) | {"fp16_overflow", "train_loss_rising", "dead_units", "attention_logits",
+                                      "val_worse_than_start"}
+    assert {rule.__name__.removeprefix("rule_") for rule in dg.RULES} <= covered  # a new rule needs its test
+
+
+def test_a_leak_is_named_as_such_and_not_as_memorising():
+    found = names("targets_not_shifted")
+    assert "leak" in found and "val_worse_than_start" in found and "memorising" not in found
+    assert "memorising" not in names("non_causal")
+    assert "leak" not in names("memorising")  # a training loss under the floor after 60 epochs is memory
+
+
+def test_high_lr_without_warmup_shows_a_spike_after_a_gradient_spike_and_runaway_attention():
+    trace = load("high_lr_no_warmup")
+    found = {f.name: f for f in diagnose_trace(trace["metrics"], trace["events"])}
+    spike = found["loss_spike"]
+    assert spike.evidence["grad_norm_peak_step"] < spike.evidence["step"]  # the gradient came first
+    assert "no warmup" in spike.message
+    assert found["attention_logits"].evidence["max_logit"] > dg.ATTENTION_LOGIT_MAX
+
+
+def test_data_spikes_are_not_mistaken_for_an_lr_instability():
+    assert "loss_spike" not in names("corrupt_data")
+    assert "data_spikes" not in names("high_lr_no_warmup")
+
+
+def test_a_clean_resume_is_not_a_jolt():
+    trace = load("healthy_resumed")
+    assert any(e["kind"] == "resume" for e in trace["events"])  # the rule had something to look at
+    assert names("healthy_resumed") == []
+
+
+def test_evidence_points_at_the_right_steps():
+    trace = load("bad_batch_nan")
+    [nan_event] = [e for e in trace["events"] if e["kind"] == "nan"]
+    finding = next(f for f in diagnose_trace(trace["metrics"], trace["events"]) if f.name == "non_finite")
+    assert finding.evidence["events"][0]["step"] == nan_event["step"] == 300
+    assert f"step {nan_event['step']}" in finding.message and "rolled back to step" in finding.message
+    jump = next(f for f in diagnose_trace(**_kw("resume_without_optimizer_state")) if f.name == "resume_jump")
+    assert jump.evidence["resume_step"] == 60 and 60 < jump.evidence["grad_norm_after_step"] <= 63
+
+
+def _kw(name):
+    t = load(name)
+    return {"rows": t["metrics"], "events": t["events"]}
+
+
+# --------------------------------------------------------------------------- synthetic patterns
+def _rows(losses, lr=3e-3, grad_norm=0.5, start=1, every=1, **extra):
+    return [{"step": start + i * every, "loss": l, "lr": lr, "grad_norm": grad_norm, "clipped": False,
+             "clipped_steps": 0, **extra} for i, l in enumerate(losses)]
+
+
+def _falling(n, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    return [0.5 + 5 * math.exp(-i / 30) + rng.gauss(0, 0.02) for i in range(n)]
+
+
+def test_fp16_overflow_fires_on_repeated_skips_and_a_collapsing_scale():
+    rows = _falling(200)
+    skipping = [{**r, "loss_scale": 2.0 ** max(0, 16 - i // 10), "skipped_steps": i // 10}
+                for i, r in enumerate(_rows(rows))]
+    assert "fp16_overflow" in [f.name for f in diagnose_trace(skipping)]
+    calm = [{**r, "loss_scale": 65536.0, "skipped_steps": 1 if r["step"] > 150 else 0} for r in _rows(rows)]
+    assert "fp16_overflow" not in [f.name for f in diagnose_trace(calm)]
+
+
+def test_train_loss_rising_fires_when_the_loss_climbs_back_and_not_on_a_plateau():
+    losses = _falling(150) + [0.5 + 0.02 * i for i in range(60)]
+    assert "train_loss_rising" in [f.name for f in diagnose_trace(_rows(losses))]
+    assert "train_loss_rising" not in [f.name for f in diagnose_trace(_rows(_falling(210)))]
+
+
+def test_dead_units_fire_when_a_block_stays_shut_and_not_on_an_early_burst():
+    rows = _rows(_falling(200))
+    for r in rows:
+        if r["step"] % 10 == 0:
+            r.update({"mlp_dead_frac/0": 0.0, "mlp_dead_frac/1": 0.3 if r["step"] > 50 else 0.0})
+    assert "dead_units" in [f.name for f in diagnose_trace(rows)]
+    for r in rows:
+        if "mlp_dead_frac/1" in r:
+            r["mlp_dead_frac/1"] = 0.4 if r["step"] == 20 else 0.0  # a burst that recovers (a real high-LR run does)
+    assert "dead_units" not in [f.name for f in diagnose_trace(rows)]
+
+
+def test_attention_logit_rule_has_a_threshold_a_healthy_run_stays_under():
+    rows = _rows(_falling(200))
+    for r in rows:
+        if r["step"] % 10 == 0:
+            r["attn_logit_max/0"] = min(25.0, r["step"] / 4)
+    assert "attention_logits" not in [f.name for f in diagnose_trace(rows)]
+    rows[-1]["attn_logit_max/0"] = 2 * dg.ATTENTION_LOGIT_MAX
+    assert "attention_logits" in [f.name for f in diagnose_trace(rows)]
+
+
+def test_short_or_empty_traces_get_no_findings():
+    assert diagnose_trace([]) == []
+    assert diagnose_trace([{"step": 0, "val_loss": 6.2}]) == []
+    assert diagnose_trace(_rows([6.2, 6.2, 6.1, 6.2])) == []  # four steps say nothing about a run
+
+
+# --------------------------------------------------------------------------- the command
+def test_diagnose_reads_a_run_directory_of_two_files(tmp_path):
+    run = as_run_dir("non_causal", tmp_path)
+    assert [f.name for f in diagnose(run)] == names("non_causal")
+
+
+def test_cli_prints_findings_with_evidence_and_strict_sets_the_exit_status(tmp_path):
+    broken, healthy = as_run_dir("targets_not_shifted", tmp_path), as_run_dir("healthy_s1", tmp_path)
+    r = run_cli("diagnose", broken, healthy)
+    assert r.returncode == 0, r.stderr
+    assert "[leak]" in r.stdout and "evidence:" in r.stdout and f"{healthy}: no findings" in r.stdout
+    assert run_cli("diagnose", "--strict", broken).returncode == 1
+    assert run_cli("diagnose", "--strict", healthy).returncode == 0
+    parsed = json.loads(run_cli("diagnose", "--json", broken).stdout)
+    assert parsed[0]["findings"][0].keys() == {"name", "title", "message", "evidence"}
+
+
+@pytest.mark.parametrize("make", ["missing", "no_metrics", "empty"])
+def test_cli_user_errors_are_one_line(tmp_path, make):
+    run = tmp_path / "run"
+    if make != "missing":
+        run.mkdir()
+    if make == "empty":
+        (run / "metrics.jsonl").write_text("")
+    r = run_cli("diagnose", run)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
