@@ -7,6 +7,7 @@ checkpoints that resume exactly, and a world-size change that continues the same
 """
 
 import datetime
+import gc
 import json
 import os
 import random
@@ -352,6 +353,7 @@ def _worker(rank, world_size, port, result_dir):
         result["broadcast"] = ctx.from_main(lambda: f"decided on rank {rank}")
     finally:
         (result_dir / f"rank{rank}.json").write_text(json.dumps(result))
+        gc.collect()  # DDP's reducer sits in a reference cycle; freed after the group is gone, it aborts the process
         dist.destroy_process_group()
 
 
