@@ -187,10 +187,10 @@ def _loss_spikes(train: list[dict]) -> list[dict]:
     """Rows whose loss jumps far above the local median, with what came before them.
 
     The local median (11 rows centred on the row) follows the loss's downward trend, so a
-    steep but smooth fall leaves no residual. The noise scale is estimated locally, from the
-    rows *below* the median only: spikes go up, and a run full of them would otherwise
-    inflate its own yardstick. In the first rows, where the fall is too steep for any
-    yardstick, one thing is unmistakable: a loss that climbs back above where it started.
+    steep but smooth fall leaves no residual. The noise scale is the median absolute residual
+    of the 31 rows around (a robust standard deviation: as long as fewer than half the rows
+    are spikes, they do not inflate it). In the first rows, where the fall is too steep for
+    any yardstick, one thing is unmistakable: a loss that climbs back above where it started.
 
     Each spike records whether the gradient norm rose first: its largest value in the three
     rows before the spike (rows that are spikes themselves do not count: a bad batch raises
@@ -212,10 +212,9 @@ def _loss_spikes(train: list[dict]) -> list[dict]:
         above_start = fell and losses[i] > start and all(l <= start for l in losses[1:i])
         threshold = math.inf
         if i >= 5:  # before that the centred window is lopsided toward the (lower) future
-            below = [-resid[j] for j in range(max(0, i - 15), min(n, i + 16)) if resid[j] < 0]
-            if len(below) >= 4:
-                threshold = max(SPIKE_SIGMAS * 1.4826 * statistics.median(below), SPIKE_MIN_JUMP,
-                                SPIKE_MIN_REL * base[i])
+            around = [abs(resid[j]) for j in range(max(0, i - 15), min(n, i + 16))]
+            threshold = max(SPIKE_SIGMAS * 1.4826 * statistics.median(around), SPIKE_MIN_JUMP,
+                            SPIKE_MIN_REL * base[i])
         if resid[i] > threshold or above_start:
             jump = losses[i] - (statistics.median(losses[max(0, i - 3) : i]) if above_start else base[i])
             flagged[i] = {"threshold": threshold, "above_start": above_start, "jump": jump}

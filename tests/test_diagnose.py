@@ -152,8 +152,21 @@ def test_dead_units_fire_when_a_block_stays_shut_and_not_on_an_early_burst():
     assert "dead_units" in [f.name for f in diagnose_trace(rows)]
     for r in rows:
         if "mlp_dead_frac/1" in r:
-            r["mlp_dead_frac/1"] = 0.4 if r["step"] == 20 else 0.0  # a burst that recovers (a real high-LR run does)
+            r["mlp_dead_frac/1"] = 0.4 if r["step"] <= 100 else 0.0  # dead early, recovered (high-LR runs do that)
     assert "dead_units" not in [f.name for f in diagnose_trace(rows)]
+
+
+def test_resume_jump_needs_a_real_jolt_not_the_usual_wobble():
+    def resumed(bump):
+        rows = _rows(_falling(200), grad_norm=0.5)
+        for r in rows:
+            if r["step"] == 102:
+                r["grad_norm"] = 0.5 * bump
+        return [f.name for f in diagnose_trace(rows, [{"step": 100, "kind": "resume"}])]
+
+    assert "resume_jump" in resumed(4.0)
+    assert "resume_jump" not in resumed(1.8)  # a healthy run's norm wobbles that much
+    assert "resume_jump" not in [f.name for f in diagnose_trace(_rows(_falling(200)), [])]  # no resume, no jolt
 
 
 def test_attention_logit_rule_has_a_threshold_a_healthy_run_stays_under():
