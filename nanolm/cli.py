@@ -231,7 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_doctor)
 
     p = sub.add_parser("diagnose", help="say in plain words what went wrong in a run, with the evidence",
-                       formatter_class=fmt,
                        description="Read a run's metrics.jsonl and events.jsonl (nothing else) and print every "
                        "finding: what was seen, what it usually means, what to do, and the steps and values it rests "
                        "on. Rules: non-finite values, guard rollbacks, a loss stuck at ln V, a loss below the data's "
@@ -248,18 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
     from .lab import VARIANTS
 
     p = sub.add_parser("lab", help="a healthy run and the same run broken on purpose, each diagnosed",
-                       formatter_class=fmt,
                        description="Train a healthy baseline and deliberately broken variants on the built-in story "
                        "corpus (the real training code, broken by hidden --debug-* switches), draw each one's "
                        "dashboard next to the baseline, run `nanolm diagnose` on it, and print a table: what was "
                        "broken, the expected symptom, the diagnosis, matched or not. About a minute per variant on "
                        "2 CPU cores. Exit status 1 if a variant is not matched. Variants: "
-                       + "; ".join(f"{v.name} ({v.broken})" for v in VARIANTS))
-    p.add_argument("--out", default="runs/lab", metavar="DIR", help="directory for the runs, lab.md and lab.json")
+                       + "; ".join(f"{v.name}: {v.broken}" for v in VARIANTS) + ". See docs/health.md.")
+    p.add_argument("--out", default="runs/lab", metavar="DIR", help="directory for the runs, lab.md and lab.json (default: runs/lab)")
     p.add_argument("--only", default=None, metavar="NAME,...", help="run only these variants (comma-separated)")
     p.add_argument("--quick", action="store_true", help="a tiny model and corpus: seconds per variant (for tests)")
     p.add_argument("--steps", type=int, default=None, help="steps per variant (default: 500, or 200 with --quick)")
-    p.add_argument("--seed", type=int, default=1337, help="seed of every run")
+    p.add_argument("--seed", type=int, default=1337, help="seed of every run (default: 1337)")
     p.add_argument("--no-report", action="store_true", help="skip the dashboards (no matplotlib needed)")
     p.set_defaults(func=_lab)
 
@@ -272,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "--tolerance of the best stable run's. Takes every `nanolm train` option except --lr and "
                        "--out-dir; --steps defaults to 200 here.")
     p.add_argument("--lrs", required=True, metavar="LR,LR,...", help="learning rates to try, e.g. 1e-3,3e-3,1e-2")
-    p.add_argument("--out", default="runs/sweep", metavar="DIR", help="directory for the runs and the plots")
+    p.add_argument("--out", default="runs/sweep", metavar="DIR", help="directory for the runs and the plots (default: runs/sweep)")
     p.add_argument("--tolerance", type=float, default=0.1,
                    help="a stable rate must end within this fraction of the best final loss (default: 0.1)")
     p.add_argument("--no-report", action="store_true", help="skip the plots (no matplotlib needed)")
