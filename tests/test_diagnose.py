@@ -129,6 +129,24 @@ def _falling(n, seed=0):
     return [0.5 + 5 * math.exp(-i / 30) + rng.gauss(0, 0.02) for i in range(n)]
 
 
+def test_a_spike_at_the_end_of_warmup_is_placed_there_and_an_unwarned_one_is_not_an_lr_spike():
+    def trace(warned: bool):
+        rows = _rows(_falling(200), grad_norm=0.5)
+        for r in rows:
+            r["lr"] = 3e-3 * min(1.0, r["step"] / 50)  # linear warmup to the peak at step 50
+            if warned and r["step"] == 52:
+                r["grad_norm"] = 2.0  # the gradient norm goes first ...
+            if r["step"] in (54, 55):
+                r["loss"] += 1.5  # ... and the loss follows two steps later
+        return diagnose_trace(rows)
+
+    spike = {f.name: f for f in trace(warned=True)}["loss_spike"]
+    assert spike.evidence["step"] == 54 and spike.evidence["grad_norm_peak_step"] == 52
+    assert spike.evidence["warmup_end_step"] == 50 and spike.evidence["lr"] == spike.evidence["peak_lr"]
+    assert "near the end of warmup" in spike.message
+    assert "loss_spike" not in [f.name for f in trace(warned=False)]
+
+
 def test_fp16_overflow_fires_on_repeated_skips_and_a_collapsing_scale():
     rows = _falling(200)
     skipping = [{**r, "loss_scale": 2.0 ** max(0, 16 - i // 10), "skipped_steps": i // 10}
