@@ -237,10 +237,12 @@ class Attention(nn.Module):
         softmax sees (``nanolm.diagnostics`` recomputes them to watch their maximum).
         """
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+            q, k = apply_rope(self.q_norm(qkv[0]), cos, sin), apply_rope(self.k_norm(qkv[1]), cos, sin)
+            return q, k, qkv[2]
+        q, k = apply_rope(qkv[:2], cos, sin)  # queries and keys rotated together: half the small ops
+        return q, k, qkv[2]
 
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
         B, T, C = x.shape
