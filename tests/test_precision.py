@@ -296,6 +296,12 @@ def test_small_learning_rates_train_bf16_weights_only_with_stochastic_rounding_o
 def test_auto_is_fp32_on_cpu_and_bf16_only_on_a_gpu_that_has_it(monkeypatch):
     cpu = resolve_precision("auto", torch.device("cpu"))
     assert cpu.name == "fp32" and "auto" in cpu.reason and cpu.autocast_dtype is None
+    import nanolm.precision as precision_module
+
+    for native in (True, False):  # fp32 either way; the reason says when bf16 would be faster here
+        monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: native)
+        cpu = resolve_precision("auto", torch.device("cpu"))
+        assert cpu.name == "fp32" and ("native bf16" in cpu.reason) == native
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_precision("auto", torch.device("cuda")).name == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
@@ -327,7 +333,7 @@ TINY_CLI = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd"
 
 
 @pytest.mark.parametrize("flags, chosen", [
-    ([], "precision: fp32 (auto: on cpu"),
+    ([], "precision: fp32 (auto: "),
     (["--precision", "fp32"], "precision: fp32 (requested)"),
     (["--precision", "bf16"], "precision: bf16 (requested"),
     (["--precision", "fp16"], "precision: fp16 (requested"),
