@@ -91,6 +91,9 @@ class TrainOptions:
     grad_accum: int = option(1, "micro-batches per optimizer step (tokens/step = batch_size × grad_accum × seq_len)")
     seed: int = option(1337, "seed for initialisation, data order and sampling")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    threads: int = option(0, "CPU threads for PyTorch's kernels (0 = PyTorch's default, one per core). On a machine "
+                          "that other jobs also use, fewer threads than cores is often much faster: the threads "
+                          "wait on each other (docs/benchmarks.md)")
     compile: bool = option(False, "torch.compile the model: 10-30 s of compiling at start-up, then faster steps (~1.1x on CPU at small shapes, more on GPU); pays off in long runs")
     precision: str = option("auto", "number format: auto (bf16 on a GPU that has it, else fp32), fp32, bf16 or fp16 "
                             "(autocast over fp32 weights; fp16 adds loss scaling), bf16-pure (bf16 weights, "
@@ -201,6 +204,8 @@ class RunConfig:
             raise NanolmError(f"--min-lr must be between 0 and --lr ({self.optim.lr}), got {self.optim.min_lr}")
         if self.optim.warmup is not None and self.optim.warmup < 0:
             raise NanolmError(f"--warmup must be >= 0, got {self.optim.warmup}")
+        if self.train.threads < 0:
+            raise NanolmError(f"--threads must be >= 0 (0 = PyTorch's default), got {self.train.threads}")
         if self.train.stats_every < 0:
             raise NanolmError(f"--stats-every must be >= 0 (0 = never), got {self.train.stats_every}")
         if not (self.train.peak_flops >= 0 and math.isfinite(self.train.peak_flops)):
@@ -266,7 +271,7 @@ COMPATIBLE_ON_RESUME = {
     # optimizer's knobs (lowering the LR for a restart is a classic); everything else shapes
     # the model or the data stream, and changing it mid-run would silently mix two runs
     "train": {"steps", "eval_every", "eval_batches", "log_every", "sample_tokens", "out_dir", "device",
-              "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
+              "threads", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
               "peak_flops", "target_val_bpb", "dist"},
     "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip"},
     "guard": {f.name for f in dataclasses.fields(GuardOptions)},

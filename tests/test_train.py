@@ -9,7 +9,7 @@ from nanolm.config import RunConfig
 from nanolm.data import Batch, Split, eval_batches
 from nanolm.loss import masked_cross_entropy_sum
 from nanolm.monitor import read_metrics
-from nanolm.train import accumulate_gradients, estimate_loss, get_batch, train
+from nanolm.train import accumulate_gradients, configure_threads, estimate_loss, get_batch, train
 
 from conftest import tiny_model
 
@@ -144,3 +144,25 @@ def test_training_stops_at_the_first_evaluation_that_reaches_the_target(tmp_path
     cfg = _tiny_cfg(stories_file, tmp_path / "unreached", steps=8, batch_size=2, eval_every=4)
     cfg.train.target_val_bpb = 1e-3
     assert train(cfg, log=lambda *_: None)["step"] == 8
+
+
+def test_threads_are_set_and_a_busy_cpu_gets_a_hint_only_when_our_threads_would_wait(monkeypatch):
+    import os
+
+    before = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    try:
+        def hints(threads, load, device=cpu):
+            monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+            lines = []
+            configure_threads(threads, device, lines.append)
+            return lines
+
+        assert hints(1, 1.9) == [] and torch.get_num_threads() == 1  # one thread never waits on another
+        busy = hints(2, 1.0)
+        assert torch.get_num_threads() == 2 and len(busy) == 1 and "--threads 1" in busy[0]
+        assert hints(2, 0.2) == []  # our own thread's share of the load: nobody else is there
+        assert hints(2, 1.0, torch.device("meta")) == []  # not a CPU run: nothing to say
+    finally:
+        torch.set_num_threads(before)
