@@ -113,17 +113,26 @@ def rope_cat(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+def queries_keys_values_apart(self, x, cos, sin):
+    """``Attention.queries_keys_values`` as nanolm wrote it before: q and k rotated in two calls
+    (the benchmark's model has no QK-norm)."""
+    B, T, _ = x.shape
+    q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+    return nanolm.model.apply_rope(q, cos, sin), nanolm.model.apply_rope(k, cos, sin), v
+
+
 @contextlib.contextmanager
-def patched(**replacements):
-    """Replace attributes of ``nanolm.model`` for the duration of a timed round."""
-    saved = {name: getattr(nanolm.model, name) for name in replacements}
+def patched(target=nanolm.model, **replacements):
+    """Replace attributes of ``target`` (``nanolm.model`` or one of its classes) for the
+    duration of a timed round."""
+    saved = {name: getattr(target, name) for name in replacements}
     for name, value in replacements.items():
-        setattr(nanolm.model, name, value)
+        setattr(target, name, value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(nanolm.model, name, value)
+            setattr(target, name, value)
 
 
 # --------------------------------------------------------------------------- runners
@@ -193,6 +202,17 @@ def nanolm_runner(name, shape, vocab, tokens, eos, device, autocast, doc_mask=Tr
     return Runner(name, step, model, device, patch)
 
 
+def all_of(*patches):
+    """One patch context made of several."""
+    @contextlib.contextmanager
+    def combined():
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch())
+            yield
+    return combined
+
+
 def before_rope(runner: Runner) -> Runner:
     """The same runner with the cat-based RoPE and its unsigned sin table."""
     sin = runner.model.rope_sin
@@ -255,9 +275,12 @@ def build_runners(args, shape, vocab, tokens, eos, device, precision, threads):
         runners.append(reference_runner(shape, vocab, tokens, device, resolve_precision(args.reference_precision, device).autocast))
     if args.ablations:
         sdpa_as_is = functools.partial(patched, attention=F.scaled_dot_product_attention)
+        qk_apart = functools.partial(patched, nanolm.model.Attention, queries_keys_values=queries_keys_values_apart)
         runners += [nanolm_runner("before_fused_adamw", shape, vocab, tokens, eos, device, auto, fused_adamw=False),
                     before_rope(nanolm_runner("before_rope_roll", shape, vocab, tokens, eos, device, auto)),
+                    nanolm_runner("before_joint_qk_rope", shape, vocab, tokens, eos, device, auto, patch=qk_apart),
                     before_rope(nanolm_runner("before_all", shape, vocab, tokens, eos, device, auto, fused_adamw=False))]
+        runners[-1].patch = all_of(runners[-1].patch, qk_apart)
         if extra_bf16:
             runners.append(nanolm_runner("before_fp32_attention_bf16", shape, vocab, tokens, eos, device, bf16,
                                          patch=sdpa_as_is))
