@@ -17,7 +17,9 @@ every ratio is of medians from the same process:
 * ``nanolm_bf16`` on a CPU with native bf16 (``--precision bf16``; the reference stays fp32);
 * ``nanolm_compiled`` with ``--compile`` (``torch.compile``; compile time reported apart);
 * with ``--ablations``: nanolm with one of its optimisations undone (``before_*``), to show
-  what each one is worth, and with all of them undone (``before_all``);
+  what each one is worth, and with all of them undone (``before_all``); and ``nanolm_twin``,
+  a second, identical nanolm runner: how far apart two runs of the same code land is the
+  noise floor of every other ratio;
 * with ``--threads 1,2``: every variant at each thread count (``name@1``, ``name@2``).
 
 Also reported: the loader's share of nanolm's step (``pack_windows`` alone vs the whole step),
@@ -276,7 +278,8 @@ def build_runners(args, shape, vocab, tokens, eos, device, precision, threads):
     if args.ablations:
         sdpa_as_is = functools.partial(patched, attention=F.scaled_dot_product_attention)
         qk_apart = functools.partial(patched, nanolm.model.Attention, queries_keys_values=queries_keys_values_apart)
-        runners += [nanolm_runner("before_fused_adamw", shape, vocab, tokens, eos, device, auto, fused_adamw=False),
+        runners += [nanolm_runner("nanolm_twin", shape, vocab, tokens, eos, device, auto),  # the noise yardstick
+                    nanolm_runner("before_fused_adamw", shape, vocab, tokens, eos, device, auto, fused_adamw=False),
                     before_rope(nanolm_runner("before_rope_roll", shape, vocab, tokens, eos, device, auto)),
                     nanolm_runner("before_joint_qk_rope", shape, vocab, tokens, eos, device, auto, patch=qk_apart),
                     before_rope(nanolm_runner("before_all", shape, vocab, tokens, eos, device, auto, fused_adamw=False))]

@@ -28,7 +28,7 @@ def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablat
         torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out)
     shape = result["shapes"]["nanogpt"]
-    for name in ("nanolm", "nanolm_mask_off", "reference", "before_fused_adamw", "before_rope_roll",
+    for name in ("nanolm", "nanolm_mask_off", "reference", "nanolm_twin", "before_fused_adamw", "before_rope_roll",
                  "before_joint_qk_rope", "before_all"):
         assert shape[name]["tokens_per_sec"] > 0 and shape[name]["gflops_per_sec"] > 0
     assert "speedup nanolm over reference" in shape["time_ratios"]["wall"]
