@@ -166,3 +166,40 @@ def test_threads_are_set_and_a_busy_cpu_gets_a_hint_only_when_our_threads_would_
         assert hints(2, 1.0, torch.device("meta")) == []  # not a CPU run: nothing to say
     finally:
         torch.set_num_threads(before)
+
+
+def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file, monkeypatch):
+    """The gradients the optimizer sees at a step are exactly those of that step's micro-batches
+    at the weights before the update, with nothing of the previous steps added in: a forgotten
+    ``zero_grad`` still trains (the old gradients act as a heavy, unwanted momentum), just
+    worse. That the micro-batches add up to one big batch is the grad-accumulation test above."""
+    import nanolm.train as train_module
+
+    steps, original = [], train_module.accumulate_gradients
+
+    def recording(model, micro_batches, *args, **kwargs):
+        steps.append({"model": model, "batches": micro_batches,
+                      "weights": {n: p.detach().clone() for n, p in model.named_parameters()}})
+        return original(model, micro_batches, *args, **kwargs)
+
+    def seen_by_the_optimizer(*_):
+        steps[-1]["grads"] = {n: p.grad.detach().clone() for n, p in steps[-1]["model"].named_parameters()}
+
+    monkeypatch.setattr(train_module, "accumulate_gradients", recording)
+    handle = register_optimizer_step_pre_hook(seen_by_the_optimizer)
+    cfg = _tiny_cfg(stories_file, tmp_path / "run", steps=3, batch_size=2, grad_accum=2, stats_every=0)
+    cfg.optim.clip = 0.0  # the optimizer then sees the raw accumulated gradients
+    try:
+        train(cfg, log=lambda *_: None)
+    finally:
+        handle.remove()
+    assert len(steps) == 3 and all("grads" in s for s in steps)
+    model = steps[0]["model"]
+    for step in steps[1:]:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(step["weights"][name])
+        model.zero_grad(set_to_none=True)
+        original(model, step["batches"], "cpu")
+        for name, p in model.named_parameters():
+            assert torch.allclose(step["grads"][name], p.grad, rtol=1e-5, atol=1e-8), name
