@@ -9,6 +9,7 @@ from nanolm.config import RunConfig
 from nanolm.data import Batch, Split, eval_batches
 from nanolm.loss import masked_cross_entropy_sum
 from nanolm.monitor import read_metrics
+from nanolm.optim import cosine_lr
 from nanolm.train import accumulate_gradients, configure_threads, estimate_loss, get_batch, train
 
 from conftest import tiny_model
@@ -106,7 +107,7 @@ def test_clipping_limits_the_update_to_the_clip_norm(tmp_path, stories_file):
 
 
 def test_estimate_loss_is_deterministic_and_equals_a_direct_computation():
-    model = tiny_model()
+    model = tiny_model(dropout=0.2)  # with dropout, an evaluation left in training mode is random and too high
     model.train()  # estimate_loss must switch to eval mode itself and back
     tokens = np.random.default_rng(0).integers(1, 64, size=500)
     split = Split(tokens, np.zeros(0), 0)
@@ -116,6 +117,7 @@ def test_estimate_loss_is_deterministic_and_equals_a_direct_computation():
     second = estimate_loss(model, batches, token_bytes)
     assert first == second and model.training
     assert first["tokens"] == 499
+    model.eval()
     with torch.no_grad():
         total = sum(masked_cross_entropy_sum(model(b.idx)[0], b.targets, b.loss_mask)[0].item() for b in batches)
     assert first["loss"] == pytest.approx(total / 499, rel=1e-6)
@@ -203,3 +205,28 @@ def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file
         original(model, step["batches"], "cpu")
         for name, p in model.named_parameters():
             assert torch.allclose(step["grads"][name], p.grad, rtol=1e-5, atol=1e-8), name
+
+
+def test_every_step_runs_at_its_scheduled_lr_with_the_configured_optimizer_settings(tmp_path, stories_file):
+    """An LR one step late, swapped betas or a decay that never reaches the optimizer all still
+    train; only the numbers the optimizer actually holds at each step tell them apart."""
+    held = []
+
+    def record(optimizer, *_):
+        held.append([(g["lr"], g["betas"], g["weight_decay"], len(g["params"])) for g in optimizer.param_groups])
+
+    cfg = _tiny_cfg(stories_file, tmp_path / "run", steps=8, batch_size=2)
+    cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup = 2e-3, 2e-4, 3
+    cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay = 0.8, 0.9, 0.05
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        train(cfg, log=lambda *_: None)
+    finally:
+        handle.remove()
+    assert len(held) == 8
+    for step, groups in enumerate(held):
+        assert [g[0] for g in groups] == [pytest.approx(cosine_lr(step, 2e-3, 3, 8, 2e-4), rel=1e-12)] * 2
+        assert [g[1] for g in groups] == [(0.8, 0.9)] * 2
+        assert [g[2] for g in groups] == [0.05, 0.0]  # matrices decayed; norms and the embedding not
+    logged = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "lr" in r}
+    assert logged and all(lr == pytest.approx(held[step - 1][0][0], rel=1e-6) for step, lr in logged.items())
