@@ -124,11 +124,25 @@ def test_generation_is_seeded_and_stops_at_eos():
 def test_top_k_and_top_p_only_sample_allowed_tokens():
     logits = torch.tensor([[5.0, 4.0, 3.0, -10.0, -10.0]]).repeat(200, 1)
     g = torch.Generator().manual_seed(0)
-    assert set(sample_next_token(logits, 1.0, top_k=2, generator=g).tolist()) <= {0, 1}
+    assert set(sample_next_token(logits, 1.0, top_k=2, generator=g).tolist()) == {0, 1}
     probs = logits[0].softmax(-1)  # 0.665, 0.245, 0.090, ...
     assert probs[0] < 0.7 < probs[0] + probs[1]
     assert set(sample_next_token(logits, 1.0, top_p=0.7, generator=g).tolist()) == {0, 1}
     assert set(sample_next_token(logits, 0.0).tolist()) == {0}
+
+
+def test_samples_follow_the_softmax_of_the_logits_over_the_temperature_within_the_top_k():
+    """Sampling that is merely 'random enough' hides an inverted temperature or a top-k that
+    keeps too few tokens: the text still reads, only blander or wilder than asked."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    g, n = torch.Generator().manual_seed(0), 20_000
+    for temperature, top_k in [(0.5, None), (2.0, None), (1.0, 2)]:
+        expected = logits / temperature
+        if top_k:
+            expected[top_k:] = float("-inf")
+        draws = sample_next_token(logits.repeat(n, 1), temperature, top_k=top_k, generator=g)
+        frequencies = torch.bincount(draws, minlength=4).float() / n
+        assert torch.allclose(frequencies, expected.softmax(-1), atol=0.015), (temperature, top_k, frequencies)
 
 
 def test_gpt_config_rejects_impossible_shapes():

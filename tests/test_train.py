@@ -101,9 +101,22 @@ def test_gradients_are_clipped_once_per_step_after_every_backward_pass(tmp_path,
 def test_clipping_limits_the_update_to_the_clip_norm(tmp_path, stories_file):
     cfg = _tiny_cfg(stories_file, tmp_path / "run", steps=2, batch_size=2)
     cfg.optim.clip = 1e-3
-    train(cfg, log=lambda *_: None)
+    norms_seen_by_the_optimizer = []
+
+    def record(optimizer, *_):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norms_seen_by_the_optimizer.append(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(x) for x in grads])).item())
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        train(cfg, log=lambda *_: None)
+    finally:
+        handle.remove()
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "grad_norm" in r]
     assert all(r["grad_norm"] > 1e-3 for r in rows)  # logged norm is the one *before* clipping
+    assert len(norms_seen_by_the_optimizer) == 2
+    assert all(n == pytest.approx(1e-3, rel=1e-4) for n in norms_seen_by_the_optimizer)  # the one *after*
 
 
 def test_estimate_loss_is_deterministic_and_equals_a_direct_computation():
