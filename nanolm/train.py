@@ -570,6 +570,7 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
             row = {}
             if log_now:
                 row = meter.row(done, loss, lr, grad_norm)  # the one host sync of a logged step
+                row["tokens"] = counters["tokens_seen"]
                 row.update(**scaler.metrics(), **underflow)
                 if layer_stats is not None:
                     row.update(layer_stats.after_update())

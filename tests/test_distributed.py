@@ -90,6 +90,7 @@ def _norm_rel(a: dict, b: dict) -> float:
 def _assert_same_run(rows, ref_rows, rel=1e-6):
     assert [r["step"] for r in rows] == [r["step"] for r in ref_rows]
     for r, ref in zip(rows, ref_rows):
+        assert r.get("tokens") == ref.get("tokens"), r["step"]  # every rank's tokens counted, once
         for key in ("loss", "grad_norm", "val_loss"):
             if key in ref:
                 assert r[key] == pytest.approx(ref[key], rel=rel), (r["step"], key)

@@ -243,3 +243,22 @@ def test_every_step_runs_at_its_scheduled_lr_with_the_configured_optimizer_setti
         assert [g[2] for g in groups] == [0.05, 0.0]  # matrices decayed; norms and the embedding not
     logged = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "lr" in r}
     assert logged and all(lr == pytest.approx(held[step - 1][0][0], rel=1e-6) for step, lr in logged.items())
+
+
+def test_the_logged_tokens_are_the_tokens_the_steps_trained_on(tmp_path, stories_file, monkeypatch):
+    """tokens/s, MFU and the tokens column all rest on tokens per step; counting one
+    micro-batch instead of all of them makes a run look grad_accum times slower."""
+    import nanolm.train as train_module
+
+    fed, original = [], train_module.accumulate_gradients
+
+    def counting(model, micro_batches, *args, **kwargs):
+        fed.append((fed[-1] if fed else 0) + sum(b.idx.numel() for b in micro_batches))
+        return original(model, micro_batches, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, "accumulate_gradients", counting)
+    train(_tiny_cfg(stories_file, tmp_path / "run", steps=4, batch_size=2, grad_accum=3), log=lambda *_: None)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert rows[0]["tokens_per_step"] == 2 * 3 * 32
+    trained = [r for r in rows if "tokens_per_sec" in r]
+    assert len(trained) == 4 and all(r["tokens"] == fed[r["step"] - 1] for r in trained)
