@@ -1,0 +1,29 @@
+"""The list of known silent bugs that ``tools/silent_bugs.py`` plants follows the code.
+
+Planting all of them takes a quarter of an hour, too long for every run of the suite; this
+check takes milliseconds and fails as soon as a line the list breaks on purpose is edited,
+so the list is updated with the code instead of silently planting nothing.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("silent_bugs", ROOT / "tools" / "silent_bugs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_planted_bug_breaks_a_line_that_exists_exactly_once():
+    bugs = _tool().BUGS
+    assert len({b.name for b in bugs}) == len(bugs) >= 30
+    for bug in bugs:
+        text = (ROOT / bug.file).read_text()
+        assert text.count(bug.correct) == 1, bug.name
+        assert bug.broken != bug.correct and bug.broken not in text, bug.name

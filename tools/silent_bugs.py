@@ -1,0 +1,200 @@
+"""Plant each known silent bug in a copy of nanolm and check that the test suite catches it.
+
+A model with a bug in its data, loss or optimizer usually still trains, just worse, so
+"the tests pass" proves little unless each of those bugs, planted on purpose, makes a test
+fail. This script keeps that promise checkable: every entry of ``BUGS`` is a one-line
+change that a real training codebase has shipped at some point (targets not shifted, a
+forgotten ``zero_grad``, an LR one step late, ...). For each, it copies the package, plants
+the bug, runs the tests on the copy and reports which test caught it, or that none did.
+The working tree is never modified.
+
+    python tools/silent_bugs.py                     # every bug, the fast test files (~10-20 min on 2 cores)
+    python tools/silent_bugs.py --only lr_one_step_late,missing_zero_grad
+    python tools/silent_bugs.py --list
+
+Exit status 1 if a bug survives. ``tests/test_silent_bugs.py`` checks, in the normal suite,
+that every planted line still exists in the code, so this list cannot rot unnoticed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    effect: str  # what a run with this bug looks like: why nobody would notice
+    file: str
+    correct: str  # the exact text in nanolm, found exactly once
+    broken: str
+
+
+BUGS = [
+    # data
+    Bug("targets_not_shifted", "the loss falls fast to ~0: the model copies its input",
+        "nanolm/data.py", "idx, targets = window[:, :-1], window[:, 1:]", "idx, targets = window[:, :-1], window[:, :-1]"),
+    Bug("no_eos_between_documents", "documents run into each other; the model learns false continuations",
+        "nanolm/data.py", "            parts += [ids, np.array([eos_id])]", "            parts += [ids]"),
+    Bug("doc_mask_is_plain_causal", "attention reads the previous, unrelated document",
+        "nanolm/data.py", "doc_ids = new_doc.cumsum(1, dtype=torch.int32)",
+        "doc_ids = torch.zeros_like(new_doc, dtype=torch.int32)"),
+    Bug("positions_off_by_one", "RoPE positions restart at 1 instead of 0 in each document",
+        "nanolm/data.py", "positions = ar - doc_start", "positions = ar - doc_start + 1"),
+    Bug("boundary_not_masked", "--mask-boundary still trains on predicting a document's first token",
+        "nanolm/data.py", "loss_mask = ~is_eos if mask_boundary else",
+        "loss_mask = torch.ones_like(idx, dtype=torch.bool) if mask_boundary else"),
+    Bug("windows_overlap", "some text is seen twice an epoch and some never",
+        "nanolm/data.py", "self._order = (self.epoch, perm * self.seq_len + offset)",
+        "self._order = (self.epoch, perm * (self.seq_len - 1) + offset)"),
+    Bug("same_order_every_epoch", "every epoch replays the same batch sequence",
+        "nanolm/data.py", "manual_seed(self.seed * 1_000_003 + self.epoch)", "manual_seed(self.seed * 1_000_003)"),
+    Bug("ranks_share_windows", "under torchrun every rank trains on the same batch: N GPUs, one GPU's data",
+        "nanolm/data.py", "return starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]",
+        "return starts[: self.batch_size]"),
+    Bug("eval_tail_counted_twice", "validation counts some tokens twice: a slightly wrong val loss",
+        "nanolm/data.py", "        tail_from = covered - last", "        tail_from = 0"),
+    # model
+    Bug("rope_off", "the model loses word order beyond what the causal mask gives; trains, worse",
+        "nanolm/model.py", "q, k = apply_rope(qkv[:2], cos, sin)", "q, k = qkv[0], qkv[1]"),
+    Bug("final_norm_skipped", "the head reads an unnormalised residual stream; trains, less stably",
+        "nanolm/model.py", "logits = self.lm_head(self.norm(x))", "logits = self.lm_head(x)"),
+    Bug("untied_head", "twice the embedding parameters, different learning dynamics",
+        "nanolm/model.py", "            self.lm_head.weight = self.embed.weight\n", "            pass\n"),
+    Bug("kv_cache_positions_restart", "generation with the cache sees wrong positions: worse samples only",
+        "nanolm/model.py", "cos, sin = self.rope(T, None, offset=cache.length)", "cos, sin = self.rope(T, None, offset=0)"),
+    Bug("temperature_inverted", "samples get wilder when asked to be calmer",
+        "nanolm/model.py", "    logits = logits / temperature", "    logits = logits * temperature"),
+    Bug("top_k_keeps_one", "top-k sampling becomes greedy",
+        "nanolm/model.py", "kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]",
+        "kth = torch.topk(logits, top_k, dim=-1).values[:, :1]"),
+    # loss
+    Bug("loss_over_all_positions", "masked positions dilute the mean: the loss reads low",
+        "nanolm/loss.py", "    return total, mask.sum()", "    return total, torch.ones_like(mask).sum()"),
+    Bug("loss_in_low_precision", "under bf16 the cross-entropy is computed in bf16: noisy loss and gradients",
+        "nanolm/loss.py", "        logits.reshape(-1, logits.shape[-1]).float(),", "        logits.reshape(-1, logits.shape[-1]),"),
+    # optimizer and schedule
+    Bug("decay_on_everything", "norm gains and embeddings are pulled toward zero",
+        "nanolm/optim.py", "if p.dim() >= 2 and id(p) not in embedding_params:", "if True:"),
+    Bug("weight_decay_ignored", "--weight-decay has no effect",
+        "nanolm/optim.py", "get_param_groups(model, weight_decay), lr=lr", "get_param_groups(model, 0.0), lr=lr"),
+    Bug("warmup_starts_at_zero", "the first step is wasted at LR 0",
+        "nanolm/optim.py", "return max_lr * (step + 1) / warmup_steps", "return max_lr * step / warmup_steps"),
+    Bug("lr_one_step_late", "every step runs at the previous step's learning rate",
+        "nanolm/train.py", "lr = cosine_lr(step, o.lr,", "lr = cosine_lr(max(0, step - 1), o.lr,"),
+    Bug("betas_swapped", "AdamW with beta1 = 0.95, beta2 = 0.9: trains, differently",
+        "nanolm/train.py", "optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))",
+        "optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta2, o.beta1))"),
+    Bug("missing_zero_grad", "old gradients keep adding up: a heavy, unwanted momentum",
+        "nanolm/train.py", "            optimizer.zero_grad(set_to_none=True)\n", "            pass\n"),
+    Bug("clipping_ignored", "--clip has no effect",
+        "nanolm/train.py", "grad_norm = dist.clip_grad_norm_(model, o.clip if o.clip > 0 else math.inf)",
+        "grad_norm = dist.clip_grad_norm_(model, math.inf)"),
+    Bug("local_token_count", "under torchrun each rank averages over its own tokens: short documents weigh more",
+        "nanolm/train.py", "step_count = dist.sum(local_count)", "step_count = local_count"),
+    # evaluation and metrics
+    Bug("eval_in_training_mode", "with dropout, validation loss is noisy and too high",
+        "nanolm/train.py", "    model.eval()\n", "    pass\n"),
+    Bug("bpb_counts_eos_as_a_byte", "bits per byte read low: EOS spells no text",
+        "nanolm/train.py", "n_bytes += (token_bytes[batch.targets] * batch.loss_mask).sum()",
+        "n_bytes += (token_bytes[batch.targets].clamp(min=1) * batch.loss_mask).sum()"),
+    Bug("tokens_per_step_ignores_accumulation", "tokens/s and MFU read grad_accum times too low",
+        "nanolm/train.py", "tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size",
+        "tokens_per_step = t.batch_size * cfg.model.seq_len * dist.world_size"),
+    # precision
+    Bug("fp16_not_unscaled", "fp16 gradients reach clipping and Adam multiplied by the loss scale",
+        "nanolm/precision.py", "                p.grad.mul_(inv)", "                pass"),
+    Bug("loss_scale_never_grows", "after one overflow fp16 keeps a needlessly small scale: underflow",
+        "nanolm/precision.py", "                self.loss_scale *= self.growth_factor", "                pass"),
+    Bug("stochastic_rounding_rounds_to_nearest", "bf16 weights silently drop small updates",
+        "nanolm/precision.py", "    noise = torch.randint(0, 1 << 16, x.shape,", "    noise = 32768 + 0 * torch.randint(0, 1 << 16, x.shape,"),
+    # checkpoints and guards
+    Bug("checksum_ignored", "a corrupted checkpoint is loaded as if whole",
+        "nanolm/checkpoint.py", "        if sha256_file(path / name) != expected:", "        if False:"),
+    Bug("skipped_step_still_updates", "a NaN or spike the guard skipped is trained on anyway",
+        "nanolm/train.py", 'if action == "take" and scaler.update(grad_norm):', "if scaler.update(grad_norm):"),
+    Bug("rollback_replays_the_bad_batch", "after a rollback the run meets the same bad batches again",
+        "nanolm/train.py", "step = restore(target, data_position=False)", "step = restore(target, data_position=True)"),
+    Bug("spike_on_the_raw_scale", "gradient-norm spikes judged by differences, not ratios: false alarms late in a run",
+        "nanolm/guards.py", "        return (self._scaled(value) - median) / scale", "        return (value - median) / scale"),
+]
+
+FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_export "
+              "test_doctor test_precision test_diagnostics test_monitor test_cli test_corpus test_guards "
+              "test_distributed").split()
+
+
+def plant(copy: Path, bug: Bug) -> str:
+    """Write the broken line into the copy; returns the original file text."""
+    path = copy / bug.file
+    text = path.read_text()
+    if text.count(bug.correct) != 1:
+        raise SystemExit(f"error: {bug.name}: the line to break is not found exactly once in {bug.file}; "
+                         f"update BUGS in {Path(__file__).name}")
+    path.write_text(text.replace(bug.correct, bug.broken))
+    return text
+
+
+def caught_by(copy: Path, tests: list[str], timeout: int) -> tuple[str | None, float]:
+    """The first failing test on the copy (None: the bug survived), and the seconds it took."""
+    env = {**os.environ, "PYTHONPATH": str(copy)}  # ahead of an editable install of the real tree
+    start = time.perf_counter()
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                 *[f"tests/{t}.py" for t in tests]], cwd=copy, env=env, capture_output=True,
+                                text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"(timed out after {timeout} s)", time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if result.returncode == 0:
+        return None, seconds
+    failed = [line.split(" ")[1] for line in result.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    return (failed[0] if failed else f"(pytest exit {result.returncode})"), seconds
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default="", help="comma-separated bug names (default: all)")
+    p.add_argument("--tests", default=",".join(FAST_TESTS), help="test files to run, without .py")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per planted bug")
+    p.add_argument("--list", action="store_true", help="list the bugs and exit")
+    args = p.parse_args()
+    if args.list:
+        for bug in BUGS:
+            print(f"{bug.name:40s} {bug.file:22s} {bug.effect}")
+        return 0
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - {b.name for b in BUGS})
+    if unknown:
+        raise SystemExit(f"error: unknown bug {unknown[0]!r}; see --list")
+    chosen = [b for b in BUGS if not only or b.name in only]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "nanolm"
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "*.egg-info", "__pycache__"))
+        for bug in chosen:
+            original = plant(copy, bug)
+            try:
+                test, seconds = caught_by(copy, args.tests.split(","), args.timeout)
+            finally:
+                (copy / bug.file).write_text(original)
+            results.append({"bug": bug.name, "caught_by": test, "seconds": round(seconds)})
+            print(f"{bug.name:40s} {'caught by ' + test if test else 'SURVIVED':60s} {seconds:5.0f} s", flush=True)
+    survivors = [r["bug"] for r in results if r["caught_by"] is None]
+    print(json.dumps({"planted": len(results), "survived": survivors}))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
