@@ -179,6 +179,12 @@ def main() -> int:
     unknown = sorted(set(only) - {b.name for b in BUGS})
     if unknown:
         raise SystemExit(f"error: unknown bug {unknown[0]!r}; see --list")
+    tests = [t for t in args.tests.split(",") if t]
+    missing = [t for t in tests if not (ROOT / "tests" / f"{t}.py").is_file()]
+    if not tests:
+        raise SystemExit("error: --tests is empty; give test file names like test_train,test_data")
+    if missing:  # else pytest's "file not found" would count as every bug caught
+        raise SystemExit(f"error: no test file tests/{missing[0]}.py; --tests takes names like test_train")
     chosen = [b for b in BUGS if not only or b.name in only]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,7 +193,7 @@ def main() -> int:
         for bug in chosen:
             original = plant(copy, bug)
             try:
-                test, seconds = caught_by(copy, args.tests.split(","), args.timeout)
+                test, seconds = caught_by(copy, tests, args.timeout)
             finally:
                 (copy / bug.file).write_text(original)
             results.append({"bug": bug.name, "caught_by": test, "seconds": round(seconds)})
