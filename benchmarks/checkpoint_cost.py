@@ -16,7 +16,6 @@ import resource
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 

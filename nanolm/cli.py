@@ -23,7 +23,7 @@ def _sample(args) -> None:
     from .sample import generate
 
     print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature,
-                   args.top_k or None, args.top_p, args.seed, args.device))
+                   args.top_k if args.top_k else None, args.top_p, args.seed, args.device))
 
 
 def _eval(args) -> None:
@@ -38,6 +38,13 @@ def _eval(args) -> None:
 
 def _prepare(args) -> None:
     from .data import prepare
+
+    if not 0 <= args.val_fraction < 1:
+        raise NanolmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.seq_len < 2:
+        raise NanolmError(f"--seq-len must be at least 2, got {args.seq_len}")
+    if args.vocab_size <= 0:
+        raise NanolmError(f"--vocab-size must be positive, got {args.vocab_size}")
 
     data = prepare(args.data, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.separator,
                    args.text_field, seq_len=args.seq_len, progress=sys.stderr.isatty())
@@ -72,6 +79,9 @@ def _report(args) -> None:
 
 def _data_stories(args) -> None:
     from .corpus import entropy_path, write_stories
+
+    if args.docs <= 0:
+        raise NanolmError(f"--docs must be positive, got {args.docs}")
 
     summary = write_stories(args.out, args.docs, args.seed)
     print(f"wrote {args.docs} stories ({summary['bytes']} bytes) to {args.out}; "
@@ -175,10 +185,18 @@ def _export(args) -> None:
     export_run(args.run, args.out)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a mistyped flag or value reported like every other user error: one
+    line (argparse's default prints the whole usage first, dozens of lines for ``train``)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .config import add_run_arguments
 
-    parser = argparse.ArgumentParser(prog="nanolm", description="Train small GPTs you can trust.")
+    parser = _Parser(prog="nanolm", description="Train small GPTs you can trust.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
@@ -225,8 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "leak, grad accumulation = big batch, weight-decay groups, LR schedule, decoded data, "
                        "token ids, the loss floor. Exit status 1 if any check fails.")
     p.add_argument("--model", metavar="PKG.MODULE:CLASS", default=None,
-                   help="check your own model class instead (built as CLASS(GPTConfig(...)), forward(idx, ...) "
-                   "returning (logits, loss)); runs the model invariants only")
+                   help="check your own model class instead: imports PKG.MODULE (which runs its code, as any import "
+                   "does: pass only a module you trust) from the current directory or the Python path, builds "
+                   "CLASS(GPTConfig(...)) and calls its forward(idx, ...), which must return the logits of every "
+                   "position, (batch, seq_len, vocab), or (logits, loss); runs the model invariants only")
     add_run_arguments(p)
     p.set_defaults(func=_doctor)
 
@@ -345,7 +365,15 @@ def main(argv=None) -> int:
     try:
         code = args.func(args)
     except NanolmError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a read-only or foreign directory: the machine's state, not a bug
+        from .files import ENVIRONMENT_ERRNOS, describe_os_error
+
+        if e.errno not in ENVIRONMENT_ERRNOS:
+            raise
+        print(f"error: {describe_os_error(e)}; whatever was saved before is intact: run the same command again "
+              f"once that is fixed", file=sys.stderr)
         return 2
     except Exception as e:
         from .train import TrainingInterrupted
@@ -358,6 +386,11 @@ def main(argv=None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return code or 0
+
+
+def _one_line(message: str) -> str:
+    """A user error is one line: messages that quote a library's multi-line error are folded."""
+    return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 if __name__ == "__main__":

@@ -110,15 +110,17 @@ class TrainOptions:
                            choices=PROGRESS_MODES)
     peak_flops: float = option(0.0, "peak FLOP/s that MFU is measured against (0 = the data sheet for known GPUs, "
                                "a measured matmul on CPU)")
-    out_dir: str = option("", "run directory (default: runs/<data name>, numbered if it exists)")
+    out_dir: str = option("", "run directory (default: runs/<data name>, or runs/<data name>-N when that holds a "
+                          "different run; the same command always finds its own run there and continues it)")
     sample_tokens: int = option(200, "tokens to generate as a sample at the end (0 = none)")
     target_val_bpb: float = option(0.0, "stop as soon as an evaluation's val bpb is at or below this, as if --steps "
                                    "were reached there (0 = never); the LR schedule still spans --steps")
     ckpt_every: int | None = option(None, "save a checkpoint every N steps (default: at every evaluation); "
                                     "one is always saved at the end and on SIGINT/SIGTERM")
-    keep: int = option(3, "checkpoints to keep: the newest K plus the best by validation loss")
-    resume: str = option("auto", "auto: continue from the newest valid checkpoint in --out-dir if there is one; "
-                         "never; or the path of a checkpoint (or run) directory")
+    keep: int = option(3, "checkpoints to keep: the newest K plus the best by validation loss (0 = keep all)")
+    resume: str = option("auto", "auto: continue the run in --out-dir from its newest valid checkpoint, finish it, "
+                         "or restart an attempt that never saved one; never: only start a new run (a directory "
+                         "with checkpoints is refused); or the path of a checkpoint (or run) directory to continue from")
     deterministic: bool = option(False, "make every kernel deterministic (torch.use_deterministic_algorithms); "
                                  "free on CPU, slower on GPU")
     dist: str = option("auto", "data parallelism under torchrun: ddp (every rank holds the whole model), fsdp "
@@ -191,50 +193,65 @@ class RunConfig:
         return cfg
 
     def validate(self) -> None:
-        positive = [("steps", self.train.steps), ("batch_size", self.train.batch_size),
-                    ("grad_accum", self.train.grad_accum), ("eval_every", self.train.eval_every),
-                    ("log_every", self.train.log_every), ("eval_batches", self.train.eval_batches),
-                    ("stories", self.data.stories), ("ckpt_every", self.train.ckpt_every or 1)]
-        for name, value in positive:
-            if value <= 0:
-                raise NanolmError(f"--{flag_name(name)} must be positive, got {value}")
-        if not self.optim.lr > 0 or not math.isfinite(self.optim.lr):
-            raise NanolmError(f"--lr must be a positive number, got {self.optim.lr}")
-        if self.optim.min_lr is not None and not 0 <= self.optim.min_lr <= self.optim.lr:
-            raise NanolmError(f"--min-lr must be between 0 and --lr ({self.optim.lr}), got {self.optim.min_lr}")
-        if self.optim.warmup is not None and self.optim.warmup < 0:
-            raise NanolmError(f"--warmup must be >= 0, got {self.optim.warmup}")
-        if self.train.threads < 0:
-            raise NanolmError(f"--threads must be >= 0 (0 = PyTorch's default), got {self.train.threads}")
-        if self.train.stats_every < 0:
-            raise NanolmError(f"--stats-every must be >= 0 (0 = never), got {self.train.stats_every}")
-        if not (self.train.peak_flops >= 0 and math.isfinite(self.train.peak_flops)):
-            raise NanolmError(f"--peak-flops must be a FLOP/s figure >= 0 (0 = look it up), got {self.train.peak_flops}")
-        unknown = [s for s in parse_sinks(self.train.log) if s not in LOG_SINKS]
+        """Every option checked before anything is read or written: one line naming the
+        option, the value and what it must be."""
+        m, d, o, t, g = self.model, self.data, self.optim, self.train, self.guard
+
+        def need(ok: bool, name: str, value, rule: str) -> None:
+            if not ok:
+                raise NanolmError(f"--{flag_name(name)} must be {rule}, got {value!r}")
+
+        def finite(x) -> bool:
+            return isinstance(x, (int, float)) and math.isfinite(x)
+
+        for name, value in (("steps", t.steps), ("batch_size", t.batch_size), ("grad_accum", t.grad_accum),
+                            ("eval_every", t.eval_every), ("log_every", t.log_every),
+                            ("eval_batches", t.eval_batches), ("stories", d.stories), ("n_layer", m.n_layer),
+                            ("n_head", m.n_head), ("n_embd", m.n_embd)):
+            need(value > 0, name, value, "positive")
+        need(t.ckpt_every is None or t.ckpt_every > 0, "ckpt_every", t.ckpt_every, "positive (a checkpoint every N steps)")
+        need(finite(o.lr) and o.lr > 0, "lr", o.lr, "a positive number")
+        need(o.min_lr is None or (finite(o.min_lr) and 0 <= o.min_lr <= o.lr), "min_lr", o.min_lr,
+             f"between 0 and --lr ({o.lr})")
+        need(o.warmup is None or o.warmup >= 0, "warmup", o.warmup, ">= 0")
+        need(o.warmup is None or o.warmup <= t.steps, "warmup", o.warmup,
+             f"at most --steps ({t.steps}): a warmup longer than the run never reaches --lr")
+        need(finite(o.weight_decay) and o.weight_decay >= 0, "weight_decay", o.weight_decay, ">= 0")
+        need(finite(o.beta1) and 0 <= o.beta1 < 1, "beta1", o.beta1, "in [0, 1)")
+        need(finite(o.beta2) and 0 <= o.beta2 < 1, "beta2", o.beta2, "in [0, 1)")
+        need(finite(o.clip) and o.clip >= 0, "clip", o.clip, ">= 0 (0 disables clipping)")
+        need(finite(m.rope_theta) and m.rope_theta > 0, "rope_theta", m.rope_theta, "a positive number")
+        need(finite(m.dropout) and 0 <= m.dropout < 1, "dropout", m.dropout, "in [0, 1)")
+        need(m.seq_len >= 2, "seq_len", m.seq_len, "at least 2")
+        need(0 <= t.seed < 2**32, "seed", t.seed, "in [0, 2^32)")
+        need(t.threads >= 0, "threads", t.threads, ">= 0 (0 = PyTorch's default)")
+        need(t.stats_every >= 0, "stats_every", t.stats_every, ">= 0 (0 = never)")
+        need(t.keep >= 0, "keep", t.keep, ">= 0 (0 = keep every checkpoint)")
+        need(t.sample_tokens >= 0, "sample_tokens", t.sample_tokens, ">= 0 (0 = no sample)")
+        need(finite(t.peak_flops) and t.peak_flops >= 0, "peak_flops", t.peak_flops, "a FLOP/s figure >= 0 (0 = look it up)")
+        need(finite(t.target_val_bpb) and t.target_val_bpb >= 0, "target_val_bpb", t.target_val_bpb, ">= 0 (0 = no target)")
+        need(finite(d.val_fraction) and 0 <= d.val_fraction < 1, "val_fraction", d.val_fraction, "in [0, 1)")
+        need(d.vocab_size > 0, "vocab_size", d.vocab_size, "positive")
+        need(d.separator.strip() != "" and "\n" not in d.separator, "separator", d.separator,
+             "one non-blank line of text")
+        unknown = [s for s in parse_sinks(t.log) if s not in LOG_SINKS]
         if unknown:
             raise NanolmError(f"unknown --log sink {unknown[0]!r}; known: {', '.join(LOG_SINKS)} "
                               f"(metrics.jsonl is always written)")
-        if not 0 <= self.train.target_val_bpb < math.inf:
-            raise NanolmError(f"--target-val-bpb must be >= 0 (0 = no target), got {self.train.target_val_bpb}")
-        if self.optim.clip < 0:
-            raise NanolmError(f"--clip must be >= 0 (0 disables clipping), got {self.optim.clip}")
-        g = self.guard
-        if g.spike_threshold <= 0 or g.spike_window < 5 or g.max_rollbacks < 0 or not 0 < g.rollback_lr_scale <= 1:
-            raise NanolmError("guard options: --spike-threshold > 0, --spike-window >= 5, --max-rollbacks >= 0 "
-                              "and 0 < --rollback-lr-scale <= 1")
+        need(finite(g.spike_threshold) and g.spike_threshold > 0, "spike_threshold", g.spike_threshold, "> 0")
+        need(g.spike_window >= 5, "spike_window", g.spike_window, ">= 5")
+        need(g.max_rollbacks >= 0, "max_rollbacks", g.max_rollbacks, ">= 0")
+        need(finite(g.rollback_lr_scale) and 0 < g.rollback_lr_scale <= 1, "rollback_lr_scale", g.rollback_lr_scale,
+             "in (0, 1]")
         if not 0 <= self.debug.corrupt_data < 1:
             raise NanolmError("--debug-corrupt-data must be in [0, 1)")
-        if not 0 <= self.data.val_fraction < 1:
-            raise NanolmError(f"--val-fraction must be in [0, 1), got {self.data.val_fraction}")
-        if self.train.dist == "fsdp" and self.train.precision == "bf16-pure":
+        if t.dist == "fsdp" and t.precision == "bf16-pure":
             raise NanolmError("--precision bf16-pure does not combine with --dist fsdp (its stochastic rounding works "
                               "on whole tensors, FSDP holds shards); use --precision bf16, or --dist ddp")
-        if self.train.fp32_master and self.train.precision != "bf16-pure":
+        if t.fp32_master and t.precision != "bf16-pure":
             raise NanolmError("--fp32-master only applies to --precision bf16-pure "
                               "(fp32, bf16 and fp16 keep fp32 weights already)")
-        if self.model.seq_len < 2:
-            raise NanolmError(f"--seq-len must be at least 2, got {self.model.seq_len}")
-        self.model.gpt_config(vocab_size=1)  # shape checks (n_embd divisible by n_head, ...)
+        m.gpt_config(vocab_size=1)  # shape checks (n_embd divisible by n_head, ...)
 
     def to_toml(self) -> str:
         lines = []

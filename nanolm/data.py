@@ -31,6 +31,7 @@ with the end of a recipe and continue with a news story. Three things make that 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 import math
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from .errors import NanolmError
+from .files import atomic_write_text, check_manifest, check_seal, manifest, read_json, sealed
 from .tokenizer import EOS, Tokenizer, train_tokenizer
 
 SEPARATOR = EOS
@@ -239,18 +241,39 @@ class Split:
 
 class PreparedData:
     """A directory written by :func:`prepare`: ``train.bin``, ``val.bin``, document starts,
-    ``tokenizer.json`` and ``meta.json``."""
+    ``tokenizer.json`` and ``meta.json``.
 
-    def __init__(self, directory):
+    Opening one checks it before anything trains on it: ``meta.json`` must parse with the
+    expected fields, and the other files must be exactly those of its manifest with their
+    SHA-256, so a changed token (even one inside the vocabulary, which would train silently
+    on different data) or a swapped tokenizer is refused. The same pass finds the largest
+    token id, so ids outside the model's vocabulary are refused before the first step, not
+    met as an IndexError mid-training. ``verify=False`` skips the checksums for a directory
+    this process has just written and checked.
+    """
+
+    def __init__(self, directory, verify: bool = True):
         self.dir = Path(directory)
         meta_path = self.dir / META_FILE
         if not meta_path.is_file():
             raise NanolmError(f"{self.dir} is not a prepared data directory (no {META_FILE}); run `nanolm prepare` first")
-        self.meta = json.loads(meta_path.read_text())
+        self.meta = _checked_data_meta(read_json(meta_path, f"{meta_path}"), self.dir)
+        dtype = np.dtype(self.meta["dtype"])
+        largest = {"train.bin": -1, "val.bin": -1}
+
+        def track_largest(name, block):
+            if name in largest and block:
+                largest[name] = max(largest[name], int(np.frombuffer(block, dtype=dtype).max()))
+
+        if verify:
+            check_manifest(self.dir, self.meta["files"], f"prepared data {self.dir}", skip=(META_FILE,),
+                           on_block=track_largest)
+            self.max_id = max(largest.values())
+        else:
+            self.max_id = self.meta["max_id"]
         self.tokenizer = Tokenizer.load(self.dir / "tokenizer.json")
         if self.tokenizer.fingerprint() != self.meta["tokenizer_fingerprint"]:
             raise NanolmError(f"{self.dir}/tokenizer.json is not the tokenizer these shards were made with; prepare the data again")
-        dtype = np.dtype(self.meta["dtype"])
         self.splits = {}
         for name in ("train", "val"):
             n = self.meta["splits"][name]["tokens"]
@@ -258,7 +281,7 @@ class PreparedData:
             if path.stat().st_size != n * dtype.itemsize:
                 raise NanolmError(f"{path} holds {path.stat().st_size} bytes, expected {n * dtype.itemsize}; it is truncated or corrupt, prepare again")
             tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
-            starts = np.load(self.dir / f"{name}_docs.npy")
+            starts = _load_doc_starts(self.dir / f"{name}_docs.npy", n)
             self.splits[name] = Split(tokens, starts, self.meta["splits"][name]["bytes"])
 
     @property
@@ -269,13 +292,70 @@ class PreparedData:
     def val(self) -> Split:
         return self.splits["val"]
 
+    @property
+    def digest(self) -> str:
+        """A short hash of the manifest: equal iff the prepared files are byte for byte equal."""
+        return hashlib.sha256(json.dumps(self.meta["files"], sort_keys=True).encode()).hexdigest()[:16]
+
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse shards whose ids do not fit the model's embedding table."""
-        if self.meta["max_id"] >= vocab_size:
+        if self.max_id >= vocab_size:
             raise NanolmError(
-                f"{self.dir} holds token id {self.meta['max_id']} but the model's vocabulary has "
+                f"{self.dir} holds token id {self.max_id} but the model's vocabulary has "
                 f"{vocab_size} entries; the shards were made with another tokenizer"
             )
+
+
+DATA_FILES = ("tokenizer.json", "train.bin", "val.bin", "train_docs.npy", "val_docs.npy")
+
+
+def _checked_data_meta(meta, directory: Path) -> dict:
+    """``meta.json`` of a prepared directory with every field a reader relies on checked."""
+    def bad(what):
+        return NanolmError(f"{directory / META_FILE}: {what}; prepare the data again")
+
+    def count(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(meta, dict):
+        raise bad("not an object")
+    if "files" not in meta:
+        raise bad("no manifest of checksums (prepared by an older nanolm)")
+    check_seal(meta, f"{directory / META_FILE}")
+    if not isinstance(meta["files"], dict) or set(meta["files"]) != set(DATA_FILES):
+        raise bad(f"its manifest must list exactly {', '.join(DATA_FILES)}")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise bad(f"dtype {meta.get('dtype')!r} is not uint16 or uint32")
+    if not isinstance(meta.get("tokenizer_fingerprint"), str) or not isinstance(meta.get("tokenizer"), str):
+        raise bad("the tokenizer's fingerprint is missing")
+    splits = meta.get("splits")
+    if not (isinstance(splits, dict) and all(isinstance(splits.get(n), dict) and count(splits[n].get("tokens"))
+                                             and count(splits[n].get("bytes")) for n in ("train", "val"))):
+        raise bad("the token and byte counts of the splits are missing or malformed")
+    if not isinstance(meta.get("max_id"), int):
+        raise bad("max_id is missing")
+    floor = meta.get("floor")
+    if floor is not None and not (isinstance(floor, dict) and all(
+            isinstance(floor.get(k), (int, float)) for k in ("nats", "bpb", "nats_per_token"))):
+        raise bad("the entropy floor is malformed")
+    compressors = meta.get("compressor_bpb")
+    if compressors is not None and not (isinstance(compressors, dict)
+                                        and all(isinstance(v, (int, float)) for v in compressors.values())):
+        raise bad("the compressor figures are malformed")
+    return meta
+
+
+def _load_doc_starts(path: Path, n_tokens: int) -> np.ndarray:
+    """Document start offsets, as plain int64 (``allow_pickle=False``: an .npy file can
+    carry pickled objects, which would run code when loaded)."""
+    try:
+        starts = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise NanolmError(f"{path} is not a plain array of document offsets ({e}); prepare the data again") from None
+    if starts.dtype != np.int64 or starts.ndim != 1 or (len(starts) and (starts.min() < 0 or starts.max() > n_tokens
+                                                                        or (np.diff(starts) <= 0).any())):
+        raise NanolmError(f"{path} does not hold increasing document offsets inside the split; prepare the data again")
+    return starts
 
 
 class _SplitWriter:
@@ -388,8 +468,13 @@ def prepare(
     t0 = time.perf_counter()
     docs = DocumentSource(source, separator, text_field)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise NanolmError(f"--out {out} is a file; give a directory for the shards")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, META_FILE)) if out.is_dir() else []
+    if foreign:
+        raise NanolmError(f"{out} already holds {foreign[0]}, which prepare did not write; choose a new or empty --out")
     total_bytes = docs.size_bytes()
+    out.mkdir(parents=True, exist_ok=True)
 
     if tokenizer is None:
         def training_texts():
@@ -484,12 +569,13 @@ def prepare(
         }
     elif doc_nats is not None:
         log("note: the corpus's entropy file does not match its documents; no loss floor is reported")
-    (out / META_FILE).write_text(json.dumps(meta, indent=2))
+    meta["files"] = manifest(out, DATA_FILES)
+    atomic_write_text(out / META_FILE, json.dumps(sealed(meta), indent=2))
     for problem in docs.problems[:20]:
         log(f"skipped {problem}")
     if len(docs.problems) > 20:
         log(f"... and {len(docs.problems) - 20} more bad records")
-    return PreparedData(out)
+    return PreparedData(out, verify=False)
 
 
 # --------------------------------------------------------------------------- batches

@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -172,11 +173,9 @@ def read_run(run_dir) -> Trace:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise NanolmError(f"{run_dir} has no metrics.jsonl; is it a run directory written by `nanolm train`?")
-    try:
-        rows = read_metrics(path)
-        events = read_events(run_dir)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise NanolmError(f"{run_dir}: a metrics or events file is not valid JSON lines ({e})") from None
+    warn = lambda line: print(line, file=sys.stderr)  # noqa: E731 - stdout may be --json
+    rows = read_metrics(path, warn)
+    events = read_events(run_dir, warn)
     if not rows:
         raise NanolmError(f"{path} holds no rows yet")
     return Trace(rows, events)

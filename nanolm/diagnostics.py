@@ -78,8 +78,10 @@ def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.fl
 
     A CPU has no data-sheet figure we can look up, so MFU on CPU is measured against what a
     large matrix multiply achieves here, the most a transformer's matmuls could hope for.
-    Measured once per process. On a machine shared with other jobs both this figure and the
-    training throughput fluctuate.
+    Measured once per process, keeping the fastest of many tries. On a machine shared with
+    other jobs both this figure and the training throughput fluctuate: a peak measured while
+    another process held a core reads low, so :class:`StepMeter` raises it to any throughput
+    the run itself achieves above it (an MFU never reads above 100 %).
     """
     n = 512 if dtype == torch.float32 else 128
     g = torch.Generator(device=device_type).manual_seed(0)  # never touch the run's random stream
@@ -184,7 +186,11 @@ class StepMeter:
             "tokens_per_sec": tokens_per_sec,
         }
         if self.peak:
-            row["mfu"] = tokens_per_sec * self.flops_per_token / self.peak
+            achieved = tokens_per_sec * self.flops_per_token
+            if achieved > self.peak:  # the peak was measured low (a busy CPU at start-up): it is the
+                self.peak = achieved  # most this machine has been seen to do, so it rises to this
+                row["peak_flops"] = achieved
+            row["mfu"] = achieved / self.peak
         row["elapsed_s"] = self.elapsed_before + this_process
         row["eta_s"] = this_process / max(step - self.start_step, 1) * (self.total_steps - step)
         row["rss_mb"] = process_rss_mb()

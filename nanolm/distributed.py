@@ -54,9 +54,9 @@ the norm is computed over DTensors and completed across ranks before clipping.
 
 **Checkpoints.** DDP writes the single-process format (rank 0 writes; the others wait):
 ``model.safetensors`` and ``state.pt``. FSDP writes the weights and optimizer state as
-shards with ``torch.distributed.checkpoint`` (``sharded/``: one file per rank plus
-metadata), and the run's final ``model.safetensors`` is gathered into one file so ``nanolm
-sample/eval/export`` work. Every rank's random state is saved (each rank draws its own
+shards with ``torch.distributed.checkpoint`` in its safetensors storage (``sharded/``: one
+safetensors file per rank, no pickled index; see ``nanolm.checkpoint``), and the run's
+final ``model.safetensors`` is gathered into one file so ``nanolm sample/eval/export`` work. Every rank's random state is saved (each rank draws its own
 dropout masks) and each rank restores its own. The sampler's state is global, the same on
 every rank.
 
@@ -80,7 +80,6 @@ import math
 import os
 import random
 import shutil
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,10 +91,14 @@ from .checkpoint import (
     CHECKPOINTS,
     SHARDS,
     capture_rng,
+    load_sharded,
     load_weights,
+    read_checkpoint_meta,
+    require_sharded_storage,
     restore_rng,
     save_checkpoint,
-    save_weights,
+    save_sharded,
+    write_final,
 )
 from .errors import NanolmError
 
@@ -396,7 +399,7 @@ class Distributed:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, run_dir, step: int, model, optimizer, state: dict, config_toml: str,
-                        tokenizer, val_loss: float | None = None, keep: int = 3) -> Path:
+                        tokenizer, val_loss: float | None = None, keep: int = 3, meta_extra: dict | None = None) -> Path:
         """Save a checkpoint of every rank's state; returns its directory on every rank.
 
         ``state`` holds what all ranks share (step, sampler, scaler, counters); this adds
@@ -406,7 +409,7 @@ class Distributed:
         state = dict(state, rng=rngs[0], world_size=self.world_size)
         if self.world_size > 1:
             state["rng_ranks"] = rngs
-        meta = {"world_size": self.world_size, "layout": "sharded" if self.sharded else "single"}
+        meta = {**(meta_extra or {}), "world_size": self.world_size, "layout": "sharded" if self.sharded else "single"}
         if not self.sharded:
             def write():
                 state["optimizer"] = optimizer.state_dict()
@@ -415,38 +418,42 @@ class Distributed:
 
             return self.from_main(write)
 
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         finite = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
         if self.sum(int(not finite)):
             raise NanolmError(f"refusing to checkpoint step {step}: the weights hold NaN or inf")
         staged = Path(run_dir) / CHECKPOINTS / f".tmp-step_{step:06d}-sharded"
         self.from_main(lambda: _fresh_dir(staged))
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=staged / SHARDS)
+        state["optimizer"] = save_sharded(staged / SHARDS, model, optimizer)
         return self.from_main(lambda: save_checkpoint(run_dir, step, None, state, config_toml, tokenizer, val_loss,
                                                       keep, staged=staged, meta_extra=meta))
 
     def load_checkpoint(self, checkpoint: Path, state: dict, model, optimizer, log=print, rng: bool = True) -> None:
         """Load weights and optimizer state (``optimizer`` None: weights only), then this
         rank's random state (``rng`` False: keep the live one, as a rollback does, which
-        does not replay the past). ``state`` is the checkpoint's ``state.pt``."""
+        does not replay the past). ``state`` is the checkpoint's ``state.pt``; the layout is
+        the one its verified ``meta.json`` states."""
         checkpoint = Path(checkpoint)
-        if (checkpoint / SHARDS).is_dir():
-            load_sharded(checkpoint, unwrap(model), optimizer)
+        if read_checkpoint_meta(checkpoint)["layout"] == "sharded":
+            load_sharded(checkpoint, unwrap(model), optimizer, state["optimizer"])
         else:
             if self.sharded:
                 raise NanolmError(f"{checkpoint} holds full weights (a --dist none or ddp run); "
                                   "resume it with --dist ddp or none")
             load_weights(unwrap(model), checkpoint / "model.safetensors")
             if optimizer is not None:
-                optimizer.load_state_dict(state["optimizer"])
+                try:
+                    optimizer.load_state_dict(state["optimizer"])
+                except (KeyError, ValueError, TypeError, IndexError) as e:
+                    raise NanolmError(f"checkpoint {checkpoint}: the optimizer state does not fit this model "
+                                      f"({type(e).__name__}: {e})") from None
         saved_world = int(state.get("world_size", 1))
         if not rng:
             return
         if saved_world == self.world_size:
-            restore_rng(state["rng_ranks"][self.rank] if saved_world > 1 else state["rng"])
+            ranks = state.get("rng_ranks")
+            if saved_world > 1 and not (isinstance(ranks, list) and len(ranks) == saved_world):
+                raise NanolmError(f"checkpoint {checkpoint}: state.pt lacks the random state of each rank")
+            restore_rng(ranks[self.rank] if saved_world > 1 else state["rng"])
         else:
             _seed_all(_derived_seed(int(state["sampler"]["seed"]), int(state["step"]), self.rank))
             log(f"resume: the checkpoint was written by {saved_world} process(es), this run has {self.world_size}: "
@@ -473,18 +480,25 @@ class Distributed:
                            "sharded checkpoints")
         return (SPLIT_OPTIONS if before == after else set()), allowed, refused
 
-    def save_final_weights(self, model, path) -> torch.nn.Module | None:
+    def save_final_weights(self, model, run_dir, step: int, summary: dict) -> torch.nn.Module | None:
         """Write the whole model to one ``model.safetensors`` (gathered from the shards under
-        FSDP). Returns, on rank 0, a plain GPT holding the weights (None on the others)."""
+        FSDP), then ``final.json``. Returns, on rank 0, a plain GPT holding the weights (None
+        on the others)."""
         if not self.sharded:
             plain = unwrap(model)
-            self.from_main(lambda: save_weights(plain, path))
+            self.from_main(lambda: write_final(run_dir, plain, step, summary))
             return plain if self.is_main else None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         gathered = []
-        self.from_main(lambda: gathered.append(_save_plain(model.config, full, path)))
+
+        def write():
+            plain = _plain_model(model.config, full)
+            write_final(run_dir, plain, step, summary)
+            gathered.append(plain)
+
+        self.from_main(write)
         return gathered[0] if gathered else None
 
     def close(self) -> None:
@@ -503,7 +517,7 @@ def _fresh_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def _save_plain(config, full_state: dict, path) -> torch.nn.Module:
+def _plain_model(config, full_state: dict) -> torch.nn.Module:
     from .model import GPT
 
     with torch.device("meta"):
@@ -511,35 +525,7 @@ def _save_plain(config, full_state: dict, path) -> torch.nn.Module:
     plain.load_state_dict(full_state, assign=True)
     if config.tie_embeddings:
         plain.lm_head.weight = plain.embed.weight
-    save_weights(plain, path)
     return plain
-
-
-def load_sharded(checkpoint: Path, model: torch.nn.Module, optimizer=None) -> None:
-    """Load a sharded checkpoint into ``model`` (and ``optimizer``), whatever the world size.
-
-    ``torch.distributed.checkpoint`` reads each rank's part of every tensor, resharding when
-    the world size changed; a plain (unsharded) model reads whole tensors, in one process too.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    path = Path(checkpoint) / SHARDS
-    with warnings.catch_warnings():  # one process reading shards is intended, not a mistake to warn about
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        if optimizer is None:
-            model_state = get_model_state_dict(model)
-            dcp.load({"model": model_state}, checkpoint_id=path)
-            set_model_state_dict(model, model_state)
-            return
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 def _describe(error: BaseException) -> tuple[bool, str]:
@@ -571,6 +557,8 @@ def setup(mode: str, device: torch.device) -> Distributed:
     if mode in ("none", "auto") and world_size == 1:
         return Distributed("none", device)
     mode = "ddp" if mode == "auto" else mode
+    if mode == "fsdp":
+        require_sharded_storage()
     if not dist.is_available():
         raise NanolmError("this PyTorch build has no torch.distributed; --dist needs it")
     if device.type == "mps":

@@ -34,20 +34,38 @@ from .optim import cosine_lr, get_param_groups
 @dataclass
 class Check:
     name: str
-    passed: bool
+    passed: bool  # False only for a check that ran and failed
     detail: str
     meaning: str = ""  # what a failure usually means
+    skipped: bool = False  # the check could not run: shown as SKIP, never as a PASS
+
+    @property
+    def status(self) -> str:
+        return "SKIP" if self.skipped else "PASS" if self.passed else "FAIL"
 
     def line(self) -> str:
-        text = f"{'PASS' if self.passed else 'FAIL'}  {self.name:<24} {self.detail}"
+        text = f"{self.status}  {self.name:<24} {self.detail}"
         if not self.passed and self.meaning:
             text += f"\n      -> {self.meaning}"
         return text
 
 
 def _logits(model, idx, **kw):
+    """The logits of every position, (B, T, V). A model that returns something else (such as
+    nanoGPT's inference shortcut, the last position only) cannot be checked position by position."""
     out = model(idx, **kw)
-    return out[0] if isinstance(out, tuple) else out
+    logits = out[0] if isinstance(out, tuple) else out
+    if not torch.is_tensor(logits) or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(idx.shape):
+        shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
+        raise ModelContractError(
+            f"forward(idx) returned logits of shape {shape} for idx of shape {tuple(idx.shape)}; doctor needs logits for "
+            f"every position, (batch, seq_len, vocab) (a model that returns only the last position when no targets "
+            f"are given, as nanoGPT's does, must return all of them)")
+    return logits
+
+
+class ModelContractError(NanolmError):
+    """A user's model does not offer what doctor needs to check it."""
 
 
 def _accepts(model, name: str) -> bool:
@@ -120,7 +138,7 @@ def check_causality(model, vocab_size: int, seq_len: int) -> Check:
 def check_document_isolation(model, vocab_size: int, seq_len: int) -> Check:
     """With ``doc_ids``, changing document A must leave every logit of document B unchanged."""
     if not _accepts(model, "doc_ids"):
-        return Check("no cross-document leak", True, "skipped: forward() takes no doc_ids")
+        return Check("no cross-document leak", True, "not run: forward() takes no doc_ids", skipped=True)
     g = torch.Generator().manual_seed(1)
     T = min(seq_len, 32)
     split = T // 3
@@ -300,8 +318,20 @@ def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list
         sampler = WindowSampler(len(data.train), seq_len, 8, seed=cfg.train.seed)
         batch = pack_windows(data.train.tokens, sampler.next_starts(), seq_len, tokenizer.eos_id, doc_mask=False)
         results = []
-        for check in model_checks(make_model, tokenizer.vocab_size, seq_len, batch, model_spec is None,
-                                  cfg.optim.weight_decay):
+        checks = model_checks(make_model, tokenizer.vocab_size, seq_len, batch, model_spec is None,
+                              cfg.optim.weight_decay)
+        while True:
+            try:
+                check = next(checks)
+            except StopIteration:
+                break
+            except ModelContractError as e:
+                raise NanolmError(f"--model {model_spec or 'GPT'}: {e}") from None
+            except Exception as e:
+                if model_spec is None:
+                    raise
+                raise NanolmError(f"--model {model_spec}: the model raised {type(e).__name__} during the checks "
+                                  f"({str(e).strip().splitlines()[0] if str(e).strip() else 'no message'})") from None
             log(check.line())
             results.append(check)
         if model_spec is None:
@@ -310,5 +340,7 @@ def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list
                 log(check.line())
                 results.append(check)
     failed = sum(not c.passed for c in results)
-    log(f"{len(results) - failed} passed, {failed} failed in {time.perf_counter() - started:.1f}s")
+    skipped = sum(c.skipped for c in results)
+    log(f"{len(results) - failed - skipped} passed, {skipped} skipped, {failed} failed in "
+        f"{time.perf_counter() - started:.1f}s")
     return results

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NanolmError
+from .files import sha256_file
 
 
 @dataclass(frozen=True)
@@ -56,14 +57,6 @@ def cache_dir() -> Path:
     return Path(os.environ.get("NANOLM_CACHE", Path.home() / ".cache" / "nanolm"))
 
 
-def _sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch(name: str, directory: Path | None = None, log=print, progress: bool = True) -> Path:
     """Path of the verified local copy of corpus ``name``, downloading it if needed."""
     if name not in CORPORA:
@@ -74,7 +67,7 @@ def fetch(name: str, directory: Path | None = None, log=print, progress: bool = 
     recorded = path.with_name(path.name + ".sha256")
     if path.is_file():
         expected = corpus.sha256 or (recorded.read_text().strip() if recorded.is_file() else None)
-        if path.stat().st_size == corpus.size and expected and _sha256_of(path) == expected:
+        if path.stat().st_size == corpus.size and expected and sha256_file(path) == expected:
             return path
         log(f"cached {path} does not match the expected size/checksum; downloading it again")
         path.unlink()

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from .files import read_jsonl
+
 NAN_ACTIONS = ("stop", "skip", "rollback")
 SPIKE_ACTIONS = ("off", "warn", "skip", "rollback")
 
@@ -142,12 +144,16 @@ def _json_number(x: float):
     return x if math.isfinite(x) else str(x)
 
 
-def read_events(run_dir) -> list[dict]:
+def read_events(run_dir, warn=None) -> list[dict]:
+    """The events of a run; damaged lines are left out (``warn`` hears how many)."""
     path = Path(run_dir) / "events.jsonl"
     if not path.is_file():
         return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows, damaged = read_jsonl(path)
+    events = [e for e in rows if isinstance(e, dict) and isinstance(e.get("step"), int) and isinstance(e.get("kind"), str)]
+    if warn is not None and damaged + len(rows) - len(events):
+        warn(f"warning: {path}: {damaged + len(rows) - len(events)} damaged line(s) left out")
+    return events
 
 
 def nan_origin(model: torch.nn.Module, batch, autocast, vocab_size: int) -> dict:

@@ -36,6 +36,8 @@ import os
 import sys
 from pathlib import Path
 
+from .files import read_jsonl
+
 LOG_SINKS = ("wandb", "tensorboard")
 PROGRESS_MODES = ("auto", "bar", "lines")
 SINK_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
@@ -46,21 +48,25 @@ class MetricsFile:
 
     ``resume_step``: continue an existing file from that step. Rows after it were written
     by the run that crashed after its last checkpoint; the resumed run will log those
-    steps again, so they are dropped first (and a half-written last line with them). The
-    kept rows are in :attr:`rows`: the resumed run takes its running counts (such as
-    ``clipped_steps``) from the last of them.
+    steps again, so they are dropped first (and a half-written last line with them). A
+    damaged line (a flipped byte, a bad copy) is dropped too, with one warning: a resume
+    must not stop on a log line. The kept rows are in :attr:`rows`.
     """
 
-    def __init__(self, path, resume_step: int | None = None):
+    def __init__(self, path, resume_step: int | None = None, log=print):
         self.path = Path(path)
+        self.log = log
         self.rows: list[dict] = []
         if resume_step is not None and self.path.exists():
-            self.rows = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            rows, damaged = read_jsonl(self.path)
+            self.rows = [r for r in rows if _is_step_row(r) and r["step"] <= resume_step]
+            if damaged:
+                log(f"warning: {self.path}: {damaged} damaged line(s) dropped while resuming")
             tmp = self.path.with_name(f".{self.path.name}.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
             os.replace(tmp, self.path)
         self.last_step = self.rows[-1]["step"] if self.rows else -1
-        self.file = open(self.path, "a", encoding="utf-8")
+        self.file = open(self.path, "w" if resume_step is None else "a", encoding="utf-8")
 
     def write(self, row: dict) -> None:
         if row["step"] <= self.last_step:
@@ -73,25 +79,25 @@ class MetricsFile:
         """Drop the rows after ``step``: a rollback discarded the trajectory they describe
         (``events.jsonl`` keeps the evidence)."""
         self.file.close()
-        self.__init__(self.path, resume_step=step)
+        self.__init__(self.path, resume_step=step, log=self.log)
 
     def close(self) -> None:
         self.file.close()
 
 
-def read_metrics(path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``; a half-written last line (a crash, a live run) is skipped."""
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise
-    return rows
+def _is_step_row(row) -> bool:
+    return isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+
+
+def read_metrics(path, warn=None) -> list[dict]:
+    """The rows of a ``metrics.jsonl``: damaged lines and rows without an integer step are
+    left out (``warn`` hears how many); a half-written last line is skipped silently."""
+    rows, damaged = read_jsonl(path)
+    kept = [r for r in rows if _is_step_row(r)]
+    lost = damaged + len(rows) - len(kept)
+    if lost and warn is not None:
+        warn(f"warning: {path}: {lost} damaged line(s) left out")
+    return kept
 
 
 class TensorBoardSink:
@@ -231,7 +237,7 @@ class Monitor:
     def __init__(self, out_dir, total_steps: int, sinks=(), config: dict | None = None, log=print,
                  progress: str = "lines", resume_step: int | None = None):
         out_dir = Path(out_dir)
-        self.metrics = MetricsFile(out_dir / "metrics.jsonl", resume_step)
+        self.metrics = MetricsFile(out_dir / "metrics.jsonl", resume_step, log)
         start = self.metrics.last_step if self.metrics.last_step > 0 else 0
         self.terminal = Terminal(total_steps, log, choose_progress(progress, log), start)
         self.sinks = []
@@ -329,7 +335,7 @@ def format_stats_line(row: dict) -> str:
 def format_eval_line(row: dict) -> str:
     line = f"eval step {row['step']} | val loss {row['val_loss']:.4f} | val bpb {row['val_bpb']:.4f}"
     if "val_ppl" in row:
-        line += f" | ppl {row['val_ppl']:.2f}"
+        line += f" | ppl {row['val_ppl']:.2f}" if row["val_ppl"] < 1e6 else f" | ppl {row['val_ppl']:.3g}"
     if "floor_bpb" in row:
         line += f" | floor {row['floor_bpb']:.4f} bpb / {row['floor_loss']:.4f} nats/token"
     return line

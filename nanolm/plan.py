@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import NanolmError
 from .model import GPTConfig
@@ -154,6 +155,73 @@ def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpu
     return rows
 
 
+EVAL_BYTES_PER_TOKEN = 8 + 8 + 1 + 4 + 8
+"""The fixed validation set is held as batches: ids and targets (int64), the loss mask
+(bool), document ids (int32) and positions (int64)."""
+
+
+def available_memory(device) -> tuple[float | None, str]:
+    """Bytes this process may still allocate on ``device`` (None when unknown), and from where.
+
+    CPU: the kernel's estimate of what can be allocated without swapping (``MemAvailable``),
+    lowered by a container's memory limit (cgroup v2 or v1) when there is one. CUDA: the
+    free memory the driver reports.
+    """
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free on {device}"
+    if device.type != "cpu":
+        return None, ""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((float(line.split()[1]) * 1024, "available RAM"))
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit, usage = Path(limit_file).read_text().strip(), Path(usage_file).read_text().strip()
+            if limit != "max" and int(limit) < 1 << 60:
+                found.append((float(int(limit) - int(usage)), "left under the container's memory limit"))
+            break
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else (None, "")
+
+
+def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windows: int) -> None:
+    """Refuse, before anything is written, a run whose step cannot fit in memory.
+
+    The estimate is :func:`memory_per_gpu` (weights, gradients, optimizer state,
+    activations) plus the fixed validation batches. It leaves out the allocator's slack and
+    attention's score matrices on paths that materialise them, so it is a lower bound: what
+    it refuses would certainly have failed, on a CPU by being killed (no error, no
+    checkpoint) rather than by an exception.
+    """
+    import os
+
+    device = dist.device
+    available, source = available_memory(device)
+    if available is None:
+        return
+    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    rows = memory_per_gpu(c, precision, dist.mode if dist.mode != "none" else "none", dist.world_size,
+                          batch_size, c.seq_len)
+    need = (rows["total"] + eval_windows * c.seq_len * EVAL_BYTES_PER_TOKEN) * processes_here
+    if need > available:
+        raise NanolmError(f"this run needs at least {_gb_text(need)} of memory (--batch-size {batch_size} × --seq-len "
+                          f"{c.seq_len}: activations {_gb_text(rows['activations'])}, validation batches "
+                          f"{_gb_text(eval_windows * c.seq_len * EVAL_BYTES_PER_TOKEN)}) but {device} has {_gb_text(available)} "
+                          f"{source}; lower --batch-size (raise --grad-accum for the same tokens per step) "
+                          f"or --eval-batches")
+
+
 def parse_count(text: str) -> float:
     """``2e9``, ``300M``, ``20B``, ``1.5T`` (tokens) as a number."""
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -205,6 +273,10 @@ def _size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f}{unit}"
     return f"{n:.0f}"
+
+
+def _gb_text(n: float) -> str:
+    return _gb(n).strip()
 
 
 def _gb(n: float) -> str:

@@ -23,6 +23,7 @@ import html
 import io
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def load_run(path) -> Run:
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise NanolmError(f"{path} is not a run directory (no metrics.jsonl)")
-    rows = read_metrics(metrics)
+    rows = read_metrics(metrics, lambda line: print(line, file=sys.stderr))
     if not rows:
         raise NanolmError(f"{metrics} holds no rows yet")
     config = {}

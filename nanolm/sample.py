@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
+import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,10 +23,14 @@ def generate(run_dir, prompt: str = "", max_new_tokens: int = 200, temperature: 
     """Text continuing ``prompt`` from the weights of ``run_dir`` (repeatable for a seed)."""
     if max_new_tokens <= 0:
         raise NanolmError(f"--max-new-tokens must be positive, got {max_new_tokens}")
-    if temperature < 0:
+    if not (math.isfinite(temperature) and temperature >= 0):
         raise NanolmError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise NanolmError(f"--top-k must be >= 0 (0 = every token), got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise NanolmError(f"--top-p must be in (0, 1], got {top_p}")
+    if not 0 <= seed < 2**63:
+        raise NanolmError(f"--seed must be in [0, 2^63), got {seed}")
     dev = resolve_device(device)
     model, tokenizer, _ = load_run(run_dir, dev)
     return sample_text(model, tokenizer, dev, max_new_tokens, prompt, temperature, top_k, top_p, seed)
@@ -39,6 +43,8 @@ def evaluate_file(run_dir, path, batch_size: int = 16, device: str = "auto") -> 
     scored with the training code's ``estimate_loss`` on windows that tile the stream
     back to back: each token is predicted exactly once. Deterministic.
     """
+    if batch_size <= 0:
+        raise NanolmError(f"--batch-size must be positive, got {batch_size}")
     dev = resolve_device(device)
     model, tokenizer, config = load_run(run_dir, dev)
     texts = list(DocumentSource(path, config.data.separator, config.data.text_field))

@@ -105,7 +105,10 @@ class Tokenizer:
         return hashlib.sha256(self.hf.to_str().encode()).hexdigest()[:16]
 
     def save(self, path) -> None:
-        self.hf.save(str(path))
+        """Write ``tokenizer.json`` atomically (a crash leaves the old file or the new one)."""
+        from .files import atomic_write_text
+
+        atomic_write_text(path, self.hf.to_str(pretty=True))
 
     @classmethod
     def load(cls, path) -> "Tokenizer":

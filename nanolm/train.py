@@ -26,7 +26,6 @@ writes the run directory: the same step, split over processes.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -40,27 +39,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import (
-    CHECKPOINTS,
-    atomic_write_text,
-    latest_valid_checkpoint,
-    list_checkpoints,
-    load_state,
-    verify_checkpoint,
-)
+from .checkpoint import clear_final, load_state, read_checkpoint_meta
 from .config import RunConfig, load_run_config, resume_differences
 from .corpus import write_stories
 from .download import resolve_data_path
 from .data import Batch, PreparedData, WindowSampler, eval_batches, pack_windows, prepare
 from .distributed import Distributed, Muted, gradient_sync, launch
 from .errors import NanolmError
+from .files import atomic_write_text, read_json
 from .loss import masked_cross_entropy_sum
 from .model import GPT
 from .diagnostics import LayerStats, StepMeter, is_stats_step, peak_flops
 from .guards import Guard, nan_origin
 from .monitor import Monitor, missing_sink_packages, parse_sinks, perplexity
 from .optim import build_optimizer, cosine_lr, get_param_groups
+from .plan import check_memory
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, grad_zero_fraction, resolve_precision
+from .rundir import locate_run, valid_resume_checkpoint
 from .tokenizer import Tokenizer
 
 
@@ -204,14 +199,23 @@ def load_training_data(cfg: RunConfig, scratch: Path, log=print) -> PreparedData
                    d.text_field, seq_len=cfg.model.seq_len, progress=False, log=log)
 
 
-def default_out_dir(cfg: RunConfig) -> Path:
-    name = Path(cfg.data.data.rstrip("/")).stem if cfg.data.data else "stories"
-    out = Path("runs") / name
-    n = 2
-    while out.exists():
-        out = Path("runs") / f"{name}-{n}"
-        n += 1
-    return out
+def open_run_data(run_data: Path, checkpoint: Path, cfg: RunConfig, scratch: Path, log=print) -> PreparedData:
+    """The tokenized data a resumed run trained on, checked against its manifest.
+
+    A damaged copy is not trained on: the data is prepared again from its source, and if
+    that gives back exactly the files the checkpoint was trained on (its data digest), the
+    fresh copy replaces the damaged one (the caller moves it in); else the resume stops.
+    """
+    try:
+        return PreparedData(run_data)
+    except NanolmError as e:
+        log(f"warning: {e}; preparing the run's data again from its source")
+    data = load_training_data(cfg, scratch, log)
+    if read_checkpoint_meta(checkpoint).get("data_digest") != data.digest:
+        raise NanolmError(f"{run_data} is damaged, and its source ({cfg.data.data or 'the built-in corpus'}) no "
+                          f"longer gives the data the run was trained on; restore the source, or start a new run "
+                          f"with another --out-dir")
+    return data
 
 
 def step_count_without_averaging(micro_batches: list[Batch], grad_accum: int) -> int:
@@ -235,9 +239,6 @@ def corrupt_tokens(tokens: np.ndarray, share: float, vocab_size: int, seed: int)
     start = min(len(out) // 3, len(out) - n)  # a third of the way in, or as far as a large share allows
     out[start : start + n] = np.random.default_rng(seed).integers(1, vocab_size, size=n)
     return out
-
-
-RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "model.safetensors", "checkpoints", "data")
 
 
 class TrainingInterrupted(Exception):
@@ -311,40 +312,6 @@ def configure_threads(threads: int, device: torch.device, log=print) -> None:
             f"busy). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}.")
 
 
-def find_resume_checkpoint(out_dir: Path, resume: str, log=print) -> Path | None:
-    """The checkpoint to continue from, or None for a fresh run (``--resume``)."""
-    if resume == "never":
-        return None
-    if resume != "auto":
-        path = Path(resume)
-        if (path / CHECKPOINTS).is_dir() or not (path / "meta.json").is_file():
-            found = latest_valid_checkpoint(path, log)
-            if found is None:
-                raise NanolmError(f"--resume {resume}: no valid checkpoint there")
-            return found
-        verify_checkpoint(path)
-        return path
-    if not list_checkpoints(out_dir):
-        return None
-    found = latest_valid_checkpoint(out_dir, log)
-    if found is None:
-        raise NanolmError(f"{out_dir} has checkpoints but none is valid; use --resume never with another --out-dir")
-    return found
-
-
-def locate_run(cfg: RunConfig, log=print) -> tuple[Path, Path | None]:
-    """The run directory and the checkpoint to continue from (None: a fresh run)."""
-    t = cfg.train
-    out_dir = Path(t.out_dir) if t.out_dir else default_out_dir(cfg)
-    checkpoint = find_resume_checkpoint(out_dir, t.resume, log)
-    if checkpoint is None:
-        existing = sorted(name for name in RUN_FILES if (out_dir / name).exists())
-        if existing:
-            hint = "" if t.resume == "never" else " without a checkpoint to resume"
-            raise NanolmError(f"{out_dir} already holds a run{hint} ({', '.join(existing)}); choose another --out-dir")
-    return out_dir, checkpoint
-
-
 def train(cfg: RunConfig, log=print) -> dict:
     """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
 
@@ -359,8 +326,27 @@ def train(cfg: RunConfig, log=print) -> dict:
     missing = missing_sink_packages(parse_sinks(cfg.train.log))
     if missing:
         raise NanolmError(f"--log {missing[0]} needs the {missing[0]} package: pip install 'nanolm[{missing[0]}]'")
-    with launch(cfg.train.dist, device) as dist:
-        return _train(cfg, dist, log if dist.is_main else Muted())
+    use_prepared_tokenizer(cfg)
+    try:
+        with launch(cfg.train.dist, device) as dist:
+            return _train(cfg, dist, log if dist.is_main else Muted())
+    except torch.OutOfMemoryError:
+        raise NanolmError(f"out of memory on {device} (--batch-size {cfg.train.batch_size}, --seq-len "
+                          f"{cfg.model.seq_len}); lower --batch-size and raise --grad-accum for the same tokens "
+                          f"per step, then run the same command again: it resumes from the last checkpoint") from None
+
+
+def use_prepared_tokenizer(cfg: RunConfig) -> None:
+    """With ``--data DIR`` made by ``nanolm prepare`` the tokenizer is the one in DIR: the
+    config says so (``--tokenizer``/``--vocab-size`` do not apply), so that two commands on
+    the same shards have the same configuration."""
+    d = cfg.data
+    meta = Path(d.data) / "meta.json" if d.data else None
+    if meta is not None and meta.is_file():
+        prepared = read_json(meta)
+        if isinstance(prepared, dict) and prepared.get("tokenizer") in ("bpe", "char") \
+                and isinstance(prepared.get("vocab_size"), int):
+            d.tokenizer, d.vocab_size = prepared["tokenizer"], prepared["vocab_size"]
 
 
 def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
@@ -371,7 +357,11 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
     configure_threads(t.threads, device, log)
     if dist.active:
         log(f"distributed: {dist.describe()}")
-    out_dir, checkpoint = dist.from_main(lambda: locate_run(cfg, log))
+    plan = dist.from_main(lambda: locate_run(cfg, dist.world_size, log))
+    if plan.finished:
+        log(plan.message)
+        return {"out_dir": str(plan.out_dir), "finished": True}
+    out_dir, checkpoint = plan.out_dir, plan.checkpoint
     configure_determinism(t.deterministic)
     seed_everything(t.seed)
 
@@ -379,8 +369,11 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
     # Rank 0 prepares it; the other ranks then read what it wrote.
     with dist.main_first(), tempfile.TemporaryDirectory(prefix="nanolm-", ignore_cleanup_errors=True) as scratch:
         scratch = Path(scratch)
-        if (out_dir / "data" / "meta.json").is_file() and (checkpoint is not None or not dist.is_main):
-            data = PreparedData(out_dir / "data")  # what the run was trained on, tokenized once
+        run_data = out_dir / "data"
+        if not dist.is_main and (run_data / "meta.json").is_file():
+            data = PreparedData(run_data, verify=False)  # rank 0 has just written or verified it
+        elif checkpoint is not None and run_data.exists() and not plan.restart:
+            data = open_run_data(run_data, checkpoint, cfg, scratch, log)  # tokenized once, checked
         else:
             data = load_training_data(cfg, scratch, log)
         tokenizer = data.tokenizer
@@ -389,23 +382,24 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
                 f"the training split holds {len(data.train)} tokens, fewer than one window of "
                 f"--seq-len + 1 = {cfg.model.seq_len + 1}; use more text or a smaller --seq-len"
             )
-        d.tokenizer, d.vocab_size = tokenizer.kind, tokenizer.vocab_size
         if checkpoint is not None:
-            check_resume_compatible(checkpoint, cfg, tokenizer, log, dist)
-            done_steps = json.loads((checkpoint / "meta.json").read_text())["step"]
-            if done_steps >= t.steps:
-                log(f"{out_dir} is already at step {done_steps} of {t.steps}; nothing to do (raise --steps to train longer)")
-                return {"out_dir": str(out_dir), "step": done_steps}
+            check_resume_compatible(checkpoint, cfg, tokenizer, log, dist, data)
         model = GPT(cfg.model.gpt_config(tokenizer.vocab_size))
         data.check_vocab(model.config.vocab_size)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if data.dir.parent == scratch:
-            shutil.move(str(data.dir), out_dir / "data")
-            data = PreparedData(out_dir / "data")
-    config_toml = cfg.to_toml()
-    if dist.is_main:
-        atomic_write_text(out_dir / "config.toml", config_toml)
-        tokenizer.save(out_dir / "tokenizer.json")
+        check_memory(model.config, precision.name, dist, t.batch_size, t.eval_batches * t.batch_size * dist.world_size)
+        config_toml = cfg.to_toml()
+        if dist.is_main:  # config.toml first: it marks the directory as this run's (see nanolm.rundir)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if plan.restart:
+                for stale in ("metrics.jsonl", "events.jsonl", "final.json"):
+                    (out_dir / stale).unlink(missing_ok=True)
+            atomic_write_text(out_dir / "config.toml", config_toml)
+            tokenizer.save(out_dir / "tokenizer.json")
+            if data.dir.parent == scratch:
+                if run_data.exists():  # an attempt that never committed a checkpoint left it
+                    shutil.rmtree(run_data)
+                shutil.move(str(data.dir), run_data)
+                data = PreparedData(run_data, verify=False)
     floor = data.meta.get("floor")
 
     # ---- model, optimizer, batches
@@ -428,7 +422,8 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
                                max_windows=t.eval_batches * t.batch_size * dist.world_size, **pack)
     token_bytes = torch.from_numpy(tokenizer.token_bytes())
     tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
-    counters = {"tokens_seen": 0, "elapsed_s": 0.0, "best_val_loss": None, "lr_scale": 1.0, "rollbacks": 0}
+    counters = {"tokens_seen": 0, "elapsed_s": 0.0, "best_val_loss": None, "val_loss": None, "val_bpb": None,
+                "lr_scale": 1.0, "rollbacks": 0}
     model.see_the_future = cfg.debug.non_causal
     if cfg.debug.no_loss_scaling:
         scaler = DynamicLossScaler(enabled=False)
@@ -452,6 +447,11 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
     if checkpoint is not None:
         start_step = restore(checkpoint)
         log(f"resumed from {checkpoint} at step {start_step}")
+    # the last checkpoint of a finished run: only the final weights are left to write
+    target_met = 0 < t.target_val_bpb and counters["val_bpb"] is not None and counters["val_bpb"] <= t.target_val_bpb
+    finishing = start_step >= t.steps or target_met
+    if dist.is_main and not finishing:
+        clear_final(out_dir)  # this run trains on: its old final weights no longer describe it
     log(f"model: {model.num_params() / 1e6:.2f}M parameters | {tokenizer.kind} vocabulary of {tokenizer.vocab_size} | "
         f"{tokens_per_step} tokens per step | device {device} | run dir {out_dir}")
     if not val_batches:
@@ -471,12 +471,14 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
             row.update(floor_bpb=floor["bpb"], floor_loss=floor["nats_per_token"])
         best = counters["best_val_loss"]
         counters["best_val_loss"] = result["loss"] if best is None else min(best, result["loss"])
+        counters["val_loss"], counters["val_bpb"] = result["loss"], result["bpb"]
         return row
 
     def save_checkpoint_at(step: int, row: dict) -> Path:
+        counters["rollbacks"] = guard.rollbacks
         state = {"step": step, "sampler": sampler.state_dict(), "scaler": scaler.state_dict(), "counters": dict(counters)}
         return dist.save_checkpoint(out_dir, step, model, optimizer, state, config_toml, tokenizer,
-                                    row.get("val_loss"), t.keep)
+                                    row.get("val_loss"), t.keep, meta_extra={"data_digest": data.digest})
 
     resuming = checkpoint is not None
     # rank 0 writes metrics and events; every rank runs the guard, on the same global numbers
@@ -484,11 +486,9 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
                        resume_step=start_step if resuming else None) if dist.is_main else Muted())
     guard = Guard(out_dir if dist.is_main else None, g.on_nan, g.on_spike, g.spike_window, g.spike_threshold,
                   g.max_rollbacks, monitor.write)
-    clipped_before = counters.get("clipped_steps", 0)  # checkpoints hold it (older ones: the last metrics row)
-    if resuming and "clipped_steps" not in counters and dist.is_main and monitor.metrics.rows:
-        clipped_before = monitor.metrics.rows[-1].get("clipped_steps", 0)
-    meter = StepMeter(t.steps, tokens_per_step, model.flops_per_token(), peak * dist.world_size, o.clip, device,
-                      start_step=start_step, clipped_steps=clipped_before, elapsed_s=counters["elapsed_s"],
+    guard.rollbacks = counters["rollbacks"]  # this count is the guard's own: a rollback does not rewind it
+    meter = StepMeter(t.steps, tokens_per_step, model.flops_per_token(), peak * dist.world_size if peak else None,
+                      o.clip, device, start_step=start_step, clipped_steps=counters.get("clipped_steps", 0), elapsed_s=counters["elapsed_s"],
                       host_values=guard.reads_every_step)
     if resuming:
         guard.note("resume", start_step)
@@ -498,7 +498,7 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
     row: dict = {}
     step, resumed_at = start_step, start_step
     with StopOnSignal() as stop:
-        while step < t.steps:
+        while step < t.steps and not finishing:
             done = step + 1
             lr = cosine_lr(step, o.lr, o.warmup, t.steps, o.min_lr) * counters["lr_scale"]
             for group in optimizer.param_groups:
@@ -515,9 +515,9 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
                                            step_count_without_averaging(micro_batches, t.grad_accum)
                                            if cfg.debug.loss_not_averaged else step_count)
             loss = dist.global_mean(loss, local_count, step_count)
-            if cfg.debug.inject_nan_at == done and not counters["rollbacks"]:  # a one-off fault, like a bad batch
+            if cfg.debug.inject_nan_at == done and not guard.rollbacks:  # a one-off fault, like a bad batch
                 poison_one_gradient(model)
-            if cfg.debug.inject_spike_at == done and not counters["rollbacks"]:  # a one-off bad batch, loud and finite
+            if cfg.debug.inject_spike_at == done and not guard.rollbacks:  # a one-off bad batch, loud and finite
                 loss = loss * 100
                 torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], 100.0)
             stats_now = is_stats_step(done, t.stats_every)
@@ -543,13 +543,13 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
             if event is not None:
                 if event["kind"] == "nan":
                     event.update(nan_origin(model, micro_batches[0], precision.autocast, tokenizer.vocab_size))
-                target = dist.from_main(lambda: latest_valid_checkpoint(out_dir, monitor.write)) if action == "rollback" else None
+                target = dist.from_main(lambda: valid_resume_checkpoint(out_dir, monitor.write)) if action == "rollback" else None
                 if action == "rollback" and target is None:
                     action, event["note"] = "skip", "no checkpoint yet: skipped instead of rolled back"
-                if action == "rollback" and counters["rollbacks"] >= g.max_rollbacks:
+                if action == "rollback" and guard.rollbacks >= g.max_rollbacks:
                     action, event["note"] = "stop", f"already rolled back {g.max_rollbacks} times (--max-rollbacks)"
                 if action == "rollback":
-                    counters["rollbacks"] += 1
+                    guard.rollbacks += 1  # never rewound by a restore: no bug can make the run loop forever
                     step = restore(target, data_position=False)
                     counters["lr_scale"] *= g.rollback_lr_scale
                     guard.record(event, "rollback", to_step=step, lr_scale=counters["lr_scale"])
@@ -602,7 +602,12 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
                 break
 
     monitor.close()
-    whole = dist.save_final_weights(model, out_dir / "model.safetensors")  # rank 0: the whole model, unsharded
+    final_val = counters["val_loss"]
+    if final_val is not None and not math.isfinite(final_val):  # e.g. --on-nan skip, skipping to the end
+        raise NanolmError(f"the final model's validation loss is {final_val}: the run did not produce a usable "
+                          f"model (no final weights written); run `nanolm diagnose {out_dir}`")
+    # rank 0: the whole model, unsharded, then final.json, the proof that the run finished
+    whole = dist.save_final_weights(model, out_dir, step, {"val_loss": final_val, "val_bpb": counters["val_bpb"]})
     result = {"out_dir": str(out_dir), "elapsed_s": meter.elapsed(), **row}
     if t.sample_tokens and dist.is_main and not dist.sharded:
         with precision.autocast():
@@ -615,19 +620,21 @@ def _train(cfg: RunConfig, dist: Distributed, log) -> dict:
 
 
 def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print,
-                            dist: Distributed | None = None) -> None:
+                            dist: Distributed | None = None, data: PreparedData | None = None) -> None:
     """Refuse a resumption that would silently mix two different runs; log allowed changes.
 
     The split of the global batch (batch size, accumulation, world size) may change as long
     as the global batch itself does not (see ``nanolm.distributed``).
     """
     saved = load_run_config(checkpoint / "config.toml")
-    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta = read_checkpoint_meta(checkpoint)
     regroup, allowed_split, refused_split = (dist or Distributed()).resume_rules(meta, saved, cfg)
     allowed, refused = resume_differences(saved, cfg, also_allowed=regroup)
     allowed, refused = allowed + allowed_split, refused + refused_split
     if Tokenizer.load(checkpoint / "tokenizer.json").fingerprint() != tokenizer.fingerprint():
         refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
+    elif data is not None and meta.get("data_digest", data.digest) != data.digest:
+        refused.append(f"data: {data.dir} is not the data the checkpoint was trained on (its files differ)")
     if refused:
         raise NanolmError(f"cannot resume from {checkpoint}: incompatible changes: {'; '.join(refused)}. "
                           f"Keep those settings, or start a new run with another --out-dir")

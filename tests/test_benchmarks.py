@@ -35,3 +35,16 @@ def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablat
     assert 0 < shape["loader_share_of_step"] < 1 and result["peak_rss_mb"] > 0
     assert shape["parameters"] == 810_368  # nanoGPT's CPU shape with the char vocabulary of the stories
     assert (nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values) == originals
+
+
+def test_sharded_checkpoint_benchmark_compares_both_formats_and_checks_every_load():
+    """The figures behind the choice of DCP's safetensors storage (docs/checkpoints.md)."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_checkpoint.py"), "--small", "--repeats", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(r.stdout)
+    assert ".metadata" in result["pickle"]["files"]
+    assert all(name.endswith(".safetensors") for name in result["safetensors"]["files"])
+    assert result["safetensors_over_pickle"]["save"] > 0 and result["safetensors"]["plain_process_load_s"] > 0

@@ -256,3 +256,110 @@ def test_resume_is_bit_identical_under_low_precision(tmp_path, stories_file, pre
     a, b = _weights(straight), _weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _rows(resumed) == _rows(straight)
+
+
+# ------------------------------------------------------------------ meta.json is checked, not trusted
+def _two_checkpoints(tmp_path):
+    _save(tmp_path, 1)
+    return _save(tmp_path, 2)
+
+
+def _reseal(path, change) -> None:
+    """Edit a checkpoint's meta.json as someone who knows the format would: seal included."""
+    meta = json.loads((path / "meta.json").read_text())
+    meta.pop("seal")
+    change(meta)
+    (path / "meta.json").write_text(json.dumps(ckpt.sealed(meta)))
+
+
+def _fallback_warning(run_dir) -> str:
+    warnings = []
+    assert latest_valid_checkpoint(run_dir, log=warnings.append).name == "step_000001"
+    assert len(warnings) == 1 and "step_000002" in warnings[0]
+    return warnings[0]
+
+
+def test_a_meta_json_that_is_not_utf8_makes_its_checkpoint_invalid(tmp_path):
+    meta = _two_checkpoints(tmp_path) / "meta.json"
+    meta.write_bytes(meta.read_bytes().replace(b'"step"', b'"st\xffp"'))
+    assert "not UTF-8" in _fallback_warning(tmp_path)
+
+
+def test_a_flipped_byte_in_a_meta_key_makes_its_checkpoint_invalid(tmp_path):
+    meta = _two_checkpoints(tmp_path) / "meta.json"
+    meta.write_text(meta.read_text().replace('"step"', '"stdp"'))
+    assert "meta.json is damaged" in _fallback_warning(tmp_path)
+    _reseal(meta.parent, lambda m: None)  # the flipped key, now with a matching seal
+    assert "has no 'step'" in _fallback_warning(tmp_path)
+
+
+def test_a_meta_step_that_disagrees_with_its_directory_makes_it_invalid(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    _reseal(path, lambda m: m.update(step=90))
+    assert "says step 90" in _fallback_warning(tmp_path)
+
+
+def test_an_emptied_manifest_does_not_vouch_for_corrupt_weights(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    _reseal(path, lambda m: m.update(files={}))
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\x00" * 8)
+    assert "manifest" in _fallback_warning(tmp_path)
+
+
+def test_a_file_the_manifest_does_not_list_makes_a_checkpoint_invalid(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    (path / "sharded").mkdir()
+    (path / "sharded" / ".metadata").write_bytes(pickle.dumps({"anything": 1}))
+    assert "not in its manifest" in _fallback_warning(tmp_path)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("format", 2, "format 2"), ("layout", "striped", "malformed 'layout'"), ("world_size", 0, "malformed 'world_size'"),
+    ("val_loss", "low", "malformed 'val_loss'"), ("files", [], "malformed 'files'"),
+])
+def test_every_meta_field_is_type_checked(tmp_path, field, value, message):
+    path = _two_checkpoints(tmp_path)
+    _reseal(path, lambda m: m.update({field: value}))
+    assert message in _fallback_warning(tmp_path)
+
+
+def test_the_layout_is_read_from_the_validated_meta_never_from_the_files_present(tmp_path):
+    """A single-layout checkpoint with a sharded/ directory slipped in, its manifest made to
+    match: it is refused, not read as shards (whose DCP index would be unpickled)."""
+    _Exploit.marker = tmp_path / "pwned"
+    path = _two_checkpoints(tmp_path)
+    (path / "sharded").mkdir()
+    (path / "sharded" / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    _reseal(path, lambda m: m["files"].update({"sharded/.metadata": ckpt.sha256_file(path / "sharded" / ".metadata")}))
+    assert "layout single" in _fallback_warning(tmp_path)
+    with pytest.raises(NanolmError):
+        ckpt.load_run(path)
+    assert not _Exploit.marker.exists()
+
+
+def test_every_file_of_a_checkpoint_corrupted_in_turn_is_detected_and_skipped(tmp_path):
+    path = _two_checkpoints(tmp_path)
+    names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    assert names == ["config.toml", "meta.json", "model.safetensors", "state.pt", "tokenizer.json"]
+    for name in names:
+        original = (path / name).read_bytes()
+        damaged = bytearray(original)
+        damaged[len(damaged) // 2] ^= 0x01  # one flipped bit
+        (path / name).write_bytes(bytes(damaged))
+        assert name in _fallback_warning(tmp_path)
+        (path / name).write_bytes(original)
+        assert latest_valid_checkpoint(tmp_path).name == "step_000002"
+
+
+def test_a_pointer_that_names_no_checkpoint_is_ignored(tmp_path):
+    _two_checkpoints(tmp_path)
+    (tmp_path / "checkpoints" / "latest").write_bytes(b"../../etc\xff\n")
+    assert read_latest(tmp_path) is None
+    assert latest_valid_checkpoint(tmp_path).name == "step_000002"
+
+
+def test_a_training_state_lacking_what_a_resume_restores_is_refused(tmp_path):
+    path = _save(tmp_path, 1)
+    with pytest.raises(NanolmError, match="no valid 'scaler'"):
+        ckpt.check_training_state(path, load_state(path))

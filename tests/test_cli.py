@@ -97,6 +97,26 @@ def _error_line(capsys):
     (b"plenty of text " * 500, ["--threads", "-1"], "--threads must be >= 0"),
     (b"plenty of text " * 500, ["--peak-flops", "-5"], "--peak-flops"),
     (b"plenty of text " * 500, ["--log", "tensorboard,csv"], "unknown --log sink 'csv'"),
+    (b"plenty of text " * 500, ["--ckpt-every", "0"], "--ckpt-every must be positive"),
+    (b"plenty of text " * 500, ["--beta1", "2"], "--beta1 must be in [0, 1)"),
+    (b"plenty of text " * 500, ["--beta2", "-0.5"], "--beta2 must be in [0, 1)"),
+    (b"plenty of text " * 500, ["--keep", "-2"], "--keep must be >= 0"),
+    (b"plenty of text " * 500, ["--sample-tokens", "-1"], "--sample-tokens must be >= 0"),
+    (b"plenty of text " * 500, ["--rope-theta", "0"], "--rope-theta must be a positive number"),
+    (b"plenty of text " * 500, ["--warmup", "500"], "--warmup must be at most --steps (2)"),
+    (b"plenty of text " * 500, ["--dropout", "1"], "--dropout must be in [0, 1)"),
+    (b"plenty of text " * 500, ["--lr", "nan"], "--lr must be a positive number"),
+    (b"plenty of text " * 500, ["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+    (b"plenty of text " * 500, ["--seed", "-1"], "--seed must be in [0, 2^32)"),
+    (b"plenty of text " * 500, ["--n-layer", "0"], "--n-layer must be positive"),
+    (b"plenty of text " * 500, ["--clip", "inf"], "--clip must be >= 0"),
+    (b"plenty of text " * 500, ["--val-fraction", "1"], "--val-fraction must be in [0, 1)"),
+    (b"plenty of text " * 500, ["--spike-window", "2"], "--spike-window must be >= 5"),
+    (b"plenty of text " * 500, ["--rollback-lr-scale", "0"], "--rollback-lr-scale must be in (0, 1]"),
+    (b"plenty of text " * 500, ["--target-val-bpb", "-1"], "--target-val-bpb must be >= 0"),
+    (b"plenty of text " * 500, ["--resume", "no/such/run"], "no valid checkpoint there"),
+    (b"plenty of text " * 2000, ["--batch-size", "100000", "--tokenizer", "char", "--n-layer", "4", "--n-head", "4",
+                                  "--n-embd", "128", "--seq-len", "128"], "lower --batch-size"),  # ~700 GB
 ])
 def test_bad_input_gets_one_line_exit_2_and_writes_nothing(tmp_path, capsys, content, flags, message):
     data = tmp_path / "data.txt"
@@ -107,6 +127,30 @@ def test_bad_input_gets_one_line_exit_2_and_writes_nothing(tmp_path, capsys, con
     assert code == 2
     assert message in _error_line(capsys)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sample", "--top-k", "-3"], "--top-k must be >= 0"),
+    (["sample", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+    (["sample", "--temperature", "nan"], "--temperature must be >= 0"),
+    (["sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["eval", "--batch-size", "0", "--data", "x.txt"], "--batch-size must be positive"),
+])
+def test_bad_sampling_and_evaluation_options_get_one_line(trained_run, capsys, argv, message):
+    out, _ = trained_run
+    assert main([argv[0], "--run", str(out), *argv[1:]]) == 2
+    assert message in _error_line(capsys)
+
+
+def test_sample_prints_only_the_text_on_stdout_and_its_warnings_on_stderr(trained_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run[0], run)
+    (run / "model.safetensors").write_bytes(b"damaged")
+    r = run_cli("sample", "--run", run, "--prompt", "Once upon", "--max-new-tokens", 10, "--seed", 1)
+    assert r.returncode == 0 and r.stdout.startswith("Once upon") and "warning" not in r.stdout
+    assert "model.safetensors is missing or corrupt" in r.stderr and "newest valid checkpoint" in r.stderr
 
 
 def test_bad_input_from_a_fresh_process_has_no_traceback(tmp_path):
@@ -164,5 +208,5 @@ def test_a_directory_holding_files_a_run_would_write_is_refused(tmp_path, capsys
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "mine.txt").write_text("the user's own file")
     assert main(["train", "--data", str(stories_file), "--out-dir", str(tmp_path), *TINY_TRAIN]) == 2
-    assert "already holds a run" in _error_line(capsys)
+    assert "holds data but no config.toml" in _error_line(capsys)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["data", "mine.txt"]

@@ -277,8 +277,10 @@ def test_shards_from_another_tokenizer_are_refused(tmp_path):
     from nanolm.tokenizer import train_char
 
     train_char(["xyz"]).save(tmp_path / "out" / "tokenizer.json")
-    with pytest.raises(NanolmError, match="not the tokenizer"):
+    with pytest.raises(NanolmError, match="tokenizer.json is corrupt"):
         PreparedData(tmp_path / "out")
+    with pytest.raises(NanolmError, match="not the tokenizer these shards were made with"):
+        PreparedData(tmp_path / "out", verify=False)
 
 
 def test_truncated_shards_are_detected(tmp_path):
@@ -306,3 +308,43 @@ def test_prepare_reports_compressor_bounds(tmp_path, stories_file):
     bounds = data.meta["compressor_bpb"]
     assert 0 < bounds["xz"] < bounds["zlib"] < 8
     assert data.meta["mb_per_s"] > 0
+
+
+def test_a_changed_token_inside_the_vocabulary_is_refused(tmp_path):
+    """An in-range id trains silently on different data; only the checksum can tell."""
+    src = _write_txt(tmp_path / "d.txt", DOCS * 4)
+    data = prepare(src, tmp_path / "out", "char", progress=False)
+    tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype=data.meta["dtype"])
+    tokens[5] = (int(tokens[5]) + 1) % data.tokenizer.vocab_size
+    tokens.tofile(tmp_path / "out" / "train.bin")
+    with pytest.raises(NanolmError, match="train.bin is corrupt"):
+        PreparedData(tmp_path / "out")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_training_even_when_vouched_for(tmp_path):
+    """The largest id is read from the shards themselves, not from meta.json: a lying
+    max_id (with the manifest and seal recomputed) cannot smuggle in an IndexError."""
+    from nanolm.files import sealed, sha256_file
+
+    src = _write_txt(tmp_path / "d.txt", DOCS * 4)
+    data = prepare(src, tmp_path / "out", "char", progress=False)
+    tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype=data.meta["dtype"])
+    tokens[5] = 60000
+    tokens.tofile(tmp_path / "out" / "train.bin")
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    meta.pop("seal")
+    meta["files"]["train.bin"] = sha256_file(tmp_path / "out" / "train.bin")
+    (tmp_path / "out" / "meta.json").write_text(json.dumps(sealed(meta)))
+    reopened = PreparedData(tmp_path / "out")
+    assert reopened.meta["max_id"] < 60000 and reopened.max_id == 60000
+    with pytest.raises(NanolmError, match="holds token id 60000"):
+        reopened.check_vocab(data.tokenizer.vocab_size)
+
+
+def test_prepare_refuses_a_directory_holding_other_files(tmp_path):
+    src = _write_txt(tmp_path / "d.txt", DOCS * 4)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep me")
+    with pytest.raises(NanolmError, match="mine.txt, which prepare did not write"):
+        prepare(src, tmp_path / "out", "char", progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mine.txt"]

@@ -195,3 +195,15 @@ def test_step_meter_counts_clipped_steps_and_derives_mfu():
     assert row["tokens_per_sec"] == pytest.approx(2000, rel=0.01)
     assert row["mfu"] == pytest.approx(2000 * 6000 / 1e9, rel=0.01)
     assert row["eta_s"] == pytest.approx(row["elapsed_s"] / 4 * 6)
+
+
+def test_mfu_never_reads_above_100_percent_when_the_peak_was_measured_low():
+    """A CPU peak measured while another process held a core is too low; the run's own
+    throughput proves it, and the peak rises to it instead of MFU exceeding 100 %."""
+    meter = StepMeter(total_steps=10, tokens_per_step=1000, flops_per_token=6000, peak=1e6, clip=1.0, device="cpu")
+    meter.last_time -= 1.0
+    row = meter.row(1, torch.tensor(3.0), 1e-3, torch.tensor(1.0))
+    assert row["mfu"] == pytest.approx(1.0) and row["peak_flops"] == pytest.approx(1000 * 6000, rel=0.01)
+    meter.last_time -= 4.0  # a slower window: measured against the raised peak
+    row = meter.row(2, torch.tensor(3.0), 1e-3, torch.tensor(1.0))
+    assert 0 < row["mfu"] < 0.5 and "peak_flops" not in row

@@ -183,8 +183,10 @@ def test_ddp_checkpoints_have_the_single_process_layout_and_every_rank_rng(ddp_r
 def test_fsdp_writes_shards_and_one_whole_model_that_nanolm_can_load(fsdp_run):
     checkpoint = fsdp_run / "checkpoints" / "step_000006"
     files = json.loads((checkpoint / "meta.json").read_text())["files"]
-    assert "model.safetensors" not in files and "sharded/.metadata" in files
-    assert sum(name.endswith(".distcp") for name in files) == 2  # one shard file per rank
+    assert "model.safetensors" not in files
+    shards = [name for name in files if name.startswith("sharded/")]
+    assert len(shards) == 2 and all(name.endswith(".safetensors") for name in shards)  # one per rank, no pickle
+    assert json.loads((checkpoint / "meta.json").read_text())["layout"] == "sharded"
     whole, _, _ = load_run(fsdp_run)
     (fsdp_run / "model.safetensors").rename(fsdp_run / "final.safetensors")  # now load_run reads the shards
     try:
@@ -193,6 +195,48 @@ def test_fsdp_writes_shards_and_one_whole_model_that_nanolm_can_load(fsdp_run):
         (fsdp_run / "final.safetensors").rename(fsdp_run / "model.safetensors")
     a, b = whole.state_dict(), from_shards.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Exploit:
+    marker = None
+
+    def __reduce__(self):
+        return (os.system, (f"touch {_Exploit.marker}",))
+
+
+@pytest.mark.parametrize("vouched", [False, True], ids=["damaged", "attacked"])
+def test_a_crafted_pickle_in_any_file_of_a_sharded_checkpoint_runs_nothing(fsdp_run, tmp_path, capsys, vouched):
+    """DCP's own format would unpickle ``sharded/.metadata``; nanolm's shards are safetensors
+    files whose index is rebuilt from their JSON headers, so nothing in them can run."""
+    import pickle
+    import shutil
+
+    from nanolm.files import sealed, sha256_file
+
+    _Exploit.marker = tmp_path / "code-ran"
+    original = fsdp_run / "checkpoints" / "step_000006"
+    names = sorted(p.relative_to(original).as_posix() for p in original.rglob("*") if p.is_file())
+    assert sum(n.startswith("sharded/") for n in names) == 2
+    for rel in [*names, "sharded/.metadata"]:  # every file, and DCP's pickled index slipped in
+        copy = tmp_path / "checkpoints" / "step_000006"
+        shutil.rmtree(copy.parent, ignore_errors=True)
+        shutil.copytree(original, copy)
+        (copy / rel).write_bytes(pickle.dumps({"payload": _Exploit()}, protocol=2))
+        if vouched and rel != "meta.json":
+            meta = json.loads((copy / "meta.json").read_text())
+            meta.pop("seal")
+            meta["files"][rel] = sha256_file(copy / rel)
+            (copy / "meta.json").write_text(json.dumps(sealed(meta)))
+        code = main(["sample", "--run", str(copy), "--max-new-tokens", "4"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert not _Exploit.marker.exists(), rel
+        if rel == "state.pt" and vouched:  # sample reads the weights only; a resume reads state.pt too
+            assert code == 0
+            with pytest.raises(NanolmError, match="must not contain code"):
+                load_state(copy)
+            assert not _Exploit.marker.exists()
+            continue
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: "), (rel, err)
 
 
 # ------------------------------------------------------------------ resuming

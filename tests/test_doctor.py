@@ -165,3 +165,48 @@ def test_doctor_command_exits_1_on_failure_and_0_when_sound(tiny_cfg, stories_fi
     out = capsys.readouterr().out
     assert "FAIL  causality" in out and "reads the future" in out
     assert main(["doctor", *flags, "--model", "no_such_module:X"]) == 2
+
+
+NANOGPT_SHORTCUT = textwrap.dedent('''
+    from student_gpt import StudentGPT
+
+    class LastPositionOnly(StudentGPT):
+        """nanoGPT's inference shortcut: without targets, only the last position's logits."""
+
+        def forward(self, idx, targets=None, doc_ids=None):
+            logits, loss = super().forward(idx, targets, doc_ids)
+            return (logits, loss) if targets is not None else (logits[:, [-1], :], None)
+
+    class NoDocIds(StudentGPT):
+        def forward(self, idx, targets=None):
+            return super().forward(idx, targets)
+''')
+
+
+def test_a_check_that_could_not_run_is_shown_as_skip_never_pass(tiny_cfg, student, tmp_path, capsys):
+    (tmp_path / "shortcuts.py").write_text(NANOGPT_SHORTCUT)
+    results = _results(tiny_cfg, "shortcuts:NoDocIds")
+    check = results["no cross-document leak"]
+    assert check.skipped and check.status == "SKIP" and check.line().startswith("SKIP")
+    assert main(["doctor", "--data", tiny_cfg.data.data, "--tokenizer", "char", "--n-layer", "1", "--n-head", "2",
+                 "--n-embd", "32", "--seq-len", "32", "--model", "shortcuts:NoDocIds"]) == 0
+    out = capsys.readouterr().out
+    assert "SKIP  no cross-document leak" in out and "PASS  no cross-document leak" not in out
+    assert "1 skipped, 0 failed" in out
+
+
+def test_a_model_returning_only_the_last_position_gets_one_line_saying_what_doctor_needs(
+        tiny_cfg, student, tmp_path, capsys):
+    (tmp_path / "shortcuts.py").write_text(NANOGPT_SHORTCUT)
+    code = main(["doctor", "--data", tiny_cfg.data.data, "--tokenizer", "char", "--n-layer", "1", "--n-head", "2",
+                 "--n-embd", "32", "--seq-len", "32", "--model", "shortcuts:LastPositionOnly"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "shortcuts:LastPositionOnly" in err[0] and "logits for every position" in err[0]
+
+
+def test_doctor_help_says_that_model_imports_and_runs_the_module():
+    from conftest import run_cli
+
+    help_text = " ".join(run_cli("doctor", "--help").stdout.split())
+    assert "runs its code" in help_text and "only a module you trust" in help_text

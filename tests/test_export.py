@@ -4,11 +4,10 @@ the dev extra installs it, so CI runs it)."""
 import pytest
 import torch
 
-from nanolm.checkpoint import save_weights
+from nanolm.checkpoint import write_final
 from nanolm.cli import main
 from nanolm.config import RunConfig
 from nanolm.export import export_run
-from nanolm.errors import NanolmError
 from nanolm.tokenizer import train_char
 
 from conftest import tiny_model
@@ -32,7 +31,7 @@ def _fake_run(tmp_path, **model_options):
     run.mkdir()
     (run / "config.toml").write_text(cfg.resolved().to_toml())
     tok.save(run / "tokenizer.json")
-    save_weights(model, run / "model.safetensors")
+    write_final(run, model, step=0)
     return run, model, tok
 
 

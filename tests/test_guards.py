@@ -254,3 +254,50 @@ def test_nan_origin_names_the_parameter_nearest_the_output_when_only_the_backwar
     finally:
         handle.remove()
     assert report["origin"] == "the gradient of blocks.1.mlp_norm.weight"
+
+
+def test_a_rollback_does_not_replay_the_batches_since_its_checkpoint(tmp_path, stories_file, monkeypatch):
+    """The fast check of the rollback's data position: no window is drawn twice in an epoch."""
+    drawn = []
+    real = WindowSampler.next_starts
+
+    def record(self):
+        starts = real(self)
+        drawn.append((self.epoch, *map(int, starts)))
+        return starts
+
+    monkeypatch.setattr(WindowSampler, "next_starts", record)
+    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=8, eval_every=8, ckpt_every=4, batch_size=BATCH,
+                          log_every=1, stats_every=0)
+    cfg.debug.inject_nan_at = 6
+    train(cfg, log=lambda *_: None)
+    [event] = read_events(tmp_path / "run")
+    assert (event["action"], event["to_step"]) == ("rollback", 4)
+    assert len(drawn) == 8 + 2  # steps 5 and 6 were drawn, discarded, and not drawn again
+    windows = [(epoch, start) for epoch, *starts in drawn for start in starts]
+    assert len(windows) == len(set(windows))
+
+
+def test_a_run_cannot_roll_back_more_than_max_rollbacks_whatever_restores_it(tmp_path, stories_file, monkeypatch):
+    """A fault that comes back at the same step after every rollback, and restores that bring
+    the checkpoint's count of rollbacks back (a bug): the count is the guard's own, so the run
+    stops after --max-rollbacks instead of looping forever."""
+    import nanolm.train as train_mod
+
+    real_load, real_check = train_mod.load_state, Guard.check
+
+    def amnesic(path):
+        state = real_load(path)
+        state["counters"]["rollbacks"] = 0
+        return state
+
+    def always_bad_at_fault(self, step, loss, grad_norm, lr):
+        return real_check(self, step, math.nan if step == FAULT_AT else loss, grad_norm, lr)
+
+    monkeypatch.setattr(train_mod, "load_state", amnesic)
+    monkeypatch.setattr(Guard, "check", always_bad_at_fault)
+    result, _ = _run(stories_file, tmp_path / "run", on_nan="rollback", max_rollbacks=2)
+    assert f"stopped at step {FAULT_AT}" in result["error"]
+    events = [e for e in read_events(tmp_path / "run") if e["kind"] == "nan"]
+    assert [e["action"] for e in events] == ["rollback", "rollback", "stop"]
+    assert "already rolled back 2 times" in events[-1]["note"]

@@ -274,3 +274,32 @@ def test_a_resumed_run_continues_tensorboard_without_duplicates(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == list(range(13))
+
+
+def test_a_damaged_line_in_metrics_does_not_stop_a_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    m = MetricsFile(path)
+    for row in _rows(range(0, 8)):
+        m.write(row)
+    m.close()
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[3] = b'{"step": 3, "lo\xffss": \n'  # a flipped byte, mid-file
+    path.write_bytes(b"".join(lines))
+    warnings = []
+    resumed = MetricsFile(path, resume_step=5, log=warnings.append)
+    assert [r["step"] for r in resumed.rows] == [0, 1, 2, 4, 5]
+    assert len(warnings) == 1 and "1 damaged line(s) dropped" in warnings[0]
+    resumed.write({"step": 6, "loss": 0.1})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2, 4, 5, 6]
+
+
+def test_readers_leave_damaged_lines_out_and_say_how_many(tmp_path):
+    from nanolm.guards import read_events
+
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0}\nnot json\n{"step": "one"}\n{"step": 2}\n')
+    (tmp_path / "events.jsonl").write_bytes(b'{"step": 1, "kind": "nan"}\n\xff\xfe\n')
+    heard = []
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl", heard.append)] == [0, 2]
+    assert [e["step"] for e in read_events(tmp_path, heard.append)] == [1]
+    assert [h.split(": ")[-1] for h in heard] == ["2 damaged line(s) left out", "1 damaged line(s) left out"]

@@ -262,3 +262,20 @@ def test_the_logged_tokens_are_the_tokens_the_steps_trained_on(tmp_path, stories
     assert rows[0]["tokens_per_step"] == 2 * 3 * 32
     trained = [r for r in rows if "tokens_per_sec" in r]
     assert len(trained) == 4 and all(r["tokens"] == fed[r["step"] - 1] for r in trained)
+
+
+def test_a_run_whose_final_model_outputs_nan_is_not_a_success(tmp_path, stories_file, capsys):
+    """``--on-nan skip`` skips every non-finite step to the end; the weights stay finite, the
+    model's validation loss does not. That run failed: exit 2, and no final weights claim
+    otherwise (also when the same command is run again)."""
+    from nanolm.cli import main
+
+    argv = ["train", "--data", str(stories_file), "--out-dir", str(tmp_path / "run"), "--tokenizer", "char",
+            "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
+            "--eval-batches", "2", "--sample-tokens", "0", "--steps", "30", "--eval-every", "10", "--lr", "100",
+            "--warmup", "0", "--on-nan", "skip", "--threads", "1"]
+    for _ in range(2):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the final model's validation loss is nan" in err[0]
+        assert not (tmp_path / "run" / "final.json").exists()

@@ -120,8 +120,29 @@ BUGS = [
     Bug("stochastic_rounding_rounds_to_nearest", "bf16 weights silently drop small updates",
         "nanolm/precision.py", "    noise = torch.randint(0, 1 << 16, x.shape,", "    noise = 32768 + 0 * torch.randint(0, 1 << 16, x.shape,"),
     # checkpoints and guards
-    Bug("checksum_ignored", "a corrupted checkpoint is loaded as if whole",
-        "nanolm/checkpoint.py", "        if sha256_file(path / name) != expected:", "        if False:"),
+    Bug("checksum_ignored", "a corrupted checkpoint or data shard is loaded as if whole",
+        "nanolm/files.py", "        if sha256_file(on_disk[name], callback) != files[name]:", "        if False:"),
+    Bug("unlisted_files_accepted", "a file slipped into a checkpoint (a pickle, a stray shard) is read unchecked",
+        "nanolm/files.py", "    if unlisted:\n", "    if False:\n"),
+    Bug("meta_step_trusted", "a meta.json that claims another step makes a resume skip or repeat steps",
+        "nanolm/checkpoint.py", '    if meta["step"] != step_of(path):', "    if False:"),
+    Bug("data_not_verified", "a changed token in the run's data/ resumes silently on different data",
+        "nanolm/data.py", "        if verify:\n", "        if False:\n"),
+    Bug("rerun_starts_a_new_directory", "the same command, run again, starts over in runs/<name>-2",
+        "nanolm/rundir.py", "        if isinstance(plan, RunPlan):", "        if isinstance(plan, RunPlan) and not out_dir.exists():"),
+    Bug("dead_directory_blocks_reruns", "a run killed before its first checkpoint can never be rerun",
+        "nanolm/rundir.py", "    return RunPlan(out_dir, restart=True)",
+        '    raise NanolmError(f"{out_dir} already holds a run without a checkpoint")'),
+    Bug("final_weights_never_written", "killed after its last checkpoint, a rerun says 'nothing to do' without final weights",
+        "nanolm/rundir.py", '    finished_at = final["step"] if _finished(final, cfg) else None',
+        "    finished_at = _step(checkpoint) if checkpoint is not None and _step(checkpoint) >= t.steps else None"),
+    Bug("nan_model_exits_0", "a run whose final model outputs NaN is reported as a success",
+        "nanolm/train.py", "    if final_val is not None and not math.isfinite(final_val):", "    if False:"),
+    Bug("mfu_above_100", "a peak measured on a busy CPU makes MFU read above 100 %",
+        "nanolm/diagnostics.py", "            if achieved > self.peak:", "            if False:"),
+    Bug("skipped_check_shown_as_pass", "nanolm doctor prints PASS for a check that never ran",
+        "nanolm/doctor.py", 'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids", skipped=True)',
+        'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids")'),
     Bug("skipped_step_still_updates", "a NaN or spike the guard skipped is trained on anyway",
         "nanolm/train.py", 'if action == "take" and scaler.update(grad_norm):', "if scaler.update(grad_norm):"),
     Bug("rollback_replays_the_bad_batch", "after a rollback the run meets the same bad batches again",
@@ -130,9 +151,9 @@ BUGS = [
         "nanolm/guards.py", "        return (self._scaled(value) - median) / scale", "        return (value - median) / scale"),
 ]
 
-FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_export "
-              "test_doctor test_precision test_diagnostics test_monitor test_cli test_corpus test_guards "
-              "test_distributed").split()
+FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir "
+              "test_untrusted_files test_export test_doctor test_precision test_diagnostics test_monitor test_cli "
+              "test_corpus test_guards test_distributed").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:

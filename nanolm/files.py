@@ -1,0 +1,211 @@
+"""Files nanolm writes and reads back: never half-written, never trusted unchecked.
+
+A training run outlives many processes: it is killed, the disk fills, a file is copied
+badly, someone hands you a checkpoint. Two rules make that safe.
+
+**Writes are atomic.** A file is written under a temporary name in the same directory,
+flushed to disk (``fsync``) and renamed over the old one; the rename is atomic, so a reader
+(or the next process after a crash) sees the old file or the new one, never half of each.
+The directory is fsynced too, or the rename itself could be lost in a power cut.
+
+**Reads are checked.** Every JSON file is parsed with errors that name it; a directory
+that nanolm wrote carries a *manifest*, the SHA-256 of each of its files, and is accepted
+only when the files on disk are exactly the listed ones with exactly those checksums. A
+flipped bit, a truncated copy or a swapped file is then named, never silently trained on.
+Nothing read here is ever unpickled: JSON, TOML, safetensors and raw token arrays are data
+formats that cannot carry code.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import NanolmError
+
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO,
+                      errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+"""OS errors that are the machine's state (a full disk, a read-only or foreign directory),
+not a bug: the command line reports them in one line naming the path."""
+
+
+def describe_os_error(e: OSError) -> str:
+    """``OSError`` as one line: the path, then the cause, then what a user can do."""
+    where = e.filename if e.filename is not None else "a file"
+    hint = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space (disk quota)",
+            errno.EROFS: "the file system is read-only; choose another --out-dir",
+            errno.EACCES: "you may not write there; choose another --out-dir",
+            errno.EPERM: "you may not write there; choose another --out-dir",
+            errno.EFBIG: "the file is larger than this system allows"}.get(e.errno, "")
+    return f"cannot write {where}: {e.strerror or e}" + (f" ({hint})" if hint else "")
+
+
+def fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sha256_file(path, on_block=None) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks (``on_block(bytes)`` sees each one)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            if on_block is not None:
+                on_block(block)
+    return h.hexdigest()
+
+
+def read_json(path, what: str | None = None):
+    """A JSON file's value, or a :class:`NanolmError` naming ``what`` (default: the path)."""
+    what = what or str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise NanolmError(f"{what} cannot be read ({e.strerror or e})") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise NanolmError(f"{what} is not UTF-8 text (byte {e.start}); the file is damaged") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise NanolmError(f"{what} is not valid JSON ({e}); the file is damaged") from None
+
+
+def files_under(directory, skip: tuple[str, ...] = ()) -> dict[str, Path]:
+    """Every file below ``directory`` by its relative POSIX name (``skip``: names left out).
+
+    A symbolic link or anything that is not a regular file is refused: a manifest vouches
+    for the bytes nanolm wrote, and a link points at bytes it did not write.
+    """
+    directory = Path(directory)
+    found: dict[str, Path] = {}
+    for root, dirs, names in os.walk(directory, followlinks=False):
+        for name in dirs + names:
+            path = Path(root) / name
+            rel = path.relative_to(directory).as_posix()
+            if path.is_symlink():
+                raise NanolmError(f"{path} is a symbolic link; nanolm's directories hold none")
+            if name in names:
+                if not path.is_file():
+                    raise NanolmError(f"{path} is not a regular file")
+                if rel not in skip:
+                    found[rel] = path
+    return found
+
+
+def is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def check_manifest(directory, files, what: str, skip: tuple[str, ...] = (), on_block=None) -> None:
+    """Refuse ``directory`` unless its files are exactly ``files`` (name -> SHA-256), each intact.
+
+    ``skip`` names files not covered (the file holding the manifest itself). ``on_block(name,
+    bytes)`` sees every block read, so a caller can check contents in the same pass.
+    """
+    if not isinstance(files, dict) or not files or not all(isinstance(k, str) and is_sha256(v) for k, v in files.items()):
+        raise NanolmError(f"{what}: its manifest of files and checksums is missing or malformed")
+    on_disk = files_under(directory, skip)
+    missing = sorted(set(files) - set(on_disk))
+    if missing:
+        raise NanolmError(f"{what}: {missing[0]} is missing")
+    unlisted = sorted(set(on_disk) - set(files))
+    if unlisted:
+        raise NanolmError(f"{what}: {unlisted[0]} is not in its manifest (a file nanolm did not write)")
+    for name in sorted(files):
+        callback = None if on_block is None else (lambda block, name=name: on_block(name, block))
+        if sha256_file(on_disk[name], callback) != files[name]:
+            raise NanolmError(f"{what}: {name} is corrupt (its checksum does not match)")
+
+
+def manifest(directory, names=None, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """name -> SHA-256 of ``names`` (default: every file below ``directory`` but ``skip``)."""
+    directory = Path(directory)
+    paths = files_under(directory, skip) if names is None else {n: directory / n for n in names}
+    return {name: sha256_file(paths[name]) for name in sorted(paths)}
+
+
+SEAL = "seal"
+
+
+def _digest_of(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=True).encode()).hexdigest()
+
+
+def sealed(meta: dict) -> dict:
+    """``meta`` with a ``seal``: the SHA-256 of the rest of it. A manifest vouches for the
+    other files; the seal vouches for the manifest itself, so that a flipped bit anywhere in
+    a metadata file (a step, a validation loss, a checksum) is detected, not believed."""
+    return {**meta, SEAL: _digest_of(meta)}
+
+
+def check_seal(meta: dict, what: str) -> None:
+    if meta.get(SEAL) != _digest_of(meta):
+        raise NanolmError(f"{what} is damaged (its seal does not match its content)")
+
+
+def probe_writable(path) -> None:
+    """Refuse, before anything is written, a run directory that cannot be created or written.
+
+    Walks up to the nearest existing ancestor and creates (then removes) a file there: the
+    only test that also holds for root, read-only mounts and network file systems.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NanolmError(f"--out-dir {path} is a file, not a directory; choose another --out-dir")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NanolmError(f"--out-dir {path}: {existing} is a file, not a directory; choose another --out-dir")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".nanolm-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise NanolmError(f"--out-dir {path}: cannot write in {existing} ({e.strerror or e}); "
+                          f"choose a directory you can write") from None
+
+
+def read_jsonl(path) -> tuple[list, int]:
+    """(the parsed lines of a JSON-lines file, how many lines were damaged).
+
+    A half-written last line (a crash, a live run) is not counted as damage. Lines are
+    read as bytes, so a byte that is not UTF-8 damages one line, not the file.
+    """
+    with open(path, "rb") as f:
+        lines = [line for line in f if line.strip()]
+    rows, damaged = [], 0
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            if i < len(lines) - 1 or line.endswith(b"\n"):
+                damaged += 1
+    return rows, damaged

@@ -1,0 +1,197 @@
+"""Kill a training run with SIGKILL at many moments; rerunning the same command must end
+bit-identical to a run that was never interrupted.
+
+This is the promise of ``nanolm.rundir`` tested the hard way: a real process, a real
+``kill -9`` (no handler runs, nothing is flushed), at random times and at the moments that
+are hardest to survive: during the first checkpoint's save (the directory holds a run and no
+checkpoint), during a later save, after the last checkpoint, and while the final weights are
+written. Each trial then runs the *same command* until it exits 0 and compares every weight
+with the uninterrupted reference, bit for bit.
+
+    python tools/crash_test.py                 # 20 kills (~3 min on 2 cores)
+    python tools/crash_test.py --kills 50 --seed 1
+
+Exit status 1 if any trial ends different from the reference or cannot be resumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 60
+COMMAND = ["--tokenizer", "char", "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--seq-len", "64",
+           "--batch-size", "8", "--steps", str(STEPS), "--eval-every", "10", "--ckpt-every", "5", "--eval-batches", "4",
+           "--sample-tokens", "50", "--threads", "1", "--progress", "lines", "--dropout", "0.1", "--log-every", "1"]
+
+
+def _start(corpus: Path, cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "nanolm", "train", "--data", str(corpus), *COMMAND], cwd=cwd,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run_dir(cwd: Path, corpus: Path) -> Path:
+    return cwd / "runs" / corpus.stem
+
+
+def _saves_in_progress(run: Path) -> list[str]:
+    root = run / "checkpoints"
+    try:
+        return [e.name for e in os.scandir(root) if e.name.startswith(".tmp-step_")]
+    except FileNotFoundError:
+        return []
+
+
+def _committed(run: Path) -> list[str]:
+    try:
+        return sorted(e.name for e in os.scandir(run / "checkpoints") if e.name.startswith("step_"))
+    except FileNotFoundError:
+        return []
+
+
+def _kill_when(proc: subprocess.Popen, run: Path, moment: dict) -> str:
+    """Kill ``proc`` at ``moment``; returns what the run directory showed at the kill."""
+    kind = moment["kind"]
+    deadline = time.perf_counter() + 300
+    seen_saves: set[str] = set()
+    while proc.poll() is None and time.perf_counter() < deadline:
+        if kind == "time" and time.perf_counter() - moment["t0"] >= moment["seconds"]:
+            break
+        if kind == "save":
+            for name in _saves_in_progress(run):
+                seen_saves.add(name)
+            if len(seen_saves) >= moment["nth"]:
+                break
+        if kind == "after_last_checkpoint" and f"step_{STEPS:06d}" in _committed(run):
+            break  # renamed into place; ``latest`` may not name it yet
+        if kind == "after_last_pointer" and _latest(run) == f"step_{STEPS:06d}":
+            break
+        if kind == "step" and _rows(run) >= moment["step"]:
+            time.sleep(moment["delay"])
+            break
+        if kind == "final_weights" and ((run / ".model.safetensors.tmp").exists() or (
+                (run / "model.safetensors").exists() and not (run / "final.json").exists())):
+            break  # the weights being written, or written without the final.json that vouches for them
+        time.sleep(0.0005 if kind != "time" else 0.002)
+    if proc.poll() is not None:
+        proc.communicate()
+        return "finished before the kill"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    state = _committed(run)
+    mid_save = _saves_in_progress(run)
+    return (f"mid-save ({mid_save[0]}); " if mid_save else "") + (f"newest {state[-1]}" if state else
+                                                                   "no checkpoint committed")
+
+
+def _latest(run: Path) -> str:
+    try:
+        return (run / "checkpoints" / "latest").read_text().strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return ""
+
+
+def _rows(run: Path) -> int:
+    """Rows in metrics.jsonl: with --log-every 1, the steps done so far (plus the step-0 row)."""
+    try:
+        with open(run / "metrics.jsonl", "rb") as f:
+            return max(0, f.read().count(b"\n") - 1)
+    except FileNotFoundError:
+        return 0
+
+
+def _weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "model.safetensors"))
+
+
+def _moments(kills: int, rng: random.Random, startup: float) -> list[dict]:
+    """The hard moments first, then random ones: a quarter during start-up (before any step),
+    the rest at a random step, a random few milliseconds after it was logged."""
+    fixed = [{"kind": "save", "nth": 1}, {"kind": "save", "nth": 1}, {"kind": "save", "nth": 3},
+             {"kind": "save", "nth": 7}, {"kind": "after_last_checkpoint"}, {"kind": "after_last_pointer"},
+             {"kind": "final_weights"}]
+    chosen = fixed[:kills]
+    while len(chosen) < kills:
+        if rng.random() < 0.25:
+            chosen.append({"kind": "time", "seconds": round(rng.uniform(0.2, startup), 2)})
+        else:
+            chosen.append({"kind": "step", "step": rng.randint(1, STEPS), "delay": round(rng.uniform(0, 0.02), 4)})
+    return chosen
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=20, help="trials, each killed once at its own moment")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random kill times")
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="nanolm-crash-") as tmp:
+        tmp = Path(tmp)
+        sys.path.insert(0, str(ROOT))
+        from nanolm.corpus import write_stories
+
+        corpus = tmp / "stories.txt"
+        write_stories(corpus, 400, seed=5)
+        (tmp / "reference").mkdir()
+        start = time.perf_counter()
+        ref = _start(corpus, tmp / "reference")
+        while ref.poll() is None and _rows(_run_dir(tmp / "reference", corpus)) < 1:
+            time.sleep(0.001)
+        startup = time.perf_counter() - start
+        out, err = ref.communicate()
+        duration = time.perf_counter() - start
+        if ref.returncode != 0:
+            print(err, file=sys.stderr)
+            return 1
+        reference = _weights(_run_dir(tmp / "reference", corpus))
+        print(f"reference: {STEPS} steps in {duration:.1f}s from launch to exit ({startup:.1f}s to the first step)",
+              flush=True)
+        for i, moment in enumerate(_moments(args.kills, rng, startup)):
+            cwd = tmp / f"trial{i:02d}"
+            cwd.mkdir()
+            run = _run_dir(cwd, corpus)
+            proc = _start(corpus, cwd)
+            moment["t0"] = time.perf_counter()
+            seen = _kill_when(proc, run, moment)
+            reruns, code, said = 0, None, ""
+            while code != 0 and reruns < 3:
+                rerun = _start(corpus, cwd)
+                out, err = rerun.communicate()
+                code, reruns = rerun.returncode, reruns + 1
+                said = next((line for line in out.splitlines() if line.startswith(("resumed from", "runs/"))
+                             or "starting it again" in line or "nothing to do" in line), "") or err.strip()[-200:] \
+                    or "(a new run: nothing had been written)"
+            identical = code == 0 and _weights(run).keys() == reference.keys() and all(
+                bool((_weights(run)[k] == reference[k]).all()) for k in reference)
+            label = {"time": f"at {moment.get('seconds')}s (start-up)", "save": f"during save #{moment.get('nth')}",
+                     "step": f"after step {moment.get('step')} (+{1000 * moment.get('delay', 0):.0f} ms)",
+                     "after_last_checkpoint": "last checkpoint renamed, not pointed",
+                     "after_last_pointer": "after the last checkpoint",
+                     "final_weights": "while writing the final weights"}[moment["kind"]]
+            results.append({"trial": i, "killed": label, "found": seen, "rerun_exit": code, "rerun_said": said,
+                            "identical": identical})
+            print(f"{i:2d}  killed {label:32s} found: {seen:45s} rerun: {said[:70]:70s} "
+                  f"{'identical' if identical else 'DIFFERENT'}", flush=True)
+    failed = [r["trial"] for r in results if not r["identical"]]
+    summary = {"kills": len(results), "identical": len(results) - len(failed), "failed": failed,
+               "killed_mid_save": sum("mid-save" in r["found"] for r in results),
+               "killed_before_any_checkpoint": sum("no checkpoint" in r["found"] for r in results)}
+    print(json.dumps(summary))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
