@@ -2,10 +2,11 @@
 
 Two measurements of the same thing, because a shared machine is noisy:
 
-* ``components``: the median time of a plain optimizer step, and the median extra time of
-  the statistics (:class:`nanolm.diagnostics.LayerStats`: norms, weight copy, probe forward,
-  the update ratio and the read-back) measured inside the same steps. The overhead at K is
-  ``extra / (K × step)``: steady, because both are medians over interleaved steps.
+* ``components``: the median time of the training loop's own step plain, and watched (the
+  statistics of :class:`nanolm.stats.LayerStats`: norms, weight copy, probe forward, the
+  update ratio and the read-back); the extra time is the difference of the medians. The
+  overhead at K is ``extra / (K × step)``: steady, because both are medians over interleaved
+  steps.
 * ``end_to_end`` (``--repeats`` > 0): whole ``train`` runs with ``--stats-every 0`` and
   ``--stats-every K``, alternated, timed from the first logged step to the last (step 0's
   evaluation and the final one left out). The honest number, and the noisy one.
@@ -34,42 +35,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanolm.config import RunConfig, TrainOptions  # noqa: E402
 from nanolm.corpus import write_stories  # noqa: E402
-from nanolm.data import WindowSampler, pack_windows, prepare  # noqa: E402
-from nanolm.diagnostics import LayerStats  # noqa: E402
+from nanolm.data import TrainBatches, WindowSampler, prepare  # noqa: E402
 from nanolm.model import GPT  # noqa: E402
 from nanolm.monitor import read_metrics  # noqa: E402
+from nanolm.observer import StepProbe  # noqa: E402
 from nanolm.optim import build_optimizer  # noqa: E402
-from nanolm.train import accumulate_gradients, train  # noqa: E402
+from nanolm.stats import LayerStats  # noqa: E402
+from nanolm.step import StepParts, train_step  # noqa: E402
+from nanolm.train import train  # noqa: E402
 
 
 def components(data, cfg: RunConfig, device: str, steps: int) -> dict:
+    """Median seconds of the training loop's own step (:func:`nanolm.step.train_step`) plain
+    and watched (a :class:`~nanolm.observer.StepProbe` taking the per-layer statistics, read
+    after the update as the observer does), interleaved."""
     torch.manual_seed(0)
     model = GPT(cfg.model.gpt_config(data.tokenizer.vocab_size)).to(device)
-    optimizer = build_optimizer(model, 1e-3, 0.1)
+    parts = StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, clip=1.0)
     t = cfg.train
-    sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=0)
-    plain, extra = [], []
+    batches = TrainBatches(data.train.tokens, WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=0),
+                           cfg.model.seq_len, data.tokenizer.eos_id)
+    plain, watched = [], []
     for i in range(steps):
+        micro = batches.next(i + 1)
+        watching = i % 2 == 1 and i > 2  # alternate plain and watched steps; the first ones warm up
         t0 = time.perf_counter()
-        micro = [pack_windows(data.train.tokens, sampler.next_starts(), cfg.model.seq_len, data.tokenizer.eos_id)]
-        loss, _ = accumulate_gradients(model, micro, device)
-        watched = i % 2 == 1 and i > 2  # alternate plain and watched steps; the first ones warm up
-        s0 = time.perf_counter()
-        stats = LayerStats(model, micro[0]) if watched else None
-        s1 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        s2 = time.perf_counter()
-        if stats:
-            stats.after_update()
-        loss.item()
-        s3 = time.perf_counter()
-        if watched:
-            extra.append((s1 - s0) + (s3 - s2))
-        elif i > 2:
-            plain.append(s3 - t0)
-    step_s, extra_s = statistics.median(plain), statistics.median(extra)
+        probe = StepProbe(model, LayerStats(model, micro[0]), underflow=False) if watching else None
+        result = train_step(parts, i + 1, micro, probe)
+        if probe is not None:
+            probe.after_update()
+        float(result.loss)
+        if i > 2:
+            (watched if watching else plain).append(time.perf_counter() - t0)
+    step_s, watched_s = statistics.median(plain), statistics.median(watched)
+    extra_s = watched_s - step_s
     K = TrainOptions().stats_every
     return {"step_s": step_s, "stats_extra_s": extra_s, "stats_cost_in_steps": extra_s / step_s,
             "overhead_at_default_K": extra_s / (K * step_s),

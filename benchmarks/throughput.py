@@ -4,10 +4,10 @@ The *reference* is written out below the way a PyTorch user writes a first GPT t
 (nanoGPT's model): GPT-2 blocks (LayerNorm and Linear layers with biases, SDPA causal, GELU
 MLP 4x wide, learned position embeddings, tied head), ``torch.optim.AdamW`` with PyTorch's
 defaults for the device, fp32, random windows (``nanolm.train.get_batch``), ``F.cross_entropy``,
-gradient clipping at 1.0. *nanolm* is the body of ``nanolm.train.train``'s loop: the sampler's
-windows packed with the document mask (``pack_windows``), ``accumulate_gradients`` (masked loss
-÷ the step's count), clipping, ``build_optimizer``'s AdamW, on ``GPT`` with its defaults (RoPE,
-RMSNorm, SwiGLU, tied embeddings), at ``--precision``.
+gradient clipping at 1.0. *nanolm* is the training loop's own step, :func:`nanolm.step.train_step`,
+on the sampler's windows packed with the document mask (``TrainBatches``): the learning rate,
+the masked loss ÷ the step's token count, clipping, ``build_optimizer``'s AdamW, on ``GPT`` with
+its defaults (RoPE, RMSNorm, SwiGLU, tied embeddings), at ``--precision``.
 
 Variants, all timed in one process, alternating (A B C, C B A, A B C, ... rounds of ``--steps``
 steps) so that machine noise hits all of them alike; the figures are medians over rounds and
@@ -53,11 +53,11 @@ import torch.nn.functional as F
 
 import nanolm.model
 from nanolm.corpus import write_stories
-from nanolm.data import WindowSampler, pack_windows, prepare
+from nanolm.data import TrainBatches, WindowSampler, get_batch, pack_windows, prepare
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, get_param_groups
 from nanolm.precision import cpu_has_native_bf16, resolve_precision
-from nanolm.train import accumulate_gradients, get_batch
+from nanolm.step import StepParts, train_step
 
 SHAPES = {
     # nanoGPT's shakespeare_char recipe on CPU (n_layer, n_head, n_embd, seq_len, batch)
@@ -191,15 +191,15 @@ def nanolm_runner(name, shape, vocab, tokens, eos, device, autocast, doc_mask=Tr
         opt = build_optimizer(model, lr, 0.1)
     else:  # PyTorch's default AdamW for the device: one tensor at a time on CPU
         opt = torch.optim.AdamW(get_param_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    step_model = torch.compile(model) if compile else model
-    sampler = WindowSampler(len(tokens), shape["seq_len"], shape["batch_size"], seed=0)
+    parts = StepParts(model, opt, schedule=lambda step: lr, clip=1.0,
+                      step_model=torch.compile(model) if compile else model, autocast=autocast)
+    batches = TrainBatches(tokens, WindowSampler(len(tokens), shape["seq_len"], shape["batch_size"], seed=0),
+                           shape["seq_len"], eos, doc_mask=doc_mask)
+    steps = iter(range(1, 1 << 62))
 
-    def step():  # the body of nanolm.train.train's loop (no loss scaler: fp32 or bf16)
-        batch = pack_windows(tokens, sampler.next_starts(), shape["seq_len"], eos, doc_mask=doc_mask)
-        accumulate_gradients(step_model, [batch], device, autocast)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step():  # the training loop's own step (no loss scaler: fp32 or bf16; no guard: every step taken)
+        n = next(steps)
+        train_step(parts, n, batches.next(n))
 
     return Runner(name, step, model, device, patch)
 

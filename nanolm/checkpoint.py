@@ -79,6 +79,7 @@ from .files import (
     sha256_file,
 )
 from .model import GPT
+from .runtime import derived_seed, seed_everything
 from .tokenizer import Tokenizer
 
 CHECKPOINTS = "checkpoints"
@@ -383,7 +384,8 @@ def load_state(path) -> dict:
     return state
 
 
-TRAINING_STATE = {"sampler": dict, "scaler": dict, "counters": dict, "rng": dict, "optimizer": dict}
+TRAINING_STATE = {"sampler": dict, "scaler": dict, "progress": dict, "guard": dict, "observer": dict, "rng": dict,
+                  "optimizer": dict}
 
 
 def check_training_state(path, state: dict) -> None:
@@ -396,6 +398,14 @@ def check_training_state(path, state: dict) -> None:
         raise NanolmError(f"checkpoint {path}: state.pt holds a malformed sampler position")
     if "world_size" in state and not (_is_int(state["world_size"]) and state["world_size"] >= 1):
         raise NanolmError(f"checkpoint {path}: state.pt holds a malformed world size")
+
+
+def valid_resume_checkpoint(run_dir, log) -> Path | None:
+    """The newest checkpoint that verifies *and* whose state a resume can restore."""
+    def loadable(path):
+        check_training_state(path, load_state(path))
+
+    return latest_valid_checkpoint(run_dir, log, check=loadable)
 
 
 # --------------------------------------------------------------------------- sharded (FSDP)
@@ -498,6 +508,147 @@ def load_sharded(checkpoint: Path, model: torch.nn.Module, optimizer=None, optim
             raise NanolmError(f"checkpoint {checkpoint}: state.pt has no optimizer param groups")
         set_state_dict(model, optimizer, model_state_dict=loaded,
                        optim_state_dict={"state": tensors["optim"]["state"], "param_groups": groups})
+
+
+# --------------------------------------------------------------------------- a run's checkpoints
+def save_run_checkpoint(dist, run_dir, step: int, model, optimizer, state: dict, config_toml: str, tokenizer,
+                        val_loss: float | None = None, keep: int = 3, meta_extra: dict | None = None) -> Path:
+    """Save a checkpoint of every rank's state (every rank calls it); returns its directory.
+
+    ``state`` holds what all ranks share (step, sampler, scaler, progress...); this adds the
+    optimizer state, every rank's RNG state and the world size. Without sharding rank 0
+    writes the single-process layout; under FSDP every rank first writes its shard.
+    ``dist`` is the run's :class:`nanolm.distributed.Distributed`.
+    """
+    rngs = dist.all_gather(capture_rng())
+    state = dict(state, rng=rngs[0], world_size=dist.world_size)
+    if dist.world_size > 1:
+        state["rng_ranks"] = rngs
+    meta = {**(meta_extra or {}), "world_size": dist.world_size, "layout": "sharded" if dist.sharded else "single"}
+    if not dist.sharded:
+        def write():
+            state["optimizer"] = optimizer.state_dict()
+            return save_checkpoint(run_dir, step, model, state, config_toml, tokenizer, val_loss, keep, meta_extra=meta)
+
+        return dist.from_main(write)
+    finite = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    if dist.sum(int(not finite)):
+        raise NanolmError(f"refusing to checkpoint step {step}: the weights hold NaN or inf")
+    staged = Path(run_dir) / CHECKPOINTS / f".tmp-step_{step:06d}-sharded"
+    dist.from_main(lambda: _fresh_dir(staged))
+    state["optimizer"] = save_sharded(staged / SHARDS, model, optimizer)
+    return dist.from_main(lambda: save_checkpoint(run_dir, step, None, state, config_toml, tokenizer, val_loss,
+                                                  keep, staged=staged, meta_extra=meta))
+
+
+def _fresh_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+
+
+def load_run_checkpoint(dist, checkpoint: Path, state: dict, model, optimizer, log=print, rng: bool = True) -> None:
+    """Load weights and optimizer state (``optimizer`` None: weights only), then this rank's
+    random state (``rng`` False: keep the live one, as a rollback does, which does not replay
+    the past). ``state`` is the checkpoint's ``state.pt``; the layout is the one its
+    verified ``meta.json`` states. On another world size the random streams cannot be
+    mapped rank to rank: they are re-derived from (seed, step, rank)."""
+    checkpoint = Path(checkpoint)
+    if read_checkpoint_meta(checkpoint)["layout"] == "sharded":
+        load_sharded(checkpoint, model, optimizer, state["optimizer"])
+    else:
+        if dist.sharded:
+            raise NanolmError(f"{checkpoint} holds full weights (a --dist none or ddp run); "
+                              "resume it with --dist ddp or none")
+        load_weights(model, checkpoint / "model.safetensors")
+        if optimizer is not None:
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+            except (KeyError, ValueError, TypeError, IndexError) as e:
+                raise NanolmError(f"checkpoint {checkpoint}: the optimizer state does not fit this model "
+                                  f"({type(e).__name__}: {e})") from None
+    if not rng:
+        return
+    saved_world = int(state.get("world_size", 1))
+    if saved_world == dist.world_size:
+        ranks = state.get("rng_ranks")
+        if saved_world > 1 and not (isinstance(ranks, list) and len(ranks) == saved_world):
+            raise NanolmError(f"checkpoint {checkpoint}: state.pt lacks the random state of each rank")
+        restore_rng(ranks[dist.rank] if saved_world > 1 else state["rng"])
+    else:
+        seed_everything(derived_seed(int(state["sampler"]["seed"]), int(state["step"]), dist.rank))
+        log(f"resume: the checkpoint was written by {saved_world} process(es), this run has {dist.world_size}: "
+            f"random streams (dropout) are re-derived from (seed, step, rank)")
+
+
+class Checkpointer:
+    """When to save, what, and how to come back: the run's checkpoint component.
+
+    It saves every ``every`` steps, at the last step, when a stop signal arrived and when the
+    run reached its target; what it saves is the model, the optimizer and the
+    ``state_dict()`` of each stateful part of the run (``parts``: the sampler, the loss
+    scaler, the progress counters, the guard, the observer), so that a part owns its own
+    state. :meth:`restore` puts all of it back (a resume), or, for a rollback, everything but
+    the random streams and the parts named in ``kept_by_rollback``: the data position (the
+    bad batches are not replayed) and the guard's own count of rollbacks.
+    """
+
+    def __init__(self, dist, run_dir, model, optimizer, parts: dict, config_toml: str, tokenizer, data_digest: str,
+                 every: int, last_step: int, keep: int = 3, log=print, kept_by_rollback=("sampler", "guard")):
+        self.dist, self.run_dir, self.model, self.optimizer = dist, Path(run_dir), model, optimizer
+        self.kept_by_rollback = set(kept_by_rollback)
+        self.parts, self.config_toml, self.tokenizer, self.data_digest = parts, config_toml, tokenizer, data_digest
+        self.every, self.last_step, self.keep, self.log = every, last_step, keep, log
+
+    def due(self, step: int, stop_signal: int | None = None, target_reached: bool = False) -> bool:
+        return step % self.every == 0 or step == self.last_step or bool(stop_signal) or target_reached
+
+    def save(self, step: int, val_loss: float | None = None) -> Path:
+        state = {"step": step, **{name: part.state_dict() for name, part in self.parts.items()}}
+        return save_run_checkpoint(self.dist, self.run_dir, step, self.model, self.optimizer, state, self.config_toml,
+                                   self.tokenizer, val_loss, self.keep, meta_extra={"data_digest": self.data_digest})
+
+    def restore(self, path: Path, data_position: bool = True) -> int:
+        """Load checkpoint ``path`` into the live run; returns its step. A rollback
+        (``data_position=False``) keeps the sampler and the random streams where they are."""
+        state = load_state(path)
+        load_run_checkpoint(self.dist, path, state, self.model, self.restored_optimizer(), self.log, rng=data_position)
+        for name, part in self.parts.items():
+            if data_position or name not in self.kept_by_rollback:
+                part.load_state_dict(state[name])
+        return state["step"]
+
+    def restored_optimizer(self):
+        """The optimizer a restore fills (the lab's forgetful variant returns None)."""
+        return self.optimizer
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint a rollback can return to (every rank gets rank 0's answer)."""
+        return self.dist.from_main(lambda: valid_resume_checkpoint(self.run_dir, self.log))
+
+
+def save_final_weights(dist, model, run_dir, step: int, summary: dict) -> torch.nn.Module | None:
+    """Write the whole model to one ``model.safetensors`` (gathered from the shards under
+    FSDP), then ``final.json``. Returns, on rank 0, a plain GPT holding the weights (None on
+    the others)."""
+    if not dist.sharded:
+        dist.from_main(lambda: write_final(run_dir, model, step, summary))
+        return model if dist.is_main else None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    gathered = []
+
+    def write():
+        with torch.device("meta"):
+            plain = GPT(model.config)
+        plain.load_state_dict(full, assign=True)
+        if model.config.tie_embeddings:
+            plain.lm_head.weight = plain.embed.weight
+        write_final(run_dir, plain, step, summary)
+        gathered.append(plain)
+
+    dist.from_main(write)
+    return gathered[0] if gathered else None
 
 
 # --------------------------------------------------------------------------- final weights

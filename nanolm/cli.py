@@ -14,9 +14,11 @@ from .errors import NanolmError
 
 def _train(args) -> None:
     from .config import config_from_args
+    from .faults import components
     from .train import train
 
-    train(config_from_args(args))
+    cfg = config_from_args(args)
+    train(cfg, components=components(cfg))  # the hidden --debug-* options: the lab's faults
 
 
 def _sample(args) -> None:
@@ -376,7 +378,7 @@ def main(argv=None) -> int:
               f"once that is fixed", file=sys.stderr)
         return 2
     except Exception as e:
-        from .train import TrainingInterrupted
+        from .runtime import TrainingInterrupted
 
         if not isinstance(e, TrainingInterrupted):
             raise

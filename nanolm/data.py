@@ -699,6 +699,48 @@ class WindowSampler:
         self._order = None
 
 
+class TrainBatches:
+    """The training stream: each optimizer step's micro-batches, ``grad_accum`` packed batches
+    of windows drawn by the sampler. Its state is the sampler's position (a few integers),
+    which a checkpoint saves and a rollback leaves where it is."""
+
+    def __init__(self, tokens: np.ndarray, sampler: "WindowSampler", seq_len: int, eos_id: int, grad_accum: int = 1,
+                 doc_mask: bool = True, reset_positions: bool = False, mask_boundary: bool = False):
+        self.tokens, self.sampler, self.seq_len, self.eos_id, self.grad_accum = tokens, sampler, seq_len, eos_id, \
+            grad_accum
+        self.pack = dict(doc_mask=doc_mask, reset_positions=reset_positions, mask_boundary=mask_boundary)
+
+    def next(self, step: int) -> list[Batch]:
+        """The micro-batches of optimizer step ``step``."""
+        return [pack_windows(self.tokens, self.sampler.next_starts(), self.seq_len, self.eos_id, **self.pack)
+                for _ in range(self.grad_accum)]
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, generator: torch.Generator | None = None):
+    """The simplest batcher: ``batch_size`` windows at uniformly random offsets.
+
+    This is "packing without regard to boundaries": a window can start in the middle of
+    one document and run into the next, and the model, attending causally over the whole
+    window, conditions the second document on the first. It learns that an unrelated text
+    predicts the next story's opening, which is noise at best and a leak at worst, and
+    positions restart nowhere. Random offsets also revisit some tokens and skip others
+    within an "epoch". nanolm's own pipeline (:class:`TrainBatches`) masks attention at
+    document boundaries and visits every window once per epoch; this function stays as the
+    baseline to compare against.
+
+    Returns ``(x, y)``: inputs and the same windows shifted by one token.
+    """
+    starts = torch.randint(len(tokens) - seq_len - 1, (batch_size,), generator=generator).numpy()
+    window = torch.from_numpy(tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))
+    return window[:, :-1], window[:, 1:]
+
+
 def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = None) -> tuple[np.ndarray, int]:
     """Fixed evaluation windows: (starts, first counted position of the last window).
 

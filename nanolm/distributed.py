@@ -74,33 +74,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import hashlib
 import inspect
 import math
 import os
-import random
-import shutil
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (
-    CHECKPOINTS,
-    SHARDS,
-    capture_rng,
-    load_sharded,
-    load_weights,
-    read_checkpoint_meta,
-    require_sharded_storage,
-    restore_rng,
-    save_checkpoint,
-    save_sharded,
-    write_final,
-)
 from .errors import NanolmError
+from .runtime import derived_seed, seed_everything
 
 SPLIT_OPTIONS = {"batch_size", "grad_accum"}
 """Options that only say how the global batch is split; they may change on resume."""
@@ -114,17 +97,6 @@ def torchrun_env() -> tuple[int, int, int] | None:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     except ValueError:
         raise NanolmError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (they are set by torchrun)") from None
-
-
-def _derived_seed(*parts) -> int:
-    """A 32-bit seed from several integers, different for every combination."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -222,14 +194,13 @@ class Distributed:
         dist.all_reduce(t)
         return type(value)(t.item()) if isinstance(value, int) else t.item()
 
-    def global_mean(self, local_mean: torch.Tensor, local_count: int, global_count: int) -> torch.Tensor:
-        """The mean over every rank's counted tokens, from each rank's own mean and count.
-
-        Not the mean of the ranks' means: a rank with few counted tokens must weigh less.
-        """
+    def global_mean(self, local_sum: torch.Tensor, global_count: int) -> torch.Tensor:
+        """The mean over every rank's counted tokens: the ranks' sums added, then divided by
+        the global count (not the mean of the ranks' means: a rank with few counted tokens
+        must weigh less)."""
         if not self.active:
-            return local_mean
-        total = local_mean.detach().double() * local_count
+            return local_sum / max(1, global_count)
+        total = local_sum.detach().double()
         dist.all_reduce(total)
         return (total / max(1, global_count)).float()
 
@@ -395,69 +366,7 @@ class Distributed:
         would all draw the same dropout mask for different data.
         """
         if self.rank:
-            _seed_all(_derived_seed(seed, self.rank))
-
-    # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, run_dir, step: int, model, optimizer, state: dict, config_toml: str,
-                        tokenizer, val_loss: float | None = None, keep: int = 3, meta_extra: dict | None = None) -> Path:
-        """Save a checkpoint of every rank's state; returns its directory on every rank.
-
-        ``state`` holds what all ranks share (step, sampler, scaler, counters); this adds
-        the optimizer state, every rank's RNG state and the world size.
-        """
-        rngs = self.all_gather(capture_rng())
-        state = dict(state, rng=rngs[0], world_size=self.world_size)
-        if self.world_size > 1:
-            state["rng_ranks"] = rngs
-        meta = {**(meta_extra or {}), "world_size": self.world_size, "layout": "sharded" if self.sharded else "single"}
-        if not self.sharded:
-            def write():
-                state["optimizer"] = optimizer.state_dict()
-                return save_checkpoint(run_dir, step, unwrap(model), state, config_toml, tokenizer, val_loss, keep,
-                                       meta_extra=meta)
-
-            return self.from_main(write)
-
-        finite = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
-        if self.sum(int(not finite)):
-            raise NanolmError(f"refusing to checkpoint step {step}: the weights hold NaN or inf")
-        staged = Path(run_dir) / CHECKPOINTS / f".tmp-step_{step:06d}-sharded"
-        self.from_main(lambda: _fresh_dir(staged))
-        state["optimizer"] = save_sharded(staged / SHARDS, model, optimizer)
-        return self.from_main(lambda: save_checkpoint(run_dir, step, None, state, config_toml, tokenizer, val_loss,
-                                                      keep, staged=staged, meta_extra=meta))
-
-    def load_checkpoint(self, checkpoint: Path, state: dict, model, optimizer, log=print, rng: bool = True) -> None:
-        """Load weights and optimizer state (``optimizer`` None: weights only), then this
-        rank's random state (``rng`` False: keep the live one, as a rollback does, which
-        does not replay the past). ``state`` is the checkpoint's ``state.pt``; the layout is
-        the one its verified ``meta.json`` states."""
-        checkpoint = Path(checkpoint)
-        if read_checkpoint_meta(checkpoint)["layout"] == "sharded":
-            load_sharded(checkpoint, unwrap(model), optimizer, state["optimizer"])
-        else:
-            if self.sharded:
-                raise NanolmError(f"{checkpoint} holds full weights (a --dist none or ddp run); "
-                                  "resume it with --dist ddp or none")
-            load_weights(unwrap(model), checkpoint / "model.safetensors")
-            if optimizer is not None:
-                try:
-                    optimizer.load_state_dict(state["optimizer"])
-                except (KeyError, ValueError, TypeError, IndexError) as e:
-                    raise NanolmError(f"checkpoint {checkpoint}: the optimizer state does not fit this model "
-                                      f"({type(e).__name__}: {e})") from None
-        saved_world = int(state.get("world_size", 1))
-        if not rng:
-            return
-        if saved_world == self.world_size:
-            ranks = state.get("rng_ranks")
-            if saved_world > 1 and not (isinstance(ranks, list) and len(ranks) == saved_world):
-                raise NanolmError(f"checkpoint {checkpoint}: state.pt lacks the random state of each rank")
-            restore_rng(ranks[self.rank] if saved_world > 1 else state["rng"])
-        else:
-            _seed_all(_derived_seed(int(state["sampler"]["seed"]), int(state["step"]), self.rank))
-            log(f"resume: the checkpoint was written by {saved_world} process(es), this run has {self.world_size}: "
-                f"random streams (dropout) are re-derived from (seed, step, rank)")
+            seed_everything(derived_seed(seed, self.rank))
 
     def resume_rules(self, meta: dict, saved_cfg, cfg) -> tuple[set[str], list[str], list[str]]:
         """How resuming a checkpoint (its ``meta.json``) in this world may differ from its run.
@@ -480,27 +389,6 @@ class Distributed:
                            "sharded checkpoints")
         return (SPLIT_OPTIONS if before == after else set()), allowed, refused
 
-    def save_final_weights(self, model, run_dir, step: int, summary: dict) -> torch.nn.Module | None:
-        """Write the whole model to one ``model.safetensors`` (gathered from the shards under
-        FSDP), then ``final.json``. Returns, on rank 0, a plain GPT holding the weights (None
-        on the others)."""
-        if not self.sharded:
-            plain = unwrap(model)
-            self.from_main(lambda: write_final(run_dir, plain, step, summary))
-            return plain if self.is_main else None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        gathered = []
-
-        def write():
-            plain = _plain_model(model.config, full)
-            write_final(run_dir, plain, step, summary)
-            gathered.append(plain)
-
-        self.from_main(write)
-        return gathered[0] if gathered else None
-
     def close(self) -> None:
         """Leave the process group. DDP's gradient reducer sits in a reference cycle and holds
         the group; collected only at interpreter exit, after the group is gone, it aborts the
@@ -510,22 +398,6 @@ class Distributed:
             gc.collect()
             dist.barrier()
             dist.destroy_process_group()
-
-
-def _fresh_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
-
-
-def _plain_model(config, full_state: dict) -> torch.nn.Module:
-    from .model import GPT
-
-    with torch.device("meta"):
-        plain = GPT(config)
-    plain.load_state_dict(full_state, assign=True)
-    if config.tie_embeddings:
-        plain.lm_head.weight = plain.embed.weight
-    return plain
 
 
 def _describe(error: BaseException) -> tuple[bool, str]:
@@ -557,8 +429,6 @@ def setup(mode: str, device: torch.device) -> Distributed:
     if mode in ("none", "auto") and world_size == 1:
         return Distributed("none", device)
     mode = "ddp" if mode == "auto" else mode
-    if mode == "fsdp":
-        require_sharded_storage()
     if not dist.is_available():
         raise NanolmError("this PyTorch build has no torch.distributed; --dist needs it")
     if device.type == "mps":

@@ -159,7 +159,7 @@ def check_document_isolation(model, vocab_size: int, seq_len: int) -> Check:
 
 def check_grad_accum_matches_big_batch(model, batch: Batch, k: int = 4) -> Check:
     """The step's gradient over k micro-batches equals one big batch's, with uneven counts."""
-    from .train import accumulate_gradients
+    from .step import accumulate_gradients, counted_tokens
 
     uneven = Batch(batch.idx, batch.targets, batch.loss_mask.clone())
     uneven.loss_mask[0, : batch.idx.shape[1] // 2] = False  # micro-batches count different token numbers
@@ -167,7 +167,7 @@ def check_grad_accum_matches_big_batch(model, batch: Batch, k: int = 4) -> Check
 
     def grads(micro):
         model.zero_grad(set_to_none=True)
-        accumulate_gradients(model, micro, "cpu")
+        accumulate_gradients(model, micro, counted_tokens(micro))
         return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
 
     B = batch.idx.shape[0]
@@ -297,7 +297,7 @@ def model_checks(make_model, vocab_size: int, seq_len: int, batch: Batch, run_ac
 
 def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list[Check]:
     """Run every check for this configuration; prints each result as it comes."""
-    from .train import load_training_data
+    from .rundir import load_training_data
 
     cfg = cfg.resolved()
     started = time.perf_counter()

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import NanolmError
 from .files import read_jsonl
 
 NAN_ACTIONS = ("stop", "skip", "rollback")
@@ -76,17 +77,80 @@ class SpikeDetector:
 
 
 class Guard:
-    """Decides, each step, whether to take the update, skip it or roll back, and records why."""
+    """Decides, each step, whether to take the update, skip it, roll back or stop, and records why.
+
+    It owns its fallbacks: a rollback with no checkpoint to return to is a skip, one more
+    rollback than ``--max-rollbacks`` is a stop, and each rollback scales the learning rate by
+    ``--rollback-lr-scale``. Its count of rollbacks and that scale are its own state: a
+    rollback restores the run from a checkpoint but never rewinds them, so no fault (or bug)
+    that comes back can make a run loop forever.
+
+    ``find_checkpoint()`` returns the checkpoint a rollback would return to (None: there is
+    none yet); ``explain_nan(batch)`` re-runs a batch to name where a NaN was born.
+    """
 
     def __init__(self, out_dir, on_nan: str = "rollback", on_spike: str = "warn", window: int = 50,
-                 threshold: float = 6.0, max_rollbacks: int = 3, log=print):
+                 threshold: float = 6.0, max_rollbacks: int = 3, log=print, rollback_lr_scale: float = 1.0,
+                 find_checkpoint=None, explain_nan=None):
         self.on_nan, self.on_spike, self.max_rollbacks = on_nan, on_spike, max_rollbacks
         self.loss = SpikeDetector(window, threshold)
         self.grad = SpikeDetector(window, threshold, log_scale=True)
         self.history: deque[dict] = deque(maxlen=window)
         self.events_path = Path(out_dir) / "events.jsonl" if out_dir is not None else None  # None: decide, write nothing
+        self.out_dir = out_dir
         self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.rollback_lr_scale = rollback_lr_scale
+        self.find_checkpoint, self.explain_nan = find_checkpoint, explain_nan
         self.log = log
+
+    # ---------------------------------------------------------------- what a run asks of it
+    def decide(self, step: int, loss: float, grad_norm: float, lr: float):
+        """:meth:`check`, then the fallbacks: (action, event, the checkpoint to roll back to)."""
+        action, event = self.check(step, loss, grad_norm, lr)
+        target = self.find_checkpoint() if action == "rollback" and self.find_checkpoint is not None else None
+        if action == "rollback" and target is None:
+            action, event["note"] = "skip", "no checkpoint yet: skipped instead of rolled back"
+        if action == "rollback" and self.rollbacks >= self.max_rollbacks:
+            action, event["note"] = "stop", f"already rolled back {self.max_rollbacks} times (--max-rollbacks)"
+        return action, event, target
+
+    def settle(self, result, micro_batches) -> None:
+        """Write down a step's event with its evidence (for a NaN, the first module that
+        produced it); a rollback's is written once it has landed (:meth:`rolled_back`). A
+        ``stop`` ends the run here, with one line naming the step and the cause."""
+        event = result.event
+        if event["kind"] == "nan" and self.explain_nan is not None:
+            event.update(self.explain_nan(micro_batches[0]))
+        if result.action == "rollback":
+            return
+        self.record(event, {"take": "warn"}.get(result.action, result.action))
+        if result.action == "stop":
+            raise NanolmError(f"training stopped at step {result.step} on a {event['kind']} event "
+                              f"({event.get('origin') or event.get('note') or 'see events.jsonl'}); "
+                              f"run `nanolm diagnose {self.out_dir}`")
+
+    def rolled_back(self, event: dict, to_step: int) -> None:
+        """The run is back at ``to_step``: count it, lower the learning rate if asked, record
+        it, and forget the recent values (they belong to a discarded trajectory)."""
+        self.rollbacks += 1
+        self.lr_scale *= self.rollback_lr_scale
+        self.record(event, "rollback", to_step=to_step, lr_scale=self.lr_scale)
+        self.reset_history()
+
+    def on_logged(self, row: dict, loss_scaled: bool) -> NanolmError | None:
+        """A guard that does not read every step (``--on-nan stop --on-spike off``) sees the
+        loss only in logged rows: a non-finite one stops the run (under fp16 a non-finite
+        gradient is the loss scaler's to skip)."""
+        if self.reads_every_step or loss_scaled or math.isfinite(row["loss"]):
+            return None
+        return NanolmError(f"the loss became {row['loss']} at step {row['step']}; lower --lr or raise --warmup")
+
+    def state_dict(self) -> dict:
+        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollbacks, self.lr_scale = int(state["rollbacks"]), float(state["lr_scale"])
 
     @property
     def reads_every_step(self) -> bool:

@@ -2,7 +2,8 @@
 
 The course's lab ("a run deliberately broken four ways"), made real. Every variant is the
 real training code (:func:`nanolm.train.train`) on the built-in story corpus, with one
-thing broken by a hidden ``--debug-*`` switch or an ordinary option: targets not shifted,
+part swapped for a broken one (``nanolm.faults``, switched on by a hidden ``--debug-*``
+option) or an ordinary option changed: targets not shifted,
 attention that sees the future, a loss not divided by the accumulation count, fp16 without
 loss scaling, a resume that forgets the optimizer state, a corrupted stretch of the data, a
 learning rate ten times too high without warmup... For each the lab writes the run
@@ -153,6 +154,7 @@ def _subprocess_env() -> dict:
 def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bool = False, seed: int = 1337,
                 log_lines: list[str] | None = None) -> tuple[Path, str | None]:
     """Train one variant into ``out/<name>``; returns (run dir, error message or None)."""
+    from .faults import components
     from .train import train
 
     run_dir = out / variant.name
@@ -182,7 +184,7 @@ def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bo
                                   f"(exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:] or ''}")
             lines.append(f"--- killed after the checkpoint of step {stop}; resuming "
                          f"{'without' if cfg.debug.drop_optimizer_state else 'with'} the optimizer state")
-        train(cfg, log=lines.append)
+        train(cfg, log=lines.append, components=components(cfg))
     except NanolmError as e:
         error = str(e)
         lines.append(f"error: {e}")

@@ -234,7 +234,7 @@ class Attention(nn.Module):
         """q, k, v of shape (B, n_head, T, head_dim), with QK-norm and RoPE applied.
 
         Exactly what attention compares: ``q @ k^T / sqrt(head_dim)`` are the logits the
-        softmax sees (``nanolm.diagnostics`` recomputes them to watch their maximum).
+        softmax sees (``nanolm.stats`` recomputes them to watch their maximum).
         """
         B, T, _ = x.shape
         qkv = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
@@ -307,7 +307,6 @@ class GPT(nn.Module):
         cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.see_the_future = False  # only ``--debug-non-causal`` (the lab) sets it
         self.reset_parameters()
 
     @torch.no_grad()
@@ -365,6 +364,11 @@ class GPT(nn.Module):
             return False
         return self.config.attention == "flex" or torch.device(device).type == "cuda"
 
+    def attention_mask(self, idx, doc_ids):
+        """Which positions may attend to which: None is plain causal attention (the kernels'
+        own causal path); with ``doc_ids``, causal and within one document."""
+        return self.document_mask(doc_ids) if doc_ids is not None else None
+
     def document_mask(self, doc_ids):
         if self.uses_flex_attention(doc_ids.device):
             return flex_document_mask(doc_ids)
@@ -380,9 +384,7 @@ class GPT(nn.Module):
         if T > self.config.seq_len:
             raise NanolmError(f"sequence of {T} tokens is longer than seq_len={self.config.seq_len}")
         cos, sin = self.rope(T, positions)
-        mask = self.document_mask(doc_ids) if doc_ids is not None else None
-        if self.see_the_future:  # a deliberate bug, for the lab: no causal mask at all
-            mask = torch.ones(B, 1, T, T, dtype=torch.bool, device=idx.device)
+        mask = self.attention_mask(idx, doc_ids)
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin, mask)

@@ -25,26 +25,36 @@ Then, in order:
 * no checkpoint at all → the previous attempt stopped before its first checkpoint was
   committed (killed, out of memory, disk full...): it is started again from step 0 in
   place, replacing only the files nanolm writes.
+
+The run's data lives here too: tokenized once into the run directory (``data/``), checked
+on every resume, and prepared again from its source if it was damaged.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import (
     CHECKPOINTS,
     check_training_state,
-    latest_valid_checkpoint,
     list_checkpoints,
     load_state,
     read_checkpoint_meta,
     read_final,
+    valid_resume_checkpoint,
     verify_checkpoint,
 )
 from .config import RunConfig, load_run_config, resume_differences
+from .corpus import write_stories
+from .data import PreparedData, prepare
+from .distributed import Distributed
+from .download import resolve_data_path
 from .errors import NanolmError
-from .files import probe_writable
+from .files import atomic_write_text, probe_writable, read_json
+from .tokenizer import Tokenizer
 
 RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "events.jsonl", "model.safetensors", "final.json",
              "checkpoints", "data")
@@ -68,14 +78,6 @@ class RunPlan:
 
 def default_name(cfg: RunConfig) -> str:
     return Path(cfg.data.data.rstrip("/")).stem if cfg.data.data else "stories"
-
-
-def valid_resume_checkpoint(run_dir, log) -> Path | None:
-    """The newest checkpoint that verifies *and* whose state a resume can restore."""
-    def loadable(path):
-        check_training_state(path, load_state(path))
-
-    return latest_valid_checkpoint(run_dir, log, check=loadable)
 
 
 def _refused_changes(saved: RunConfig, saved_world: int, cfg: RunConfig, world_size: int) -> list[str]:
@@ -197,3 +199,132 @@ def resume_checkpoint_at(path: Path, log) -> Path:
     verify_checkpoint(path)
     check_training_state(path, load_state(path))
     return path
+
+
+# --------------------------------------------------------------------------- the run's data
+def load_training_data(cfg: RunConfig, scratch: Path, log=print) -> PreparedData:
+    """The run's data, prepared (tokenized into shards) if it is raw text.
+
+    No ``--data``: the built-in story corpus, generated from the seed, with its exact
+    entropy. A directory made by ``nanolm prepare`` is used as it is, tokenizer included.
+    A known corpus name (``shakespeare``, ``tinystories``) that is not a local path is
+    downloaded once, verified and cached.
+    """
+    d = cfg.data
+    if not d.data:
+        source = scratch / "stories.txt"
+        write_stories(source, d.stories, seed=0)  # the corpus stays fixed whatever --seed is
+        log(f"data: {d.stories} generated stories (the built-in corpus; its entropy is known)")
+    else:
+        source = resolve_data_path(d.data, log)
+        if (source / "meta.json").is_file():
+            data = PreparedData(source)
+            log(f"data: prepared shards in {source}; their {data.meta['tokenizer']} tokenizer of "
+                f"{data.tokenizer.vocab_size} tokens is used (--tokenizer and --vocab-size do not apply)")
+            return data
+        log(f"data: {source}")
+    return prepare(source, scratch / "data", d.tokenizer, d.vocab_size, d.val_fraction, d.separator,
+                   d.text_field, seq_len=cfg.model.seq_len, progress=False, log=log)
+
+
+def open_run_data(run_data: Path, checkpoint: Path, cfg: RunConfig, scratch: Path, log=print) -> PreparedData:
+    """The tokenized data a resumed run trained on, checked against its manifest.
+
+    A damaged copy is not trained on: the data is prepared again from its source, and if
+    that gives back exactly the files the checkpoint was trained on (its data digest), the
+    fresh copy replaces the damaged one (the caller moves it in); else the resume stops.
+    """
+    try:
+        return PreparedData(run_data)
+    except NanolmError as e:
+        log(f"warning: {e}; preparing the run's data again from its source")
+    data = load_training_data(cfg, scratch, log)
+    if read_checkpoint_meta(checkpoint).get("data_digest") != data.digest:
+        raise NanolmError(f"{run_data} is damaged, and its source ({cfg.data.data or 'the built-in corpus'}) no "
+                          f"longer gives the data the run was trained on; restore the source, or start a new run "
+                          f"with another --out-dir")
+    return data
+
+
+def use_prepared_tokenizer(cfg: RunConfig) -> None:
+    """With ``--data DIR`` made by ``nanolm prepare`` the tokenizer is the one in DIR: the
+    config says so (``--tokenizer``/``--vocab-size`` do not apply), so that two commands on
+    the same shards have the same configuration."""
+    d = cfg.data
+    meta = Path(d.data) / "meta.json" if d.data else None
+    if meta is not None and meta.is_file():
+        prepared = read_json(meta)
+        if isinstance(prepared, dict) and prepared.get("tokenizer") in ("bpe", "char") \
+                and isinstance(prepared.get("vocab_size"), int):
+            d.tokenizer, d.vocab_size = prepared["tokenizer"], prepared["vocab_size"]
+
+
+
+# --------------------------------------------------------------------------- may this checkpoint continue this run?
+def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print,
+                            dist: Distributed | None = None, data: PreparedData | None = None) -> None:
+    """Refuse a resumption that would silently mix two different runs; log allowed changes.
+
+    The split of the global batch (batch size, accumulation, world size) may change as long
+    as the global batch itself does not (see ``nanolm.distributed``).
+    """
+    saved = load_run_config(checkpoint / "config.toml")
+    meta = read_checkpoint_meta(checkpoint)
+    regroup, allowed_split, refused_split = (dist or Distributed()).resume_rules(meta, saved, cfg)
+    allowed, refused = resume_differences(saved, cfg, also_allowed=regroup)
+    allowed, refused = allowed + allowed_split, refused + refused_split
+    if Tokenizer.load(checkpoint / "tokenizer.json").fingerprint() != tokenizer.fingerprint():
+        refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
+    elif data is not None and meta.get("data_digest", data.digest) != data.digest:
+        refused.append(f"data: {data.dir} is not the data the checkpoint was trained on (its files differ)")
+    if refused:
+        raise NanolmError(f"cannot resume from {checkpoint}: incompatible changes: {'; '.join(refused)}. "
+                          f"Keep those settings, or start a new run with another --out-dir")
+    for line in allowed:
+        log(f"resume: {line} (allowed)")
+
+
+def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, log=print) -> PreparedData:
+    """Check everything, then write the run directory; returns the run's data.
+
+    The data is validated and tokenized in a scratch directory and every check that can
+    refuse the run (a window longer than the data, a resume that would mix two runs, token
+    ids outside the vocabulary, a step that cannot fit in memory) runs before ``out_dir`` is
+    touched. Then rank 0 writes ``config.toml`` first (it marks the directory as a nanolm
+    run), the tokenizer, and moves the data in; the other ranks read what it wrote.
+    """
+    from .plan import check_memory
+
+    t, out_dir, checkpoint = cfg.train, plan.out_dir, plan.checkpoint
+    with dist.main_first(), tempfile.TemporaryDirectory(prefix="nanolm-", ignore_cleanup_errors=True) as scratch:
+        scratch = Path(scratch)
+        run_data = out_dir / "data"
+        if not dist.is_main and (run_data / "meta.json").is_file():
+            data = PreparedData(run_data, verify=False)  # rank 0 has just written or verified it
+        elif checkpoint is not None and run_data.exists() and not plan.restart:
+            data = open_run_data(run_data, checkpoint, cfg, scratch, log)  # tokenized once, checked
+        else:
+            data = load_training_data(cfg, scratch, log)
+        if len(data.train) < cfg.model.seq_len + 1:
+            raise NanolmError(
+                f"the training split holds {len(data.train)} tokens, fewer than one window of "
+                f"--seq-len + 1 = {cfg.model.seq_len + 1}; use more text or a smaller --seq-len"
+            )
+        if checkpoint is not None:
+            check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data)
+        data.check_vocab(data.tokenizer.vocab_size)
+        check_memory(cfg.model.gpt_config(data.tokenizer.vocab_size), precision, dist, t.batch_size,
+                     t.eval_batches * t.batch_size * dist.world_size)
+        if dist.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if plan.restart:  # the logs of an attempt that never committed a checkpoint
+                for stale in ("metrics.jsonl", "events.jsonl", "final.json"):
+                    (out_dir / stale).unlink(missing_ok=True)
+            atomic_write_text(out_dir / "config.toml", cfg.to_toml())
+            data.tokenizer.save(out_dir / "tokenizer.json")
+            if data.dir.parent == scratch:
+                if run_data.exists():  # such an attempt's data, or a damaged copy prepared again
+                    shutil.rmtree(run_data)
+                shutil.move(str(data.dir), run_data)
+                data = PreparedData(run_data, verify=False)
+    return data

@@ -15,7 +15,8 @@ import torch
 from .checkpoint import load_run
 from .data import DocumentSource, Split, eval_batches, join_documents
 from .errors import NanolmError
-from .train import estimate_loss, resolve_device, sample_text
+from .evaluate import estimate_loss, sample_text
+from .runtime import resolve_device
 
 
 def generate(run_dir, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
@@ -65,11 +66,7 @@ def evaluate_file(run_dir, path, batch_size: int = 16, device: str = "auto") -> 
     return result
 
 
-def main(argv=None) -> int:
-    from .cli import main as cli_main
+if __name__ == "__main__":  # ``python -m nanolm.sample ...`` is ``nanolm sample ...``
+    from nanolm.cli import main
 
-    return cli_main(["sample", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["sample", *sys.argv[1:]]))

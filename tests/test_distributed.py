@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from nanolm.checkpoint import load_run, load_state
+from nanolm.checkpoint import load_run, load_run_checkpoint, load_state, save_run_checkpoint
 from nanolm.cli import main
 from nanolm.config import RunConfig
 from nanolm.data import Batch, PreparedData, WindowSampler, pack_windows
@@ -30,7 +30,7 @@ from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
 from nanolm.tokenizer import train_char
 from nanolm.monitor import read_metrics
-from nanolm.train import accumulate_gradients
+from nanolm.step import accumulate_gradients, counted_tokens
 
 from conftest import REPO, tiny_model
 
@@ -346,18 +346,18 @@ def _worker(rank, world_size, port, result_dir):
     try:
         micro = _uneven_micro_batches()
         reference = tiny_model(seed=0)
-        ref_loss, _ = accumulate_gradients(reference, micro, "cpu")  # 1 process, accumulation 4
+        ref_count = counted_tokens(micro)
+        ref_loss = accumulate_gradients(reference, micro, ref_count) / ref_count  # 1 process, accumulation 4
         ref_grads = {n: p.grad for n, p in reference.named_parameters()}
         ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
         mine = micro[2 * rank : 2 * rank + 2]  # 2 ranks, accumulation 2
-        local = sum(int(b.counted) for b in mine)
+        local = counted_tokens(mine)
         for mode in ("ddp", "fsdp"):
             ctx = Distributed(mode, torch.device("cpu"), rank, world_size)
             model = tiny_model(seed=rank)  # different on each rank: the wrapper must start all from rank 0's
             wrapped = ctx.wrap(model)
             count = ctx.sum(local)
-            loss, _ = accumulate_gradients(wrapped, mine, "cpu", step_count=count)
-            loss = ctx.global_mean(loss, local, count)
+            loss = ctx.global_mean(accumulate_gradients(wrapped, mine, count), count)
             grads = _full_grads(model)
             norm = ctx.clip_grad_norm_(model, 0.1 * ref_norm)  # clipped to a tenth
             clipped = _full_grads(model)
@@ -375,10 +375,11 @@ def _worker(rank, world_size, port, result_dir):
             optimizer = torch.optim.AdamW(model.parameters())
             torch.manual_seed(1000 + rank)
             state = {"step": 1, "sampler": {"epoch": 0, "cursor": 0, "seed": 0}, "counters": {}}
-            saved = ctx.save_checkpoint(result_dir / mode, 1, model, optimizer, state, "[train]\n", train_char(["ab"]))
+            saved = save_run_checkpoint(ctx, result_dir / mode, 1, model, optimizer, state, "[train]\n",
+                                        train_char(["ab"]))
             expected = torch.rand(3)
             torch.rand(5)
-            ctx.load_checkpoint(saved, load_state(saved), model, optimizer)
+            load_run_checkpoint(ctx, saved, load_state(saved), model, optimizer)
             result[mode]["rng_restored"] = torch.equal(torch.rand(3), expected)
             result[mode]["rng_differs"] = not torch.equal(*[r["torch"] for r in load_state(saved)["rng_ranks"]])
         ctx = Distributed("ddp", torch.device("cpu"), rank, world_size)

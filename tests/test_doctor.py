@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import nanolm.doctor as doctor
-import nanolm.train as train_mod
+import nanolm.step as step_mod
 from nanolm.cli import main
 from nanolm.config import RunConfig
 from nanolm.data import prepare
@@ -118,14 +118,14 @@ def test_each_model_bug_fails_its_check_and_only_its_check(tiny_cfg, student, cl
 
 
 def test_grad_accum_check_fails_with_a_mean_of_micro_batch_means(tiny_cfg, monkeypatch):
-    def mean_of_means(model, micro_batches, device, *a, **k):
+    def mean_of_means(model, micro_batches, count, *a, **k):
         for b in micro_batches:
             logits, _ = model(b.idx)
             total, count = masked_cross_entropy_sum(logits, b.targets, b.loss_mask)
             (total / count.clamp(min=1) / len(micro_batches)).backward()
-        return torch.zeros(()), 1
+        return torch.zeros(())
 
-    monkeypatch.setattr(train_mod, "accumulate_gradients", mean_of_means)
+    monkeypatch.setattr(step_mod, "accumulate_gradients", mean_of_means)
     assert not _results(tiny_cfg)["batch x4 == grad_accum=4"].passed
 
 

@@ -14,7 +14,7 @@ from nanolm.data import pack_windows
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, get_param_groups
 from nanolm.precision import resolve_precision
-from nanolm.train import accumulate_gradients
+from nanolm.step import accumulate_gradients, counted_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -95,8 +95,9 @@ def test_bf16_autocast_step_follows_the_fp32_step():
     precision of the fp32 loss, gradients pointing the same way."""
     batch = _documents()
     bf16, fp32 = _model(), _model()
-    loss_bf16, _ = accumulate_gradients(bf16, [batch], CUDA, resolve_precision("bf16", CUDA).autocast)
-    loss_fp32, _ = accumulate_gradients(fp32, [batch], CUDA)
+    count = counted_tokens([batch])
+    loss_bf16 = accumulate_gradients(bf16, [batch], count, resolve_precision("bf16", CUDA).autocast) / count
+    loss_fp32 = accumulate_gradients(fp32, [batch], count) / count
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in bf16.parameters())
     assert abs(loss_bf16.item() - loss_fp32.item()) < 0.02 * loss_fp32.item()
     g_bf16 = torch.cat([p.grad.flatten() for p in bf16.parameters()])

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from nanolm.checkpoint import list_checkpoints, load_state, read_latest
 from nanolm.data import Batch, PreparedData, WindowSampler
 from nanolm.errors import NanolmError
+from nanolm.faults import components
 from nanolm.guards import Guard, SpikeDetector, nan_origin, read_events
 from nanolm.monitor import read_metrics
 from nanolm.train import train
@@ -111,7 +112,7 @@ def _run(stories_file, out, **debug_and_guard):
         setattr(getattr(cfg, section), key, value)
     lines = []
     try:
-        result = train(cfg, log=lines.append)
+        result = train(cfg, log=lines.append, components=components(cfg))
     except NanolmError as e:
         result = {"error": str(e)}
     return result, lines
@@ -270,7 +271,7 @@ def test_a_rollback_does_not_replay_the_batches_since_its_checkpoint(tmp_path, s
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=8, eval_every=8, ckpt_every=4, batch_size=BATCH,
                           log_every=1, stats_every=0)
     cfg.debug.inject_nan_at = 6
-    train(cfg, log=lambda *_: None)
+    train(cfg, log=lambda *_: None, components=components(cfg))
     [event] = read_events(tmp_path / "run")
     assert (event["action"], event["to_step"]) == ("rollback", 4)
     assert len(drawn) == 8 + 2  # steps 5 and 6 were drawn, discarded, and not drawn again
@@ -282,19 +283,19 @@ def test_a_run_cannot_roll_back_more_than_max_rollbacks_whatever_restores_it(tmp
     """A fault that comes back at the same step after every rollback, and restores that bring
     the checkpoint's count of rollbacks back (a bug): the count is the guard's own, so the run
     stops after --max-rollbacks instead of looping forever."""
-    import nanolm.train as train_mod
+    import nanolm.checkpoint as checkpoint_mod
 
-    real_load, real_check = train_mod.load_state, Guard.check
+    real_load, real_check = checkpoint_mod.load_state, Guard.check
 
     def amnesic(path):
         state = real_load(path)
-        state["counters"]["rollbacks"] = 0
+        state["guard"]["rollbacks"] = 0
         return state
 
     def always_bad_at_fault(self, step, loss, grad_norm, lr):
         return real_check(self, step, math.nan if step == FAULT_AT else loss, grad_norm, lr)
 
-    monkeypatch.setattr(train_mod, "load_state", amnesic)
+    monkeypatch.setattr(checkpoint_mod, "load_state", amnesic)
     monkeypatch.setattr(Guard, "check", always_bad_at_fault)
     result, _ = _run(stories_file, tmp_path / "run", on_nan="rollback", max_rollbacks=2)
     assert f"stopped at step {FAULT_AT}" in result["error"]

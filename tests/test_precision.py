@@ -11,7 +11,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import nanolm.precision as precision_module
-import nanolm.train as train_module
+import nanolm.step as step_module
 from nanolm.cli import main
 from nanolm.config import RunConfig
 from nanolm.errors import NanolmError
@@ -214,7 +214,7 @@ def test_the_loss_scaler_is_a_no_op_outside_fp16():
 
 def test_an_inf_gradient_under_fp16_skips_that_step_halves_the_scale_and_training_continues(
         tmp_path, stories_file, monkeypatch):
-    real = train_module.accumulate_gradients
+    real = step_module.accumulate_gradients
     calls, snapshot, unchanged = [], {}, []
 
     def accumulate_with_an_inf_at_step_3(model, *args, **kwargs):
@@ -227,7 +227,7 @@ def test_an_inf_gradient_under_fp16_skips_that_step_halves_the_scale_and_trainin
             snapshot.update({n: p.detach().clone() for n, p in model.named_parameters()})
         return result
 
-    monkeypatch.setattr(train_module, "accumulate_gradients", accumulate_with_an_inf_at_step_3)
+    monkeypatch.setattr(step_module, "accumulate_gradients", accumulate_with_an_inf_at_step_3)
     out = tmp_path / "run"
     train(_cfg(stories_file, out, "fp16", steps=6, log_every=1), log=lambda *_: None)
     rows = _train_rows(out)

@@ -167,7 +167,7 @@ def test_continuing_a_finished_run_clears_its_claim_of_being_finished(tmp_path, 
         seen.append((out / "final.json").exists())
         return real(run_dir, step, *a, **k)
 
-    monkeypatch.setattr("nanolm.distributed.save_checkpoint", watch)
+    monkeypatch.setattr(ckpt, "save_checkpoint", watch)
     assert main(_command(stories_file, "--out-dir", out, "--steps", 8)) == 0
     assert seen and not any(seen) and read_final(out)["step"] == 8
 

@@ -10,7 +10,9 @@ from nanolm.data import Batch, Split, eval_batches
 from nanolm.loss import masked_cross_entropy_sum
 from nanolm.monitor import read_metrics
 from nanolm.optim import cosine_lr
-from nanolm.train import accumulate_gradients, configure_threads, estimate_loss, get_batch, train
+from nanolm.runtime import configure_threads
+from nanolm.step import accumulate_gradients, counted_tokens
+from nanolm.train import estimate_loss, get_batch, train
 
 from conftest import tiny_model
 
@@ -35,11 +37,13 @@ def _rows(batch, rows):
 def test_grad_accum_equals_one_big_batch_with_uneven_token_counts():
     big = _uneven_batch()
     model = tiny_model()
-    loss_big, count_big = accumulate_gradients(model, [big], "cpu")
+    count_big = counted_tokens([big])
+    loss_big = accumulate_gradients(model, [big], count_big) / count_big
     grads_big = _grads(model)
     model.zero_grad()
     micro = [_rows(big, slice(i, i + 2)) for i in range(0, 8, 2)]  # the first holds no counted token
-    loss_acc, count_acc = accumulate_gradients(model, micro, "cpu")
+    count_acc = counted_tokens(micro)  # the step's count, taken once over every micro-batch
+    loss_acc = accumulate_gradients(model, micro, count_acc) / count_acc
     grads_acc = _grads(model)
     assert count_big == count_acc == 45
     assert loss_acc.item() == pytest.approx(loss_big.item(), rel=1e-6)
@@ -188,9 +192,9 @@ def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file
     at the weights before the update, with nothing of the previous steps added in: a forgotten
     ``zero_grad`` still trains (the old gradients act as a heavy, unwanted momentum), just
     worse. That the micro-batches add up to one big batch is the grad-accumulation test above."""
-    import nanolm.train as train_module
+    import nanolm.step as step_module
 
-    steps, original = [], train_module.accumulate_gradients
+    steps, original = [], step_module.accumulate_gradients
 
     def recording(model, micro_batches, *args, **kwargs):
         steps.append({"model": model, "batches": micro_batches,
@@ -200,7 +204,7 @@ def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file
     def seen_by_the_optimizer(*_):
         steps[-1]["grads"] = {n: p.grad.detach().clone() for n, p in steps[-1]["model"].named_parameters()}
 
-    monkeypatch.setattr(train_module, "accumulate_gradients", recording)
+    monkeypatch.setattr(step_module, "accumulate_gradients", recording)
     handle = register_optimizer_step_pre_hook(seen_by_the_optimizer)
     cfg = _tiny_cfg(stories_file, tmp_path / "run", steps=3, batch_size=2, grad_accum=2, stats_every=0)
     cfg.optim.clip = 0.0  # the optimizer then sees the raw accumulated gradients
@@ -215,7 +219,7 @@ def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file
             for name, p in model.named_parameters():
                 p.copy_(step["weights"][name])
         model.zero_grad(set_to_none=True)
-        original(model, step["batches"], "cpu")
+        original(model, step["batches"], counted_tokens(step["batches"]))
         for name, p in model.named_parameters():
             assert torch.allclose(step["grads"][name], p.grad, rtol=1e-5, atol=1e-8), name
 
@@ -248,15 +252,15 @@ def test_every_step_runs_at_its_scheduled_lr_with_the_configured_optimizer_setti
 def test_the_logged_tokens_are_the_tokens_the_steps_trained_on(tmp_path, stories_file, monkeypatch):
     """tokens/s, MFU and the tokens column all rest on tokens per step; counting one
     micro-batch instead of all of them makes a run look grad_accum times slower."""
-    import nanolm.train as train_module
+    import nanolm.step as step_module
 
-    fed, original = [], train_module.accumulate_gradients
+    fed, original = [], step_module.accumulate_gradients
 
     def counting(model, micro_batches, *args, **kwargs):
         fed.append((fed[-1] if fed else 0) + sum(b.idx.numel() for b in micro_batches))
         return original(model, micro_batches, *args, **kwargs)
 
-    monkeypatch.setattr(train_module, "accumulate_gradients", counting)
+    monkeypatch.setattr(step_module, "accumulate_gradients", counting)
     train(_tiny_cfg(stories_file, tmp_path / "run", steps=4, batch_size=2, grad_accum=3), log=lambda *_: None)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert rows[0]["tokens_per_step"] == 2 * 3 * 32

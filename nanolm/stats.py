@@ -240,14 +240,14 @@ def _group_norms(tensors: list[torch.Tensor], group_of: torch.Tensor, n_groups: 
 
 
 class LayerStats:
-    """Per-layer statistics of one optimizer step; create it before clipping, read it after the update.
+    """Per-layer statistics of one optimizer step: :meth:`capture` before clipping, read after the update.
 
-    Created after the last backward pass (and after unscaling the gradients, with a loss
-    scaler) but *before* clipping, it records each group's weight norm ‖w‖ and gradient norm
-    ‖g‖ (the gradient as computed, like the logged global ``grad_norm``), keeps a copy of the
-    weights, and runs :func:`probe` on ``probe_batch``. :meth:`after_update` then measures
-    how far the optimizer moved each group, ‖Δw‖ / ‖w‖, and returns every figure as
-    ``name/group`` keys for the metrics row, read from the device in one transfer.
+    :meth:`capture`, called after the last backward pass (and after unscaling the gradients,
+    with a loss scaler) but *before* clipping, records each group's weight norm ‖w‖ and
+    gradient norm ‖g‖ (the gradient as computed, like the logged global ``grad_norm``), keeps
+    a copy of the weights, and runs :func:`probe` on ``probe_batch``. :meth:`after_update`
+    then measures how far the optimizer moved each group, ‖Δw‖ / ‖w‖, and returns every
+    figure as ``name/group`` keys for the metrics row, read from the device in one transfer.
 
     The ratio ‖Δw‖/‖w‖ is the learning rate as the weights feel it: with AdamW, 1e-3 to a
     few 1e-2 per step; a layer far above its neighbours is being rewritten every few steps,
@@ -256,6 +256,10 @@ class LayerStats:
     """
 
     def __init__(self, model: nn.Module, probe_batch=None, autocast=contextlib.nullcontext):
+        self.model, self.probe_batch, self.autocast = model, probe_batch, autocast
+
+    def capture(self) -> "LayerStats":
+        model, probe_batch, autocast = self.model, self.probe_batch, self.autocast
         groups = layer_groups(model)
         self.names = list(groups)
         self.params = [p for ps in groups.values() for p in ps]
@@ -269,6 +273,7 @@ class LayerStats:
             self.before = [p.detach().to(torch.float32, copy=True) for p in self.params]
         with autocast():  # the probe sees the model as training does (bf16 weights need it)
             self.probed = probe(model, probe_batch) if probe_batch is not None else {}
+        return self
 
     @torch.no_grad()
     def after_update(self) -> dict:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanolm.data import Batch
-from nanolm.diagnostics import (LayerStats, StepMeter, gpu_peak_flops, layer_groups, max_attention_logit,
+from nanolm.stats import (LayerStats, StepMeter, gpu_peak_flops, layer_groups, max_attention_logit,
                                 peak_flops, probe)
 from nanolm.model import Attention, GPTConfig, apply_rope, document_causal_mask
 from nanolm.monitor import read_metrics
@@ -30,7 +30,7 @@ def test_layer_statistics_match_hand_computed_norms_and_update_ratios(tie):
     model = tiny_model(tie_embeddings=tie)
     batch = _random_batch()
     model(batch.idx, batch.targets)[1].backward()
-    stats = LayerStats(model)
+    stats = LayerStats(model).capture()
     lr = 0.05
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.optim.SGD(model.parameters(), lr=lr).step()  # Δw = -lr·g exactly

@@ -1,0 +1,154 @@
+"""Deliberate faults: the real training code with one part swapped for a broken one.
+
+``nanolm lab`` (and the tests) break runs the way real bugs and accidents do, so that what
+the logs show and what ``nanolm diagnose`` says can be checked against the truth. Each
+fault is a *substituted component* of the run (:class:`nanolm.train.Components`): a model
+without the causal mask, a batch stream whose targets are not shifted, a loss whose gradient
+is not divided by the accumulation count, a loss scaler that does not scale, a checkpointer
+that forgets the optimizer state or kills the process after a save. Nothing in the training
+step or the model knows about any of them.
+
+They are switched on by the hidden ``--debug-*`` options (``[debug]`` in a config file),
+which :func:`components` maps to the substitutions; ``nanolm train --help`` does not list
+them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpointer
+from .config import RunConfig
+from .data import TrainBatches
+from .loss import masked_cross_entropy_sum
+from .model import GPT
+from .precision import DynamicLossScaler
+
+
+class NonCausalGPT(GPT):
+    """Attention sees the whole window, the future included: the loss falls below what the
+    data allows, and generation, which cannot see the future, is garbage."""
+
+    def attention_mask(self, idx, doc_ids):
+        B, T = idx.shape
+        return torch.ones(B, 1, T, T, dtype=torch.bool, device=idx.device)
+
+
+class UnshiftedTargets(TrainBatches):
+    """The targets are the inputs themselves, not the next tokens: the model learns to copy."""
+
+    def next(self, step):
+        batches = super().next(step)
+        for b in batches:
+            b.targets = b.idx.clone()
+        return batches
+
+
+def corrupt_tokens(tokens: np.ndarray, share: float, vocab_size: int, seed: int) -> np.ndarray:
+    """One contiguous region of random ids, a third of the way in (a copy: the shards stay intact)."""
+    out = np.array(tokens, dtype=np.int64)
+    n = int(len(out) * share)
+    start = min(len(out) // 3, len(out) - n)  # a third of the way in, or as far as a large share allows
+    out[start : start + n] = np.random.default_rng(seed).integers(1, vocab_size, size=n)
+    return out
+
+
+def loss_not_averaged(grad_accum: int):
+    """The loss function of a loop that sums micro-batch means instead of averaging them: the
+    value it reports is right, its gradient ``grad_accum`` times too large."""
+
+    def loss_fn(logits, targets, mask):
+        total, count = masked_cross_entropy_sum(logits, targets, mask)
+        return total + (grad_accum - 1) * (total - total.detach()), count
+
+    return loss_fn
+
+
+class OneOffBadBatch:
+    """The batch of step ``at`` is bad, once (a rollback that comes back to that step draws a
+    good one): its loss, and so its gradients, are multiplied by ``factor``. 100 is a loud,
+    finite spike; NaN is a non-finite step."""
+
+    def __init__(self, at: int, factor: float):
+        self.at, self.factor, self.step, self.spent = at, factor, 0, False
+
+    def batches(self, *args, **kwargs) -> TrainBatches:
+        fault = self
+
+        class Marked(TrainBatches):
+            def next(self, step):
+                fault.spent = fault.spent or fault.step == fault.at
+                fault.step = step
+                return super().next(step)
+
+        return Marked(*args, **kwargs)
+
+    def loss_fn(self, logits, targets, mask):
+        total, count = masked_cross_entropy_sum(logits, targets, mask)
+        if self.step == self.at and not self.spent:
+            total = total * self.factor
+        return total, count
+
+
+class ForgetfulCheckpointer(Checkpointer):
+    """Restores everything but the optimizer state: Adam's first update after a resume is
+    full size again, a visible jolt in the loss and gradient norm."""
+
+    def restored_optimizer(self):
+        return None
+
+
+def killing_checkpointer(after_step: int):
+    """A checkpointer that SIGKILLs its process right after committing step ``after_step``:
+    a crash at the worst ordinary moment, for resume tests."""
+
+    class Killing(Checkpointer):
+        def save(self, step, val_loss=None):
+            saved = super().save(step, val_loss)
+            if step == after_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return saved
+
+    return Killing
+
+
+def components(cfg: RunConfig):
+    """The run's components with the faults ``cfg.debug`` asks for (None: nanolm's own)."""
+    from .train import Components
+
+    debug = cfg.debug
+    if debug == type(debug)():
+        return None
+    parts = Components()
+    if debug.non_causal:
+        parts.model = NonCausalGPT
+    if debug.unshifted_targets:
+        parts.batches = UnshiftedTargets
+    if debug.corrupt_data:
+        share, seed = debug.corrupt_data, cfg.train.seed
+        parts.batches = _with_corrupt_tokens(parts.batches, share, seed)
+    if debug.loss_not_averaged:
+        parts.loss_fn = loss_not_averaged(cfg.train.grad_accum)
+    if debug.no_loss_scaling:
+        parts.scaler = lambda enabled: DynamicLossScaler(enabled=False)
+    for at, factor in ((debug.inject_nan_at, float("nan")), (debug.inject_spike_at, 100.0)):
+        if at:
+            bad = OneOffBadBatch(at, factor)
+            parts.batches, parts.loss_fn = bad.batches, bad.loss_fn
+    if debug.drop_optimizer_state:
+        parts.checkpointer = ForgetfulCheckpointer
+    if debug.kill_after_checkpoint:
+        parts.checkpointer = killing_checkpointer(debug.kill_after_checkpoint)
+    return parts
+
+
+def _with_corrupt_tokens(batches, share: float, seed: int):
+    def make(tokens, *args, **kwargs):
+        vocab_size = int(np.max(tokens)) + 1
+        return batches(corrupt_tokens(tokens, share, vocab_size, seed), *args, **kwargs)
+
+    return make

@@ -1,0 +1,183 @@
+"""The observer: what a run shows of itself, and when.
+
+One component owns every decision about watching a run, so that the training loop makes
+one call per step (:meth:`Observer.observe`) and reads no schedule of its own:
+
+* **when to log**: every ``--log-every`` steps, the first step, every step right after a
+  (re)start, statistics steps, evaluation steps and the last one;
+* **what a logged step shows**: the step meter's figures (loss, LR, gradient norm, clipping,
+  tokens/s, MFU, memory: ``nanolm.stats``), the loss scaler's under fp16, and on statistics
+  steps the per-layer figures, taken by a :class:`StepProbe` inside the step (the gradients
+  before clipping) and after the update (how far each layer moved);
+* **when to evaluate**: every ``--eval-every`` steps and at the end, on the fixed validation
+  set (``nanolm.evaluate``);
+* **where it goes**: ``metrics.jsonl``, the terminal, wandb/TensorBoard (``nanolm.monitor``).
+
+Reading numbers from the device costs a synchronisation, so the observer reads once per
+logged step and never on the others (unless the guard already read them).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from .evaluate import estimate_loss
+from .monitor import Monitor, parse_sinks, perplexity
+from .precision import grad_zero_fraction
+from .stats import LayerStats, StepMeter, is_stats_step
+
+
+class StepProbe:
+    """What the observer reads of one step's gradients, after unscaling and before clipping
+    (:func:`nanolm.step.train_step` calls :meth:`capture` there): fp16's share of exact
+    zeros (underflow) on logged steps, the per-layer figures on statistics steps."""
+
+    def __init__(self, model, layer_stats: LayerStats | None, underflow: bool):
+        self.model, self.layer_stats, self.underflow = model, layer_stats, underflow
+        self.figures: dict = {}
+
+    def capture(self) -> None:
+        if self.underflow:
+            self.figures["grad_zero_frac"] = grad_zero_fraction(self.model.parameters())
+        if self.layer_stats is not None:
+            self.layer_stats.capture()
+
+    def after_update(self) -> dict:
+        return {**self.figures, **(self.layer_stats.after_update() if self.layer_stats is not None else {})}
+
+
+class Observer:
+    """Logs, per-layer statistics, evaluation: when each is due and what it records.
+
+    Rank 0 writes (``metrics.jsonl``, the terminal, the sinks); every rank evaluates its
+    share of the validation set. ``state_dict()`` holds what a resume continues: the count
+    of clipped steps and the training time so far.
+    """
+
+    def __init__(self, cfg, dist, out_dir: Path, model, precision, scaler, guard, progress, val_batches: list,
+                 token_bytes: torch.Tensor, floor: dict | None, tokens_per_step: int, peak: float | None, log=print):
+        t = cfg.train
+        self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
+        self.guard, self.progress, self.val_batches, self.token_bytes, self.floor = guard, progress, val_batches, \
+            token_bytes, floor
+        self.tokens_per_step, self.log, self.out_dir = tokens_per_step, log, out_dir
+        self.cfg, self.peak = cfg, peak
+        self.monitor, self.meter, self.resumed = None, None, {}
+        self.restarted_at = 0
+
+    # ---------------------------------------------------------------- the run's start
+    def start(self) -> None:
+        """Open the logs where the run stands (a resumed run's ``metrics.jsonl`` is cut back to
+        its checkpoint's step), start the clocks, and for a new run record the untrained
+        model's evaluation as its step-0 row."""
+        t, step = self.t, self.progress.step
+        if self.dist.is_main:
+            self.monitor = Monitor(self.out_dir, t.steps, parse_sinks(t.log), self.cfg.to_dict(), self.log, t.progress,
+                                   resume_step=step if step else None)
+        self.meter = StepMeter(t.steps, self.tokens_per_step, self.model.flops_per_token(), self.peak,
+                               self.cfg.optim.clip, self.dist.device, start_step=step,
+                               clipped_steps=self.resumed.get("clipped_steps", 0),
+                               elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=self.guard.reads_every_step)
+        self.restarted_at = step
+        if step == 0:
+            self.record(self.evaluate(0, {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(),
+                                          **self.meter.constants()}))
+        self.meter.lap(step)
+
+    # ---------------------------------------------------------------- one step
+    def logs(self, step: int) -> bool:
+        t = self.t
+        return (step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps or step == 1
+                or is_stats_step(step, t.stats_every) or step - self.restarted_at <= 3)  # a (re)start: all shown
+
+    def probe(self, step: int, micro_batches) -> StepProbe | None:
+        """The probe for this step's gradients, or None when nothing is to be read of them.
+        Per-layer probes run on rank 0's own model; under FSDP no rank holds whole layers."""
+        stats = (LayerStats(self.model, micro_batches[0], self.precision.autocast)
+                 if is_stats_step(step, self.t.stats_every) and self.dist.is_main and not self.dist.sharded else None)
+        underflow = self.logs(step) and self.precision.name == "fp16"
+        return StepProbe(self.model, stats, underflow) if stats is not None or underflow else None
+
+    def observe(self, result, probe: StepProbe | None) -> dict:
+        """After a step that stands: count it; on a logged step, read its figures (one host
+        sync), evaluate when due, and record the row. Returns the row ({} when not logged)."""
+        step = result.step
+        if result.updated:
+            self.meter.count_clipped(result.grad_norm)
+        if not self.logs(step):
+            return {}
+        row = self.meter.row(step, result.loss, result.lr, result.grad_norm)  # the one host sync of a logged step
+        row["tokens"] = self.progress.tokens_seen
+        row.update(self.scaler.metrics())
+        if probe is not None:
+            row.update(probe.after_update())
+        stop = self.guard.on_logged(row, self.scaler.enabled)  # without per-step reads, the guard sees the loss here
+        if stop is not None:
+            self.record(row)
+            raise stop
+        if step % self.t.eval_every == 0 or step == self.t.steps:
+            row = self.evaluate(step, row)
+        self.record(row)
+        self.meter.lap(step)
+        return row
+
+    def evaluate(self, step: int, row: dict) -> dict:
+        """The validation loss and bits per byte, on every rank's share of the fixed set."""
+        if not self.val_batches:
+            return row
+        with self.precision.autocast():
+            result = estimate_loss(self.model, self.dist.share_of(self.val_batches), self.token_bytes,
+                                   self.dist.device, reduce=self.dist.sum_tensors)
+        self.dist.reshard(self.model)
+        row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
+        if self.floor:
+            row.update(floor_bpb=self.floor["bpb"], floor_loss=self.floor["nats_per_token"])
+        self.progress.evaluated(result["loss"], result["bpb"])
+        return row
+
+    def target_reached(self, row: dict) -> bool:
+        """``--target-val-bpb``: this evaluation is at or below it (every rank sees the same row)."""
+        reached = 0 < self.t.target_val_bpb and row.get("val_bpb", math.inf) <= self.t.target_val_bpb
+        if reached:
+            self.log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {self.t.target_val_bpb} at step "
+                     f"{row['step']}: done")
+        return reached
+
+    def record(self, row: dict) -> None:
+        if self.monitor is not None:
+            self.monitor.record(row)
+
+    def write(self, line: str) -> None:
+        """A line for the person watching (above the progress bar, if there is one)."""
+        (self.monitor.write if self.monitor is not None else self.log)(line)
+
+    # ---------------------------------------------------------------- rollbacks, checkpoints, the end
+    def rewound(self, step: int) -> None:
+        """After a rollback to ``step``: its rows after the checkpoint describe a discarded
+        trajectory and go; the next steps are all shown, like after a resume."""
+        if self.monitor is not None:
+            self.monitor.rewind(step)
+        self.meter.lap(step)
+        self.restarted_at = step
+
+    def state_dict(self) -> dict:
+        return {"clipped_steps": int(self.meter.clipped_steps), "elapsed_s": self.meter.elapsed()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resume continues both figures (from :meth:`start`); after a rollback the count of
+        clipped steps is the checkpoint's, while the clock keeps running (the discarded steps
+        took real time)."""
+        if self.meter is None:
+            self.resumed = {"clipped_steps": int(state["clipped_steps"]), "elapsed_s": float(state["elapsed_s"])}
+        else:
+            self.meter.set_clipped_steps(int(state["clipped_steps"]))
+
+    def elapsed(self) -> float:
+        return self.meter.elapsed() if self.meter is not None else self.resumed.get("elapsed_s", 0.0)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()

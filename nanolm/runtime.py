@@ -1,0 +1,126 @@
+"""The process a run lives in: its device, CPU threads, determinism, seeds and signals.
+
+Everything here is set once, before the first step, and none of it is the training itself;
+it is gathered in one place so that the loop does not carry it and two copies cannot drift
+(a run's seeding and a distributed rank's are the same function).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+import signal
+import threading
+
+import numpy as np
+import torch
+
+from .errors import NanolmError
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks cuda, then mps, then cpu; an explicit device must exist."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise NanolmError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise NanolmError(f"device {name!r} requested but no CUDA GPU is available; use --device cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise NanolmError(f"device {name!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise NanolmError("device 'mps' requested but MPS is not available; use --device cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise NanolmError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator a run draws from: Python's, NumPy's and torch's (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def derived_seed(*parts) -> int:
+    """A 32-bit seed from several integers, different for every combination."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+def configure_determinism(enabled: bool) -> None:
+    """Deterministic kernels everywhere, or PyTorch's defaults.
+
+    On CPU nanolm's step is already deterministic for a given thread count, so this costs
+    nothing there. On CUDA it forbids the non-deterministic (atomic-add) backward kernels,
+    e.g. of the embedding lookup, which makes those slower, and raises on an operation that
+    has no deterministic version at all.
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)
+
+
+def configure_threads(threads: int, device: torch.device, log=print) -> None:
+    """Set ``--threads`` and warn when the CPU is already busy with other work.
+
+    PyTorch splits each CPU kernel across one thread per core, and every thread waits for
+    the slowest at the end of each kernel. When another process holds a core, the thread on
+    it runs late on every one of the thousands of small kernels of a step: measured at
+    nanoGPT's shape on 2 cores with one of them busy, 2 threads ran 3.6k tokens/s against
+    9.5k for 1 thread. The 1-minute load average is the only cheap sign of such a neighbour
+    (it lags, so a job that just ended can trigger the hint).
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    if device.type != "cpu" or not hasattr(os, "getloadavg"):
+        return
+    cores, used = os.cpu_count() or 1, torch.get_num_threads()
+    busy = os.getloadavg()[0]
+    if used > 1 and busy + used > cores + 0.75:
+        log(f"cpu: {used} threads on {cores} cores while the load average says other processes keep ~{busy:.1f} "
+            f"busy; PyTorch's threads wait on each other then (measured 2.6x slower steps on 2 cores with one "
+            f"busy). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}.")
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving a checkpoint; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopOnSignal:
+    """Turns SIGINT/SIGTERM into a request to stop after the current step.
+
+    Killing a run mid-step would lose everything since the last checkpoint; instead the
+    loop finishes its step, saves a checkpoint and exits. A second Ctrl-C stops at once.
+    """
+
+    def __init__(self):
+        self.requested: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

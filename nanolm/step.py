@@ -1,0 +1,148 @@
+"""One optimizer step: the heart of training, as one function a reader can follow and a
+benchmark can time.
+
+In order (:func:`train_step`):
+
+1. set the learning rate for this step (a pure function of the step number);
+2. count the tokens that count in *all* of the step's micro-batches (on every rank), once;
+   then for each micro-batch run forward, divide the sum of its token losses by that
+   count, and run backward: the gradients add up;
+3. fp16 only: divide the gradients by the loss scale; clip the global gradient norm, once,
+   after the last backward pass;
+4. let the guard decide: take the update, skip it, roll back, or stop;
+5. update the weights (fp16: unless a gradient overflowed) and zero the gradients.
+
+**Why divide each micro-batch's sum by the step's count.** The accumulated gradient is then
+exactly the gradient of the mean loss over every counted token of the step, the same as
+one big batch. Averaging per-micro-batch means instead would weigh a token in a short
+micro-batch more than one in a long micro-batch, and change the effective learning rate
+with ``--grad-accum``. Under torchrun the count is summed over every rank and gradients are
+summed across ranks after the last micro-batch only (``nanolm.distributed``): the same step,
+split over processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .data import Batch
+from .distributed import Distributed, gradient_sync
+from .loss import masked_cross_entropy_sum
+from .precision import DynamicLossScaler
+
+
+def counted_tokens(micro_batches: list[Batch]) -> int:
+    """Targets that count in these micro-batches (the loss mask's True entries)."""
+    return sum(int(b.counted) for b in micro_batches)
+
+
+def accumulate_gradients(model, micro_batches: list[Batch], count: int, autocast=contextlib.nullcontext,
+                         loss_scale: float = 1.0, loss_fn=masked_cross_entropy_sum) -> torch.Tensor:
+    """Forward and backward over every micro-batch of one optimizer step.
+
+    Each micro-batch backpropagates (sum of its token losses) ÷ ``count``, the counted
+    tokens of the whole step (every micro-batch, every rank): the gradients that accumulate
+    are exactly those of the mean loss over the step, whatever the split, and a micro-batch
+    with nothing to count adds zero. The forward pass runs under ``autocast()`` (see
+    ``nanolm.precision``); the loss, in fp32, is multiplied by ``loss_scale`` before backward
+    (fp16; the scaler divides it out of the gradients again). A distributed model reduces
+    gradients across ranks in the last micro-batch's backward pass only.
+
+    Returns the sum of this process's token losses, detached and unscaled.
+    """
+    device = next(model.parameters()).device
+    denominator = max(1, count)
+    loss_sum = torch.zeros((), device=device)
+    for i, batch in enumerate(micro_batches):
+        batch = batch.to(device)
+        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+            with autocast():
+                logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
+            micro_sum, _ = loss_fn(logits, batch.targets, batch.loss_mask)
+            (micro_sum / denominator * loss_scale).backward()
+        loss_sum += micro_sum.detach()
+    return loss_sum
+
+
+@dataclass
+class StepParts:
+    """What one optimizer step works with, built once per run (``nanolm.train.build_run``).
+
+    ``schedule(step)`` is the learning rate of step ``step`` (1 for the first). ``step_model``
+    is what runs forward (the model itself, or its DDP or compiled wrapper); ``model`` is the
+    module whose parameters are clipped and updated. ``guard`` None takes every step.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Callable[[int], float]
+    clip: float = 1.0
+    step_model: torch.nn.Module | None = None
+    scaler: DynamicLossScaler = field(default_factory=lambda: DynamicLossScaler(enabled=False))
+    autocast: Callable = contextlib.nullcontext
+    dist: Distributed = field(default_factory=Distributed)
+    guard: object | None = None
+    loss_fn: Callable = masked_cross_entropy_sum
+
+    def __post_init__(self):
+        self.step_model = self.step_model if self.step_model is not None else self.model
+
+
+@dataclass
+class StepResult:
+    """What a step did. ``loss`` (the mean over every counted token of the step, all ranks)
+    and ``grad_norm`` (the global norm before clipping) are device tensors, or floats when
+    the guard read them. ``updated`` is False when the guard did not take the step or an fp16
+    gradient overflowed. ``action``/``event``: the guard's decision and its evidence."""
+
+    step: int
+    lr: float
+    loss: torch.Tensor | float
+    grad_norm: torch.Tensor | float
+    updated: bool
+    action: str = "take"
+    event: dict | None = None
+    rollback_to: object = None
+
+
+def train_step(parts: StepParts, step: int, micro_batches: list[Batch], probe=None) -> StepResult:
+    """Optimizer step number ``step`` (1 for the first) on ``micro_batches``.
+
+    ``probe``, when the observer wants this step's per-layer figures, captures the
+    gradients after they are unscaled and before they are clipped.
+    """
+    # 1. the learning rate of this step
+    lr = parts.schedule(step)
+    for group in parts.optimizer.param_groups:
+        group["lr"] = lr
+
+    # 2. forward and backward, every token's loss divided by the step's count of counted tokens
+    count = parts.dist.sum(counted_tokens(micro_batches))  # every micro-batch of every rank, counted once
+    loss_sum = accumulate_gradients(parts.step_model, micro_batches, count, parts.autocast,
+                                    parts.scaler.loss_scale, parts.loss_fn)
+    loss = parts.dist.global_mean(loss_sum, count)
+
+    # 3. fp16: undo the loss scale; clip the global gradient norm once, after every backward pass
+    parts.scaler.unscale_(parts.model.parameters())
+    if probe is not None:
+        probe.capture()
+    grad_norm = parts.dist.clip_grad_norm_(parts.model, parts.clip if parts.clip > 0 else math.inf)
+
+    # 4. the guard decides on the step's global numbers (every rank alike)
+    action, event, target = "take", None, None
+    if parts.guard is not None and parts.guard.reads_every_step:
+        loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()  # one read
+        if not (parts.scaler.enabled and not math.isfinite(grad_norm)):  # an fp16 overflow is the scaler's to skip
+            action, event, target = parts.guard.decide(step, loss, grad_norm, lr)
+
+    # 5. update (unless the guard said otherwise, or an fp16 gradient overflowed) and zero
+    updated = action == "take" and parts.scaler.update(grad_norm)
+    if updated:
+        parts.optimizer.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    return StepResult(step, lr, loss, grad_norm, updated, action, event, target)
