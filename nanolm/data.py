@@ -477,15 +477,7 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
 
     if tokenizer is None:
-        def training_texts():
-            budget = 100_000_000
-            for split, text in split_documents(iter(docs), val_fraction):
-                if tokenizer_kind == "char" or split == "train":
-                    yield text
-                    budget -= len(text)
-                    if budget <= 0 and tokenizer_kind != "char":
-                        return
-        tokenizer = train_tokenizer(tokenizer_kind, training_texts(), vocab_size)
+        tokenizer = train_tokenizer(tokenizer_kind, _tokenizer_texts(docs, tokenizer_kind, val_fraction), vocab_size)
     tokenizer.save(out / "tokenizer.json")
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     writers = {name: _SplitWriter(out / f"{name}.bin", dtype) for name in ("train", "val")}
@@ -535,10 +527,42 @@ def prepare(
         raise NanolmError(f"{source} holds no document with text (empty documents skipped: {docs.empty})")
 
     seconds = time.perf_counter() - t0
+    meta = _prepared_meta(source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes)
+    meta["compressor_bpb"] = compressor_bpb.result()
+    if doc_nats is not None and len(doc_nats) == sum(n_docs.values()) and writers["val"].n_tokens:
+        meta["floor"] = {
+            "nats": val_nats,
+            "bpb": val_nats / math.log(2) / max(1, writers["val"].n_bytes),
+            "nats_per_token": val_nats / (writers["val"].n_tokens - 1),
+        }
+    elif doc_nats is not None:
+        log("note: the corpus's entropy file does not match its documents; no loss floor is reported")
+    meta["files"] = manifest(out, DATA_FILES)
+    atomic_write_text(out / META_FILE, json.dumps(sealed(meta), indent=2))
+    for problem in docs.problems[:20]:
+        log(f"skipped {problem}")
+    if len(docs.problems) > 20:
+        log(f"... and {len(docs.problems) - 20} more bad records")
+    return PreparedData(out, verify=False)
+
+
+def _tokenizer_texts(docs, kind: str, val_fraction: float):
+    """What the tokenizer learns from: BPE the training documents (up to 100 MB of them), the
+    char vocabulary every document (a character only in validation must be encodable too)."""
+    budget = 100_000_000
+    for split, text in split_documents(iter(docs), val_fraction):
+        if kind == "char" or split == "train":
+            yield text
+            budget -= len(text)
+            if budget <= 0 and kind != "char":
+                return
+
+
+def _prepared_meta(source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes) -> dict:
     crossing, n_windows = boundary_crossing_windows(
         np.asarray(writers["train"].doc_starts), writers["train"].n_tokens, seq_len
     )
-    meta = {
+    return {
         "source": str(source),
         "tokenizer": tokenizer.kind,
         "tokenizer_fingerprint": tokenizer.fingerprint(),
@@ -557,25 +581,9 @@ def prepare(
         "seq_len_for_stats": seq_len,
         "windows_crossing_a_boundary": crossing,
         "windows": n_windows,
-        "compressor_bpb": compressor_bpb.result(),
         "seconds": round(seconds, 2),
         "mb_per_s": round(total_bytes / 1e6 / max(seconds, 1e-9), 2),
     }
-    if doc_nats is not None and len(doc_nats) == sum(n_docs.values()) and writers["val"].n_tokens:
-        meta["floor"] = {
-            "nats": val_nats,
-            "bpb": val_nats / math.log(2) / max(1, writers["val"].n_bytes),
-            "nats_per_token": val_nats / (writers["val"].n_tokens - 1),
-        }
-    elif doc_nats is not None:
-        log("note: the corpus's entropy file does not match its documents; no loss floor is reported")
-    meta["files"] = manifest(out, DATA_FILES)
-    atomic_write_text(out / META_FILE, json.dumps(sealed(meta), indent=2))
-    for problem in docs.problems[:20]:
-        log(f"skipped {problem}")
-    if len(docs.problems) > 20:
-        log(f"... and {len(docs.problems) - 20} more bad records")
-    return PreparedData(out, verify=False)
 
 
 # --------------------------------------------------------------------------- batches

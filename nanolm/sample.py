@@ -67,6 +67,6 @@ def evaluate_file(run_dir, path, batch_size: int = 16, device: str = "auto") -> 
 
 
 if __name__ == "__main__":  # ``python -m nanolm.sample ...`` is ``nanolm sample ...``
-    from nanolm.cli import main
+    from nanolm.instruments.cli import main
 
     sys.exit(main(["sample", *sys.argv[1:]]))

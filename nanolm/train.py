@@ -40,7 +40,7 @@ import torch
 
 from .checkpoint import Checkpointer, clear_final, save_final_weights
 from .config import RunConfig
-from .data import PreparedData, TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: the course)
+from .data import TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: for the course)
 from .distributed import Distributed, Muted, launch
 from .errors import NanolmError
 from .evaluate import estimate_loss, sample_text  # noqa: F401 (estimate_loss: where the course imports it from)
@@ -87,8 +87,8 @@ class Progress:
 
 @dataclass
 class Components:
-    """The parts of a run that the lab (``nanolm.faults``) swaps for broken ones, to break a
-    run the way real bugs do; the defaults are nanolm's own."""
+    """The parts of a run that the lab (``nanolm.instruments.faults``) swaps for broken ones,
+    to break a run the way real bugs do; the defaults are nanolm's own."""
 
     model: Callable = GPT
     batches: Callable = TrainBatches
@@ -286,6 +286,6 @@ def finish(run: Run, row: dict, log=print) -> dict:
 
 
 if __name__ == "__main__":  # ``python -m nanolm.train ...`` is ``nanolm train ...``
-    from nanolm.cli import main
+    from nanolm.instruments.cli import main
 
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -21,7 +21,7 @@ from nanolm.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.errors import NanolmError
 from nanolm.monitor import read_metrics
 from nanolm.tokenizer import train_char

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.monitor import read_metrics
 
 from conftest import TINY_TRAIN, run_cli

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nanolm import diagnose as dg
-from nanolm.diagnose import diagnose, diagnose_trace
+from nanolm.instruments import diagnose as dg
+from nanolm.instruments.diagnose import diagnose, diagnose_trace
 
 from conftest import run_cli
 

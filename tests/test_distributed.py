@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from nanolm.checkpoint import load_run, load_run_checkpoint, load_state, save_run_checkpoint
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.config import RunConfig
 from nanolm.data import Batch, PreparedData, WindowSampler, pack_windows
 from nanolm.distributed import Distributed

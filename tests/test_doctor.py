@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import nanolm.doctor as doctor
+import nanolm.instruments.doctor as doctor
 import nanolm.step as step_mod
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.config import RunConfig
 from nanolm.data import prepare
 from nanolm.loss import masked_cross_entropy_sum

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from nanolm.checkpoint import write_final
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.config import RunConfig
-from nanolm.export import export_run
+from nanolm.instruments.export import export_run
 from nanolm.tokenizer import train_char
 
 from conftest import tiny_model

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from nanolm.checkpoint import list_checkpoints, load_state, read_latest
 from nanolm.data import Batch, PreparedData, WindowSampler
 from nanolm.errors import NanolmError
-from nanolm.faults import components
+from nanolm.instruments.faults import components
 from nanolm.guards import Guard, SpikeDetector, nan_origin, read_events
 from nanolm.monitor import read_metrics
 from nanolm.train import train

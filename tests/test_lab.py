@@ -12,7 +12,7 @@ import pytest
 from nanolm.checkpoint import load_state, read_latest
 from nanolm.config import load_run_config
 from nanolm.guards import read_events
-from nanolm.lab import BY_NAME, format_table, run_lab, run_variant
+from nanolm.instruments.lab import BY_NAME, format_table, run_lab, run_variant
 from nanolm.monitor import read_metrics
 
 from conftest import run_cli
@@ -64,7 +64,7 @@ def test_resume_variant_is_killed_after_a_checkpoint_and_resumed_without_optimiz
 def test_lab_dashboard_overlays_the_healthy_run(quick_lab, tmp_path):
     pytest.importorskip("matplotlib")
     out, _ = quick_lab
-    from nanolm.lab import _dashboard
+    from nanolm.instruments.lab import _dashboard
 
     dashboard = _dashboard(out / "corrupt_data", out / "healthy", log=lambda *_: None)
     assert dashboard and (out / "corrupt_data" / "report" / "report.html").read_text().count("healthy") >= 1

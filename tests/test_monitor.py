@@ -11,7 +11,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from nanolm import monitor
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.monitor import MetricsFile, Terminal, choose_progress, read_metrics
 from nanolm.train import train
 

@@ -7,7 +7,7 @@ import torch
 
 import nanolm.model
 
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.loss import masked_cross_entropy_sum
 from nanolm.model import GPT, GPTConfig
 from nanolm.plan import (

@@ -12,7 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import nanolm.precision as precision_module
 import nanolm.step as step_module
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.config import RunConfig
 from nanolm.errors import NanolmError
 from nanolm.monitor import read_metrics

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
 from nanolm.checkpoint import list_checkpoints, read_final
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.monitor import read_metrics
 
 from conftest import run_cli

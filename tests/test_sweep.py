@@ -3,7 +3,7 @@
 import pytest
 
 from nanolm.errors import NanolmError
-from nanolm.sweep import parse_lrs, recommend
+from nanolm.instruments.sweep import parse_lrs, recommend
 
 from conftest import run_cli
 

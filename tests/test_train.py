@@ -272,7 +272,7 @@ def test_a_run_whose_final_model_outputs_nan_is_not_a_success(tmp_path, stories_
     """``--on-nan skip`` skips every non-finite step to the end; the weights stay finite, the
     model's validation loss does not. That run failed: exit 2, and no final weights claim
     otherwise (also when the same command is run again)."""
-    from nanolm.cli import main
+    from nanolm.instruments.cli import main
 
     argv = ["train", "--data", str(stories_file), "--out-dir", str(tmp_path / "run"), "--tokenizer", "char",
             "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",

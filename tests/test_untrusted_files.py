@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from nanolm.cli import main
+from nanolm.instruments.cli import main
 from nanolm.files import sealed, sha256_file
 
 from conftest import tiny_run_config

@@ -141,7 +141,7 @@ BUGS = [
     Bug("mfu_above_100", "a peak measured on a busy CPU makes MFU read above 100 %",
         "nanolm/stats.py", "            if achieved > self.peak:", "            if False:"),
     Bug("skipped_check_shown_as_pass", "nanolm doctor prints PASS for a check that never ran",
-        "nanolm/doctor.py", 'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids", skipped=True)',
+        "nanolm/instruments/doctor.py", 'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids", skipped=True)',
         'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids")'),
     Bug("skipped_step_still_updates", "a NaN or spike the guard skipped is trained on anyway",
         "nanolm/step.py", 'updated = action == "take" and parts.scaler.update(grad_norm)',

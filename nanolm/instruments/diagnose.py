@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from .errors import NanolmError
+from ..errors import NanolmError
 
 # ---- thresholds (see docs/health.md for why each value)
 MIN_STEPS = 50  # rules about a run's course need at least this many steps of it
@@ -164,8 +164,8 @@ class Trace:
 
 def read_run(run_dir) -> Trace:
     """The trace of a run directory, or a one-line error when it is not one."""
-    from .guards import read_events
-    from .monitor import read_metrics
+    from ..guards import read_events
+    from ..monitor import read_metrics
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

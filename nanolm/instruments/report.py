@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import NanolmError
-from .monitor import read_metrics
+from ..errors import NanolmError
+from ..monitor import read_metrics
 
 X_AXES = ("step", "tokens", "time")
 
@@ -99,7 +99,7 @@ def load_run(path) -> Run:
         raise NanolmError(f"{metrics} holds no rows yet")
     config = {}
     if (path / "config.toml").is_file():
-        from .config import tomllib
+        from ..config import tomllib
 
         try:
             config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))

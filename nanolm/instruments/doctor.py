@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import RunConfig
-from .data import Batch, WindowSampler, pack_windows
-from .errors import NanolmError
-from .model import GPT, GPTConfig
-from .optim import cosine_lr, get_param_groups
+from ..config import RunConfig
+from ..data import Batch, WindowSampler, pack_windows
+from ..errors import NanolmError
+from ..model import GPT, GPTConfig
+from ..optim import cosine_lr, get_param_groups
 
 
 @dataclass
@@ -159,7 +159,7 @@ def check_document_isolation(model, vocab_size: int, seq_len: int) -> Check:
 
 def check_grad_accum_matches_big_batch(model, batch: Batch, k: int = 4) -> Check:
     """The step's gradient over k micro-batches equals one big batch's, with uneven counts."""
-    from .step import accumulate_gradients, counted_tokens
+    from ..step import accumulate_gradients, counted_tokens
 
     uneven = Batch(batch.idx, batch.targets, batch.loss_mask.clone())
     uneven.loss_mask[0, : batch.idx.shape[1] // 2] = False  # micro-batches count different token numbers
@@ -297,7 +297,7 @@ def model_checks(make_model, vocab_size: int, seq_len: int, batch: Batch, run_ac
 
 def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list[Check]:
     """Run every check for this configuration; prints each result as it comes."""
-    from .rundir import load_training_data
+    from ..rundir import load_training_data
 
     cfg = cfg.resolved()
     started = time.perf_counter()

@@ -2,7 +2,7 @@
 
 The course's lab ("a run deliberately broken four ways"), made real. Every variant is the
 real training code (:func:`nanolm.train.train`) on the built-in story corpus, with one
-part swapped for a broken one (``nanolm.faults``, switched on by a hidden ``--debug-*``
+part swapped for a broken one (``nanolm.instruments.faults``, switched on by a hidden ``--debug-*``
 option) or an ordinary option changed: targets not shifted,
 attention that sees the future, a loss not divided by the accumulation count, fp16 without
 loss scaling, a resume that forgets the optimizer state, a corrupted stretch of the data, a
@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .config import RunConfig
+from ..config import RunConfig
 from .diagnose import diagnose, format_findings
-from .errors import NanolmError
+from ..errors import NanolmError
 
 
 @dataclass
@@ -146,7 +146,7 @@ class LabResult:
 def _subprocess_env() -> dict:
     """Run child processes on this very nanolm (a checkout can differ from the installed one)."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
@@ -155,7 +155,7 @@ def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bo
                 log_lines: list[str] | None = None) -> tuple[Path, str | None]:
     """Train one variant into ``out/<name>``; returns (run dir, error message or None)."""
     from .faults import components
-    from .train import train
+    from ..train import train
 
     run_dir = out / variant.name
     cfg = base_config(run_dir, steps, quick, seed)

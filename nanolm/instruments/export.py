@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import load_run
-from .errors import NanolmError
-from .tokenizer import EOS
+from ..checkpoint import load_run
+from ..errors import NanolmError
+from ..tokenizer import EOS
 
 
 def hf_config(model) -> dict:

@@ -9,27 +9,27 @@ import argparse
 import json
 import sys
 
-from .errors import NanolmError
+from ..errors import NanolmError
 
 
 def _train(args) -> None:
-    from .config import config_from_args
+    from ..config import config_from_args
     from .faults import components
-    from .train import train
+    from ..train import train
 
     cfg = config_from_args(args)
     train(cfg, components=components(cfg))  # the hidden --debug-* options: the lab's faults
 
 
 def _sample(args) -> None:
-    from .sample import generate
+    from ..sample import generate
 
     print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature,
                    args.top_k if args.top_k else None, args.top_p, args.seed, args.device))
 
 
 def _eval(args) -> None:
-    from .sample import evaluate_file
+    from ..sample import evaluate_file
 
     r = evaluate_file(args.run, args.data, args.batch_size, args.device)
     print(f"{args.data}: loss {r['loss']:.4f} nats/token | perplexity {r['ppl']:.2f} | "
@@ -39,7 +39,7 @@ def _eval(args) -> None:
 
 
 def _prepare(args) -> None:
-    from .data import prepare
+    from ..data import prepare
 
     if not 0 <= args.val_fraction < 1:
         raise NanolmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
@@ -80,7 +80,7 @@ def _report(args) -> None:
 
 
 def _data_stories(args) -> None:
-    from .corpus import entropy_path, write_stories
+    from ..corpus import entropy_path, write_stories
 
     if args.docs <= 0:
         raise NanolmError(f"--docs must be positive, got {args.docs}")
@@ -92,14 +92,14 @@ def _data_stories(args) -> None:
 
 
 def _data_download(args) -> None:
-    from .download import CORPORA, fetch
+    from ..download import CORPORA, fetch
 
     path = fetch(args.name, args.dir, progress=sys.stderr.isatty())
     print(f"{path}  ({CORPORA[args.name].about})")
 
 
 def _doctor(args) -> int:
-    from .config import config_from_args
+    from ..config import config_from_args
     from .doctor import run_doctor
 
     results = run_doctor(config_from_args(args), args.model)
@@ -109,9 +109,9 @@ def _doctor(args) -> int:
 def _plan(args) -> None:
     import dataclasses
 
-    from .config import DataOptions, ModelOptions, load_toml
-    from .model import GPTConfig
-    from .plan import PRESETS, format_plan, make_plan, parse_count
+    from ..config import DataOptions, ModelOptions, load_toml
+    from ..model import GPTConfig
+    from ..plan import PRESETS, format_plan, make_plan, parse_count
 
     if args.preset and args.config:
         raise NanolmError("give --preset or --config, not both")
@@ -196,10 +196,18 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import add_run_arguments
-
     parser = _Parser(prog="nanolm", description="Train small GPTs you can trust.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_training_commands(sub)
+    _add_health_commands(sub)
+    _add_other_commands(sub)
+    return parser
+
+
+def _add_training_commands(sub) -> None:
+    """train, sample, eval, prepare."""
+    from ..config import add_run_arguments
+
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     p = sub.add_parser("train", help="train a model", description="Train a GPT. Every option can also be set in "
@@ -226,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     p.set_defaults(func=_eval)
 
-    from .tokenizer import EOS, KINDS
+    from ..tokenizer import EOS, KINDS
 
     p = sub.add_parser("prepare", help="tokenize a corpus once into token shards", formatter_class=fmt)
     p.add_argument("--data", required=True, metavar="SRC", help=".txt, .jsonl, .parquet or a directory of .txt files")
@@ -238,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column with the text")
     p.add_argument("--seq-len", type=int, default=256, help="window length used for the boundary statistics")
     p.set_defaults(func=_prepare)
+
+
+def _add_health_commands(sub) -> None:
+    """doctor, diagnose, lab, sweep."""
+    from ..config import add_run_arguments
 
     p = sub.add_parser("doctor", help="check the setup before a long run (PASS/FAIL per invariant)",
                        description="Run health checks on a training configuration (the same options as "
@@ -299,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(p)
     p.set_defaults(func=_sweep)
 
+
+def _add_other_commands(sub) -> None:
+    """export, report, plan, data."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
     p = sub.add_parser("export", help="write a run as a Hugging Face transformers model", formatter_class=fmt,
                        description="Export a trained run so that transformers' AutoModelForCausalLM.from_pretrained(OUT) "
                        "loads it (Llama, or Qwen3 with --qk-norm) with the same logits.")
@@ -313,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="horizontal axis: optimizer steps, training tokens, or seconds (default: step)")
     p.set_defaults(func=_report)
 
-    from .plan import GPUS, PRECISIONS, PRESETS
+    from ..plan import GPUS, PRECISIONS, PRESETS
 
     p = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU and time to train, before launching",
                        description="Size a run: parameters, training FLOPs per token, memory per GPU (weights, "
@@ -350,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0, help="random seed")
     q.add_argument("--out", required=True, metavar="FILE", help="output text file (entropy goes to FILE.entropy.json)")
     q.set_defaults(func=_data_stories)
-    from .download import CORPORA
+    from ..download import CORPORA
 
     q = data_sub.add_parser("download", help="fetch a public corpus (verified, cached)",
                             description="Download a public corpus once, verify its size and SHA-256, and cache it. "
@@ -358,7 +376,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("name", choices=list(CORPORA), help="corpus to fetch")
     q.add_argument("--dir", default=None, help="cache directory (default: $NANOLM_CACHE or ~/.cache/nanolm)")
     q.set_defaults(func=_data_download)
-    return parser
 
 
 def main(argv=None) -> int:
@@ -370,7 +387,7 @@ def main(argv=None) -> int:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a read-only or foreign directory: the machine's state, not a bug
-        from .files import ENVIRONMENT_ERRNOS, describe_os_error
+        from ..files import ENVIRONMENT_ERRNOS, describe_os_error
 
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise
@@ -378,7 +395,7 @@ def main(argv=None) -> int:
               f"once that is fixed", file=sys.stderr)
         return 2
     except Exception as e:
-        from .runtime import TrainingInterrupted
+        from ..runtime import TrainingInterrupted
 
         if not isinstance(e, TrainingInterrupted):
             raise

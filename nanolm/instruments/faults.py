@@ -21,12 +21,12 @@ import signal
 import numpy as np
 import torch
 
-from .checkpoint import Checkpointer
-from .config import RunConfig
-from .data import TrainBatches
-from .loss import masked_cross_entropy_sum
-from .model import GPT
-from .precision import DynamicLossScaler
+from ..checkpoint import Checkpointer
+from ..config import RunConfig
+from ..data import TrainBatches
+from ..loss import masked_cross_entropy_sum
+from ..model import GPT
+from ..precision import DynamicLossScaler
 
 
 class NonCausalGPT(GPT):
@@ -118,7 +118,7 @@ def killing_checkpointer(after_step: int):
 
 def components(cfg: RunConfig):
     """The run's components with the faults ``cfg.debug`` asks for (None: nanolm's own)."""
-    from .train import Components
+    from ..train import Components
 
     debug = cfg.debug
     if debug == type(debug)():
