@@ -24,6 +24,7 @@ from .errors import NanolmError
 from .guards import NAN_ACTIONS, SPIKE_ACTIONS
 from .model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from .monitor import LOG_SINKS, PROGRESS_MODES, parse_sinks
+from .optim import default_min_lr
 from .precision import PRECISIONS
 from .tokenizer import EOS, KINDS as TOKENIZER_KINDS
 
@@ -184,7 +185,7 @@ class RunConfig:
         cfg = RunConfig(*(dataclasses.replace(getattr(self, s)) for s in SECTIONS))
         o, t = cfg.optim, cfg.train
         if o.min_lr is None:
-            o.min_lr = o.lr / 10
+            o.min_lr = default_min_lr(o.lr)
         if o.warmup is None:
             o.warmup = min(200, t.steps // 10)
         if t.ckpt_every is None:

@@ -63,6 +63,12 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas=(0.9
     )
 
 
+def default_min_lr(max_lr: float) -> float:
+    """Where the cosine ends unless told otherwise: a tenth of the peak (the one place this
+    default lives; ``--min-lr`` is resolved with it)."""
+    return max_lr / 10
+
+
 def cosine_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None) -> float:
     """Learning rate at optimizer step ``step`` (0-based): linear warmup, then cosine decay.
 
@@ -76,7 +82,7 @@ def cosine_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min
     A pure function of the step, so resuming a run needs nothing but the step count.
     """
     if min_lr is None:
-        min_lr = 0.1 * max_lr
+        min_lr = default_min_lr(max_lr)
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     if step >= total_steps:
