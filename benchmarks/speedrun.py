@@ -104,7 +104,7 @@ def full_validation_bpb(run_dir: Path, threads: int | None) -> dict:
     from nanolm.data import PreparedData, eval_batches, eval_window_starts
     from nanolm.model import GPT
     from nanolm.precision import resolve_precision
-    from nanolm.train import estimate_loss
+    from nanolm.evaluate import estimate_loss
 
     cfg = load_run_config(run_dir / "config.toml")
     data = PreparedData(run_dir / "data")

@@ -147,7 +147,9 @@ class DebugOptions:
     """Deliberate breakage for tests and the lab (``nanolm lab``); hidden from --help.
 
     Each switch breaks the real training code in one known way, so that what the logs show
-    and what ``nanolm diagnose`` says can be checked against the truth.
+    and what ``nanolm diagnose`` says can be checked against the truth. The training code
+    never reads them: ``nanolm.instruments.faults`` turns them into broken components that
+    replace the run's own.
     """
 
     drop_optimizer_state: bool = option(False, "on resume, do not restore the optimizer state", flag="debug-drop-optimizer-state")

@@ -283,7 +283,7 @@ def _add_health_commands(sub) -> None:
 
     p = sub.add_parser("lab", help="a healthy run and the same run broken on purpose, each diagnosed",
                        description="Train a healthy baseline and deliberately broken variants on the built-in story "
-                       "corpus (the real training code, broken by hidden --debug-* switches), draw each one's "
+                       "corpus (the real training code with one component swapped for a broken one), draw each one's "
                        "dashboard next to the baseline, run `nanolm diagnose` on it, and print a table: what was "
                        "broken, the expected symptom, the diagnosis, matched or not. About a minute per variant on "
                        "2 CPU cores. Exit status 1 if a variant is not matched. Variants: "
