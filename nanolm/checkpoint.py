@@ -135,7 +135,8 @@ def weights_are_finite(model: torch.nn.Module) -> bool:
 
 # --------------------------------------------------------------------------- random state
 def capture_rng() -> dict:
-    """Every generator a training step may draw from, as tensors and plain numbers."""
+    """Every generator a training step may draw from, as tensors and plain numbers: Python's,
+    NumPy's, torch's on the CPU, and each CUDA device's or the MPS device's when there is one."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
     state = {
@@ -146,7 +147,13 @@ def capture_rng() -> dict:
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if _mps_available():
+        state["mps"] = torch.mps.get_rng_state()
     return state
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
 
 
 def restore_rng(state: dict) -> None:
@@ -163,6 +170,8 @@ def restore_rng(state: dict) -> None:
             raise NanolmError(f"the checkpoint holds RNG states for {len(state['cuda'])} CUDA devices, "
                               f"this machine has {torch.cuda.device_count()}")
         torch.cuda.set_rng_state_all(state["cuda"])
+    if "mps" in state and _mps_available():
+        torch.mps.set_rng_state(state["mps"])
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -95,7 +95,9 @@ class TrainOptions:
     threads: int = option(0, "CPU threads for PyTorch's kernels (0 = PyTorch's default, one per core). On a machine "
                           "that other jobs also use, fewer threads than cores is often much faster: the threads "
                           "wait on each other (docs/benchmarks.md)")
-    compile: bool = option(False, "torch.compile the model: 10-30 s of compiling at start-up, then faster steps (~1.1x on CPU at small shapes, more on GPU); pays off in long runs")
+    compile: bool = option(False, "torch.compile the model: ~25 s of compiling at start-up, then faster steps "
+                           "(1.18x at the default model on 2 CPU cores, so it pays after ~1,600 steps; more on a "
+                           "GPU); leave it off while debugging (docs/benchmarks.md)")
     precision: str = option("auto", "number format: auto (bf16 on a GPU that has it, else fp32), fp32, bf16 or fp16 "
                             "(autocast over fp32 weights; fp16 adds loss scaling), bf16-pure (bf16 weights, "
                             "stochastic rounding); see docs/precision.md", choices=PRECISIONS)

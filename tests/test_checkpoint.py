@@ -363,3 +363,15 @@ def test_a_training_state_lacking_what_a_resume_restores_is_refused(tmp_path):
     path = _save(tmp_path, 1)
     with pytest.raises(NanolmError, match="no valid 'scaler'"):
         ckpt.check_training_state(path, load_state(path))
+
+
+def test_the_mps_random_state_is_saved_and_restored_when_there_is_an_mps_device(monkeypatch):
+    """Dropout on an Apple GPU draws from the MPS generator; a resume must continue it too."""
+    saved = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: saved["state"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: saved.update(restored=s))
+    state = ckpt.capture_rng()
+    assert torch.equal(state["mps"], saved["state"])
+    ckpt.restore_rng(state)
+    assert torch.equal(saved["restored"], saved["state"])
