@@ -168,6 +168,10 @@ class DebugOptions:
     inject_nan_at: int = option(0, "make one gradient non-finite at this step", flag="debug-inject-nan-at")
     inject_spike_at: int = option(0, "multiply this step's loss and gradients by 100, like one bad batch",
                                   flag="debug-inject-spike-at")
+    decay_everything: bool = option(False, "apply weight decay to every parameter: norms, biases and embeddings too",
+                                    flag="debug-decay-everything")
+    random_targets: bool = option(False, "targets drawn at random, independently of the inputs",
+                                  flag="debug-random-targets")
 
 
 SECTIONS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "train": TrainOptions,
@@ -311,10 +315,15 @@ def resume_differences(saved: "RunConfig", new: "RunConfig", also_allowed=()) ->
         a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(new, section))
         for key in a:
             if a[key] != b[key]:
-                line = f"{key}: {a[key]!r} -> {b[key]!r}"
+                line = f"{key}: {_shown(a[key])} -> {_shown(b[key])}"
                 ok = key in COMPATIBLE_ON_RESUME.get(section, set()) or key in also_allowed
                 (allowed if ok else refused).append(line)
     return allowed, refused
+
+
+def _shown(value) -> str:
+    """A value as a person would type it: ``0.0003``, not ``0.00030000000000000003`` (lr/10)."""
+    return f"{value:.12g}" if isinstance(value, float) else repr(value)
 
 
 def _field_type(f) -> type:

@@ -58,8 +58,10 @@ class Observer:
     """
 
     def __init__(self, cfg, dist, out_dir: Path, model, precision, scaler, guard, progress, val_batches: list,
-                 token_bytes: torch.Tensor, floor: dict | None, tokens_per_step: int, peak: float | None, log=print):
+                 token_bytes: torch.Tensor, floor: dict | None, tokens_per_step: int, peak: float | None, log=print,
+                 optimizer=None):
         t = cfg.train
+        self.optimizer = optimizer
         self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
         self.guard, self.progress, self.val_batches, self.token_bytes, self.floor = guard, progress, val_batches, \
             token_bytes, floor
@@ -84,8 +86,21 @@ class Observer:
         self.restarted_at = step
         if step == 0:
             self.record(self.evaluate(0, {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(),
-                                          **self.meter.constants()}))
+                                          **self.meter.constants(), **self.recipe()}))
         self.meter.lap(step)
+
+    def recipe(self) -> dict:
+        """The optimizer's settings, recorded once in the step-0 row: a reader of the logs (and
+        ``nanolm diagnose``) can tell a run without clipping or LR decay from the numbers alone."""
+        o = self.cfg.optim
+        recipe = {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup, "beta1": o.beta1, "beta2": o.beta2,
+                  "weight_decay": o.weight_decay, "clip": o.clip}
+        if self.optimizer is not None:  # what the optimizer really decays, not what the options say
+            embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
+            recipe["decayed_norms_biases_embeddings"] = sum(
+                1 for group in self.optimizer.param_groups if group.get("weight_decay", 0) > 0
+                for p in group["params"] if p.dim() < 2 or id(p) in embeddings)
+        return recipe
 
     # ---------------------------------------------------------------- one step
     def logs(self, step: int) -> bool:

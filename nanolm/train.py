@@ -91,6 +91,7 @@ class Components:
     to break a run the way real bugs do; the defaults are nanolm's own."""
 
     model: Callable = GPT
+    optimizer: Callable = build_optimizer
     batches: Callable = TrainBatches
     loss_fn: Callable = masked_cross_entropy_sum
     scaler: Callable = DynamicLossScaler
@@ -214,7 +215,7 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
         optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                               master_weights=t.fp32_master, seed=t.seed)
     else:
-        optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
+        optimizer = components.optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
     scaler = components.scaler(enabled=precision.name == "fp16")
     step_model = torch.compile(step_model) if t.compile else step_model
 
@@ -238,7 +239,7 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
     peak, peak_source = peak_flops(device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
     observer = Observer(cfg, dist, plan.out_dir, model, precision, scaler, guard, progress, val_batches,
                         torch.from_numpy(tokenizer.token_bytes()), data.meta.get("floor"), tokens_per_step,
-                        peak * dist.world_size if peak else None, log)
+                        peak * dist.world_size if peak else None, log, optimizer)
     checkpointer = components.checkpointer(
         dist, plan.out_dir, model, optimizer, {"sampler": batches, "scaler": scaler, "progress": progress,
                                                 "guard": guard, "observer": observer},

@@ -34,6 +34,10 @@ BROKEN = {  # trace: the finding it must raise
     "spike_rollback": "guard_actions",
     "labels_random": "loss_stuck",
     "memorising": "memorising",
+    "no_clipping_high_lr": "no_clipping",
+    "beta2_0999_short_warmup": "slow_second_moment",
+    "constant_lr": "no_lr_decay",
+    "decay_on_everything": "decay_on_norms",
 }
 
 
@@ -217,7 +221,8 @@ def test_cli_prints_findings_with_evidence_and_strict_sets_the_exit_status(tmp_p
     assert run_cli("diagnose", "--strict", broken).returncode == 1
     assert run_cli("diagnose", "--strict", healthy).returncode == 0
     parsed = json.loads(run_cli("diagnose", "--json", broken).stdout)
-    assert parsed[0]["findings"][0].keys() == {"name", "title", "message", "evidence"}
+    assert parsed[0]["findings"][0].keys() == {"name", "title", "message", "evidence", "runbook"}
+    assert "what to do, step by step: docs/runbooks.md#" in r.stdout or parsed[0]["findings"][0]["runbook"] is None
 
 
 @pytest.mark.parametrize("make", ["missing", "no_metrics", "empty"])
@@ -230,3 +235,22 @@ def test_cli_user_errors_are_one_line(tmp_path, make):
     r = run_cli("diagnose", run)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_every_runbook_a_finding_points_to_is_a_section_of_the_runbooks():
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "runbooks.md").read_text(encoding="utf-8")
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-")
+               for h in re.findall(r"^## (.+)$", text, re.M)}
+    assert set(dg.RUNBOOKS.values()) <= anchors, sorted(set(dg.RUNBOOKS.values()) - anchors)
+
+
+def test_the_recipe_gated_rules_stay_silent_on_healthy_runs_that_record_their_recipe():
+    """The healthy traces carry the step-0 recipe (clip 1.0, beta2 0.95, the real param groups)."""
+    for name in HEALTHY:
+        rows = load(name)["metrics"]
+        assert any("peak_lr" in r for r in rows if r["step"] == 0), name
+        found = {f.name for f in diagnose_trace(rows, load(name)["events"])}
+        assert not found & {"no_clipping", "slow_second_moment", "no_lr_decay", "decay_on_norms"}, (name, found)
+

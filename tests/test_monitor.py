@@ -18,7 +18,8 @@ from nanolm.train import train
 from conftest import REPO, TINY_TRAIN, tiny_run_config
 
 STEP0_KEYS = {"step", "elapsed_s", "n_params", "tokens_per_step", "flops_per_token", "peak_flops",
-              "val_loss", "val_bpb", "val_ppl", "floor_bpb", "floor_loss"}
+              "val_loss", "val_bpb", "val_ppl", "floor_bpb", "floor_loss", "peak_lr", "min_lr", "warmup_steps",
+              "beta1", "beta2", "weight_decay", "clip", "decayed_norms_biases_embeddings"}
 TRAIN_KEYS = {"step", "loss", "lr", "grad_norm", "clipped", "clipped_steps", "clipped_frac", "tokens_per_sec",
               "mfu", "elapsed_s", "eta_s", "rss_mb"}
 LAYER_KEYS = {"weight_norm", "grad_norm", "update_ratio"}
@@ -30,6 +31,7 @@ def test_metrics_rows_follow_the_documented_schema(observed_run):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
     assert rows[0].keys() == STEP0_KEYS  # the generated stories come with their entropy: a floor
     assert rows[0]["flops_per_token"] > 0 and rows[0]["peak_flops"] > 0
+    assert rows[0]["clip"] == 1.25 and rows[0]["decayed_norms_biases_embeddings"] == 0  # the recipe, as run
     clip = 1.25  # the fixture's threshold
     for r in rows[1:]:
         assert r.keys() >= TRAIN_KEYS
@@ -303,3 +305,18 @@ def test_readers_leave_damaged_lines_out_and_say_how_many(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl", heard.append)] == [0, 2]
     assert [e["step"] for e in read_events(tmp_path, heard.append)] == [1]
     assert [h.split(": ")[-1] for h in heard] == ["2 damaged line(s) left out", "1 damaged line(s) left out"]
+
+
+def test_the_recorded_recipe_counts_what_the_optimizer_really_decays(tmp_path, stories_file):
+    """The step-0 recipe reads the optimizer's groups, not the options: an optimizer that decays
+    the norms and the embedding (the lab's fault) must be recorded as doing so, or
+    `nanolm diagnose` cannot name it."""
+    from nanolm.instruments.faults import components
+
+    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=1, eval_every=1)
+    cfg.debug.decay_everything = True
+    train(cfg, log=lambda *_: None, components=components(cfg))
+    recipe = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    # one block: two norm gains, the final norm, the (tied) embedding; the model has no biases
+    assert recipe["decayed_norms_biases_embeddings"] == 4
+    assert recipe["weight_decay"] == cfg.optim.weight_decay > 0

@@ -94,8 +94,8 @@ BUGS = [
     Bug("lr_one_step_late", "every step runs at the previous step's learning rate",
         "nanolm/train.py", "cosine_lr(step - 1, o.lr,", "cosine_lr(max(0, step - 2), o.lr,"),
     Bug("betas_swapped", "AdamW with beta1 = 0.95, beta2 = 0.9: trains, differently",
-        "nanolm/train.py", "optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))",
-        "optimizer = build_optimizer(model, o.lr, o.weight_decay, betas=(o.beta2, o.beta1))"),
+        "nanolm/train.py", "optimizer = components.optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))",
+        "optimizer = components.optimizer(model, o.lr, o.weight_decay, betas=(o.beta2, o.beta1))"),
     Bug("missing_zero_grad", "old gradients keep adding up: a heavy, unwanted momentum",
         "nanolm/step.py", "    parts.optimizer.zero_grad(set_to_none=True)\n", "    pass\n"),
     Bug("clipping_ignored", "--clip has no effect",
@@ -151,11 +151,16 @@ BUGS = [
         "checkpointer.restore(result.rollback_to, data_position=True)"),
     Bug("spike_on_the_raw_scale", "gradient-norm spikes judged by differences, not ratios: false alarms late in a run",
         "nanolm/guards.py", "        return (self._scaled(value) - median) / scale", "        return (value - median) / scale"),
+    # instruments
+    Bug("recipe_reads_the_options", "weight decay on norms and embeddings is logged as 0: diagnose cannot name it",
+        "nanolm/observer.py", 'if group.get("weight_decay", 0) > 0', 'if group.get("weight_decay", 0) < 0'),
+    Bug("replay_skips_the_steps_between", "a replayed step starts from the checkpoint's weights: not the step the run took",
+        "nanolm/instruments/replay.py", "    for s in range(start + 1, step):", "    for s in range(start + 1, start + 1):"),
 ]
 
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
-              "test_corpus test_guards test_distributed").split()
+              "test_corpus test_guards test_distributed test_replay").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:

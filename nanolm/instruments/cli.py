@@ -167,6 +167,13 @@ def _diagnose(args) -> int:
     return 1 if args.strict and any_found else 0
 
 
+def _replay(args) -> None:
+    from .replay import format_replay, replay
+
+    report = replay(args.run, args.step, args.device, log=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(report, indent=2) if args.json else format_replay(report))
+
+
 def _lab(args) -> int:
     from .lab import run_lab
 
@@ -279,18 +286,31 @@ def _add_health_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the findings as JSON (name, title, message, evidence)")
     p.set_defaults(func=_diagnose)
 
+    p = sub.add_parser("replay", help="replay one step of a run from its checkpoint, with every instrument on",
+                       description="Load the newest valid checkpoint before --step, re-train the steps in between "
+                       "exactly as the run did, then take step --step again and show its loss, gradient norm, "
+                       "per-layer gradient norms and update/weight ratios, max attention logit and dead MLP units "
+                       "per block, where a NaN was born, and the text of its first window; the replayed loss is "
+                       "compared with the logged one. Writes nothing. See docs/runbooks.md.")
+    p.add_argument("run", metavar="RUN_DIR", help="run directory written by `nanolm train`")
+    p.add_argument("--step", type=int, required=True, help="the optimizer step to replay (1 for the first)")
+    p.add_argument("--device", default=None, help="replay on another device (default: the run's own)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=_replay)
+
     from .lab import VARIANTS
 
     p = sub.add_parser("lab", help="a healthy run and the same run broken on purpose, each diagnosed",
                        description="Train a healthy baseline and deliberately broken variants on the built-in story "
                        "corpus (the real training code with one component swapped for a broken one), draw each one's "
                        "dashboard next to the baseline, run `nanolm diagnose` on it, and print a table: what was "
-                       "broken, the expected symptom, the diagnosis, matched or not. About a minute per variant on "
-                       "2 CPU cores. Exit status 1 if a variant is not matched. Variants: "
+                       "broken, the expected symptom, the diagnosis, matched or not. About half a minute per variant "
+                       "on 2 CPU cores. Exit status 1 if a variant is not matched. Variants: "
                        + "; ".join(f"{v.name}: {v.broken}" for v in VARIANTS) + ". See docs/health.md.")
     p.add_argument("--out", default="runs/lab", metavar="DIR", help="directory for the runs, lab.md and lab.json (default: runs/lab)")
     p.add_argument("--only", default=None, metavar="NAME,...", help="run only these variants (comma-separated)")
-    p.add_argument("--quick", action="store_true", help="a tiny model and corpus: seconds per variant (for tests)")
+    p.add_argument("--quick", action="store_true", help="a tiny model and corpus: seconds per variant; leaves out the variants whose symptom "
+                   "needs the full size, and lists them with the reason")
     p.add_argument("--steps", type=int, default=None, help="steps per variant (default: 500, or 200 with --quick)")
     p.add_argument("--seed", type=int, default=1337, help="seed of every run (default: 1337)")
     p.add_argument("--no-report", action="store_true", help="skip the dashboards (no matplotlib needed)")

@@ -38,6 +38,17 @@ The rules and what they look for (``docs/health.md`` has the long version):
 * ``fp16_underflow``: a rising share of gradient elements that are exactly zero under fp16.
 * ``attention_logits``: attention logits grown far beyond a healthy range (QK-norm).
 * ``dead_units``: a large share of MLP units that never open, for good.
+
+Four rules read the recipe the step-0 row records (the optimizer's settings as run: clip,
+betas, schedule, which tensors are decayed), because some mistakes are choices, not curves:
+
+* ``no_clipping``: clipping is off and a gradient norm reached 10x its median.
+* ``slow_second_moment``: beta2 near 1 with a warmup far shorter than the second moment's
+  memory, and an early burst of the gradient norm or the attention logits.
+* ``no_lr_decay``: the learning rate ends at its peak (a constant schedule).
+* ``decay_on_norms``: weight decay on norm gains, biases or embeddings.
+
+Each finding names the section of ``docs/runbooks.md`` that says what to do, step by step.
 """
 
 from __future__ import annotations
@@ -61,7 +72,8 @@ SPIKE_SIGMAS = 6.0  # a loss spike: this many local robust standard deviations a
 SPIKE_MIN_JUMP = 0.05  # ... and at least this many nats, and this share of the level:
 SPIKE_MIN_REL = 0.05
 GRAD_PRECURSOR = 2.0  # a gradient-norm spike: this many times its recent median
-DATA_SPIKES_MIN = 3  # data_spikes: at least this many isolated spikes without a gradient warning
+DATA_SPIKES_MIN = 3  # data_spikes: at least this many isolated spikes without a gradient warning,
+DATA_SPIKE_MIN_JUMP = 0.15  # ... each at least this many nats (a healthy run's noise reaches ~0.1 at loss ~0.5)
 CLIPPED_FRACTION = 0.5  # clipped_most_steps: share of post-warmup steps clipped
 MEMORISE_RISE = 0.05  # memorising: val loss this share above its minimum ...
 MEMORISE_MIN_RISE = 0.02  # ... and this many nats, over at least two evaluations
@@ -75,6 +87,11 @@ UNDERFLOW_LATE = 5e-4  # fp16_underflow: late share of exactly-zero gradients at
 UNDERFLOW_GROWTH = 3.0  # ... and this many times its early share
 ATTENTION_LOGIT_MAX = 100.0  # attention_logits: a max logit above this (healthy runs: ~10-30)
 DEAD_FRACTION = 0.1  # dead_units: share of a block's units shut, persisting to the end
+UNCLIPPED_SPIKE = 10.0  # no_clipping: without clipping, a gradient norm this many times its median
+SLOW_BETA2 = 0.99  # slow_second_moment: beta2 at least this, with a warmup shorter than ...
+SLOW_WARMUP_SHARE = 0.1  # ... this share of the second moment's memory, 1 / (1 - beta2) steps ...
+EARLY_INSTABILITY = 8.0  # ... and an early gradient norm this many times the later median
+NO_DECAY_SHARE = 0.9  # no_lr_decay: the last learning rate at least this share of the peak
 
 
 @dataclass
@@ -87,6 +104,7 @@ class Finding:
     title: str
     message: str
     evidence: dict = field(default_factory=dict)
+    runbook: str | None = None  # the section of docs/runbooks.md that says what to do, step by step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -387,7 +405,12 @@ def rule_loss_spike(t: Trace) -> Finding | None:
         f"that follows is an optimisation instability, not bad data: the update was too large for the curvature "
         f"there. Lower --lr, lengthen --warmup, or bound the attention logits with --qk-norm; "
         f"--on-spike rollback with --rollback-lr-scale 0.5 recovers automatically."
-        + (f" {len(spikes)} such spikes in all, at steps {[x['step'] for x in spikes][:10]}." if len(spikes) > 1 else ""),
+        + (f" {len(spikes)} such spikes in all, at steps {[x['step'] for x in spikes][:10]}." if len(spikes) > 1 else "")
+        + (f" One caution: the gradient norm and the loss rose in the same logged row, and the steps between rows are "
+           f"not logged, so which came first is not known; a single bad batch raises both at once and is gone by the "
+           f"next row. `nanolm replay RUN_DIR --step {s['step']}` tells them apart: a bad batch raises every layer's "
+           f"gradient alike and leaves the attention logits as they were."
+           if s["grad_norm_peak_step"] == s["step"] and s["isolated"] else ""),
         {"step": s["step"], "loss": _r(s["loss"]), "loss_before": _r(s["baseline"]),
          "grad_norm_peak": _r(s["grad_norm_peak"]), "grad_norm_peak_step": s["grad_norm_peak_step"],
          "grad_norm_median_before": _r(s["grad_norm_reference"]), "lr": _r(lr), "peak_lr": _r(peak),
@@ -396,7 +419,7 @@ def rule_loss_spike(t: Trace) -> Finding | None:
 
 def rule_data_spikes(t: Trace) -> Finding | None:
     spikes = [s for s in _loss_spikes(t.train) if not s["precursor"]]
-    isolated = [s for s in spikes if s["isolated"]]
+    isolated = [s for s in spikes if s["isolated"] and s["jump"] >= DATA_SPIKE_MIN_JUMP]
     if len(isolated) < DATA_SPIKES_MIN or len(isolated) < 0.6 * len(spikes):
         return None
     ratios = [s["grad_norm"] / s["grad_norm_reference"] for s in isolated
@@ -673,12 +696,130 @@ def rule_dead_units(t: Trace) -> Finding | None:
          "per_block": {b: _r(v, 3) for b, v in sorted(worst.items())}})
 
 
+# --------------------------------------------------------------------------- the recipe (step-0 row)
+def _recipe(t: Trace) -> dict:
+    """The optimizer's settings the run recorded in its step-0 row (older runs have none)."""
+    return next((r for r in t.rows if r["step"] == 0 and "peak_lr" in r), {})
+
+
+def rule_no_clipping(t: Trace) -> Finding | None:
+    recipe = _recipe(t)
+    norms = [(r["step"], r["grad_norm"]) for r in t.train if _finite(r.get("grad_norm"))]
+    if recipe.get("clip") != 0 or len(norms) < 20:
+        return None
+    median = statistics.median(n for _, n in norms)
+    step, peak = max(norms, key=lambda sn: sn[1])
+    if peak < UNCLIPPED_SPIKE * median:
+        return None
+    return Finding(
+        "no_clipping", "gradient-norm spikes reached the weights unclipped",
+        f"Clipping is off (clip 0) and the gradient norm reached {peak:.3g} at step {step}, {peak / median:.0f}x its "
+        f"median of {median:.3g}. Adam normalises each coordinate by its running second moment, so a sudden large "
+        f"gradient is not fully normalised away: that step moves the weights far more than a typical one, and at a "
+        f"high learning rate such steps push attention logits and norms into regions the run must then recover from. "
+        f"Clip the global norm (--clip 1.0, the usual value): it caps those steps and leaves the others alone.",
+        {"clip": 0, "grad_norm_max": _r(peak), "grad_norm_max_step": step, "grad_norm_median": _r(median),
+         "ratio": _r(peak / median, 3)})
+
+
+def rule_slow_second_moment(t: Trace) -> Finding | None:
+    recipe = _recipe(t)
+    beta2, warmup = recipe.get("beta2"), recipe.get("warmup_steps")
+    if not (_finite(beta2) and _finite(warmup)) or beta2 < SLOW_BETA2 or len(t.train) < 20:
+        return None
+    memory = 1 / (1 - beta2)
+    if warmup >= SLOW_WARMUP_SHARE * memory:
+        return None
+    cut = max(warmup + 1, t.last_step // 5)
+    early = [r["grad_norm"] for r in t.train if r["step"] <= cut and _finite(r.get("grad_norm"))]
+    later = [r["grad_norm"] for r in t.train if r["step"] > cut and _finite(r.get("grad_norm"))]
+    if not early or not later:
+        return None
+    ratio = max(early) / statistics.median(later)
+    logits = [max(v.values()) for _, v in t.blocks("attn_logit_max")]
+    if ratio < EARLY_INSTABILITY and not (logits and max(logits) > ATTENTION_LOGIT_MAX):
+        return None
+    return Finding(
+        "slow_second_moment", "Adam's second moment adapts too slowly for this warmup",
+        f"beta2 = {beta2:g} averages the squared gradients over ~{memory:.0f} steps, but the warmup lasts "
+        f"{warmup} steps; early in the run the gradient norm reached {max(early):.3g}, {ratio:.0f}x its later median"
+        + (f", and the attention logits grew to {max(logits):.0f}" if logits and max(logits) > ATTENTION_LOGIT_MAX
+           else "") + ". While the second moment still remembers the first, unrepresentative gradients, each "
+        "coordinate's step is mis-sized: too large where gradients grew, too small where they shrank, at the full "
+        "learning rate. Use beta2 = 0.95 (the usual choice for language models), or a warmup of at least "
+        f"~{SLOW_WARMUP_SHARE * memory:.0f} steps.",
+        {"beta2": beta2, "warmup_steps": warmup, "second_moment_memory_steps": _r(memory, 3),
+         "early_grad_norm_max": _r(max(early)), "later_grad_norm_median": _r(statistics.median(later)),
+         "attention_logit_max": _r(max(logits)) if logits else None})
+
+
+def rule_no_lr_decay(t: Trace) -> Finding | None:
+    lrs = [(r["step"], r["lr"]) for r in t.train if _finite(r.get("lr"))]
+    if len(lrs) < 20 or t.last_step - t.warmup_end < MIN_STEPS * 2 or not t.peak_lr:
+        return None
+    last_step, last_lr = lrs[-1]
+    if last_lr < NO_DECAY_SHARE * t.peak_lr:
+        return None
+    n = t.last_step
+    window = [r["loss"] for r in t.train if 0.6 * n < r["step"] <= 0.8 * n]
+    final = [r["loss"] for r in t.train if r["step"] > 0.8 * n]
+    change = (statistics.median(window) - statistics.median(final)) / statistics.median(window) if window and final \
+        else None
+    return Finding(
+        "no_lr_decay", "the learning rate never decays",
+        f"The learning rate is still {last_lr:.3g} at step {last_step}, {last_lr / t.peak_lr:.0%} of its peak: it never "
+        f"decayed." + (f" Over the last fifth of the run the loss fell {change:.1%}." if change is not None else "")
+        + " At a constant rate the weights keep bouncing around the minimum at the scale the rate sets; lowering "
+        "the rate at the end (cosine or linear decay to ~10 % of the peak, or the decay phase of a warmup-stable-decay "
+        "schedule) lets them settle, and the loss drops further in the last steps. Set --min-lr below --lr (its "
+        "default is lr / 10).",
+        {"last_lr": _r(last_lr), "peak_lr": _r(t.peak_lr), "last_step": last_step,
+         "loss_change_last_fifth": _r(change, 3) if change is not None else None})
+
+
+def rule_decay_on_norms(t: Trace) -> Finding | None:
+    recipe = _recipe(t)
+    decayed = recipe.get("decayed_norms_biases_embeddings")
+    if not decayed or not recipe.get("weight_decay"):
+        return None
+    final = [(s, v["final_norm"]) for s, v in t.blocks("weight_norm") if "final_norm" in v]
+    return Finding(
+        "decay_on_norms", "weight decay is applied to norms, biases or embeddings",
+        f"The optimizer applies weight decay {recipe['weight_decay']:g} to {decayed} parameter tensors that are norm "
+        f"gains, biases or embeddings. Decay pulls weights toward zero: right for the matrices that mix "
+        f"features, wrong for a norm's gains (their natural value is 1, and shrinking them rescales every activation "
+        f"after it) and for embeddings (a rare token's row gets a gradient only when the token occurs, but is decayed "
+        f"at every step). The run still trains, a little worse. Put those parameters in a group with weight_decay 0 "
+        f"(nanolm.optim.get_param_groups); `nanolm doctor` checks the groups before a run.",
+        {"decayed_norms_biases_embeddings": decayed, "weight_decay": recipe["weight_decay"],
+         "final_norm_weight_norm": [_r(final[0][1]), _r(final[-1][1])] if len(final) >= 2 else None})
+
+
 RULES = [rule_non_finite, rule_guard_actions, rule_loss_stuck, rule_leak, rule_loss_spike, rule_data_spikes,
          rule_clipped_most_steps, rule_memorising, rule_val_worse_than_start, rule_train_loss_rising, rule_resume_jump, rule_fp16_overflow,
-         rule_fp16_underflow, rule_attention_logits, rule_dead_units]
+         rule_fp16_underflow, rule_attention_logits, rule_dead_units, rule_no_clipping, rule_slow_second_moment,
+         rule_no_lr_decay, rule_decay_on_norms]
 
 
 # --------------------------------------------------------------------------- entry points
+RUNBOOKS = {  # finding -> the section of docs/runbooks.md that says what to do, in order
+    "non_finite": "the-loss-becomes-nan",
+    "fp16_overflow": "the-loss-becomes-nan",
+    "fp16_underflow": "the-loss-becomes-nan",
+    "guard_actions": "the-loss-jumped-and-recovered",
+    "loss_spike": "the-loss-jumped-and-recovered",
+    "data_spikes": "the-loss-jumped-and-recovered",
+    "attention_logits": "the-loss-jumped-and-recovered",
+    "no_clipping": "the-loss-jumped-and-recovered",
+    "train_loss_rising": "a-loss-spike-that-never-recovers",
+    "slow_second_moment": "a-loss-spike-that-never-recovers",
+    "memorising": "validation-loss-rises-while-training-loss-falls",
+    "val_worse_than_start": "validation-loss-rises-while-training-loss-falls",
+    "loss_stuck": "the-loss-is-flat-from-the-start",
+    "clipped_most_steps": "clipping-fires-on-most-steps",
+}
+
+
 def diagnose_trace(rows: list[dict], events: list[dict] | None = None, rules=None) -> list[Finding]:
     """Every finding of ``rules`` (default: all) on a run's metric rows and events."""
     trace = Trace(rows, events)
@@ -688,6 +829,7 @@ def diagnose_trace(rows: list[dict], events: list[dict] | None = None, rules=Non
     for rule in RULES if rules is None else rules:
         result = rule(trace)
         if result is not None:
+            result.runbook = result.runbook or RUNBOOKS.get(result.name)
             found.append(result)
     return found
 
@@ -708,4 +850,6 @@ def format_findings(run_dir, findings: list[Finding]) -> str:
         lines.append(f"{i}. [{f.name}] {f.title}")
         lines.append(f"   {f.message}")
         lines.append("   evidence: " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.evidence.items() if v is not None))
+        if f.runbook:
+            lines.append(f"   what to do, step by step: docs/runbooks.md#{f.runbook}")
     return "\n".join(lines)

@@ -48,6 +48,26 @@ class UnshiftedTargets(TrainBatches):
         return batches
 
 
+class RandomTargets(TrainBatches):
+    """Targets drawn uniformly at random, independently of the inputs (a data bug: the labels of
+    another stream, or a shuffled one): nothing predicts them, and the loss stays at ln V."""
+
+    def next(self, step):
+        batches = super().next(step)
+        high = int(np.max(self.tokens)) + 1
+        generator = torch.Generator().manual_seed(1_000_003 * step)
+        for b in batches:
+            b.targets = torch.randint(1, high, b.targets.shape, generator=generator)
+        return batches
+
+
+def decay_everything(model, lr, weight_decay, betas=(0.9, 0.95)):
+    """AdamW with weight decay on every parameter: norm gains, biases and embeddings are pulled
+    toward zero too (the gains lose their scale, rare tokens' rows are eroded)."""
+    params = list(dict.fromkeys(model.parameters()))  # a tied matrix once
+    return torch.optim.AdamW([{"params": params, "weight_decay": weight_decay}], lr=lr, betas=betas)
+
+
 def corrupt_tokens(tokens: np.ndarray, share: float, vocab_size: int, seed: int) -> np.ndarray:
     """One contiguous region of random ids, a third of the way in (a copy: the shards stay intact)."""
     out = np.array(tokens, dtype=np.int64)
@@ -131,6 +151,10 @@ def components(cfg: RunConfig):
     if debug.corrupt_data:
         share, seed = debug.corrupt_data, cfg.train.seed
         parts.batches = _with_corrupt_tokens(parts.batches, share, seed)
+    if debug.random_targets:
+        parts.batches = RandomTargets
+    if debug.decay_everything:
+        parts.optimizer = decay_everything
     if debug.loss_not_averaged:
         parts.loss_fn = loss_not_averaged(cfg.train.grad_accum)
     if debug.no_loss_scaling:

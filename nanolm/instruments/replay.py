@@ -1,0 +1,177 @@
+"""``nanolm replay RUN_DIR --step N``: one step of a past run, again, under the microscope.
+
+When a run's loss jumped at step 8,000, the question is whether *that batch* was bad or the
+model was already on the edge. A checkpoint holds everything that decides what happens next
+(weights, Adam's moments, the sampler's position, every random stream), so the step can be
+replayed exactly: load the newest valid checkpoint before step N, re-train the steps in
+between as the run did (bit for bit on the CPU it ran on), then take step N once more with
+every instrument on: its loss and gradient norm, the per-layer gradient norms and the update it
+makes, the largest attention logit and the dead MLP units per block, where a NaN was born if
+there is one, and the text of the batch. The replayed loss is compared with the logged one,
+which proves the replay is the run's step. Nothing is written to the run directory; the
+faults of a lab run (``[debug]`` in its config) are replayed too.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import (
+    Checkpointer,
+    check_training_state,
+    list_checkpoints,
+    load_state,
+    read_checkpoint_meta,
+    verify_checkpoint,
+)
+from ..config import load_run_config
+from ..data import PreparedData, WindowSampler
+from ..distributed import Distributed
+from ..errors import NanolmError
+from ..guards import Guard, nan_origin, read_events
+from ..monitor import read_metrics
+from ..observer import StepProbe
+from ..optim import cosine_lr, get_param_groups
+from ..precision import BF16AdamW, cast_weights_, resolve_precision
+from ..runtime import configure_determinism, resolve_device
+from ..stats import LayerStats
+from ..step import StepParts, counted_tokens, train_step
+from ..tokenizer import Tokenizer
+from ..train import Components, Progress
+from .faults import components as fault_components
+
+
+class _Ignored:
+    """Stands in for the parts of a run that a replay does not need (its observer)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def checkpoint_before(run_dir: Path, step: int, log=print) -> Path:
+    """The newest checkpoint strictly before ``step`` whose files verify and whose state loads."""
+    for ckpt_step, path in reversed(list_checkpoints(run_dir)):
+        if ckpt_step >= step:
+            continue
+        try:
+            verify_checkpoint(path)
+            check_training_state(path, load_state(path))
+            return path
+        except NanolmError as e:
+            log(f"warning: {e}; trying an earlier checkpoint")
+    raise NanolmError(f"{run_dir} has no valid checkpoint before step {step} to replay from "
+                      f"(checkpoints are kept with --keep; --keep 0 keeps them all)")
+
+
+def replay(run_dir, step: int, device: str | None = None, log=print) -> dict:
+    """Replay optimizer step ``step`` of the run in ``run_dir``; returns what it showed."""
+    run_dir = Path(run_dir)
+    if step < 1:
+        raise NanolmError(f"--step must be at least 1, got {step}")
+    if not (run_dir / "config.toml").is_file():
+        raise NanolmError(f"{run_dir} is not a run directory (no config.toml)")
+    checkpoint = checkpoint_before(run_dir, step, log)
+    meta = read_checkpoint_meta(checkpoint)
+    cfg = load_run_config(checkpoint / "config.toml")
+    t, o, d, g = cfg.train, cfg.optim, cfg.data, cfg.guard
+    if step > t.steps:
+        raise NanolmError(f"the run has {t.steps} steps; there is no step {step} to replay")
+    tokenizer = Tokenizer.load(checkpoint / "tokenizer.json")
+    data = PreparedData(run_dir / "data" if (run_dir / "data").is_dir() else Path(d.data))
+    if meta.get("data_digest", data.digest) != data.digest:
+        raise NanolmError(f"{data.dir} is not the data the checkpoint was trained on")
+    dev = resolve_device(device or t.device)
+    precision = resolve_precision(t.precision, dev)
+    configure_determinism(t.deterministic)
+    parts = fault_components(cfg) or Components()
+
+    world = int(meta["world_size"])  # a multi-process run is replayed as one process on its global batch
+    model = parts.model(cfg.model.gpt_config(tokenizer.vocab_size)).to(dev)
+    if precision.pure_bf16:
+        cast_weights_(model, torch.bfloat16)
+        optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                              master_weights=t.fp32_master, seed=t.seed)
+    else:
+        optimizer = parts.optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
+    scaler = parts.scaler(enabled=precision.name == "fp16")
+    sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size * world, seed=t.seed,
+                            random_offset=d.random_offset)
+    batches = parts.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum,
+                            doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
+    guard = Guard(None, g.on_nan, g.on_spike, g.spike_window, g.spike_threshold, g.max_rollbacks, log,
+                  g.rollback_lr_scale)
+    checkpointer = Checkpointer(Distributed("none", dev), run_dir, model, optimizer,
+                                {"sampler": batches, "scaler": scaler, "progress": Progress(), "guard": guard,
+                                 "observer": _Ignored()}, "", tokenizer, data.digest, every=t.ckpt_every,
+                                last_step=t.steps, log=log)
+    start = checkpointer.restore(checkpoint)
+    step_parts = StepParts(model, optimizer, schedule=lambda s: cosine_lr(s - 1, o.lr, o.warmup, t.steps, o.min_lr)
+                           * guard.lr_scale, clip=o.clip, scaler=scaler, autocast=precision.autocast, guard=guard,
+                           loss_fn=parts.loss_fn)
+    log(f"replay: from {checkpoint.name}, re-training steps {start + 1}..{step - 1}, then step {step}")
+    for s in range(start + 1, step):
+        result = train_step(step_parts, s, batches.next(s))
+        if result.action in ("rollback", "stop"):
+            raise NanolmError(f"the run's guard acted at step {s} ({result.action}; see events.jsonl): a replay "
+                              f"can go up to step {s}, not past it")
+
+    micro_batches = batches.next(step)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    probe = StepProbe(model, LayerStats(model, micro_batches[0], precision.autocast), precision.name == "fp16")
+    step_parts.guard = None  # step N is examined, whatever the guard would have decided
+    result = train_step(step_parts, step, micro_batches, probe)
+    loss, grad_norm = float(result.loss), float(result.grad_norm)
+    report = {"run": str(run_dir), "step": step, "from_checkpoint": checkpoint.name, "replayed_steps": step - 1 - start,
+              "loss": loss, "grad_norm": grad_norm, "lr": result.lr, "clipped": o.clip > 0 and grad_norm > o.clip,
+              "counted_tokens": counted_tokens(micro_batches), "layers": probe.after_update(),
+              "first_window": tokenizer.decode(micro_batches[0].idx[0].tolist())[:300]}
+    logged = next((r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == step and "loss" in r), None) \
+        if (run_dir / "metrics.jsonl").is_file() else None
+    rolled = [e for e in read_events(run_dir) if e.get("action") == "rollback" and isinstance(e.get("to_step"), int)
+              and e["to_step"] < step <= e["step"]]
+    if rolled:  # the logged row is the second pass's: the run went back past this step and drew new batches
+        report["note"] = (f"the run rolled back from step {rolled[0]['step']} to {rolled[0]['to_step']}: this replay is "
+                          f"the first pass through step {step}; metrics.jsonl keeps the second")
+    elif logged is not None:
+        report["logged_loss"] = logged["loss"]
+        report["matches_the_log"] = _same(loss, logged["loss"])
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        model.load_state_dict(before)
+        report.update(nan_origin(model, micro_batches[0], precision.autocast, tokenizer.vocab_size))
+    return report
+
+
+def _same(a: float, b: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return str(a) == str(b)
+    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def format_replay(r: dict) -> str:
+    lines = [f"step {r['step']} of {r['run']}, replayed from {r['from_checkpoint']} ({r['replayed_steps']} steps "
+             f"re-trained first)",
+             f"  loss {r['loss']:.4f} | grad norm {r['grad_norm']:.3f}{' (clipped)' if r['clipped'] else ''} | "
+             f"lr {r['lr']:.2e} | {r['counted_tokens']} counted tokens"]
+    if "note" in r:
+        lines.append(f"  note: {r['note']}")
+    if "logged_loss" in r:
+        lines.append(f"  the run logged loss {r['logged_loss']:.4f} at this step: "
+                     + ("the replay is that step" if r["matches_the_log"] else
+                        "the replay differs (another device or thread count, or --compile, changes the last bits)"))
+    layers = r["layers"]
+    for key, label in (("grad_norm", "gradient norm"), ("update_ratio", "update/weight"),
+                       ("attn_logit_max", "max attention logit"), ("mlp_dead_frac", "dead MLP units")):
+        values = {k.split("/", 1)[1]: v for k, v in layers.items() if k.startswith(key + "/")}
+        if values:
+            lines.append(f"  {label:20s} " + "  ".join(f"{name} {v:.3g}" for name, v in values.items()))
+    if "origin" in r:
+        lines.append(f"  first non-finite: {r['origin']}" + (f"; {r['bad_ids']} token ids out of range"
+                                                              if r.get("bad_ids") else ""))
+    lines.append("  first window: " + repr(r["first_window"][:160]))
+    return "\n".join(lines)
