@@ -126,15 +126,20 @@ def main():
     p.add_argument("--target", type=float, default=2.72, help="validation bits per byte to reach")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the run (default: PyTorch's)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seeds", default="", help="comma-separated seeds: one run each (× --repeats), --seed passed on")
     p.add_argument("extra", nargs="*", help="more flags for nanolm train, after --")
     args = p.parse_args()
     if Path(args.data).exists():
         args.data = str(Path(args.data).resolve())
     runs = []
     with tempfile.TemporaryDirectory(prefix="speedrun-") as tmp:
-        for i in range(args.repeats):
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()] or [None]
+        flags = args.extra
+        for i, seed in enumerate(s for s in seeds for _ in range(args.repeats)):
             run_dir = Path(tmp) / f"run{i}"
+            args.extra = flags + (["--seed", str(seed)] if seed is not None else [])
             result = run_once(args, run_dir)
+            result["seed"] = seed
             result.update(full_validation_bpb(run_dir, args.threads))
             runs.append(result)
     times = [r["time_to_target_s"] for r in runs if r["time_to_target_s"] is not None]
@@ -145,7 +150,7 @@ def main():
         "target_val_bpb": args.target,
         "threads": args.threads or "default",
         "cpus": os.cpu_count(),
-        "extra_flags": args.extra,
+        "extra_flags": flags,
         "median_time_to_target_s": statistics.median(times) if times else None,
         "reached": f"{len(times)}/{len(runs)}",
         "runs": runs,

@@ -20,11 +20,13 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from .errors import NanolmError
 from .guards import NAN_ACTIONS, SPIKE_ACTIONS
 from .model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from .monitor import LOG_SINKS, PROGRESS_MODES, parse_sinks
-from .optim import default_min_lr
+from .optim import OPTIMIZERS, default_min_lr, muon_available
 from .precision import PRECISIONS
 from .tokenizer import EOS, KINDS as TOKENIZER_KINDS
 
@@ -83,6 +85,13 @@ class OptimOptions:
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     clip: float = option(1.0, "clip the global gradient norm to this value (0 = never clip)")
+    optimizer: str = option("adamw", "adamw, or muon: Muon (orthogonalised momentum) on the hidden matrices, AdamW on "
+                            "embeddings, head, norms and biases (needs PyTorch >= 2.9; docs/speedrun.md)",
+                            choices=OPTIMIZERS)
+    muon_lr: float | None = option(None, "with --optimizer muon: peak learning rate of the hidden matrices (default: "
+                                   "--lr; Muon's update is scaled to AdamW's size, so the same rate means the same "
+                                   "step); the schedule's warmup and cosine apply to it alike")
+    muon_momentum: float = option(0.95, "with --optimizer muon: Muon's (Nesterov) momentum")
 
 
 @dataclass
@@ -196,6 +205,8 @@ class RunConfig:
             o.min_lr = default_min_lr(o.lr)
         if o.warmup is None:
             o.warmup = min(200, t.steps // 10)
+        if o.optimizer == "muon" and o.muon_lr is None:
+            o.muon_lr = o.lr
         if t.ckpt_every is None:
             t.ckpt_every = t.eval_every
         cfg.validate()
@@ -257,6 +268,20 @@ class RunConfig:
         if t.dist == "fsdp" and t.precision == "bf16-pure":
             raise NanolmError("--precision bf16-pure does not combine with --dist fsdp (its stochastic rounding works "
                               "on whole tensors, FSDP holds shards); use --precision bf16, or --dist ddp")
+        need(o.muon_lr is None or (finite(o.muon_lr) and o.muon_lr > 0), "muon_lr", o.muon_lr, "a positive number")
+        need(finite(o.muon_momentum) and 0 <= o.muon_momentum < 1, "muon_momentum", o.muon_momentum, "in [0, 1)")
+        if o.optimizer == "muon":
+            if not muon_available():
+                raise NanolmError(f"--optimizer muon needs PyTorch >= 2.9 (torch.optim.Muon); this is {torch.__version__}. "
+                                  f"Upgrade PyTorch, or use --optimizer adamw")
+            if t.dist == "fsdp":
+                raise NanolmError("--optimizer muon does not combine with --dist fsdp (Muon orthogonalises whole "
+                                  "matrices, FSDP holds each in shards); use --dist ddp")
+            if t.precision == "bf16-pure":
+                raise NanolmError("--optimizer muon does not combine with --precision bf16-pure (its bf16 optimizer "
+                                  "is AdamW's); use --precision bf16")
+        elif o.muon_lr is not None:
+            raise NanolmError("--muon-lr only applies to --optimizer muon")
         if t.fp32_master and t.precision != "bf16-pure":
             raise NanolmError("--fp32-master only applies to --precision bf16-pure "
                               "(fp32, bf16 and fp16 keep fp32 weights already)")
@@ -299,7 +324,7 @@ COMPATIBLE_ON_RESUME = {
     "train": {"steps", "eval_every", "eval_batches", "log_every", "sample_tokens", "out_dir", "device",
               "threads", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
               "peak_flops", "target_val_bpb", "dist"},
-    "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip"},
+    "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip", "muon_lr", "muon_momentum"},
     "guard": {f.name for f in dataclasses.fields(GuardOptions)},
 }
 

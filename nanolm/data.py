@@ -262,8 +262,9 @@ class PreparedData:
         largest = {"train.bin": -1, "val.bin": -1}
 
         def track_largest(name, block):
-            if name in largest and block:
-                largest[name] = max(largest[name], int(np.frombuffer(block, dtype=dtype).max()))
+            whole = len(block) - len(block) % dtype.itemsize  # a damaged file may end mid-id; its checksum fails
+            if name in largest and whole:
+                largest[name] = max(largest[name], int(np.frombuffer(block[:whole], dtype=dtype).max()))
 
         if verify:
             check_manifest(self.dir, self.meta["files"], f"prepared data {self.dir}", skip=(META_FILE,),

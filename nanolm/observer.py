@@ -94,7 +94,9 @@ class Observer:
         ``nanolm diagnose``) can tell a run without clipping or LR decay from the numbers alone."""
         o = self.cfg.optim
         recipe = {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup, "beta1": o.beta1, "beta2": o.beta2,
-                  "weight_decay": o.weight_decay, "clip": o.clip}
+                  "weight_decay": o.weight_decay, "clip": o.clip, "optimizer": o.optimizer}
+        if o.optimizer == "muon":
+            recipe.update(muon_lr=o.muon_lr, muon_momentum=o.muon_momentum)
         if self.optimizer is not None:  # what the optimizer really decays, not what the options say
             embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
             recipe["decayed_norms_biases_embeddings"] = sum(

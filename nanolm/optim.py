@@ -1,4 +1,5 @@
-"""AdamW with the right parameters decayed, and the warmup + cosine learning-rate schedule."""
+"""The optimizers (AdamW, or Muon for the hidden matrices beside AdamW for the rest), the
+parameters each one updates, and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -56,11 +57,127 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas=(0.9
     ~20 steps instead of ~1000, so a sudden jump in gradient size is absorbed quickly
     instead of producing an oversized update (standard for LM pretraining since GPT-3).
     """
-    device_types = {p.device.type for p in model.parameters()}
-    fused = len(device_types) == 1 and device_types <= set(FUSED_ADAMW_DEVICES)
     return torch.optim.AdamW(
-        get_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=fused or None
+        get_param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=_fused_adamw(model) or None
     )
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def muon_available() -> bool:
+    """``torch.optim.Muon`` ships with PyTorch 2.9 and later; nanolm's floor is 2.6."""
+    return hasattr(torch.optim, "Muon")
+
+
+def split_for_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(the matrices Muon updates, everything AdamW updates).
+
+    Muon replaces a matrix's update by the nearest orthogonal matrix (Newton-Schulz), which
+    makes sense for a matrix that maps one hidden space to another: every direction of the
+    update then gets the same step. It does not for the rest:
+
+    * the embedding table is a lookup, not a map: a row moves only when its token occurs,
+      and orthogonalising the update would spread that token's step over every row;
+    * the output head (tied to the embedding by default) maps to the vocabulary, whose
+      directions are the tokens' frequencies, not a basis to equalise;
+    * norm gains and biases are vectors: there is nothing to orthogonalise.
+
+    Rule: Muon takes a parameter iff it has exactly 2 dimensions and is neither an
+    ``nn.Embedding``'s weight nor the ``lm_head``'s (tied or not). A tied parameter is
+    listed once, so no parameter is in both lists.
+    """
+    excluded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        excluded.add(id(head.weight))
+    matrices, rest, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (matrices if p.dim() == 2 and id(p) not in excluded else rest).append(p)
+    return matrices, rest
+
+
+class MuonWithAdamW:
+    """Muon on the hidden matrices, AdamW on embeddings, head, norms and biases: one optimizer
+    to the training loop (``step``, ``zero_grad``, ``param_groups``, ``state_dict``).
+
+    Learning rates. Muon's update is an orthogonal matrix, whose size does not depend on the
+    gradient's; PyTorch's ``adjust_lr_fn="match_rms_adamw"`` scales it (0.2·sqrt(max(rows,
+    cols))) so that its RMS matches a typical AdamW update at the same rate. So ``muon_lr``
+    means what ``lr`` means for AdamW, and by default it *is* ``lr``: one rate to sweep. The
+    schedule (warmup + cosine) multiplies both alike; ``lr_ratio`` in each group is that
+    group's peak over the AdamW peak (:func:`set_learning_rate`).
+
+    Weight decay is decoupled in both (``w -= lr·wd·w``), on Muon's matrices and AdamW's
+    decayed group (no decay on norms, biases, embeddings, as :func:`get_param_groups`).
+    """
+
+    def __init__(self, model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                 muon_lr: float | None = None, momentum: float = 0.95):
+        matrices, _ = split_for_muon(model)
+        self.lr_ratio = (muon_lr if muon_lr is not None else lr) / lr
+        self.muon = torch.optim.Muon([{"params": matrices, "lr_ratio": self.lr_ratio}], lr=lr * self.lr_ratio,
+                                     weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+        in_muon = {id(p) for p in matrices}
+        rest = [{**group, "params": [p for p in group["params"] if id(p) not in in_muon]}  # decayed as for AdamW
+                for group in get_param_groups(model, weight_decay)]
+        self.adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, eps=eps, fused=_fused_adamw(model) or None)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def step(self) -> None:
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none=set_to_none)
+        self.adamw.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"muon", "adamw"}:
+            raise ValueError("not the state of a Muon + AdamW optimizer (was the run trained with --optimizer adamw?)")
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+        for group in self.muon.param_groups:  # the ratio is this run's --muon-lr, which may change on resume
+            group["lr_ratio"] = self.lr_ratio
+
+    def describe(self, model: nn.Module) -> str:
+        """The parameter split, shown at start: which tensors each optimizer updates."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        muon = [p for g in self.muon.param_groups for p in g["params"]]
+        adamw = [p for g in self.adamw.param_groups for p in g["params"]]
+        kinds = sorted({names[id(p)].split(".")[-2] if "." in names[id(p)] else names[id(p)] for p in muon})
+        count = lambda ps: sum(p.numel() for p in ps)  # noqa: E731
+        return (f"optimizer: Muon on {len(muon)} hidden matrices ({', '.join(kinds)}; {count(muon):,} parameters), "
+                f"AdamW on {len(adamw)} others (embeddings, head, norms, biases; {count(adamw):,} parameters)")
+
+
+def _fused_adamw(model: nn.Module) -> bool:
+    device_types = {p.device.type for p in model.parameters()}
+    return len(device_types) == 1 and device_types <= set(FUSED_ADAMW_DEVICES)
+
+
+def optimizer_for(model: nn.Module, o) -> torch.optim.Optimizer | MuonWithAdamW:
+    """The optimizer ``--optimizer`` names, built from the run's optimizer options ``o``."""
+    betas = (o.beta1, o.beta2)
+    if o.optimizer == "muon":
+        return MuonWithAdamW(model, o.lr, o.weight_decay, betas, muon_lr=o.muon_lr, momentum=o.muon_momentum)
+    return build_optimizer(model, o.lr, o.weight_decay, betas=betas)
+
+
+def set_learning_rate(optimizer, lr: float) -> None:
+    """Every group at the schedule's rate for this step, times its own peak ratio (1 for
+    AdamW's groups, ``muon_lr / lr`` for Muon's)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
 
 
 def default_min_lr(max_lr: float) -> float:

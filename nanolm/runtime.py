@@ -66,7 +66,8 @@ def configure_determinism(enabled: bool) -> None:
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(enabled)
+    if enabled != torch.are_deterministic_algorithms_enabled():  # the call imports torch._inductor: 1.3 s on a CPU
+        torch.use_deterministic_algorithms(enabled)
 
 
 def configure_threads(threads: int, device: torch.device, log=print) -> None:

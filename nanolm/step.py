@@ -33,6 +33,7 @@ import torch
 from .data import Batch
 from .distributed import Distributed, gradient_sync
 from .loss import masked_cross_entropy_sum
+from .optim import set_learning_rate
 from .precision import DynamicLossScaler
 
 
@@ -118,8 +119,7 @@ def train_step(parts: StepParts, step: int, micro_batches: list[Batch], probe=No
     """
     # 1. the learning rate of this step
     lr = parts.schedule(step)
-    for group in parts.optimizer.param_groups:
-        group["lr"] = lr
+    set_learning_rate(parts.optimizer, lr)  # every group; Muon's at its own peak ratio
 
     # 2. forward and backward, every token's loss divided by the step's count of counted tokens
     count = parts.dist.sum(counted_tokens(micro_batches))  # every micro-batch of every rank, counted once

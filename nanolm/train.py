@@ -48,7 +48,7 @@ from .guards import Guard, nan_origin
 from .model import GPT
 from .monitor import missing_sink_packages, parse_sinks
 from .observer import Observer
-from .optim import build_optimizer, cosine_lr, get_param_groups
+from .optim import cosine_lr, get_param_groups, optimizer_for
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
 from .rundir import locate_run, set_up_run_directory, use_prepared_tokenizer
 from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads, resolve_device,
@@ -91,7 +91,7 @@ class Components:
     to break a run the way real bugs do; the defaults are nanolm's own."""
 
     model: Callable = GPT
-    optimizer: Callable = build_optimizer
+    optimizer: Callable = optimizer_for
     batches: Callable = TrainBatches
     loss_fn: Callable = masked_cross_entropy_sum
     scaler: Callable = DynamicLossScaler
@@ -215,7 +215,9 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
         optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                               master_weights=t.fp32_master, seed=t.seed)
     else:
-        optimizer = components.optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
+        optimizer = components.optimizer(model, o)
+        if hasattr(optimizer, "describe"):
+            log(optimizer.describe(model))
     scaler = components.scaler(enabled=precision.name == "fp16")
     step_model = torch.compile(step_model) if t.compile else step_model
 

@@ -6,13 +6,17 @@ session may never have, so the CPU suite is where its breakage has to show.
 """
 
 import json
+import math
 import runpy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import nanolm.model
+from nanolm.instruments.cli import main
+from nanolm.optim import muon_available
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -48,3 +52,42 @@ def test_sharded_checkpoint_benchmark_compares_both_formats_and_checks_every_loa
     assert ".metadata" in result["pickle"]["files"]
     assert all(name.endswith(".safetensors") for name in result["safetensors"]["files"])
     assert result["safetensors_over_pickle"]["save"] > 0 and result["safetensors"]["plain_process_load_s"] > 0
+
+
+CONFIGS = sorted((BENCHMARKS.parent / "configs").glob("*.toml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_shipped_config_trains_a_few_steps(config, tmp_path, stories_file):
+    """The speedrun tracks' configs (and the others) never rot: each trains three steps as
+    written, on a local corpus instead of its download."""
+    if "muon" in config.read_text() and not muon_available():
+        pytest.skip("the config uses Muon (PyTorch >= 2.9)")
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(config), "--data", str(stories_file), "--out-dir", str(out), "--steps", "3",
+                 "--eval-every", "3", "--eval-batches", "1", "--warmup", "1", "--sample-tokens", "0",
+                 "--target-val-bpb", "0", "--threads", "1"]) == 0
+    assert (out / "final.json").is_file()
+
+
+def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, monkeypatch, capsys):
+    """Against a stand-in checkout (nanoGPT itself is never shipped): the data step writes the
+    format nanoGPT reads, the recipe's flags reach train.py, and the curve is parsed in bits."""
+    repo = tmp_path / "nanogpt"
+    (repo / "config").mkdir(parents=True)
+    (repo / "config" / "train_shakespeare_char.py").write_text("")
+    (repo / "train.py").write_text(
+        "import sys, numpy as np\n"
+        "ids = np.fromfile('data/shakespeare_char/train.bin', dtype=np.uint16)\n"
+        "assert '--max_iters=20' in sys.argv and '--n_embd=128' in sys.argv\n"
+        "print(f'step 0: train loss 4.0000, val loss 4.1000')\n"
+        "print(f'step 20: train loss 1.8000, val loss {1.8 if len(ids) == 90 else 9:.4f}')\n")
+    text = tmp_path / "input.txt"
+    text.write_text("abcdefghij" * 10)
+    monkeypatch.setattr(sys, "argv", ["nanogpt_reference.py", "--nanogpt", str(repo), "--data", str(text),
+                                      "--max-iters", "20"])
+    runpy.run_path(str(BENCHMARKS / "nanogpt_reference.py"), run_name="__main__")
+    result = json.loads(capsys.readouterr().out)
+    assert [c["iter"] for c in result["curve"]] == [0, 20]
+    assert result["final_val_bpb"] == pytest.approx(1.8 / math.log(2), abs=1e-4)  # nats per ASCII char -> bits per byte
+    assert result["target_seen_at_s"] is not None

@@ -24,6 +24,7 @@ from nanolm.checkpoint import (
 from nanolm.instruments.cli import main
 from nanolm.errors import NanolmError
 from nanolm.monitor import read_metrics
+from nanolm.optim import muon_available
 from nanolm.tokenizer import train_char
 
 from conftest import run_cli, tiny_model
@@ -244,11 +245,15 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16-pure"])
-def test_resume_is_bit_identical_under_low_precision(tmp_path, stories_file, precision):
-    """The loss scaler's state (fp16) and the bf16 optimizer's state resume exactly too."""
+@pytest.mark.parametrize("setting", [
+    ["--precision", "fp16"], ["--precision", "bf16-pure"],
+    pytest.param(["--optimizer", "muon"], marks=pytest.mark.skipif(not muon_available(), reason="needs PyTorch >= 2.9")),
+], ids=["fp16", "bf16-pure", "muon"])
+def test_resume_is_bit_identical_under_low_precision_and_muon(tmp_path, stories_file, setting):
+    """The loss scaler's state (fp16), the bf16 optimizer's state and Muon's momentum beside
+    AdamW's moments resume exactly too."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ["--steps", 6, "--eval-every", 3, "--ckpt-every", 3, "--precision", precision]
+    common = ["--steps", 6, "--eval-every", 3, "--ckpt-every", 3, *setting]
     assert _train(stories_file, straight, *common).returncode == 0
     assert _train(stories_file, resumed, *common, "--debug-kill-after-checkpoint", 3).returncode == -signal.SIGKILL
     r = _train(stories_file, resumed, *common)

@@ -115,6 +115,11 @@ def _error_line(capsys):
     (b"plenty of text " * 500, ["--rollback-lr-scale", "0"], "--rollback-lr-scale must be in (0, 1]"),
     (b"plenty of text " * 500, ["--target-val-bpb", "-1"], "--target-val-bpb must be >= 0"),
     (b"plenty of text " * 500, ["--resume", "no/such/run"], "no valid checkpoint there"),
+    (b"plenty of text " * 500, ["--optimizer", "muon", "--dist", "fsdp"], "--optimizer muon does not combine with --dist fsdp"),
+    (b"plenty of text " * 500, ["--optimizer", "muon", "--precision", "bf16-pure"], "use --precision bf16"),
+    (b"plenty of text " * 500, ["--muon-lr", "0.01"], "--muon-lr only applies to --optimizer muon"),
+    (b"plenty of text " * 500, ["--optimizer", "muon", "--muon-lr", "0"], "--muon-lr must be a positive number"),
+    (b"plenty of text " * 500, ["--optimizer", "muon", "--muon-momentum", "1"], "--muon-momentum must be in [0, 1)"),
     (b"plenty of text " * 2000, ["--batch-size", "100000", "--tokenizer", "char", "--n-layer", "4", "--n-head", "4",
                                   "--n-embd", "128", "--seq-len", "128"], "lower --batch-size"),  # ~700 GB
 ])

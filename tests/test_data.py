@@ -292,6 +292,17 @@ def test_truncated_shards_are_detected(tmp_path):
         PreparedData(tmp_path / "out")
 
 
+@pytest.mark.parametrize("size", [9, 11])
+def test_shards_that_end_mid_token_are_named_as_damaged(tmp_path, size):
+    """A shard cut (or overwritten) at an odd byte count ends in half a token id: the check
+    names the file, it does not trip over the half id."""
+    src = _write_txt(tmp_path / "d.txt", DOCS * 4)
+    prepare(src, tmp_path / "out", "bpe", 300, progress=False)  # 2-byte ids
+    (tmp_path / "out" / "train.bin").write_bytes(b"\x01" * size)
+    with pytest.raises(NanolmError, match="train.bin"):
+        PreparedData(tmp_path / "out")
+
+
 def test_boundary_statistics_match_a_brute_force_count():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 40, size=200)

@@ -30,6 +30,7 @@ from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
 from nanolm.tokenizer import train_char
 from nanolm.monitor import read_metrics
+from nanolm.optim import muon_available
 from nanolm.step import accumulate_gradients, counted_tokens
 
 from conftest import REPO, tiny_model
@@ -155,6 +156,18 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(mode, one_proce
     _assert_same_run(rows, ref)
     assert all(r["grad_norm"] > CLIP for r in ref if "grad_norm" in r)  # clipping acted on every step
     _assert_same_weights(mode, _weights(run / "model.safetensors"), _weights(one_process / "model.safetensors"))
+
+
+@pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
+def test_muon_on_two_ranks_equals_one_process_with_twice_the_accumulation(tmp_path, uneven_corpus):
+    """Under DDP every rank orthogonalises the same all-reduced gradient, so Muon's update is
+    the one a single process computes on the whole batch."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(["train", "--data", str(uneven_corpus), "--out-dir", str(one), *RUN, *ONE_PROCESS,
+                 "--optimizer", "muon"]) == 0
+    _ok(torchrun("--data", uneven_corpus, "--out-dir", two, *RUN, *TWO_RANKS, "--dist", "ddp", "--optimizer", "muon"))
+    _assert_same_run(_rows(two), _rows(one))
+    _assert_same_weights("ddp", _weights(two / "model.safetensors"), _weights(one / "model.safetensors"))
 
 
 def _assert_same_weights(mode: str, ours: dict, theirs: dict) -> None:

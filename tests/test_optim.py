@@ -3,7 +3,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanolm.optim import build_optimizer, cosine_lr, get_param_groups
+from nanolm.data import Batch
+from nanolm.optim import MuonWithAdamW, build_optimizer, cosine_lr, get_param_groups, muon_available, set_learning_rate
+from nanolm.step import StepParts, train_step
 
 from conftest import tiny_model
 
@@ -82,3 +84,64 @@ def test_the_fused_adamw_nanolm_builds_on_cpu_follows_the_textbook_update():
             opt.zero_grad()
     for a, b in zip(fused_model.parameters(), loop_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ Muon beside AdamW
+muon = pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
+HIDDEN = ("attn.qkv.weight", "attn.proj.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight")
+
+
+@muon
+@pytest.mark.parametrize("tied", [True, False])
+def test_muon_takes_the_hidden_matrices_and_adamw_everything_else(tied):
+    """Every parameter in exactly one group; Muon gets no vector, no embedding, no output head
+    (orthogonalising a lookup table's or the vocabulary's update makes no sense)."""
+    model = tiny_model(tie_embeddings=tied)
+    opt = MuonWithAdamW(model, lr=1e-3, weight_decay=0.1)
+    in_muon = [p for g in opt.muon.param_groups for p in g["params"]]
+    everything = [p for g in opt.param_groups for p in g["params"]]
+    assert len({id(p) for p in everything}) == len(everything)  # nothing in two groups
+    assert {id(p) for p in everything} == {id(p) for p in model.parameters()}  # nothing left out
+    assert _names(model, in_muon) == {n for n, _ in model.named_parameters() if n.endswith(HIDDEN)}
+    assert all(p.dim() == 2 for p in in_muon)
+    assert id(model.embed.weight) not in {id(p) for p in in_muon}
+    assert id(model.lm_head.weight) not in {id(p) for p in in_muon}
+    decayed = _names(model, opt.adamw.param_groups[0]["params"])
+    assert opt.adamw.param_groups[0]["weight_decay"] == 0.1 and opt.adamw.param_groups[1]["weight_decay"] == 0.0
+    assert decayed == (set() if tied else {"lm_head.weight"})  # an untied head is decayed, as under AdamW
+    assert "optimizer: Muon on 10 hidden matrices" in opt.describe(model)
+
+
+@muon
+def test_a_muon_update_is_orthogonal_and_the_size_of_an_adamw_update_at_the_same_rate():
+    """Muon's step on a matrix is (close to) an orthogonal matrix, whatever the gradient's size,
+    scaled so that its RMS is about AdamW's (0.2 lr): the same --lr means a step of the same size."""
+    model, lr = tiny_model(), 1e-2
+    opt = MuonWithAdamW(model, lr=lr, weight_decay=0.0)
+    w = model.blocks[0].mlp.up.weight  # 64 x 32
+    before = w.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-4  # a tiny gradient: Adam and Muon both ignore its scale
+    opt.step()
+    update = (w.detach() - before) / lr
+    rms = update.pow(2).mean().sqrt().item()
+    assert 0.12 < rms < 0.25, rms
+    singular = torch.linalg.svdvals(update.double())
+    assert singular.max() / singular.min() < 2  # all directions move alike (measured 1.6; the gradient itself: 3.2)
+
+
+@muon
+def test_each_group_runs_at_its_own_peak_on_the_shared_schedule():
+    """The schedule's rate times the group's own ratio: Muon's matrices at --muon-lr's share,
+    AdamW's groups at --lr's; the ratio is the current run's even after loading an older state."""
+    model = tiny_model()
+    opt = MuonWithAdamW(model, lr=1e-3, weight_decay=0.1, muon_lr=3e-3)
+    parts = StepParts(model=model, optimizer=opt, schedule=lambda step: 5e-4)
+    batch = Batch(torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32)), torch.ones(2, 32, dtype=torch.bool))
+    train_step(parts, 1, [batch])
+    assert [g["lr"] for g in opt.muon.param_groups] == [pytest.approx(1.5e-3)]
+    assert [g["lr"] for g in opt.adamw.param_groups] == [5e-4, 5e-4]
+    resumed = MuonWithAdamW(tiny_model(), lr=1e-3, weight_decay=0.1, muon_lr=2e-3)  # --muon-lr changed on resume
+    resumed.load_state_dict(opt.state_dict())
+    set_learning_rate(resumed, 5e-4)
+    assert [g["lr"] for g in resumed.muon.param_groups] == [pytest.approx(1e-3)]

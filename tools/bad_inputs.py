@@ -60,6 +60,9 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("--dist ddp without torchrun", train("--dist", "ddp")),
         ("bf16-pure under fsdp", train("--dist", "fsdp", "--precision", "bf16-pure")),
         ("--fp32-master without bf16-pure", train("--fp32-master")),
+        ("muon under fsdp", train("--optimizer", "muon", "--dist", "fsdp")),
+        ("muon with bf16-pure", train("--optimizer", "muon", "--precision", "bf16-pure")),
+        ("--muon-lr without muon", train("--muon-lr", "0.01")),
         ("BPE vocabulary too small", train("--tokenizer", "bpe", "--vocab-size", "100")),
         ("n_embd not divisible by n_head", train("--n-embd", "30", "--n-head", "4")),
         ("unknown --log sink", train("--log", "csv")),
@@ -73,7 +76,8 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
                         ("--log-every", "0"), ("--eval-batches", "0"), ("--val-fraction", "1"),
                         ("--peak-flops", "-5"), ("--target-val-bpb", "-1"), ("--spike-threshold", "0"),
                         ("--spike-window", "2"), ("--max-rollbacks", "-1"), ("--rollback-lr-scale", "0"),
-                        ("--stories", "0"), ("--vocab-size", "0"), ("--steps", "ten")]:
+                        ("--stories", "0"), ("--vocab-size", "0"), ("--steps", "ten"),
+                        ("--muon-momentum", "1.5")]:
         out.append((f"{flag} {value}", train(flag, value)))
     out += [
         ("sample: not a run", ["sample", "--run", str(d / "empty_dir")]),

@@ -94,8 +94,7 @@ BUGS = [
     Bug("lr_one_step_late", "every step runs at the previous step's learning rate",
         "nanolm/train.py", "cosine_lr(step - 1, o.lr,", "cosine_lr(max(0, step - 2), o.lr,"),
     Bug("betas_swapped", "AdamW with beta1 = 0.95, beta2 = 0.9: trains, differently",
-        "nanolm/train.py", "optimizer = components.optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))",
-        "optimizer = components.optimizer(model, o.lr, o.weight_decay, betas=(o.beta2, o.beta1))"),
+        "nanolm/optim.py", "    betas = (o.beta1, o.beta2)\n", "    betas = (o.beta2, o.beta1)\n"),
     Bug("missing_zero_grad", "old gradients keep adding up: a heavy, unwanted momentum",
         "nanolm/step.py", "    parts.optimizer.zero_grad(set_to_none=True)\n", "    pass\n"),
     Bug("clipping_ignored", "--clip has no effect",
@@ -156,6 +155,13 @@ BUGS = [
         "nanolm/observer.py", 'if group.get("weight_decay", 0) > 0', 'if group.get("weight_decay", 0) < 0'),
     Bug("replay_skips_the_steps_between", "a replayed step starts from the checkpoint's weights: not the step the run took",
         "nanolm/instruments/replay.py", "    for s in range(start + 1, step):", "    for s in range(start + 1, start + 1):"),
+    Bug("muon_takes_the_embedding", "Muon orthogonalises the embedding table's (and tied head's) update too",
+        "nanolm/optim.py", "(matrices if p.dim() == 2 and id(p) not in excluded else rest)",
+        "(matrices if p.dim() == 2 else rest)"),
+    Bug("muon_at_adamws_rate", "--muon-lr is ignored: the matrices run at --lr",
+        "nanolm/optim.py", 'group["lr"] = lr * group.get("lr_ratio", 1.0)', 'group["lr"] = lr * 1.0'),
+    Bug("muon_momentum_not_restored", "a resumed Muon run restarts its momentum from zero",
+        "nanolm/optim.py", '        self.muon.load_state_dict(state["muon"])\n', "        pass\n"),
 ]
 
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir "

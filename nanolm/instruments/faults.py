@@ -61,11 +61,11 @@ class RandomTargets(TrainBatches):
         return batches
 
 
-def decay_everything(model, lr, weight_decay, betas=(0.9, 0.95)):
+def decay_everything(model, o):
     """AdamW with weight decay on every parameter: norm gains, biases and embeddings are pulled
     toward zero too (the gains lose their scale, rare tokens' rows are eroded)."""
     params = list(dict.fromkeys(model.parameters()))  # a tied matrix once
-    return torch.optim.AdamW([{"params": params, "weight_decay": weight_decay}], lr=lr, betas=betas)
+    return torch.optim.AdamW([{"params": params, "weight_decay": o.weight_decay}], lr=o.lr, betas=(o.beta1, o.beta2))
 
 
 def corrupt_tokens(tokens: np.ndarray, share: float, vocab_size: int, seed: int) -> np.ndarray:

@@ -98,7 +98,7 @@ def replay(run_dir, step: int, device: str | None = None, log=print) -> dict:
         optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                               master_weights=t.fp32_master, seed=t.seed)
     else:
-        optimizer = parts.optimizer(model, o.lr, o.weight_decay, betas=(o.beta1, o.beta2))
+        optimizer = parts.optimizer(model, o)
     scaler = parts.scaler(enabled=precision.name == "fp16")
     sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size * world, seed=t.seed,
                             random_offset=d.random_offset)
