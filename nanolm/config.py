@@ -36,8 +36,14 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-def option(default, help: str, choices=None, flag: str | None = None):
-    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+def option(default, help: str, choices=None, flag: str | None = None, parse=None):
+    """A field with its help text; ``parse`` reads a value written as text (``--threads auto``)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "parse": parse})
+
+
+def thread_count(text: str) -> int:
+    """``auto`` (0) or a number of threads."""
+    return 0 if str(text).strip().lower() == "auto" else int(text)
 
 
 @dataclass
@@ -101,9 +107,11 @@ class TrainOptions:
     grad_accum: int = option(1, "micro-batches per optimizer step (tokens/step = batch_size × grad_accum × seq_len)")
     seed: int = option(1337, "seed for initialisation, data order and sampling")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    threads: int = option(0, "CPU threads for PyTorch's kernels (0 = PyTorch's default, one per core). On a machine "
-                          "that other jobs also use, fewer threads than cores is often much faster: the threads "
-                          "wait on each other (docs/benchmarks.md)")
+    threads: int = option(0, "CPU threads for PyTorch's kernels: auto (or 0) measures, at the second step and "
+                          "whenever the machine's load changes, which count (all cores, half, one) runs the step "
+                          "fastest, and switches only for a clear gain: on a machine other jobs also use, fewer "
+                          "threads than cores is often several times faster. A number fixes the count "
+                          "(--deterministic keeps PyTorch's default); docs/benchmarks.md", parse=thread_count)
     compile: bool = option(False, "torch.compile the model: ~25 s of compiling at start-up, then faster steps "
                            "(1.18x at the default model on 2 CPU cores, so it pays after ~1,600 steps; more on a "
                            "GPU); leave it off while debugging (docs/benchmarks.md)")
@@ -244,7 +252,7 @@ class RunConfig:
         need(finite(m.dropout) and 0 <= m.dropout < 1, "dropout", m.dropout, "in [0, 1)")
         need(m.seq_len >= 2, "seq_len", m.seq_len, "at least 2")
         need(0 <= t.seed < 2**32, "seed", t.seed, "in [0, 2^32)")
-        need(t.threads >= 0, "threads", t.threads, ">= 0 (0 = PyTorch's default)")
+        need(t.threads >= 0, "threads", t.threads, "auto, or a number of threads >= 1")
         need(t.stats_every >= 0, "stats_every", t.stats_every, ">= 0 (0 = never)")
         need(t.keep >= 0, "keep", t.keep, ">= 0 (0 = keep every checkpoint)")
         need(t.sample_tokens >= 0, "sample_tokens", t.sample_tokens, ">= 0 (0 = no sample)")
@@ -362,7 +370,13 @@ assert len(_OWNER) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values())
 
 
 def _coerce(name: str, value, source: str):
-    kind = _field_type(next(f for f in dataclasses.fields(_OWNER[name]) if f.name == name))
+    f = next(f for f in dataclasses.fields(_OWNER[name]) if f.name == name)
+    kind = _field_type(f)
+    if f.metadata["parse"] and isinstance(value, str):
+        try:
+            value = f.metadata["parse"](value)
+        except ValueError:
+            raise NanolmError(f"{name} in {source} must be a {kind.__name__} or auto, got {value!r}") from None
     if kind is bool:
         if not isinstance(value, bool):
             raise NanolmError(f"{name} in {source} must be true or false, got {value!r}")
@@ -415,7 +429,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
-                kwargs["type"] = kind
+                kwargs["type"] = f.metadata["parse"] or kind
                 kwargs["metavar"] = f.name.upper() if not f.metadata["choices"] else None
                 if f.metadata["choices"]:
                     kwargs["choices"] = f.metadata["choices"]

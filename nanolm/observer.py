@@ -128,6 +128,8 @@ class Observer:
             return {}
         row = self.meter.row(step, result.loss, result.lr, result.grad_norm)  # the one host sync of a logged step
         row["tokens"] = self.progress.tokens_seen
+        if self.dist.device.type == "cpu":
+            row["threads"] = torch.get_num_threads()  # --threads auto may change it mid-run
         row.update(self.scaler.metrics())
         if probe is not None:
             row.update(probe.after_update())

@@ -70,8 +70,9 @@ def configure_determinism(enabled: bool) -> None:
         torch.use_deterministic_algorithms(enabled)
 
 
-def configure_threads(threads: int, device: torch.device, log=print) -> None:
-    """Set ``--threads`` and warn when the CPU is already busy with other work.
+def configure_threads(threads: int, device: torch.device, log=print, auto: bool = True) -> None:
+    """Set ``--threads`` (0: leave PyTorch's default, which ``--threads auto`` then tunes,
+    see ``nanolm.threads``) and warn when a fixed count meets a CPU busy with other work.
 
     PyTorch splits each CPU kernel across one thread per core, and every thread waits for
     the slowest at the end of each kernel. When another process holds a core, the thread on
@@ -82,8 +83,8 @@ def configure_threads(threads: int, device: torch.device, log=print) -> None:
     """
     if threads:
         torch.set_num_threads(threads)
-    if device.type != "cpu" or not hasattr(os, "getloadavg"):
-        return
+    if device.type != "cpu" or not hasattr(os, "getloadavg") or (not threads and auto):
+        return  # --threads auto measures for itself
     cores, used = os.cpu_count() or 1, torch.get_num_threads()
     busy = os.getloadavg()[0]
     if used > 1 and busy + used > cores + 0.75:

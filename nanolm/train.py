@@ -32,7 +32,7 @@ import contextlib
 import math
 import signal
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -54,6 +54,7 @@ from .rundir import locate_run, set_up_run_directory, use_prepared_tokenizer
 from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads, resolve_device,
                       seed_everything)
 from .stats import peak_flops
+from .threads import ThreadTuner
 from .step import StepParts, train_step
 from .loss import masked_cross_entropy_sum
 
@@ -115,6 +116,7 @@ class Run:
     tokenizer: object
     tokens_per_step: int
     finishing: bool  # a resumed run that had already ended: only its final weights are left to write
+    threads: ThreadTuner = field(default_factory=ThreadTuner.fixed)
 
 
 def train(cfg: RunConfig, log=print, components: Components | None = None) -> dict:
@@ -157,6 +159,7 @@ def run_loop(run: Run, log=print) -> dict:
             step = progress.step + 1
             # 1. the step's micro-batches
             batches = run.batches.next(step)
+            run.threads.before_step(batches)  # --threads auto: on a busy CPU, the thread count that is fastest now
             # 2. one optimizer step: LR, forward/backward normalised by the step's token count, clip, guard, update
             probe = observer.probe(step, batches)
             result = train_step(run.parts, step, batches, probe)
@@ -193,7 +196,7 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
     device = dist.device
     precision = resolve_precision(t.precision, device)
     log(f"precision: {precision.describe()}")
-    configure_threads(t.threads, device, log)
+    configure_threads(t.threads, device, log, auto=not (dist.active or t.deterministic))
     if dist.active:
         log(f"distributed: {dist.describe()}")
     plan = dist.from_main(lambda: locate_run(cfg, dist.world_size, log))
@@ -264,8 +267,10 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
         log("warning: the validation split is shorter than one window; no validation loss will be reported")
     log(f"MFU: {model.flops_per_token() / 1e6:.2f} MFLOP per token, against "
         f"{f'{peak / 1e12:.3g} TFLOP/s' if peak else 'no peak'} ({peak_source})")
+    auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active and not t.deterministic
+    threads = ThreadTuner(step_model, precision.autocast, observer.write) if auto_threads else ThreadTuner.fixed()
     return Run(cfg, dist, plan.out_dir, model, parts, batches, progress, guard, observer, checkpointer, tokenizer,
-               tokens_per_step, finishing)
+               tokens_per_step, finishing, threads)
 
 
 def finish(run: Run, row: dict, log=print) -> dict:

@@ -31,7 +31,7 @@ from conftest import run_cli, tiny_model
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--dropout", "0.1", "--log-every", "1"]
-TIMING = {"tokens_per_sec", "elapsed_s", "mfu", "eta_s", "rss_mb", "cuda_max_alloc_mb", "peak_flops"}
+TIMING = {"tokens_per_sec", "elapsed_s", "mfu", "eta_s", "rss_mb", "cuda_max_alloc_mb", "peak_flops", "threads"}
 
 
 def _train(data, out, *flags):

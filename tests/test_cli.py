@@ -94,7 +94,7 @@ def _error_line(capsys):
     (b"plenty of text " * 500, ["--lr", "-1"], "--lr"),
     (b"plenty of text " * 500, ["--attention", "flex", "--device", "cpu"], "FlexAttention has no backward"),
     (b"plenty of text " * 500, ["--stats-every", "-1"], "--stats-every must be >= 0"),
-    (b"plenty of text " * 500, ["--threads", "-1"], "--threads must be >= 0"),
+    (b"plenty of text " * 500, ["--threads", "-1"], "--threads must be auto, or a number of threads >= 1"),
     (b"plenty of text " * 500, ["--peak-flops", "-5"], "--peak-flops"),
     (b"plenty of text " * 500, ["--log", "tensorboard,csv"], "unknown --log sink 'csv'"),
     (b"plenty of text " * 500, ["--ckpt-every", "0"], "--ckpt-every must be positive"),

@@ -38,7 +38,7 @@ from conftest import REPO, tiny_model
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
-TIMING = {"tokens_per_sec", "elapsed_s", "mfu", "eta_s", "rss_mb", "cuda_max_alloc_mb", "peak_flops"}
+TIMING = {"tokens_per_sec", "elapsed_s", "mfu", "eta_s", "rss_mb", "cuda_max_alloc_mb", "peak_flops", "threads"}
 SHAPE = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32"]
 RUN = [*SHAPE, "--steps", "6", "--eval-every", "3", "--log-every", "1", "--sample-tokens", "0", "--mask-boundary",
        "--lr", "1e-2", "--clip", "0.5", "--ckpt-every", "3", "--keep", "0"]

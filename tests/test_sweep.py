@@ -2,7 +2,9 @@
 
 import pytest
 
+from nanolm.config import load_toml
 from nanolm.errors import NanolmError
+from nanolm.optim import muon_available
 from nanolm.instruments.sweep import parse_lrs, recommend
 
 from conftest import run_cli
@@ -49,3 +51,16 @@ def test_sweep_user_errors_are_one_line_and_write_nothing(tmp_path, args, messag
     r = run_cli("sweep", "--out", tmp_path / "sweep", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
+def test_a_muon_sweep_moves_both_rates_together(tmp_path, stories_file):
+    """Without --muon-lr, Muon's rate follows --lr (the same rate is a step of the same size),
+    so one sweep tunes both optimizers of a Muon run."""
+    out = tmp_path / "sweep"
+    r = run_cli("sweep", "--lrs", "1e-3,1e-2", "--out", out, "--data", stories_file, *TINY, "--steps", "10",
+                "--optimizer", "muon", "--no-report")
+    assert r.returncode == 0, r.stderr
+    for lr in ("0.001", "0.01"):
+        optim = load_toml(out / f"lr_{lr}" / "config.toml")["optim"]
+        assert optim["optimizer"] == "muon" and optim["lr"] == optim["muon_lr"] == float(lr)

@@ -1,0 +1,124 @@
+"""--threads auto: trials leave no trace, a switch needs a clear gain, and a changed machine is measured again."""
+
+import contextlib
+
+import pytest
+import torch
+
+from nanolm.data import Batch
+from nanolm.optim import build_optimizer
+from nanolm.step import StepParts, train_step
+from nanolm.threads import FIRST_WAIT_S, ThreadTuner, candidate_counts
+
+from conftest import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def keep_thread_count():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 64, (4, 32), generator=g)
+    return Batch(idx, torch.roll(idx, -1, 1), torch.ones(4, 32, dtype=torch.bool))
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _tuner(times_by_count, load=lambda: 0.0, cores=2):
+    """A tuner whose forward/backward pass takes ``times_by_count[threads]`` seconds."""
+    clock = FakeClock()
+    lines = []
+    tuner = ThreadTuner(tiny_model(), contextlib.nullcontext, lines.append, cores=cores, clock=clock, load=load)
+    tuner._time_pass = lambda batch: times_by_count[torch.get_num_threads()]
+    return tuner, clock, lines
+
+
+def test_candidate_counts_are_all_cores_half_and_one():
+    assert candidate_counts(2) == [2, 1]
+    assert candidate_counts(16) == [16, 8, 1]
+    assert candidate_counts(1) == [1]
+
+
+def test_a_trial_leaves_weights_gradients_and_random_state_as_they_were():
+    model = tiny_model(dropout=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    tuner = ThreadTuner(model, contextlib.nullcontext, cores=2, load=lambda: 0.0)
+    tuner.trial(_batch())
+    assert torch.equal(torch.get_rng_state(), rng)  # the next step draws the dropout masks it would have drawn
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert set(tuner.trials[0]["ms"]) == {2, 1}
+
+
+def test_the_tuner_switches_only_for_a_clear_gain():
+    torch.set_num_threads(2)
+    busy, _, lines = _tuner({2: 0.30, 1: 0.10})  # a neighbour holds a core: 2 threads wait on it
+    assert busy.trial(_batch()) == 1 and torch.get_num_threads() == 1
+    assert lines == ["threads: 2 -> 1 (a forward and backward pass at 2: 300 ms, 1: 100 ms; --threads N fixes it)"]
+    torch.set_num_threads(2)
+    idle, _, lines = _tuner({2: 0.100, 1: 0.095})  # 5 % is noise, not a reason to change the run's arithmetic
+    assert idle.trial(_batch()) == 2 and torch.get_num_threads() == 2 and lines == []
+
+
+def test_it_measures_again_when_the_steps_slow_down_the_load_moves_or_the_wait_is_over():
+    torch.set_num_threads(2)
+    load = [0.0]
+    tuner, clock, _ = _tuner({2: 0.1, 1: 0.19}, load=lambda: load[0])
+    trials = lambda: len(tuner.trials)  # noqa: E731
+
+    def steps(n, seconds):
+        for _ in range(n):
+            tuner.before_step([_batch()])
+            clock.now += seconds
+
+    steps(1, 0.1)
+    assert trials() == 0  # the first step allocates: not representative
+    steps(1, 0.1)
+    assert trials() == 1  # the second step measures
+    steps(20, 0.1)
+    assert trials() == 1  # a steady machine is left alone
+    steps(6, 0.2)
+    assert trials() == 2  # steps twice as slow: measure again
+    steps(10, 0.2)
+    assert trials() == 2
+    load[0] = 1.5
+    steps(1, 0.2)
+    assert trials() == 3  # the load average moved by more than a core
+    assert tuner.wait_s == 2 * FIRST_WAIT_S  # each trial that confirms the choice doubles the wait
+    steps(int(tuner.wait_s / 0.2) + 1, 0.2)
+    assert trials() == 4 and tuner.wait_s == 4 * FIRST_WAIT_S  # the wait is over: measured again
+
+
+def test_a_fixed_tuner_never_measures():
+    tuner = ThreadTuner.fixed()
+    for _ in range(5):
+        tuner.before_step([_batch()])
+    assert tuner.trials == []
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs 2 CPU threads")
+def test_a_step_gives_the_same_bits_at_one_and_two_threads():
+    """What lets --threads auto change the count mid-run without changing the run: on this CPU
+    nanolm's step (forward, backward, clip, fused AdamW) is bit-identical at 1 and 2 threads."""
+    weights = {}
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        model = tiny_model(n_embd=128, n_head=4, seq_len=128, vocab_size=512)
+        parts = StepParts(model, build_optimizer(model, 1e-2, 0.1), schedule=lambda step: 1e-2)
+        for step in range(1, 4):
+            g = torch.Generator().manual_seed(step)
+            idx = torch.randint(0, 512, (8, 128), generator=g)
+            train_step(parts, step, [Batch(idx, torch.roll(idx, -1, 1), torch.ones(8, 128, dtype=torch.bool))])
+        weights[threads] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.equal(weights[1], weights[2])
