@@ -115,7 +115,7 @@ class TrainOptions:
     compile: bool = option(False, "torch.compile the model: ~25 s of compiling at start-up, then faster steps "
                            "(1.18x at the default model on 2 CPU cores, so it pays after ~1,600 steps; more on a "
                            "GPU); leave it off while debugging (docs/benchmarks.md)")
-    precision: str = option("auto", "number format: auto (bf16 on a GPU that has it, else fp32), fp32, bf16 or fp16 "
+    precision: str = option("auto", "number format: auto (bf16 on a GPU or CPU that multiplies it natively, else fp32), fp32, bf16 or fp16 "
                             "(autocast over fp32 weights; fp16 adds loss scaling), bf16-pure (bf16 weights, "
                             "stochastic rounding); see docs/precision.md", choices=PRECISIONS)
     fp32_master: bool = option(False, "with --precision bf16-pure: keep an fp32 master copy of the weights in the "

@@ -65,6 +65,7 @@ def _tiny_cfg(path, out_dir, **train):
     cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.seq_len = 1, 2, 32, 32
     cfg.train.out_dir, cfg.train.sample_tokens, cfg.train.eval_batches = str(out_dir), 0, 2
     cfg.train.log_every = 1
+    cfg.train.precision = "fp32"  # these tests compare against fp32 arithmetic done by hand
     for k, v in train.items():
         setattr(cfg.train, k, v)
     return cfg

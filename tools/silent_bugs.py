@@ -164,6 +164,9 @@ BUGS = [
         "nanolm/optim.py", '        self.muon.load_state_dict(state["muon"])\n', "        pass\n"),
     Bug("thread_trial_draws_the_steps_dropout", "--threads auto's trial passes consume the random state: the step's dropout differs",
         "nanolm/threads.py", "        torch.set_rng_state(rng)  #", "        pass  #"),
+    Bug("bf16_on_every_cpu", "--precision auto picks bf16 on CPUs without bf16 units, where it is emulated and far slower",
+        "nanolm/precision.py", 'if kind == "cpu" and cpu_has_native_bf16():\n            return Precision("bf16"',
+        'if kind == "cpu":\n            return Precision("bf16"'),
     Bug("threads_switch_on_noise", "--threads auto switches for any gain, so an idle run's count (and arithmetic) wanders",
         "nanolm/threads.py", "times[best] < (1 - SWITCH_GAIN) * base", "times[best] < base"),
 ]
