@@ -85,8 +85,9 @@ class Observer:
                                elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=self.guard.reads_every_step)
         self.restarted_at = step
         if step == 0:
-            self.record(self.evaluate(0, {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(),
-                                          **self.meter.constants(), **self.recipe()}))
+            row = {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(), **self.meter.constants(),
+                   **self.recipe()}
+            self.record(self.evaluate(0, row) if t.eval_at_start else row)
         self.meter.lap(step)
 
     def recipe(self) -> dict:

@@ -320,3 +320,15 @@ def test_the_recorded_recipe_counts_what_the_optimizer_really_decays(tmp_path, s
     # one block: two norm gains, the final norm, the (tied) embedding; the model has no biases
     assert recipe["decayed_norms_biases_embeddings"] == 4
     assert recipe["weight_decay"] == cfg.optim.weight_decay > 0
+
+
+def test_a_run_that_skips_the_step_0_evaluation_still_records_its_recipe_there(tmp_path, stories_file):
+    """--no-eval-at-start (a speedrun's second saved) drops the untrained model's validation
+    figures, and nothing else: the step-0 row still says how the run was set up."""
+    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=2, eval_every=2)
+    cfg.train.eval_at_start = False
+    train(cfg, log=lambda *_: None)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert rows[0]["step"] == 0 and "val_loss" not in rows[0]
+    assert STEP0_KEYS - rows[0].keys() == {"val_loss", "val_bpb", "val_ppl", "floor_bpb", "floor_loss"}
+    assert "val_loss" in rows[-1]  # the evaluations of the run itself are all there

@@ -167,6 +167,9 @@ BUGS = [
     Bug("bf16_on_every_cpu", "--precision auto picks bf16 on CPUs without bf16 units, where it is emulated and far slower",
         "nanolm/precision.py", 'if kind == "cpu" and cpu_has_native_bf16():\n            return Precision("bf16"',
         'if kind == "cpu":\n            return Precision("bf16"'),
+    Bug("no_step0_row_without_its_evaluation", "--no-eval-at-start also drops the step-0 recipe: diagnose can no longer read the run's setup",
+        "nanolm/observer.py", "self.record(self.evaluate(0, row) if t.eval_at_start else row)",
+        'self.record(self.evaluate(0, row) if t.eval_at_start else {"step": 0})'),
     Bug("threads_switch_on_noise", "--threads auto switches for any gain, so an idle run's count (and arithmetic) wanders",
         "nanolm/threads.py", "times[best] < (1 - SWITCH_GAIN) * base", "times[best] < base"),
 ]

@@ -143,7 +143,9 @@ def base_config(out_dir: Path, steps: int | None = None, quick: bool = False, se
     """The healthy run every variant starts from: the built-in stories, a small model, CPU.
 
     Every step is logged (``--log-every 1``) so that isolated spikes are visible, with
-    per-layer statistics every 10 steps and an evaluation every tenth of the run.
+    per-layer statistics every 10 steps and an evaluation every tenth of the run. fp32 (unless
+    a variant asks otherwise): a controlled experiment gives the same numbers on every CPU, where
+    ``--precision auto`` would pick bf16 on some and fp32 on others.
     """
     cfg = RunConfig()
     m, d, t = cfg.model, cfg.data, cfg.train
@@ -155,7 +157,7 @@ def base_config(out_dir: Path, steps: int | None = None, quick: bool = False, se
         m.n_layer, m.n_head, m.n_embd, m.seq_len = 4, 4, 128, 64
         d.stories = 2000
         t.batch_size, t.steps, t.eval_batches = 16, steps or 500, 10
-    t.seed, t.device, t.log_every, t.stats_every = seed, "cpu", 1, 10
+    t.seed, t.device, t.log_every, t.stats_every, t.precision = seed, "cpu", 1, 10, "fp32"
     t.eval_every = max(10, t.steps // 10)
     t.sample_tokens, t.progress, t.out_dir = 0, "lines", str(out_dir)
     return cfg
