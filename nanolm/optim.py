@@ -70,8 +70,8 @@ def muon_available() -> bool:
     return hasattr(torch.optim, "Muon")
 
 
-def split_for_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(the matrices Muon updates, everything AdamW updates).
+def split_for_muon(model: nn.Module) -> list[nn.Parameter]:
+    """The matrices Muon updates; AdamW updates every other parameter.
 
     Muon replaces a matrix's update by the nearest orthogonal matrix (Newton-Schulz), which
     makes sense for a matrix that maps one hidden space to another: every direction of the
@@ -84,20 +84,14 @@ def split_for_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parame
     * norm gains and biases are vectors: there is nothing to orthogonalise.
 
     Rule: Muon takes a parameter iff it has exactly 2 dimensions and is neither an
-    ``nn.Embedding``'s weight nor the ``lm_head``'s (tied or not). A tied parameter is
-    listed once, so no parameter is in both lists.
+    ``nn.Embedding``'s weight nor the ``lm_head``'s (tied or not).
     """
     excluded = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     head = getattr(model, "lm_head", None)
     if head is not None:
         excluded.add(id(head.weight))
-    matrices, rest, seen = [], [], set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (matrices if p.dim() == 2 and id(p) not in excluded else rest).append(p)
-    return matrices, rest
+    return [p for p in dict.fromkeys(model.parameters())  # a tied matrix once
+            if p.requires_grad and p.dim() == 2 and id(p) not in excluded]
 
 
 class MuonWithAdamW:
@@ -117,7 +111,7 @@ class MuonWithAdamW:
 
     def __init__(self, model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
                  muon_lr: float | None = None, momentum: float = 0.95):
-        matrices, _ = split_for_muon(model)
+        matrices = split_for_muon(model)
         self.lr_ratio = (muon_lr if muon_lr is not None else lr) / lr
         self.muon = torch.optim.Muon([{"params": matrices, "lr_ratio": self.lr_ratio}], lr=lr * self.lr_ratio,
                                      weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")

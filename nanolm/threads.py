@@ -3,8 +3,8 @@
 PyTorch splits each CPU kernel across one thread per core, and every thread waits for the
 slowest at the end of each kernel. On a machine where another process keeps a core busy, the
 thread that shares that core runs late on every one of the thousands of small kernels of a
-step, and the whole step waits for it: measured on 2 cores with one kept busy, the quick run
-took 6 min 23 s at PyTorch's default of 2 threads and ran 3.5x faster at 1. Which count is
+step, and the whole step waits for it: measured on 2 cores with one kept busy, the README's
+quick run took 104 s at PyTorch's default of 2 threads and 58 s at 1 (``benchmarks/busy_machine.py``). Which count is
 fastest depends on what else runs, and that changes while a run trains, so it is measured.
 
 How, without changing the run's arithmetic:
@@ -54,12 +54,12 @@ class ThreadTuner:
     """Chooses ``torch.set_num_threads`` between steps when ``--threads auto`` applies (a CPU run
     in one process, not ``--deterministic``); :meth:`fixed` does nothing, for every other run."""
 
-    def __init__(self, model: torch.nn.Module, autocast, log=print, cores: int | None = None,
-                 clock=time.perf_counter, load=None):
+    def __init__(self, model: torch.nn.Module | None, autocast=None, log=print, cores: int | None = None,
+                 clock=time.perf_counter, load=None, enabled: bool = True):
         self.model, self.autocast, self.log, self.clock = model, autocast, log, clock
         self.load = load or (lambda: os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
         self.cores = cores or os.cpu_count() or 1
-        self.enabled = self.cores > 1
+        self.enabled = enabled and self.cores > 1
         self.steps_seen = 0
         self.intervals: list[float] = []  # seconds between this process's steps, most recent last
         self.last_tick: float | None = None
@@ -71,9 +71,7 @@ class ThreadTuner:
 
     @classmethod
     def fixed(cls) -> "ThreadTuner":
-        tuner = cls.__new__(cls)
-        tuner.enabled, tuner.trials = False, []
-        return tuner
+        return cls(None, enabled=False)
 
     # ---------------------------------------------------------------- when
     def before_step(self, batches: list[Batch]) -> None:
