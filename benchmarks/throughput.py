@@ -20,9 +20,14 @@ every ratio is of medians from the same process:
   what each one is worth, and with all of them undone (``before_all``); and ``nanolm_twin``,
   a second, identical nanolm runner: how far apart two runs of the same code land is the
   noise floor of every other ratio;
+* with ``--breakdown``: what each difference from the reference costs (``nanolm_model_in_plain_loop``:
+  nanolm's model in the reference's loop; ``without_rope``; ``layer_norm_for_rms_norm``: stand-ins
+  that price one part, not models anyone should train), with the twin as the yardstick;
 * with ``--threads 1,2``: every variant at each thread count (``name@1``, ``name@2``).
 
-Also reported: the loader's share of nanolm's step (``pack_windows`` alone vs the whole step),
+Also reported: ``matmuls_alone``, the step's own matrix multiplies (shapes recorded by the
+profiler over one nanolm step) run back to back with nothing else, the compute limit of the step;
+the loader's share of nanolm's step (``pack_windows`` alone vs the whole step),
 achieved GFLOP/s (``GPT.flops_per_token``; MFU on CUDA against ``--peak-tflops``), peak RSS and,
 on CUDA, peak VRAM. Data: the built-in story corpus with a char tokenizer (documents of ~600
 characters, so the document mask has real boundaries to respect), or ``--data FILE``.
@@ -30,6 +35,7 @@ characters, so the document mask has real boundaries to respect), or ``--data FI
     python benchmarks/throughput.py                                  # nanoGPT's CPU shape and a larger one
     python benchmarks/throughput.py --shapes nanogpt --ablations --compile
     python benchmarks/throughput.py --shapes nanogpt --threads 1,2
+    python benchmarks/throughput.py --shapes nanogpt --threads 1 --breakdown --rounds 20
     python benchmarks/throughput.py --device cuda --shapes gpt2 --no-reference --compile
 """
 
@@ -115,12 +121,14 @@ def rope_cat(x, cos, sin):
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
-def queries_keys_values_apart(self, x, cos, sin):
-    """``Attention.queries_keys_values`` as nanolm wrote it before: q and k rotated in two calls
-    (the benchmark's model has no QK-norm)."""
+def queries_keys_values_indexed(self, x, cos, sin):
+    """``Attention.queries_keys_values`` as nanolm wrote it before: ``qkv`` viewed as
+    (3, B, H, T, D) and indexed (each index's backward fills a zero gradient of the whole
+    tensor), q and k rotated in one call (the benchmark's model has no QK-norm)."""
     B, T, _ = x.shape
-    q, k, v = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-    return nanolm.model.apply_rope(q, cos, sin), nanolm.model.apply_rope(k, cos, sin), v
+    qkv = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+    q, k = nanolm.model.apply_rope(qkv[:2], cos, sin)
+    return q, k, qkv[2]
 
 
 @contextlib.contextmanager
@@ -180,6 +188,35 @@ def reference_runner(shape, vocab, tokens, device, autocast, lr=1e-3):
         opt.zero_grad(set_to_none=True)
 
     return Runner("reference", step, model, device)
+
+
+def model_in_plain_loop_runner(name, shape, vocab, tokens, device, autocast, lr=1e-3):
+    """nanolm's ``GPT`` trained by the reference's loop (random windows, no document mask,
+    ``F.cross_entropy``, PyTorch's clipping, nanolm's fused AdamW): what the model costs
+    apart from the step around it."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, seq_len=shape["seq_len"], n_layer=shape["n_layer"],
+                          n_head=shape["n_head"], n_embd=shape["n_embd"])).to(device)
+    opt = build_optimizer(model, lr, 0.1)
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        x, y = get_batch(tokens, shape["batch_size"], shape["seq_len"], g)
+        x, y = x.to(device), y.to(device)
+        with autocast():
+            logits, _ = model(x)
+        F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return Runner(name, step, model, device)
+
+
+def layer_norm_instead(self, x):
+    """A stand-in, not nanolm's model: LayerNorm (no bias) where RMSNorm is, to price RMSNorm
+    against the fused LayerNorm kernel the reference uses."""
+    return F.layer_norm(x, (x.shape[-1],), self.weight, None, self.eps)
 
 
 def nanolm_runner(name, shape, vocab, tokens, eos, device, autocast, doc_mask=True, compile=False,
@@ -248,6 +285,40 @@ def loader_seconds(tokens, eos, shape, calls: int = 200) -> float:
     return statistics.median(times)
 
 
+MATMUL_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # which inputs are the two matrices
+
+
+def matmul_floor_seconds(runner: Runner, repeats: int = 7) -> tuple[float, int]:
+    """(seconds, count) of the matrix multiplies of one ``runner`` step, timed alone.
+
+    The profiler records the shapes of every ``mm``/``addmm``/``bmm`` that one step calls
+    (forward, backward, output head; not attention's own kernel, which multiplies inside
+    SDPA); the same products are then run back to back on fixed random inputs, outside the
+    profiler, and the median of ``repeats`` passes is returned. It is the compute limit of the
+    step on this machine: what it would cost were everything else free (and the inputs warm in
+    cache, so a slightly optimistic one).
+    """
+    from torch.profiler import profile
+
+    with profile(record_shapes=True) as prof:
+        runner.step()
+    products = []
+    for event in prof.events():
+        if event.name in MATMUL_OPS:
+            a, b = (event.input_shapes[i] for i in MATMUL_OPS[event.name])
+            products.append((torch.randn(a, device=runner.device), torch.randn(b, device=runner.device)))
+    mm = lambda a, b: torch.bmm(a, b) if a.dim() == 3 else torch.mm(a, b)
+    times = []
+    for _ in range(repeats + 1):
+        sync(runner.device)
+        start = time.perf_counter()
+        for a, b in products:
+            mm(a, b)
+        sync(runner.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]), len(products)
+
+
 def load_tokens(data: str | None, tmp: Path):
     if data:
         source = Path(data)
@@ -277,16 +348,24 @@ def build_runners(args, shape, vocab, tokens, eos, device, precision, threads):
         runners.append(reference_runner(shape, vocab, tokens, device, resolve_precision(args.reference_precision, device).autocast))
     if args.ablations:
         sdpa_as_is = functools.partial(patched, attention=F.scaled_dot_product_attention)
-        qk_apart = functools.partial(patched, nanolm.model.Attention, queries_keys_values=queries_keys_values_apart)
+        qkv_indexed = functools.partial(patched, nanolm.model.Attention, queries_keys_values=queries_keys_values_indexed)
         runners += [nanolm_runner("nanolm_twin", shape, vocab, tokens, eos, device, auto),  # the noise yardstick
                     nanolm_runner("before_fused_adamw", shape, vocab, tokens, eos, device, auto, fused_adamw=False),
                     before_rope(nanolm_runner("before_rope_roll", shape, vocab, tokens, eos, device, auto)),
-                    nanolm_runner("before_joint_qk_rope", shape, vocab, tokens, eos, device, auto, patch=qk_apart),
+                    nanolm_runner("before_qkv_split", shape, vocab, tokens, eos, device, auto, patch=qkv_indexed),
                     before_rope(nanolm_runner("before_all", shape, vocab, tokens, eos, device, auto, fused_adamw=False))]
-        runners[-1].patch = all_of(runners[-1].patch, qk_apart)
+        runners[-1].patch = all_of(runners[-1].patch, qkv_indexed)
         if extra_bf16:
             runners.append(nanolm_runner("before_fp32_attention_bf16", shape, vocab, tokens, eos, device, bf16,
                                          patch=sdpa_as_is))
+    if args.breakdown:
+        runners += [model_in_plain_loop_runner("nanolm_model_in_plain_loop", shape, vocab, tokens, device, auto),
+                    nanolm_runner("without_rope", shape, vocab, tokens, eos, device, auto,
+                                  patch=functools.partial(patched, apply_rope=lambda x, cos, sin: x)),
+                    nanolm_runner("layer_norm_for_rms_norm", shape, vocab, tokens, eos, device, auto,
+                                  patch=functools.partial(patched, nanolm.model.RMSNorm, forward=layer_norm_instead))]
+        if not args.ablations:
+            runners.append(nanolm_runner("nanolm_twin", shape, vocab, tokens, eos, device, auto))
     if args.compile:
         for r in [nanolm_runner("nanolm_compiled", shape, vocab, tokens, eos, device, auto, compile=True),
                   nanolm_runner("nanolm_mask_off_compiled", shape, vocab, tokens, eos, device, auto, doc_mask=False,
@@ -309,7 +388,9 @@ def main():
     p.add_argument("--shapes", default="nanogpt,large", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--data", default=None, help="text file (default: generated stories), char tokenizer")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="auto", help="nanolm's --precision (auto: fp32 on CPU, bf16 on a GPU that has it)")
+    p.add_argument("--precision", default=None,
+                   help="nanolm's --precision (default: fp32 on CPU, the reference's, with a nanolm_bf16 variant "
+                        "beside it where the CPU multiplies bf16 natively; auto elsewhere: bf16 on a GPU that has it)")
     p.add_argument("--reference-precision", default="fp32")
     p.add_argument("--threads", default="", help="comma-separated thread counts to compare (default: PyTorch's)")
     p.add_argument("--rounds", type=int, default=8)
@@ -318,6 +399,9 @@ def main():
     p.add_argument("--batch-size", type=int, default=None, help="override the shapes' batch size")
     p.add_argument("--no-reference", action="store_true", help="skip the plain loop")
     p.add_argument("--ablations", action="store_true", help="also nanolm with each optimisation undone")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also what each difference from the reference costs: nanolm's model in the reference's "
+                        "loop, nanolm without RoPE, with LayerNorm for RMSNorm (stand-ins, not models to train)")
     p.add_argument("--compile", action="store_true", help="also nanolm under torch.compile (slow to start)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU on CUDA (H100/H200 bf16 dense: 989)")
     args = p.parse_args()
@@ -325,7 +409,7 @@ def main():
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but no CUDA GPU is available")
-    precision = resolve_precision(args.precision, device)
+    precision = resolve_precision(args.precision or ("fp32" if device.type == "cpu" else "auto"), device)
     thread_counts = [int(t) for t in args.threads.split(",") if t] or [None]
     results = {
         "date": time.strftime("%Y-%m-%d"),
@@ -385,6 +469,11 @@ def main():
         loader = loader_seconds(tokens, eos, shape)
         out["loader_ms_per_step"] = round(loader * 1e3, 3)
         out["loader_share_of_step"] = round(loader / seconds[runners[0].name], 4)
+        if runners[0].threads:
+            torch.set_num_threads(runners[0].threads)
+        floor, count = matmul_floor_seconds(runners[0])
+        out["matmuls_alone"] = {"count_per_step": count, "ms_per_step": round(floor * 1e3, 2),
+                                "share_of_nanolm_step": round(floor / seconds[runners[0].name], 3)}
         results["shapes"][name] = out
     results["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     results.update(peak_memory(device))

@@ -235,14 +235,18 @@ class Attention(nn.Module):
 
         Exactly what attention compares: ``q @ k^T / sqrt(head_dim)`` are the logits the
         softmax sees (``nanolm.stats`` recomputes them to watch their maximum).
+
+        The one ``qkv`` matrix multiply is split along its features into three views. (Viewing
+        it as (3, B, H, T, D) and indexing ``[0]``, ``[1]``, ``[2]`` gives the same numbers, but
+        autograd then backpropagates each index through a zero-filled gradient of the whole
+        (3, B, H, T, D) tensor and a strided copy; a split's backward is one concatenation.)
         """
-        B, T, _ = x.shape
-        qkv = self.qkv(x).view(B, T, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+                   for t in self.qkv(x).split(C, dim=-1))
         if self.q_norm is not None:
-            q, k = apply_rope(self.q_norm(qkv[0]), cos, sin), apply_rope(self.k_norm(qkv[1]), cos, sin)
-            return q, k, qkv[2]
-        q, k = apply_rope(qkv[:2], cos, sin)  # queries and keys rotated together: half the small ops
-        return q, k, qkv[2]
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None):
         B, T, C = x.shape

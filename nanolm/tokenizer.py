@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -29,6 +30,31 @@ from .errors import NanolmError
 EOS = "<|endoftext|>"
 MIN_BPE_VOCAB = 257
 KINDS = ("bpe", "char")
+PIECE_CHARS = 1 << 16  # a longer text is encoded in pieces of about this size, in parallel
+# a newline with a printable ASCII character on each side: byte-level BPE cannot join tokens across it
+SAFE_CUT = re.compile(r"(?<=[!-~]\n)(?=[!-~])")
+
+
+def safe_pieces(text: str, size: int | None = None) -> list[str]:
+    """``text`` cut into pieces of about ``size`` characters that encode, one after the other,
+    to exactly the tokens of the whole.
+
+    Why it is exact: byte-level BPE first splits text with GPT-2's pattern, and merges never
+    cross those splits. The pattern puts whitespace in pieces of its own, so a newline between
+    two visible characters is always a piece by itself, and cutting just after it changes no
+    piece. (A run of newlines or spaces could be split differently, so the cut is never there.)
+    Why cut at all: ``encode_batch`` encodes its texts in parallel, but one long text, a
+    single-document corpus like tiny-shakespeare, on one core.
+    """
+    size = size or PIECE_CHARS
+    if len(text) < 2 * size:
+        return [text]
+    cuts, start = [0], size
+    while (found := SAFE_CUT.search(text, start)) is not None and found.start() < len(text) - size:
+        cuts.append(found.start())
+        start = found.start() + size
+    cuts.append(len(text))
+    return [text[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
 class Tokenizer:
@@ -57,13 +83,16 @@ class Tokenizer:
         """Token ids of ``text`` (no EOS added), as an int64 array."""
         if self.kind == "char":
             return self._encode_chars(text)
-        return np.asarray(self.hf.encode(text).ids, dtype=np.int64)
+        return self.encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """Encode many texts; BPE runs them in parallel on all cores (Rust threads)."""
+        """Encode many texts; BPE runs them in parallel on all cores (Rust threads), a long
+        text in pieces (:func:`safe_pieces`) so that it, too, uses every core."""
         if self.kind == "char":
             return [self._encode_chars(t) for t in texts]
-        return [np.asarray(e.ids, dtype=np.int64) for e in self.hf.encode_batch(texts)]
+        pieces = [safe_pieces(t) for t in texts]
+        encoded = iter(self.hf.encode_batch([p for ps in pieces for p in ps]))
+        return [np.concatenate([np.asarray(next(encoded).ids, dtype=np.int64) for _ in ps]) for ps in pieces]
 
     def _encode_chars(self, text: str) -> np.ndarray:
         codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)

@@ -22,10 +22,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablations_patch(monkeypatch, capsys):
-    originals = nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values
+    originals = (nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values,
+                 nanolm.model.RMSNorm.forward)
     threads = torch.get_num_threads()
     monkeypatch.setattr(sys, "argv", ["throughput.py", "--shapes", "nanogpt", "--rounds", "1", "--steps", "1",
-                                      "--warmup", "1", "--ablations", "--threads", "1"])
+                                      "--warmup", "1", "--ablations", "--breakdown", "--threads", "1"])
     try:
         runpy.run_path(str(BENCHMARKS / "throughput.py"), run_name="__main__")
     finally:
@@ -33,12 +34,15 @@ def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablat
     result = json.loads(capsys.readouterr().out)
     shape = result["shapes"]["nanogpt"]
     for name in ("nanolm", "nanolm_mask_off", "reference", "nanolm_twin", "before_fused_adamw", "before_rope_roll",
-                 "before_joint_qk_rope", "before_all"):
+                 "before_qkv_split", "before_all", "nanolm_model_in_plain_loop", "without_rope", "layer_norm_for_rms_norm"):
         assert shape[name]["tokens_per_sec"] > 0 and shape[name]["gflops_per_sec"] > 0
     assert "speedup nanolm over reference" in shape["time_ratios"]["wall"]
     assert 0 < shape["loader_share_of_step"] < 1 and result["peak_rss_mb"] > 0
+    # 4 layers x (qkv, proj, gate, up, down) + the head, each forward once and backward twice
+    assert shape["matmuls_alone"]["count_per_step"] == 3 * (4 * 5 + 1) and shape["matmuls_alone"]["ms_per_step"] > 0
     assert shape["parameters"] == 810_368  # nanoGPT's CPU shape with the char vocabulary of the stories
-    assert (nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values) == originals
+    assert (nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values,
+            nanolm.model.RMSNorm.forward) == originals
 
 
 def test_sharded_checkpoint_benchmark_compares_both_formats_and_checks_every_load():
@@ -70,9 +74,11 @@ def test_every_shipped_config_trains_a_few_steps(config, tmp_path, stories_file)
     assert (out / "final.json").is_file()
 
 
-def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("text, chars_per_byte", [("abcdefghij" * 10, 1.0), ("abcdefghij" * 9 + "é" * 10, 0.5)])
+def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, monkeypatch, capsys, text, chars_per_byte):
     """Against a stand-in checkout (nanoGPT itself is never shipped): the data step writes the
-    format nanoGPT reads, the recipe's flags reach train.py, and the curve is parsed in bits."""
+    format nanoGPT reads, the recipe's flags reach train.py, and the curve is parsed in bits per
+    byte of the validation split (its nats per character, scaled when a character is 2 bytes)."""
     repo = tmp_path / "nanogpt"
     (repo / "config").mkdir(parents=True)
     (repo / "config" / "train_shakespeare_char.py").write_text("")
@@ -82,12 +88,12 @@ def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, mon
         "assert '--max_iters=20' in sys.argv and '--n_embd=128' in sys.argv\n"
         "print(f'step 0: train loss 4.0000, val loss 4.1000')\n"
         "print(f'step 20: train loss 1.8000, val loss {1.8 if len(ids) == 90 else 9:.4f}')\n")
-    text = tmp_path / "input.txt"
-    text.write_text("abcdefghij" * 10)
-    monkeypatch.setattr(sys, "argv", ["nanogpt_reference.py", "--nanogpt", str(repo), "--data", str(text),
-                                      "--max-iters", "20"])
+    path = tmp_path / "input.txt"
+    path.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(sys, "argv", ["nanogpt_reference.py", "--nanogpt", str(repo), "--data", str(path),
+                                      "--max-iters", "20", "--target", str(round(1.8 / math.log(2) * chars_per_byte, 4))])
     runpy.run_path(str(BENCHMARKS / "nanogpt_reference.py"), run_name="__main__")
     result = json.loads(capsys.readouterr().out)
     assert [c["iter"] for c in result["curve"]] == [0, 20]
-    assert result["final_val_bpb"] == pytest.approx(1.8 / math.log(2), abs=1e-4)  # nats per ASCII char -> bits per byte
+    assert result["final_val_bpb"] == pytest.approx(1.8 / math.log(2) * chars_per_byte, abs=1e-4)
     assert result["target_seen_at_s"] is not None

@@ -75,3 +75,25 @@ def test_saved_tokenizer_reloads_identically(tmp_path, bpe):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(NanolmError, match="not a valid tokenizer"):
         Tokenizer.load(tmp_path / "bad.json")
+
+
+def test_a_long_text_encodes_in_pieces_to_exactly_the_tokens_of_the_whole(monkeypatch):
+    """A single long document is cut at newlines between visible characters and its pieces
+    encoded in parallel: the ids must be those of encoding the whole text at once, wherever
+    runs of newlines, spaces before newlines, tabs and non-ASCII text fall."""
+    import nanolm.tokenizer as tok
+
+    rng = random.Random(0)
+    words = ["the", "King", "’s", "crown", "¡olé!", "日本語", "'s", "--", "x1", "\t", "ROMEO:", "\u00a0"]
+    lines = []
+    for _ in range(3000):
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(0, 8)))
+        lines.append(line + rng.choice(["", "", " ", "  ", "\t"]))
+    text = "".join(line + rng.choice(["\n", "\n", "\n", "\n\n", "\n \n", "\r\n"]) for line in lines)
+    tokenizer = train_bpe([text], 600)
+    monkeypatch.setattr(tok, "PIECE_CHARS", 500)
+    pieces = tok.safe_pieces(text, 500)
+    assert len(pieces) > 50 and "".join(pieces) == text
+    whole = np.asarray(tokenizer.hf.encode(text).ids)
+    assert np.array_equal(tokenizer.encode_batch([text, "short"])[0], whole)
+    assert np.array_equal(np.concatenate([tokenizer.encode_batch([p])[0] for p in pieces]), whole)
