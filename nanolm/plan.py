@@ -103,6 +103,12 @@ def matmul_parameters(c: GPTConfig) -> int:
     return c.n_layer * per_layer + c.vocab_size * c.n_embd
 
 
+def hidden_matrix_parameters(c: GPTConfig) -> int:
+    """Weights of every block's matrices (qkv, proj and the MLP's): what ``--optimizer muon``
+    gives to Muon (``nanolm.optim.split_for_muon``); the embedding, head and vectors stay with AdamW."""
+    return c.n_layer * (4 * c.n_embd**2 + (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.mlp_hidden)
+
+
 def flops_per_token(c: GPTConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token: 6 × matmul weights + 12·L·T·d (attention scores and mix)."""
     return 6 * matmul_parameters(c) + 12 * c.n_layer * (seq_len or c.seq_len) * c.n_embd
@@ -124,8 +130,12 @@ def activation_bytes_per_token(c: GPTConfig, precision: str) -> tuple[int, int, 
 
 
 def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: int = 1,
-                   micro_batch: int = 1, seq_len: int | None = None, fp32_master: bool = False) -> dict:
-    """Bytes per GPU, by what holds them; activations with and without checkpointing."""
+                   micro_batch: int = 1, seq_len: int | None = None, fp32_master: bool = False,
+                   optimizer: str = "adamw") -> dict:
+    """Bytes per GPU, by what holds them; activations with and without checkpointing.
+
+    Optimizer state: AdamW keeps two fp32 moments (8 bytes a parameter); under ``muon`` the
+    hidden matrices keep one fp32 momentum instead (4 bytes) and the rest AdamW's two."""
     if precision not in PRECISIONS:
         raise NanolmError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if dist not in ("none", "ddp", "fsdp"):
@@ -137,13 +147,14 @@ def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpu
     shards = gpus if dist == "fsdp" else 1
     weight_bytes = 2 if precision == "bf16-pure" else 4
     optimizer_bytes = 8 + (4 if fp32_master else 0)
+    muon = hidden_matrix_parameters(c) if optimizer == "muon" else 0
     layer, head, residual = activation_bytes_per_token(c, precision)
     tokens = micro_batch * T
     block, root = layer_parameters(c), n - c.n_layer * layer_parameters(c)
     rows = {
         "weights": weight_bytes * n / shards,
         "gradients": weight_bytes * n / shards,
-        "optimizer": optimizer_bytes * n / shards,
+        "optimizer": (optimizer_bytes * (n - muon) + 4 * muon) / shards,
         "autocast_weights": 2 * matmul_parameters(c) if precision in AUTOCAST else 0,
         "fsdp_gathered": (weight_bytes * (2 * block + root + max(block, root)) if dist == "fsdp" and gpus > 1 else 0),
         "activations": tokens * (c.n_layer * layer + head),
@@ -195,7 +206,8 @@ def available_memory(device) -> tuple[float | None, str]:
     return min(found) if found else (None, "")
 
 
-def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windows: int) -> None:
+def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windows: int,
+                 optimizer: str = "adamw") -> None:
     """Refuse, before anything is written, a run whose step cannot fit in memory.
 
     The estimate is :func:`memory_per_gpu` (weights, gradients, optimizer state,
@@ -212,7 +224,7 @@ def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windo
         return
     processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     rows = memory_per_gpu(c, precision, dist.mode if dist.mode != "none" else "none", dist.world_size,
-                          batch_size, c.seq_len)
+                          batch_size, c.seq_len, optimizer=optimizer)
     need = (rows["total"] + eval_windows * c.seq_len * EVAL_BYTES_PER_TOKEN) * processes_here
     if need > available:
         raise NanolmError(f"this run needs at least {_gb_text(need)} of memory (--batch-size {batch_size} × --seq-len "

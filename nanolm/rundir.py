@@ -314,7 +314,7 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
             check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data)
         data.check_vocab(data.tokenizer.vocab_size)
         check_memory(cfg.model.gpt_config(data.tokenizer.vocab_size), precision, dist, t.batch_size,
-                     t.eval_batches * t.batch_size * dist.world_size)
+                     t.eval_batches * t.batch_size * dist.world_size, cfg.optim.optimizer)
         if dist.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             if plan.restart:  # the logs of an attempt that never committed a checkpoint

@@ -19,7 +19,10 @@ from nanolm.plan import (
     memory_per_gpu,
     parse_count,
 )
+from nanolm.optim import muon_available
 from nanolm.precision import cast_weights_
+
+from conftest import tiny_run_config
 
 SHAPES = [
     dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, n_embd=32),
@@ -148,3 +151,33 @@ def test_plan_refuses_what_cannot_run(capsys):
     assert main(["plan", "--dist", "none", "--gpus", "2"]) == 2
     assert main(["plan", "--preset", "124m", "--n-embd", "100", "--n-head", "3"]) == 2
     assert capsys.readouterr().err.count("error:") == 2
+
+
+def test_muon_state_is_counted_as_one_momentum_per_hidden_matrix_weight():
+    """The memory check is a lower bound: under --optimizer muon the hidden matrices hold one
+    fp32 momentum (4 bytes), not AdamW's two moments, and exactly the parameters Muon takes."""
+    from nanolm.optim import split_for_muon
+    from nanolm.plan import hidden_matrix_parameters
+
+    c = GPTConfig(vocab_size=512, seq_len=64, n_layer=3, n_head=4, n_embd=128)
+    assert hidden_matrix_parameters(c) == sum(p.numel() for p in split_for_muon(GPT(c)))
+    n, hidden = count_parameters(c), hidden_matrix_parameters(c)
+    adamw = memory_per_gpu(c, "fp32", "none", micro_batch=8)
+    muon = memory_per_gpu(c, "fp32", "none", micro_batch=8, optimizer="muon")
+    assert adamw["optimizer"] == 8 * n and muon["optimizer"] == 8 * (n - hidden) + 4 * hidden
+    assert adamw["total"] - muon["total"] == 4 * hidden
+
+
+@pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
+def test_the_memory_check_of_a_muon_run_counts_muons_state(stories_file, tmp_path, monkeypatch):
+    """The check before a run starts gets the run's optimizer, so a Muon run is not refused
+    for AdamW's larger state (the check promises a lower bound)."""
+    import nanolm.plan
+    from nanolm.train import train
+
+    seen = []
+    monkeypatch.setattr(nanolm.plan, "check_memory", lambda *args, **kw: seen.append(args[5:] or kw))
+    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=1, eval_every=1)
+    cfg.optim.optimizer = "muon"
+    train(cfg, log=lambda *_: None)
+    assert seen == [("muon",)]

@@ -162,6 +162,9 @@ BUGS = [
         "if p.requires_grad and p.dim() == 2]"),
     Bug("muon_at_adamws_rate", "--muon-lr is ignored: the matrices run at --lr",
         "nanolm/optim.py", 'group["lr"] = lr * group.get("lr_ratio", 1.0)', 'group["lr"] = lr * 1.0'),
+    Bug("muon_state_counted_as_adamws", "the memory check refuses a Muon run that fits: it counts AdamW's two moments",
+        "nanolm/rundir.py", "t.eval_batches * t.batch_size * dist.world_size, cfg.optim.optimizer)",
+        "t.eval_batches * t.batch_size * dist.world_size)"),
     Bug("muon_momentum_not_restored", "a resumed Muon run restarts its momentum from zero",
         "nanolm/optim.py", '        self.muon.load_state_dict(state["muon"])\n', "        pass\n"),
     Bug("thread_trial_draws_the_steps_dropout", "--threads auto's trial passes consume the random state: the step's dropout differs",
@@ -178,7 +181,7 @@ BUGS = [
 
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
-              "test_corpus test_guards test_distributed test_replay test_threads").split()
+              "test_corpus test_guards test_distributed test_replay test_threads test_plan").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:
