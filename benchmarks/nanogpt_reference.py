@@ -74,7 +74,8 @@ def main() -> None:
     p.add_argument("--nanogpt", required=True, help="a checkout of https://github.com/karpathy/nanoGPT")
     p.add_argument("--data", required=True, help="tiny-shakespeare (input.txt of char-rnn, 1,115,394 bytes), or any "
                                                  "UTF-8 text to train the same char model on")
-    p.add_argument("--target", type=float, default=2.72, help="validation bits per byte (= bits per character)")
+    p.add_argument("--target", type=float, default=2.72,
+                   help="validation bits per byte (bits per character on ASCII text such as tiny-shakespeare)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the run (default: PyTorch's)")
     p.add_argument("--max-iters", type=int, default=2000, help="the recipe's 2000; fewer for a quick check")
     args = p.parse_args()

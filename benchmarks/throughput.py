@@ -286,27 +286,36 @@ def loader_seconds(tokens, eos, shape, calls: int = 200) -> float:
 
 
 MATMUL_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # which inputs are the two matrices
+PROFILER_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
+                   "double": torch.float64}
 
 
 def matmul_floor_seconds(runner: Runner, repeats: int = 7) -> tuple[float, int]:
     """(seconds, count) of the matrix multiplies of one ``runner`` step, timed alone.
 
-    The profiler records the shapes of every ``mm``/``addmm``/``bmm`` that one step calls
-    (forward, backward, output head; not attention's own kernel, which multiplies inside
-    SDPA); the same products are then run back to back on fixed random inputs, outside the
-    profiler, and the median of ``repeats`` passes is returned. It is the compute limit of the
-    step on this machine: what it would cost were everything else free (and the inputs warm in
-    cache, so a slightly optimistic one).
+    The profiler records the shapes and dtypes of every ``mm``/``addmm``/``bmm`` that one step
+    calls (forward, backward, output head; not attention's own kernel, which multiplies inside
+    SDPA; under autocast only the innermost call, the one in the low-precision dtype); the same
+    products are then run back to back on fixed random inputs (one pair per distinct shape and
+    dtype), outside the profiler, and the median of ``repeats`` passes is returned. It is the
+    compute limit of the step on this machine: what it would cost were everything else free
+    (and the inputs warm in cache, so a slightly optimistic one).
     """
     from torch.profiler import profile
 
     with profile(record_shapes=True) as prof:
         runner.step()
-    products = []
+    inputs, products = {}, []
     for event in prof.events():
-        if event.name in MATMUL_OPS:
-            a, b = (event.input_shapes[i] for i in MATMUL_OPS[event.name])
-            products.append((torch.randn(a, device=runner.device), torch.randn(b, device=runner.device)))
+        if event.name not in MATMUL_OPS or any(child.name in MATMUL_OPS for child in event.cpu_children):
+            continue
+        i, j = MATMUL_OPS[event.name]
+        key = (tuple(event.input_shapes[i]), tuple(event.input_shapes[j]), event.input_dtypes[i])
+        if key not in inputs:
+            dtype = PROFILER_DTYPES.get(key[2], torch.float32)
+            inputs[key] = (torch.randn(key[0], device=runner.device, dtype=dtype),
+                           torch.randn(key[1], device=runner.device, dtype=dtype))
+        products.append(inputs[key])
     mm = lambda a, b: torch.bmm(a, b) if a.dim() == 3 else torch.mm(a, b)
     times = []
     for _ in range(repeats + 1):

@@ -154,7 +154,7 @@ def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpu
     rows = {
         "weights": weight_bytes * n / shards,
         "gradients": weight_bytes * n / shards,
-        "optimizer": (optimizer_bytes * (n - muon) + 4 * muon) / shards,
+        "optimizer": (optimizer_bytes * (n - muon) + (optimizer_bytes - 4) * muon) / shards,
         "autocast_weights": 2 * matmul_parameters(c) if precision in AUTOCAST else 0,
         "fsdp_gathered": (weight_bytes * (2 * block + root + max(block, root)) if dist == "fsdp" and gpus > 1 else 0),
         "activations": tokens * (c.n_layer * layer + head),
@@ -248,7 +248,7 @@ def parse_count(text: str) -> float:
 
 def make_plan(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: int = 1, gpu: str = "h100",
               micro_batch: int = 1, grad_accum: int = 1, seq_len: int | None = None, tokens: float = 0,
-              mfu: float = 0.4, fp32_master: bool = False) -> dict:
+              mfu: float = 0.4, fp32_master: bool = False, optimizer: str = "adamw") -> dict:
     """Every figure of ``nanolm plan`` in one dict (bytes, FLOPs, seconds)."""
     if gpu not in GPUS:
         raise NanolmError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
@@ -268,7 +268,7 @@ def make_plan(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: in
         "parameters_non_embedding": count_parameters(c) - c.vocab_size * c.n_embd,
         "flops_per_token": fpt,
         "attention_flops_per_token": 12 * c.n_layer * T * c.n_embd,
-        "memory": memory_per_gpu(c, precision, dist, gpus, micro_batch, T, fp32_master),
+        "memory": memory_per_gpu(c, precision, dist, gpus, micro_batch, T, fp32_master, optimizer),
         "gpu": spec,
         "gpus": gpus,
         "tokens_per_step": tokens_per_step,
@@ -276,7 +276,8 @@ def make_plan(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: in
         "steps": math.ceil(tokens / tokens_per_step) if tokens else 0,
         "seconds": seconds,
         "mfu": mfu,
-        "setup": dict(precision=precision, dist=dist, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=T),
+        "setup": dict(precision=precision, dist=dist, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=T,
+                      optimizer=optimizer),
     }
 
 
@@ -329,7 +330,8 @@ def format_plan(p: dict, c: GPTConfig, name: str = "") -> str:
     rows = [
         (f"weights ({wb}{shard})", m["weights"], m["weights"]),
         (f"gradients ({wb}{shard})", m["gradients"], m["gradients"]),
-        (f"AdamW state (fp32{shard})", m["optimizer"], m["optimizer"]),
+        (f"{'Muon + AdamW' if s.get('optimizer') == 'muon' else 'AdamW'} state (fp32{shard})", m["optimizer"],
+         m["optimizer"]),
         ("16-bit weight copies (autocast)", m["autocast_weights"], m["autocast_weights"]),
         ("gathered blocks (FSDP)", m["fsdp_gathered"], m["fsdp_gathered"]),
         ("activations", m["activations"], m["activations_checkpointed"]),

@@ -63,8 +63,15 @@ class Tokenizer:
     def __init__(self, hf):
         self.hf = hf
         self.hf.encode_special_tokens = True
-        model = json.loads(hf.to_str())["model"]
+        spec = json.loads(hf.to_str())
+        model = spec["model"]
         self.kind = "char" if model["type"] == "BPE" and not model["merges"] else "bpe"
+        pre = spec.get("pre_tokenizer") or {}
+        # safe_pieces is exact for the pipeline nanolm trains; a tokenizer.json from elsewhere
+        # (a normalizer, a post-processor, another pre-tokenizer) is encoded whole
+        self._cuttable = (pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
+                          and not pre.get("add_prefix_space") and spec.get("normalizer") is None
+                          and spec.get("post_processor") is None)
         self.eos_id = hf.token_to_id(EOS)
         if self.eos_id is None:
             raise NanolmError(f"tokenizer has no {EOS} token; retrain it with nanolm")
@@ -90,9 +97,10 @@ class Tokenizer:
         text in pieces (:func:`safe_pieces`) so that it, too, uses every core."""
         if self.kind == "char":
             return [self._encode_chars(t) for t in texts]
-        pieces = [safe_pieces(t) for t in texts]
+        pieces = [safe_pieces(t) if self._cuttable else [t] for t in texts]
         encoded = iter(self.hf.encode_batch([p for ps in pieces for p in ps]))
-        return [np.concatenate([np.asarray(next(encoded).ids, dtype=np.int64) for _ in ps]) for ps in pieces]
+        ids = [[np.asarray(next(encoded).ids, dtype=np.int64) for _ in ps] for ps in pieces]
+        return [parts[0] if len(parts) == 1 else np.concatenate(parts) for parts in ids]
 
     def _encode_chars(self, text: str) -> np.ndarray:
         codepoints = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)

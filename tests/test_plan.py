@@ -181,3 +181,18 @@ def test_the_memory_check_of_a_muon_run_counts_muons_state(stories_file, tmp_pat
     cfg.optim.optimizer = "muon"
     train(cfg, log=lambda *_: None)
     assert seen == [("muon",)]
+
+
+def test_nanolm_plan_counts_the_optimizer_of_the_config(capsys):
+    """`nanolm plan --config` of a Muon config sizes Muon's state, as the run's own check does."""
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "speedrun_cpu.toml")
+    assert main(["plan", "--config", config, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "Muon + AdamW state" in out
+    figures = json.loads(out[out.index("{"):])
+    c = GPTConfig(vocab_size=8192, seq_len=64, n_layer=3, n_head=4, n_embd=128)
+    assert figures["memory"]["optimizer"] == memory_per_gpu(c, "bf16", "none", optimizer="muon")["optimizer"]
+    assert main(["plan", "--config", config, "--optimizer", "adamw"]) == 0
+    assert "Muon" not in capsys.readouterr().out

@@ -118,6 +118,7 @@ def _plan(args) -> None:
     model = dataclasses.asdict(ModelOptions())
     model.update(vocab_size=DataOptions().vocab_size)
     train = {"batch_size": 1, "grad_accum": 1, "precision": "bf16", "dist": "auto", "fp32_master": False}
+    optimizer = "adamw"
     if args.preset:
         model.update(PRESETS[args.preset])
     if args.config:
@@ -126,6 +127,7 @@ def _plan(args) -> None:
         if "vocab_size" in sections.get("data", {}):
             model["vocab_size"] = sections["data"]["vocab_size"]
         train.update({k: v for k, v in sections.get("train", {}).items() if k in train})
+        optimizer = sections.get("optim", {}).get("optimizer", optimizer)
     for key in ("n_layer", "n_head", "n_embd", "mlp", "vocab_size", "seq_len", "qk_norm", "tie_embeddings"):
         if getattr(args, key) is not None:
             model[key] = getattr(args, key)
@@ -137,11 +139,12 @@ def _plan(args) -> None:
     precision = "bf16" if train["precision"] == "auto" else train["precision"]
     dist = train["dist"] if train["dist"] != "auto" else ("ddp" if args.gpus > 1 else "none")
     tokens = parse_count(args.tokens) if args.tokens else 0
+    optimizer = args.optimizer or optimizer
     plan = make_plan(config, precision, dist, args.gpus, args.gpu, train["batch_size"], train["grad_accum"],
-                     config.seq_len, tokens, args.mfu, train["fp32_master"])
+                     config.seq_len, tokens, args.mfu, train["fp32_master"], optimizer)
     if not args.tokens:
         plan = make_plan(config, precision, dist, args.gpus, args.gpu, train["batch_size"], train["grad_accum"],
-                         config.seq_len, 20 * plan["parameters"], args.mfu, train["fp32_master"])
+                         config.seq_len, 20 * plan["parameters"], args.mfu, train["fp32_master"], optimizer)
     print(format_plan(plan, config, args.preset or ""))
     if not args.tokens:
         print("           (--tokens not given: 20 tokens per parameter, the compute-optimal ratio of Hoffmann et al. 2022)")
@@ -372,6 +375,9 @@ def _add_other_commands(sub) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="number format (default bf16)")
     p.add_argument("--fp32-master", action=argparse.BooleanOptionalAction, default=None,
                    help="with bf16-pure: an fp32 master copy in the optimizer")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default=None,
+                   help="optimizer state to count (default adamw: two fp32 moments a weight; muon: one momentum "
+                        "for the hidden matrices)")
     p.add_argument("--dist", choices=["auto", "none", "ddp", "fsdp"], default=None,
                    help="data parallelism (default: ddp with --gpus > 1, else none)")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs")
