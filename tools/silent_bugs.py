@@ -8,7 +8,7 @@ forgotten ``zero_grad``, an LR one step late, ...). For each, it copies the pack
 the bug, runs the tests on the copy and reports which test caught it, or that none did.
 The working tree is never modified.
 
-    python tools/silent_bugs.py                     # every bug, the fast test files (~10-20 min on 2 cores)
+    python tools/silent_bugs.py                     # every bug, the fast test files (~45 min on 2 cores)
     python tools/silent_bugs.py --only lr_one_step_late,missing_zero_grad
     python tools/silent_bugs.py --list
 
