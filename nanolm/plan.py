@@ -97,16 +97,15 @@ def count_parameters(c: GPTConfig) -> int:
     return c.vocab_size * c.n_embd + c.n_layer * layer_parameters(c) + c.n_embd + head
 
 
-def matmul_parameters(c: GPTConfig) -> int:
-    """Weights that take part in a matrix multiply: every block's matrices and the head."""
-    per_layer = 4 * c.n_embd**2 + (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.mlp_hidden
-    return c.n_layer * per_layer + c.vocab_size * c.n_embd
-
-
 def hidden_matrix_parameters(c: GPTConfig) -> int:
     """Weights of every block's matrices (qkv, proj and the MLP's): what ``--optimizer muon``
     gives to Muon (``nanolm.optim.split_for_muon``); the embedding, head and vectors stay with AdamW."""
     return c.n_layer * (4 * c.n_embd**2 + (3 if c.mlp == "swiglu" else 2) * c.n_embd * c.mlp_hidden)
+
+
+def matmul_parameters(c: GPTConfig) -> int:
+    """Weights that take part in a matrix multiply: every block's matrices and the head."""
+    return hidden_matrix_parameters(c) + c.vocab_size * c.n_embd
 
 
 def flops_per_token(c: GPTConfig, seq_len: int | None = None) -> int:

@@ -37,7 +37,7 @@ import time
 import torch
 
 from .data import Batch
-from .loss import masked_cross_entropy_sum
+from .step import accumulate_gradients
 
 SWITCH_GAIN = 0.10  # switch only for at least this much faster
 DRIFT = 1.3  # steps this much slower (or faster) than at the decision: measure again
@@ -131,10 +131,7 @@ class ThreadTuner:
 
     def _time_pass(self, batch: Batch) -> float:
         start = self.clock()
-        batch = batch.to(next(self.model.parameters()).device)
-        with self.autocast():
-            logits, _ = self.model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
-        masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)[0].backward()
+        accumulate_gradients(self.model, [batch], max(1, int(batch.counted)), self.autocast)  # the step's own pass
         elapsed = self.clock() - start
         for p in self.model.parameters():
             p.grad = None

@@ -196,7 +196,8 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
     device = dist.device
     precision = resolve_precision(t.precision, device)
     log(f"precision: {precision.describe()}")
-    configure_threads(t.threads, device, log, auto=not (dist.active or t.deterministic))
+    auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active and not t.deterministic
+    configure_threads(t.threads, device, log, auto=auto_threads)
     if dist.active:
         log(f"distributed: {dist.describe()}")
     plan = dist.from_main(lambda: locate_run(cfg, dist.world_size, log))
@@ -267,7 +268,6 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
         log("warning: the validation split is shorter than one window; no validation loss will be reported")
     log(f"MFU: {model.flops_per_token() / 1e6:.2f} MFLOP per token, against "
         f"{f'{peak / 1e12:.3g} TFLOP/s' if peak else 'no peak'} ({peak_source})")
-    auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active and not t.deterministic
     threads = ThreadTuner(step_model, precision.autocast, observer.write) if auto_threads else ThreadTuner.fixed()
     return Run(cfg, dist, plan.out_dir, model, parts, batches, progress, guard, observer, checkpointer, tokenizer,
                tokens_per_step, finishing, threads)
