@@ -7,11 +7,14 @@ last-level cache, every pass over them (the upcast to fp32, log-softmax, its gra
 back) goes to main memory, and the cost grows faster than the vocabulary. Computing the head
 and the loss a few hundred rows at a time keeps each chunk's logits in cache.
 
-This script times the head and nanolm's loss (``masked_cross_entropy_sum``), forward and
-backward, on random hidden states, for each vocabulary size: *whole* (what a training step does
-today) and *chunked* (the same rows, ``--rows`` at a time, each chunk's backward run at once),
-alternated round by round; it also checks that both give the same loss and gradients. It
-measures the lead for a fused, chunked head-and-loss; nanolm's step does not chunk yet.
+This script times the head and the loss, forward and backward, on random hidden states, for
+each vocabulary size: *whole* (the logits of every position at once, then
+``masked_cross_entropy_sum``: what nanolm's step did before it fused them) and *fused*
+(``head_cross_entropy_sum``, what the step does now: ``--rows`` positions at a time, each
+chunk's gradient computed while its logits are in cache; ``--rows 0`` is nanolm's own choice,
+``loss_chunk_positions``), alternated round by round; it also checks that both give the same
+loss and gradients. Then the same comparison for a whole forward and backward pass of the
+TinyStories model at that vocabulary (``step_*``): what the fusion is worth to a training step.
 
     python benchmarks/head_and_loss.py                       # vocabularies 1024, 2048, 4096
     python benchmarks/head_and_loss.py --vocab 8192 --precision fp32 --threads 2
@@ -28,17 +31,20 @@ import time
 
 import torch
 
-from nanolm.loss import masked_cross_entropy_sum
+from nanolm.data import Batch
+from nanolm.loss import head_cross_entropy_sum, loss_chunk_positions, masked_cross_entropy_sum
+from nanolm.model import GPT, GPTConfig
+from nanolm.step import accumulate_gradients, summed_token_loss
 
 
 def head_and_loss(hidden, weight, targets, autocast, rows: int | None) -> None:
-    """Forward and backward of the head and the summed loss, over all rows or ``rows`` at a time."""
-    step = rows or hidden.shape[0]
-    for start in range(0, hidden.shape[0], step):
-        with autocast():
-            logits = hidden[start : start + step] @ weight.t()
-        total, _ = masked_cross_entropy_sum(logits, targets[start : start + step])
-        total.backward()
+    """Forward and backward of the head and the summed loss: the logits whole (``rows`` None) or fused."""
+    with autocast():
+        if rows is None:
+            total, _ = masked_cross_entropy_sum(hidden @ weight.t(), targets)
+        else:
+            total, _ = head_cross_entropy_sum(hidden, weight, targets, chunk=rows)
+    total.backward()
 
 
 def measure(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: int) -> dict:
@@ -47,24 +53,53 @@ def measure(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: in
     hidden = torch.randn(tokens, width).requires_grad_()
     targets = torch.randint(vocab, (tokens,))
     grads = {}
-    for name, chunk in (("whole", None), ("chunked", rows)):
+    for name, chunk in (("whole", None), ("fused", rows)):
         weight.grad = hidden.grad = None
         head_and_loss(hidden, weight, targets, autocast, chunk)
         grads[name] = (hidden.grad.clone(), weight.grad.clone())
-    # the same up to the matmul's own rounding: bf16 rounds each chunk's product, not the whole one's
+    # the same up to rounding: bf16 rounds each chunk's products, and the fused head scales its gradients after
     tolerance = 1e-2 if autocast is not contextlib.nullcontext else 1e-5
-    same = all(float((a - b).norm() / b.norm()) < tolerance for a, b in zip(grads["whole"], grads["chunked"]))
-    times = {"whole": [], "chunked": []}
+    same = all(float((a - b).norm() / b.norm()) < tolerance for a, b in zip(grads["whole"], grads["fused"]))
+    times = {"whole": [], "fused": []}
     for i in range(rounds):
-        for name, chunk in ((("whole", None), ("chunked", rows)) if i % 2 == 0 else (("chunked", rows), ("whole", None))):
+        for name, chunk in ((("whole", None), ("fused", rows)) if i % 2 == 0 else (("fused", rows), ("whole", None))):
             weight.grad = hidden.grad = None
             start = time.perf_counter()
             head_and_loss(hidden, weight, targets, autocast, chunk)
             times[name].append(time.perf_counter() - start)
-    whole, chunked = (statistics.median(times[n]) for n in ("whole", "chunked"))
-    return {"vocab": vocab, "logits_mb_fp32": round(tokens * vocab * 4 / 2**20, 1), "whole_ms": round(whole * 1e3, 2),
-            "chunked_ms": round(chunked * 1e3, 2), "speedup_chunked": round(whole / chunked, 2),
-            "same_gradients": same}
+    whole, fused = (statistics.median(times[n]) for n in ("whole", "fused"))
+    return {"vocab": vocab, "rows_per_chunk": rows or loss_chunk_positions(vocab, "cpu"),
+            "logits_mb_fp32": round(tokens * vocab * 4 / 2**20, 1), "whole_ms": round(whole * 1e3, 2),
+            "fused_ms": round(fused * 1e3, 2), "speedup_fused": round(whole / fused, 2), "same_gradients": same,
+            **measure_step(vocab, tokens, width, rows, autocast, rounds)}
+
+
+def loss_of_whole_logits(model, batch):
+    """The step's loss as it was before the fusion: every logit at once, then the masked loss."""
+    logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
+    return masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)[0]
+
+
+def measure_step(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: int) -> dict:
+    """A whole forward and backward pass of the TinyStories model (4 blocks, context 128, two
+    documents per window) at this vocabulary: its loss from the whole logits, or fused."""
+    seq_len = min(128, tokens)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=4, n_head=4, n_embd=width, loss_chunk=rows))
+    idx, targets = torch.randint(vocab, (2, tokens // seq_len, seq_len))
+    doc_ids = (torch.arange(seq_len) >= seq_len // 2).int().expand_as(idx).contiguous()
+    batch = Batch(idx, targets, torch.ones_like(idx, dtype=torch.bool), doc_ids)
+    times = {"whole": [], "fused": []}
+    for i in range(rounds):
+        for name in ("whole", "fused") if i % 2 == 0 else ("fused", "whole"):
+            start = time.perf_counter()
+            accumulate_gradients(model, [batch], idx.numel(), autocast,
+                                 loss_fn=loss_of_whole_logits if name == "whole" else summed_token_loss)
+            model.zero_grad(set_to_none=True)
+            times[name].append(time.perf_counter() - start)
+    whole, fused = (statistics.median(times[n]) for n in ("whole", "fused"))
+    return {"step_whole_ms": round(whole * 1e3, 1), "step_fused_ms": round(fused * 1e3, 1),
+            "step_speedup_fused": round(whole / fused, 2)}
 
 
 def main() -> None:
@@ -72,7 +107,7 @@ def main() -> None:
     p.add_argument("--vocab", default="1024,2048,4096", help="comma-separated vocabulary sizes")
     p.add_argument("--tokens", type=int, default=16 * 128, help="rows: tokens of one micro-batch (TinyStories: 16 × 128)")
     p.add_argument("--width", type=int, default=128, help="n_embd")
-    p.add_argument("--rows", type=int, default=256, help="rows per chunk")
+    p.add_argument("--rows", type=int, default=0, help="positions per chunk (0: nanolm's choice for each vocabulary)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="the head's matmul under CPU autocast or not")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=15)
@@ -82,7 +117,7 @@ def main() -> None:
     results = [measure(int(v), args.tokens, args.width, args.rows, autocast, args.rounds) for v in args.vocab.split(",")]
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpu": f"{os.cpu_count()} cores",
                       "threads": args.threads, "precision": args.precision, "tokens": args.tokens, "width": args.width,
-                      "rows_per_chunk": args.rows, "results": results}, indent=2))
+                      "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def run_once(args, out_dir: Path) -> dict:
         "child_peak_rss_mb": round(after.ru_maxrss / 1024, 1),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "phases": {**phases, "step0_eval_done_s": curve[0]["seconds"] if curve else None},
+        "phases": {**phases, "step0_eval_done_s": curve[0]["seconds"] if curve and curve[0]["step"] == 0 else None},
         "curve": curve,  # seconds since launch; step 0 comes after start-up, data preparation and one evaluation
         "train_loss_curve": train_curve,
     }

@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from .errors import NanolmError
-from .loss import masked_cross_entropy, masked_cross_entropy_sum
+from .loss import head_cross_entropy_sum, masked_cross_entropy, masked_cross_entropy_sum
 from .model import GPT, GPTConfig
 from .optim import cosine_lr, get_param_groups
 
@@ -13,6 +13,7 @@ __all__ = [
     "NanolmError",
     "cosine_lr",
     "get_param_groups",
+    "head_cross_entropy_sum",
     "masked_cross_entropy",
     "masked_cross_entropy_sum",
 ]

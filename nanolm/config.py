@@ -41,9 +41,12 @@ def option(default, help: str, choices=None, flag: str | None = None, parse=None
     return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "parse": parse})
 
 
-def thread_count(text: str) -> int:
-    """``auto`` (0) or a number of threads."""
+def count_or_auto(text: str) -> int:
+    """``auto`` (0) or a number (of threads, of positions per chunk): `--threads auto`, `--loss-chunk 256`."""
     return 0 if str(text).strip().lower() == "auto" else int(text)
+
+
+count_or_auto.__name__ = "'auto' or whole number"  # argparse names the expected type by it: "invalid ... value"
 
 
 @dataclass
@@ -60,6 +63,10 @@ class ModelOptions:
     attention: str = option("auto", "attention kernel for the document mask: auto (FlexAttention on CUDA, "
                             "SDPA with a boolean mask elsewhere), sdpa, or flex (CUDA only for training)",
                             choices=ATTENTION_BACKENDS)
+    loss_chunk: int = option(0, "positions whose logits the output head and the loss compute at once in training and "
+                             "evaluation: auto (or 0) keeps a chunk's fp32 logits in a CPU's cache (~4 MB) or under "
+                             "~128 MB on a GPU; a number >= batch_size x seq_len computes them whole (docs/benchmarks.md)",
+                             parse=count_or_auto)
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))
@@ -111,7 +118,7 @@ class TrainOptions:
                           "whenever the machine's load changes, which count (all cores, half, one) runs the step "
                           "fastest, and switches only for a clear gain: on a machine other jobs also use, fewer "
                           "threads than cores is often several times faster. A number fixes the count "
-                          "(--deterministic keeps PyTorch's default); docs/benchmarks.md", parse=thread_count)
+                          "(--deterministic keeps PyTorch's default); docs/benchmarks.md", parse=count_or_auto)
     compile: bool = option(False, "torch.compile the model: ~25 s of compiling at start-up, then faster steps "
                            "(1.18x at the default model on 2 CPU cores, so it pays after ~1,600 steps; more on a "
                            "GPU); leave it off while debugging (docs/benchmarks.md)")
@@ -335,6 +342,7 @@ COMPATIBLE_ON_RESUME = {
               "threads", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
               "peak_flops", "target_val_bpb", "dist"},
     "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip", "muon_lr", "muon_momentum"},
+    "model": {"loss_chunk"},  # how the head and loss are computed, not what: the same numbers up to rounding
     "guard": {f.name for f in dataclasses.fields(GuardOptions)},
 }
 

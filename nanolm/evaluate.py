@@ -12,7 +12,6 @@ import math
 import torch
 
 from .data import Batch
-from .loss import masked_cross_entropy_sum
 from .model import GPT
 
 
@@ -34,10 +33,10 @@ def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, d
     token_bytes = token_bytes.to(device)
     for batch in batches:
         batch = batch.to(device)
-        logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
-        total, count = masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)
+        _, total = model(batch.idx, targets=batch.targets, loss_mask=batch.loss_mask, doc_ids=batch.doc_ids,
+                         positions=batch.positions, reduction="sum")
         nats += total.double()
-        tokens += count
+        tokens += batch.loss_mask.sum()
         n_bytes += (token_bytes[batch.targets] * batch.loss_mask).sum()
     model.train(was_training)
     if reduce is not None:

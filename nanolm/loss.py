@@ -10,9 +10,22 @@ is kept separate (:func:`masked_cross_entropy_sum`) because with gradient accumu
 the right denominator is the count of the *whole optimizer step*, not of one
 micro-batch: averaging micro-batch means would give a short micro-batch's tokens more
 weight than a long one's.
+
+**The output head and the loss together, a chunk of positions at a time**
+(:func:`head_cross_entropy_sum`). The logits of one micro-batch are big: positions ×
+vocabulary, 33 MB in fp32 for 16 × 128 positions and 4,096 tokens, more than a CPU's
+last-level cache. Computed whole, every pass over them (the fp32 upcast, log-softmax, its
+gradient, the cast back) goes to main memory, and the head and loss cost 2–3× what they do
+a few hundred positions at a time, each chunk's logits used up while they are still in
+cache. The chunked version computes each chunk's gradient right away, in the forward pass
+(the loss is a plain sum, so its gradient is known up to the factor that backward brings),
+and never holds the logits whole. The numbers are those of :func:`masked_cross_entropy_sum`
+on the head's logits up to rounding (the order of a sum).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +50,82 @@ def masked_cross_entropy_sum(logits, targets, mask=None):
         reduction="sum",
     )
     return total, mask.sum()
+
+
+def head_cross_entropy_sum(hidden, weight, targets, mask=None, chunk: int = 0):
+    """(sum of per-token cross-entropy, number of counted positions) of the logits
+    ``hidden @ weight.T``, computed ``chunk`` positions at a time without holding them whole.
+
+    ``hidden`` (..., C) are the final hidden states, ``weight`` (V, C) the output head,
+    ``targets`` and ``mask`` as in :func:`masked_cross_entropy_sum`, whose numbers this
+    matches; ``chunk`` 0 picks :func:`loss_chunk_positions`. The head's matrix product runs in
+    the autocast dtype when autocast is on (as ``nn.Linear`` would), the softmax in fp32.
+    """
+    if mask is None:
+        mask = targets >= 0
+    mask = mask.bool()
+    counted_targets = torch.where(mask, targets, torch.full_like(targets, IGNORE)).reshape(-1)
+    chunk = chunk or loss_chunk_positions(weight.shape[0], hidden.device)
+    wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    return _ChunkedHeadLoss.apply(hidden, weight, counted_targets, chunk, wants_grad), mask.sum()
+
+
+def loss_chunk_positions(vocab_size: int, device) -> int:
+    """Positions per chunk of :func:`head_cross_entropy_sum` when none is chosen.
+
+    On a CPU, ~2**20 logits (4 MB in fp32), at least 64 and at most 1,024 positions: chunks of
+    that size stayed in cache and ran 2–2.5× faster than the whole at vocabularies of
+    2,048–8,192 (``benchmarks/head_and_loss.py``), smaller ones wasted the matrix units. On a
+    GPU, whose caches are no larger but whose kernels want big products, ~2**25 logits (at
+    least 256 positions): chunking there saves memory (the fp32 logits of a GPT-2-sized batch
+    are gigabytes) rather than time.
+    """
+    if torch.device(device).type == "cpu":
+        return min(1024, max(64, 2**20 // vocab_size))
+    return max(256, 2**25 // vocab_size)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """Sum of cross-entropies of ``hidden @ weight.T`` against ``targets`` (IGNORE: not counted).
+
+    Forward walks the positions a chunk at a time: logits, log-softmax, the loss, and, when a
+    gradient is wanted, the gradient of the loss with respect to the chunk's logits (softmax
+    minus one-hot, zero where not counted) and from it the chunk's share of both input
+    gradients. Backward only multiplies them by the incoming factor (the step's 1 / token
+    count, times the fp16 loss scale).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, wants_grad):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if wants_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_grad else None
+        for start in range(0, hidden.shape[0], chunk):
+            h, t = hidden[start : start + chunk], targets[start : start + chunk]
+            counted = (t != IGNORE)[:, None]
+            safe_t = torch.where(counted[:, 0], t, torch.zeros_like(t))[:, None]
+            logits = h @ weight.t()  # in the autocast dtype under autocast, as the unfused head
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            token_loss = -log_probs.gather(1, safe_t)
+            total += torch.where(counted, token_loss, torch.zeros_like(token_loss)).sum()
+            if wants_grad:  # softmax minus one-hot; 2**(x / ln 2) is exp(x), and ~4x faster than exp on CPU
+                d_logits = log_probs.mul_(1 / math.log(2)).exp2_().scatter_add_(1, safe_t, torch.full_like(token_loss, -1.0))
+                d_logits = d_logits.to(logits.dtype)
+                # a position that is not counted gives the head nothing: its row of d_logits meets zeros
+                h_counted = torch.where(counted, h, torch.zeros_like(h))
+                grad_hidden[start : start + chunk] = torch.where(counted, d_logits @ weight, 0.0)
+                grad_weight += d_logits.t() @ h_counted
+        if wants_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight)
+            ctx.dtypes = hidden.dtype, weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype), None, None, None
 
 
 def masked_cross_entropy(logits, targets, mask=None):

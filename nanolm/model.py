@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import NanolmError
-from .loss import masked_cross_entropy
+from .loss import head_cross_entropy_sum
 
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
@@ -46,6 +46,7 @@ class GPTConfig:
     dropout: float = 0.0
     attention: str = "auto"
     norm_eps: float = 1e-6
+    loss_chunk: int = 0  # positions per chunk of the fused head and loss; 0: loss_chunk_positions()
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
@@ -64,6 +65,8 @@ class GPTConfig:
             raise NanolmError(f"mlp must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise NanolmError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        if self.loss_chunk < 0:
+            raise NanolmError(f"loss_chunk must be 0 (chosen for the vocabulary and device) or positive, got {self.loss_chunk}")
         if not 0.0 <= self.dropout < 1.0:
             raise NanolmError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -378,11 +381,15 @@ class GPT(nn.Module):
             return flex_document_mask(doc_ids)
         return document_causal_mask(doc_ids)
 
-    def forward(self, idx, targets=None, doc_ids=None, positions=None, loss_mask=None):
-        """Logits for every position, and the mean loss over counted targets if given.
+    def forward(self, idx, targets=None, doc_ids=None, positions=None, loss_mask=None, reduction="mean"):
+        """``(logits, None)``: the logits of every position; or, given ``targets``, ``(None, loss)``.
 
-        ``targets`` are the next tokens; positions where ``loss_mask`` is False (or the
-        target is negative) are not counted.
+        ``targets`` are the next tokens; positions where ``loss_mask`` is False (or the target
+        is negative) are not counted. The loss is their mean (0 when none counts), or with
+        ``reduction="sum"`` their sum, which the training step divides by the count of its
+        whole step. With targets the logits are never held whole: the head and the loss run
+        a chunk of positions at a time (``config.loss_chunk``; :func:`head_cross_entropy_sum`
+        says why), so none are returned.
         """
         B, T = idx.shape
         if T > self.config.seq_len:
@@ -392,13 +399,11 @@ class GPT(nn.Module):
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
-        logits = self.lm_head(self.norm(x))
-        loss = None
-        if targets is not None:
-            if loss_mask is None:
-                loss_mask = targets >= 0
-            loss = masked_cross_entropy(logits, targets, loss_mask)
-        return logits, loss
+        x = self.norm(x)
+        if targets is None:
+            return self.lm_head(x), None
+        total, count = head_cross_entropy_sum(x, self.lm_head.weight, targets, loss_mask, self.config.loss_chunk)
+        return None, total if reduction == "sum" else total / count.clamp(min=1)
 
     def forward_cached(self, idx, cache: KVCache):
         """Logits of the new tokens ``idx``, reading and extending ``cache``."""

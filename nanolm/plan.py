@@ -29,8 +29,10 @@ length, b sequences per GPU micro-batch, N parameters, G GPUs.
   the qkv input, q and k after RoPE, the qkv output, the attention output, the softmax
   statistics) + c·e·d + 4e·h (SwiGLU: c copies of its input, gate, up, silu(gate) and the
   product; GELU: 2e·h), where c = 2 under autocast (each matmul casts its own copy) and 1
-  otherwise. Plus, once, the output: 8d + 4 + e·d + (4 + e)·V + 16 (final norm, head
-  input, the logits and their fp32 log-softmax, token ids and targets).
+  otherwise. Plus, once, the output: 8d + 4 + 4d + 8 (the final norm; the fp32 gradient
+  of the head's input, which the fused head and loss compute in the forward pass; the token
+  ids). The logits are never held whole: a chunk of positions at a time, and the head's fp32
+  gradient (4·V·d, once, not per token) is left out, as every transient buffer is.
   With activation checkpointing only each block's input (the residual stream, 4·d bytes,
   2·d under bf16-pure) is kept and one block at a time is recomputed during the backward
   pass: L·4d + (one layer) + (output).
@@ -123,7 +125,7 @@ def activation_bytes_per_token(c: GPTConfig, precision: str) -> tuple[int, int, 
     mlp = casts * e * d + (4 if c.mlp == "swiglu" else 2) * e * h
     qk_norm = (18 * d + 8 * H if e == 2 else 12 * d + 8 * H) if c.qk_norm else 0
     layer = norms + attention + mlp + qk_norm
-    head = 8 * d + 4 + e * d + (4 + e) * c.vocab_size + 16
+    head = 8 * d + 4 + 4 * d + 8
     residual = (2 if precision == "bf16-pure" else 4) * d
     return layer, head, residual
 

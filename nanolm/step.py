@@ -32,7 +32,6 @@ import torch
 
 from .data import Batch
 from .distributed import Distributed, gradient_sync
-from .loss import masked_cross_entropy_sum
 from .optim import set_learning_rate
 from .precision import DynamicLossScaler
 
@@ -42,15 +41,27 @@ def counted_tokens(micro_batches: list[Batch]) -> int:
     return sum(int(b.counted) for b in micro_batches)
 
 
+def summed_token_loss(model, batch: Batch) -> torch.Tensor:
+    """The forward pass over one micro-batch: the sum of its counted tokens' losses.
+
+    nanolm's GPT computes its output head and the loss together, a chunk of positions at a
+    time (``nanolm.loss.head_cross_entropy_sum``), so the logits are never held whole.
+    """
+    _, total = model(batch.idx, targets=batch.targets, loss_mask=batch.loss_mask,
+                     doc_ids=batch.doc_ids, positions=batch.positions, reduction="sum")
+    return total
+
+
 def accumulate_gradients(model, micro_batches: list[Batch], count: int, autocast=contextlib.nullcontext,
-                         loss_scale: float = 1.0, loss_fn=masked_cross_entropy_sum) -> torch.Tensor:
+                         loss_scale: float = 1.0, loss_fn=summed_token_loss) -> torch.Tensor:
     """Forward and backward over every micro-batch of one optimizer step.
 
     Each micro-batch backpropagates (sum of its token losses) ÷ ``count``, the counted
     tokens of the whole step (every micro-batch, every rank): the gradients that accumulate
     are exactly those of the mean loss over the step, whatever the split, and a micro-batch
-    with nothing to count adds zero. The forward pass runs under ``autocast()`` (see
-    ``nanolm.precision``); the loss, in fp32, is multiplied by ``loss_scale`` before backward
+    with nothing to count adds zero. ``loss_fn(model, batch)`` is the forward pass and that
+    sum (:func:`summed_token_loss`; the lab plants bugs here). It runs under ``autocast()``
+    (see ``nanolm.precision``); the loss, in fp32, is multiplied by ``loss_scale`` before backward
     (fp16; the scaler divides it out of the gradients again). A distributed model reduces
     gradients across ranks in the last micro-batch's backward pass only.
 
@@ -63,8 +74,7 @@ def accumulate_gradients(model, micro_batches: list[Batch], count: int, autocast
         batch = batch.to(device)
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast():
-                logits, _ = model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
-            micro_sum, _ = loss_fn(logits, batch.targets, batch.loss_mask)
+                micro_sum = loss_fn(model, batch)  # forward: the micro-batch's summed token loss, in fp32
             (micro_sum / denominator * loss_scale).backward()
         loss_sum += micro_sum.detach()
     return loss_sum
@@ -88,7 +98,7 @@ class StepParts:
     autocast: Callable = contextlib.nullcontext
     dist: Distributed = field(default_factory=Distributed)
     guard: object | None = None
-    loss_fn: Callable = masked_cross_entropy_sum
+    loss_fn: Callable = summed_token_loss
 
     def __post_init__(self):
         self.step_model = self.step_model if self.step_model is not None else self.model

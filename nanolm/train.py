@@ -55,8 +55,7 @@ from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, 
                       seed_everything)
 from .stats import peak_flops
 from .threads import ThreadTuner
-from .step import StepParts, train_step
-from .loss import masked_cross_entropy_sum
+from .step import StepParts, summed_token_loss, train_step
 
 
 @dataclass
@@ -94,7 +93,7 @@ class Components:
     model: Callable = GPT
     optimizer: Callable = optimizer_for
     batches: Callable = TrainBatches
-    loss_fn: Callable = masked_cross_entropy_sum
+    loss_fn: Callable = summed_token_loss
     scaler: Callable = DynamicLossScaler
     checkpointer: Callable = Checkpointer
 

@@ -99,9 +99,9 @@ def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, mon
     assert result["target_seen_at_s"] is not None
 
 
-def test_head_and_loss_benchmark_times_whole_and_chunked_with_the_same_gradients(monkeypatch, capsys):
-    """The figures behind the TinyStories lead (docs/speedrun.md): the chunked head and loss
-    must compute what the whole one does, or its timing means nothing."""
+def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(monkeypatch, capsys):
+    """The figures behind the fused head and loss (docs/benchmarks.md): the fused one must
+    compute what the whole one does, or its timing means nothing."""
     threads = torch.get_num_threads()
     monkeypatch.setattr(sys, "argv", ["head_and_loss.py", "--vocab", "300,600", "--tokens", "96", "--width", "16",
                                       "--rows", "32", "--rounds", "2"])
@@ -111,4 +111,5 @@ def test_head_and_loss_benchmark_times_whole_and_chunked_with_the_same_gradients
         torch.set_num_threads(threads)
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["vocab"] for r in results] == [300, 600]
-    assert all(r["same_gradients"] and r["whole_ms"] > 0 and r["chunked_ms"] > 0 for r in results)
+    assert all(r["same_gradients"] and r["whole_ms"] > 0 and r["fused_ms"] > 0 for r in results)
+    assert all(r["step_whole_ms"] > 0 and r["step_fused_ms"] > 0 for r in results)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanolm.loss import masked_cross_entropy, masked_cross_entropy_sum
+from nanolm.loss import head_cross_entropy_sum, loss_chunk_positions, masked_cross_entropy, masked_cross_entropy_sum
 
 
 def test_masked_cross_entropy_ignores_masked_positions():
@@ -56,3 +56,81 @@ def test_negative_targets_are_not_counted_without_a_mask():
     targets = torch.tensor([[0, -100, 1, -1]])
     total, count = masked_cross_entropy_sum(logits, targets)
     assert count.item() == 2 and total.item() == pytest.approx(2 * math.log(3))
+
+
+def _head_and_loss_both_ways(hidden, weight, targets, mask, chunk, autocast=False, factor=0.37):
+    """(loss, grad of hidden, grad of weight) from the logits whole and from the fused chunks."""
+    out = []
+    for fused in (False, True):
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if fused:
+                total, count = head_cross_entropy_sum(h, w, targets, mask, chunk)
+            else:
+                total, count = masked_cross_entropy_sum(h @ w.t(), targets, mask)
+        (total * factor).backward()  # the step's 1 / count: backward must carry the factor through
+        out.append((total.detach(), count, h.grad, w.grad))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_the_fused_head_and_loss_equals_the_loss_of_the_whole_logits(chunk):
+    """Chunk sizes that divide the positions and ones that leave a short last chunk (3 x 21 = 63
+    positions): the same loss, count and gradients as the logits computed whole."""
+    torch.manual_seed(3)
+    hidden, weight = torch.randn(3, 21, 16), torch.randn(50, 16) * 0.3
+    targets = torch.randint(50, (3, 21))
+    mask = torch.rand(3, 21) > 0.3
+    (whole, n_whole, gh_whole, gw_whole), (fused, n_fused, gh_fused, gw_fused) = _head_and_loss_both_ways(
+        hidden, weight, targets, mask, chunk)
+    assert n_fused.item() == n_whole.item() == mask.sum().item()
+    torch.testing.assert_close(fused, whole, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(gh_fused, gh_whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw_fused, gw_whole, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_positions_give_the_fused_loss_nothing_and_get_no_gradient():
+    torch.manual_seed(4)
+    hidden, weight = torch.randn(2, 9, 8), torch.randn(30, 8) * 0.3
+    targets = torch.randint(30, (2, 9))
+    mask = torch.rand(2, 9) > 0.5
+    absurd = hidden.clone()
+    absurd[~mask] = 1e4  # logits in the millions: any leak would dominate the loss
+    absurd_targets = torch.where(mask, targets, torch.full_like(targets, -100))
+    (_, _, _, _), (clean, _, gh_clean, _) = _head_and_loss_both_ways(hidden, weight, targets, mask, 4)
+    (_, _, _, _), (loud, _, gh_loud, _) = _head_and_loss_both_ways(absurd, weight, absurd_targets, mask, 4)
+    assert loud.item() == pytest.approx(clean.item(), rel=1e-6)
+    assert (gh_loud[~mask] == 0).all() and (gh_clean[~mask] == 0).all()
+    torch.testing.assert_close(gh_loud[mask], gh_clean[mask])
+
+
+def test_the_fused_loss_takes_its_softmax_in_fp32_under_bf16_autocast():
+    """The head's product runs in bf16 under autocast (as nn.Linear would), the log-sum-exp in fp32:
+    the loss equals nanolm's fp32 loss over the same bf16 logits, and the gradients agree with the
+    whole logits' to bf16's rounding."""
+    torch.manual_seed(5)
+    hidden, weight = torch.randn(4, 32, 64), torch.randn(512, 64) * 0.5
+    targets = torch.randint(512, (4, 32))
+    mask = torch.ones(4, 32, dtype=torch.bool)
+    (whole, _, gh_whole, gw_whole), (fused, _, gh_fused, gw_fused) = _head_and_loss_both_ways(
+        hidden, weight, targets, mask, 48, autocast=True)
+    assert fused.dtype == torch.float32
+    assert fused.item() == pytest.approx(whole.item(), rel=1e-6)
+    for a, b in ((gh_fused, gh_whole), (gw_fused, gw_whole)):
+        assert a.dtype == torch.float32 and float((a - b).norm() / b.norm()) < 1e-2
+
+
+def test_the_fused_loss_without_gradients_is_the_same_number():
+    torch.manual_seed(6)
+    hidden, weight = torch.randn(2, 10, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
+    targets = torch.randint(20, (2, 10))
+    with torch.no_grad():
+        quiet, _ = head_cross_entropy_sum(hidden, weight, targets, chunk=3)
+    loud, _ = head_cross_entropy_sum(hidden, weight, targets, chunk=3)
+    assert quiet.item() == loud.item() and not quiet.requires_grad
+
+
+def test_a_loss_chunk_keeps_a_cpus_logits_in_cache_and_a_gpus_products_large():
+    assert loss_chunk_positions(4096, "cpu") == 256  # 1 M logits, 4 MB in fp32
+    assert loss_chunk_positions(64, "cpu") == 1024 and loss_chunk_positions(200_000, "cpu") == 64
+    assert loss_chunk_positions(50_304, "cuda") == 667 and loss_chunk_positions(512, "cuda") == 65_536

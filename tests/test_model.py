@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nanolm.errors import NanolmError
+from nanolm.loss import masked_cross_entropy_sum
 from nanolm.model import (GPT, GPTConfig, apply_rope, attention, document_causal_mask, reference_attention, rope_tables,
                           sample_next_token)
 
@@ -212,7 +213,32 @@ def test_attention_runs_in_fp32_under_cpu_autocast():
     model = tiny_model()
     idx = torch.randint(64, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits, loss = model(idx, targets=idx)
+        logits, _ = model(idx)
+        _, loss = model(idx, targets=idx)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     torch.testing.assert_close(logits.float(), model(idx)[0], rtol=0.05, atol=0.05)
+
+
+def test_the_models_loss_in_chunks_is_the_loss_of_its_logits():
+    """Given targets, the model computes its head and loss a chunk of positions at a time; the
+    mean, the sum and every gradient are those of the loss over its whole logits."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32, loss_chunk=5)
+    model = GPT(config)
+    idx, targets = torch.randint(64, (3, 16)), torch.randint(64, (3, 16))
+    mask = torch.rand(3, 16) > 0.25
+    logits, _ = model(idx)
+    whole = masked_cross_entropy_sum(logits, targets, mask)[0]
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    no_logits, total = model(idx, targets=targets, loss_mask=mask, reduction="sum")
+    total.backward()
+    assert no_logits is None
+    torch.testing.assert_close(total, whole, rtol=1e-6, atol=1e-5)
+    for name, p in model.named_parameters():
+        scale = float(expected[name].abs().max())  # the same up to rounding: the order of the sums differs
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
+    _, mean = model(idx, targets=targets, loss_mask=mask)
+    torch.testing.assert_close(mean, whole / mask.sum())

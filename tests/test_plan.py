@@ -8,7 +8,6 @@ import torch
 import nanolm.model
 
 from nanolm.instruments.cli import main
-from nanolm.loss import masked_cross_entropy_sum
 from nanolm.model import GPT, GPTConfig
 from nanolm.plan import (
     PRESETS,
@@ -53,12 +52,13 @@ def test_hand_worked_124m():
     attention = 12 * 12 * 1024 * 768                              # 113,246,208
     assert flops_per_token(c) == 6 * matmuls + attention == 854_654_976
     # bf16 activations per token: per layer 16·768+8 (norms) + 7·2·768+4·12 (attention)
-    # + 2·768 + 2·2·3072 (GELU MLP) = 36,920; head 8·768+4 + 2·768 + 6·50304 + 16 = 309,524
+    # + 2·768 + 2·2·3072 (GELU MLP) = 36,920; head 8·768+4 + 4·768 + 8 = 9,228 (the logits are
+    # never whole: the fused head and loss keep only the gradient of their input)
     layer, head, residual = activation_bytes_per_token(c, "bf16")
-    assert (layer, head, residual) == (36_920, 309_524, 4 * 768)
+    assert (layer, head, residual) == (36_920, 9_228, 4 * 768)
     m = memory_per_gpu(c, "bf16", "ddp", gpus=8, micro_batch=16)
-    assert m["activations"] == 16 * 1024 * (12 * 36_920 + 309_524) == 12_330_008_576
-    assert m["activations_checkpointed"] == 16 * 1024 * (12 * 4 * 768 + 36_920 + 309_524)
+    assert m["activations"] == 16 * 1024 * (12 * 36_920 + 9_228) == 7_409_958_912
+    assert m["activations_checkpointed"] == 16 * 1024 * (12 * 4 * 768 + 36_920 + 9_228)
     assert m["weights"] == m["gradients"] == 4 * 123_587_328 and m["optimizer"] == 8 * 123_587_328
 
 
@@ -86,7 +86,8 @@ def test_time_is_flops_over_the_clusters_useful_throughput():
 
 
 def _kept_for_backward(model: GPT, batch: int, precision: str) -> int:
-    """Bytes autograd keeps for backward in one forward pass (and the logits the loop holds)."""
+    """Bytes autograd keeps for backward in one forward pass of the training step (the fused head
+    and loss keep their gradients, computed in the forward pass; the logits are never whole)."""
     params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     kept = {}
 
@@ -98,9 +99,7 @@ def _kept_for_backward(model: GPT, batch: int, precision: str) -> int:
     idx = torch.randint(model.config.vocab_size, (batch, model.config.seq_len), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
-        logits, _ = model(idx)
-        masked_cross_entropy_sum(logits, idx)
-    kept[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
+        model(idx, targets=idx, reduction="sum")
     return sum(kept.values())
 
 

@@ -24,7 +24,7 @@ import torch
 from ..checkpoint import Checkpointer
 from ..config import RunConfig
 from ..data import TrainBatches
-from ..loss import masked_cross_entropy_sum
+from ..step import summed_token_loss
 from ..model import GPT
 from ..precision import DynamicLossScaler
 
@@ -81,9 +81,9 @@ def loss_not_averaged(grad_accum: int):
     """The loss function of a loop that sums micro-batch means instead of averaging them: the
     value it reports is right, its gradient ``grad_accum`` times too large."""
 
-    def loss_fn(logits, targets, mask):
-        total, count = masked_cross_entropy_sum(logits, targets, mask)
-        return total + (grad_accum - 1) * (total - total.detach()), count
+    def loss_fn(model, batch):
+        total = summed_token_loss(model, batch)
+        return total + (grad_accum - 1) * (total - total.detach())
 
     return loss_fn
 
@@ -107,11 +107,11 @@ class OneOffBadBatch:
 
         return Marked(*args, **kwargs)
 
-    def loss_fn(self, logits, targets, mask):
-        total, count = masked_cross_entropy_sum(logits, targets, mask)
+    def loss_fn(self, model, batch):
+        total = summed_token_loss(model, batch)
         if self.step == self.at and not self.spent:
             total = total * self.factor
-        return total, count
+        return total
 
 
 class ForgetfulCheckpointer(Checkpointer):
