@@ -67,8 +67,11 @@ def head_cross_entropy_sum(hidden, weight, targets, mask=None, chunk: int = 0):
     counted_targets = torch.where(mask, targets, torch.full_like(targets, IGNORE)).reshape(-1)
     chunk = chunk or loss_chunk_positions(weight.shape[0], hidden.device)
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    device = hidden.device.type
+    product_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
+                     else torch.promote_types(hidden.dtype, weight.dtype))
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    return _ChunkedHeadLoss.apply(hidden, weight, counted_targets, chunk, wants_grad), mask.sum()
+    return _ChunkedHeadLoss.apply(hidden, weight, counted_targets, chunk, wants_grad, product_dtype), mask.sum()
 
 
 def loss_chunk_positions(vocab_size: int, device) -> int:
@@ -86,35 +89,53 @@ def loss_chunk_positions(vocab_size: int, device) -> int:
     return max(256, 2**25 // vocab_size)
 
 
+LOG2E = 1 / math.log(2)
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Sum of cross-entropies of ``hidden @ weight.T`` against ``targets`` (IGNORE: not counted).
 
     Forward walks the positions a chunk at a time: logits, log-softmax, the loss, and, when a
     gradient is wanted, the gradient of the loss with respect to the chunk's logits (softmax
-    minus one-hot, zero where not counted) and from it the chunk's share of both input
-    gradients. Backward only multiplies them by the incoming factor (the step's 1 / token
-    count, times the fp16 loss scale).
+    minus one-hot) and from it the chunk's share of both input gradients. Backward only
+    multiplies them by the incoming factor (the step's 1 / token count, times the fp16 loss
+    scale).
+
+    The head's products run in ``product_dtype`` (autocast's, as ``nn.Linear`` would under
+    it), with the weight cast once rather than once per chunk. The gradients' products run
+    there too, except in fp16: they are computed before the loss scale is known, so an fp16
+    product could overflow (or underflow) where the scaled whole-logits path would not, and
+    they run in fp32 instead.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, wants_grad):
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if wants_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_grad else None
-        for start in range(0, hidden.shape[0], chunk):
-            h, t = hidden[start : start + chunk], targets[start : start + chunk]
-            counted = (t != IGNORE)[:, None]
-            safe_t = torch.where(counted[:, 0], t, torch.zeros_like(t))[:, None]
-            logits = h @ weight.t()  # in the autocast dtype under autocast, as the unfused head
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            token_loss = -log_probs.gather(1, safe_t)
-            total += torch.where(counted, token_loss, torch.zeros_like(token_loss)).sum()
-            if wants_grad:  # softmax minus one-hot; 2**(x / ln 2) is exp(x), and ~4x faster than exp on CPU
-                d_logits = log_probs.mul_(1 / math.log(2)).exp2_().scatter_add_(1, safe_t, torch.full_like(token_loss, -1.0))
-                d_logits = d_logits.to(logits.dtype)
+    def forward(ctx, hidden, weight, targets, chunk, wants_grad, product_dtype):
+        device = hidden.device
+        grad_dtype = torch.float32 if product_dtype == torch.float16 else product_dtype
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        if wants_grad:
+            grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=device)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+        with torch.autocast(device.type, enabled=False):  # the dtypes below are chosen by hand
+            w = weight.to(product_dtype)
+            w_for_grads = w if grad_dtype == product_dtype else weight.to(grad_dtype)
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                h, t = hidden[rows], targets[rows]
+                counted = (t != IGNORE)[:, None]
+                safe_t = torch.where(counted, t[:, None], 0)
+                logits = h.to(product_dtype) @ w.t()
+                log_probs = torch.log_softmax(logits.float(), dim=-1)
+                token_loss = -log_probs.gather(1, safe_t)
+                total += torch.where(counted, token_loss, 0.0).sum()
+                if not wants_grad:
+                    continue
+                # softmax minus one-hot; exp(x) as 2**(x·log2 e), ~4x faster than exp on CPU
+                probs = log_probs.mul_(LOG2E).exp2_()
+                d_logits = probs.scatter_add_(1, safe_t, torch.full_like(token_loss, -1.0)).to(grad_dtype)
                 # a position that is not counted gives the head nothing: its row of d_logits meets zeros
-                h_counted = torch.where(counted, h, torch.zeros_like(h))
-                grad_hidden[start : start + chunk] = torch.where(counted, d_logits @ weight, 0.0)
+                h_counted = torch.where(counted, h, torch.zeros_like(h)).to(grad_dtype)
+                grad_hidden[rows] = torch.where(counted, d_logits @ w_for_grads, 0.0)
                 grad_weight += d_logits.t() @ h_counted
         if wants_grad:
             ctx.save_for_backward(grad_hidden, grad_weight)
@@ -122,10 +143,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return total
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        return (grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype), None, None, None
+        return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),
+                None, None, None, None)
 
 
 def masked_cross_entropy(logits, targets, mask=None):

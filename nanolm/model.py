@@ -402,6 +402,8 @@ class GPT(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None
+        if reduction not in ("mean", "sum"):
+            raise NanolmError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
         total, count = head_cross_entropy_sum(x, self.lm_head.weight, targets, loss_mask, self.config.loss_chunk)
         return None, total if reduction == "sum" else total / count.clamp(min=1)
 

@@ -29,10 +29,12 @@ length, b sequences per GPU micro-batch, N parameters, G GPUs.
   the qkv input, q and k after RoPE, the qkv output, the attention output, the softmax
   statistics) + c·e·d + 4e·h (SwiGLU: c copies of its input, gate, up, silu(gate) and the
   product; GELU: 2e·h), where c = 2 under autocast (each matmul casts its own copy) and 1
-  otherwise. Plus, once, the output: 8d + 4 + 4d + 8 (the final norm; the fp32 gradient
-  of the head's input, which the fused head and loss compute in the forward pass; the token
-  ids). The logits are never held whole: a chunk of positions at a time, and the head's fp32
-  gradient (4·V·d, once, not per token) is left out, as every transient buffer is.
+  otherwise. Plus, once per token, the output: 8d + 4 + 4d + 8 (the final norm; the fp32
+  gradient of the head's input, which the fused head and loss compute in the forward pass;
+  the token ids). The logits are never held whole, so instead, once per micro-batch: the
+  head's own fp32 gradient, 4·V·d, kept from the forward pass to the backward pass, and one
+  chunk's buffers, r·(2e + 4)·V for r positions a chunk (its logits, their fp32 log-softmax
+  and their gradient; r as ``loss_chunk_positions`` picks it on a GPU, or ``loss_chunk``).
   With activation checkpointing only each block's input (the residual stream, 4·d bytes,
   2·d under bf16-pure) is kept and one block at a time is recomputed during the backward
   pass: L·4d + (one layer) + (output).
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NanolmError
+from .loss import loss_chunk_positions
 from .model import GPTConfig
 
 
@@ -130,6 +133,14 @@ def activation_bytes_per_token(c: GPTConfig, precision: str) -> tuple[int, int, 
     return layer, head, residual
 
 
+def fused_head_bytes(c: GPTConfig, precision: str, tokens: int) -> int:
+    """What the fused head and loss hold once per micro-batch of ``tokens`` positions: the
+    head's fp32 gradient (from the forward pass to the backward pass) and one chunk's buffers."""
+    e = 4 if precision == "fp32" else 2
+    rows = min(tokens, c.loss_chunk or loss_chunk_positions(c.vocab_size, "cuda"))
+    return 4 * c.vocab_size * c.n_embd + rows * (2 * e + 4) * c.vocab_size
+
+
 def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: int = 1,
                    micro_batch: int = 1, seq_len: int | None = None, fp32_master: bool = False,
                    optimizer: str = "adamw") -> dict:
@@ -158,8 +169,8 @@ def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpu
         "optimizer": (optimizer_bytes * (n - muon) + (optimizer_bytes - 4) * muon) / shards,
         "autocast_weights": 2 * matmul_parameters(c) if precision in AUTOCAST else 0,
         "fsdp_gathered": (weight_bytes * (2 * block + root + max(block, root)) if dist == "fsdp" and gpus > 1 else 0),
-        "activations": tokens * (c.n_layer * layer + head),
-        "activations_checkpointed": tokens * (c.n_layer * residual + layer + head),
+        "activations": tokens * (c.n_layer * layer + head) + fused_head_bytes(c, precision, tokens),
+        "activations_checkpointed": tokens * (c.n_layer * residual + layer + head) + fused_head_bytes(c, precision, tokens),
     }
     state = sum(v for k, v in rows.items() if not k.startswith("activations"))
     rows["total"] = state + rows["activations"]

@@ -48,7 +48,7 @@ def test_bias_correction_makes_first_step_full_size():
     model = tiny_model()
     before = model.blocks[0].attn.qkv.weight.detach().clone()
     opt = build_optimizer(model, lr=lr, weight_decay=0.0)
-    logits, loss = model(torch.randint(64, (2, 8)), targets=torch.randint(64, (2, 8)))
+    _, loss = model(torch.randint(64, (2, 8)), targets=torch.randint(64, (2, 8)))
     loss.backward()
     opt.step()
     moved = (model.blocks[0].attn.qkv.weight.detach() - before).abs()

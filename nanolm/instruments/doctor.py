@@ -6,8 +6,9 @@ failure comes with what it usually means. Most take a fraction of a second; memo
 batch takes a few seconds.
 
 ``nanolm doctor --model package.module:ClassName`` runs the model invariants on your own
-class (constructed with a ``GPTConfig``; ``forward(idx, targets=None, ...)`` returning
-``(logits, loss)``), so a transformer written from an empty file can be checked the same way.
+class (constructed with a ``GPTConfig``; ``forward(idx, ...)`` returning the logits of every
+position, alone or first in a tuple: doctor never passes targets), so a transformer written
+from an empty file can be checked the same way.
 """
 
 from __future__ import annotations
