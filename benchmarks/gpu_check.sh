@@ -2,7 +2,8 @@
 # nanolm on one CUDA GPU: the GPU-marked tests (bf16 autocast, fused AdamW, FlexAttention's
 # document mask against the SDPA reference, torch.compile against eager), then the throughput
 # of a 124M-parameter GPT at context 1024 with and without the document mask, eager and
-# compiled: tokens/s and MFU (against an H100/H200's 989 TFLOP/s bf16 dense peak).
+# compiled: tokens/s and MFU (against an H100/H200's 989 TFLOP/s bf16 dense peak); then the
+# output head and the loss at GPT-2's vocabulary, whole against fused: time and peak memory.
 #
 # Needs only PyTorch (with Triton, for torch.compile and FlexAttention): installs nothing, no
 # network. Under 8 minutes on one H200. Run from anywhere:
@@ -59,6 +60,21 @@ print(f"gpu_check: figures in {sys.argv[1]}")
 EOF
 else
     echo "gpu_check: throughput benchmark FAILED or ran out of time" >&2
+    status=1
+fi
+
+echo "== the output head and the loss at GPT-2's vocabulary (50,304), 16 x 1024 positions, width 768: whole vs fused (--loss-chunk auto)"
+if timeout 120 "$PY" benchmarks/head_and_loss.py --device cuda --vocab 50304 --tokens 16384 --width 768 --rounds 5 \
+        > "${OUT_FILE%.json}_head.json"; then
+    "$PY" - "${OUT_FILE%.json}_head.json" <<'EOF2'
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    print(f"  head and loss: whole {r['whole_ms']} ms, {r['peak_mb_whole']} MiB peak | fused ({r['rows_per_chunk']} positions a chunk) "
+          f"{r['fused_ms']} ms, {r['peak_mb_fused']} MiB | same gradients: {r['same_gradients']}")
+    print(f"  a 4-block model's forward and backward: whole {r['step_whole_ms']} ms, fused {r['step_fused_ms']} ms")
+EOF2
+else
+    echo "gpu_check: head-and-loss benchmark FAILED or ran out of time" >&2
     status=1
 fi
 exit $status

@@ -47,11 +47,32 @@ def head_and_loss(hidden, weight, targets, autocast, rows: int | None) -> None:
     total.backward()
 
 
-def measure(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: int) -> dict:
+def timed(fn, device: str) -> float:
+    """Seconds ``fn()`` takes, waiting for a GPU's queued work to finish."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def peak_memory_mb(fn, device: str) -> float | None:
+    """The most GPU memory allocated while ``fn()`` runs (None on a CPU)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return round(torch.cuda.max_memory_allocated() / 2**20, 1)
+
+
+def measure(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: int, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    weight = (torch.randn(vocab, width) * 0.02).requires_grad_()
-    hidden = torch.randn(tokens, width).requires_grad_()
-    targets = torch.randint(vocab, (tokens,))
+    weight = (torch.randn(vocab, width, device=device) * 0.02).requires_grad_()
+    hidden = torch.randn(tokens, width, device=device).requires_grad_()
+    targets = torch.randint(vocab, (tokens,), device=device)
     grads = {}
     for name, chunk in (("whole", None), ("fused", rows)):
         weight.grad = hidden.grad = None
@@ -64,14 +85,14 @@ def measure(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: in
     for i in range(rounds):
         for name, chunk in ((("whole", None), ("fused", rows)) if i % 2 == 0 else (("fused", rows), ("whole", None))):
             weight.grad = hidden.grad = None
-            start = time.perf_counter()
-            head_and_loss(hidden, weight, targets, autocast, chunk)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(timed(lambda: head_and_loss(hidden, weight, targets, autocast, chunk), device))
     whole, fused = (statistics.median(times[n]) for n in ("whole", "fused"))
-    return {"vocab": vocab, "rows_per_chunk": rows or loss_chunk_positions(vocab, "cpu"),
+    peaks = {f"peak_mb_{name}": peak_memory_mb(lambda: head_and_loss(hidden, weight, targets, autocast, chunk), device)
+             for name, chunk in (("whole", None), ("fused", rows))}
+    return {"vocab": vocab, "rows_per_chunk": rows or loss_chunk_positions(vocab, device), **peaks,
             "logits_mb_fp32": round(tokens * vocab * 4 / 2**20, 1), "whole_ms": round(whole * 1e3, 2),
             "fused_ms": round(fused * 1e3, 2), "speedup_fused": round(whole / fused, 2), "same_gradients": same,
-            **measure_step(vocab, tokens, width, rows, autocast, rounds)}
+            **measure_step(vocab, tokens, width, rows, autocast, rounds, device)}
 
 
 def loss_of_whole_logits(model, batch):
@@ -80,23 +101,22 @@ def loss_of_whole_logits(model, batch):
     return masked_cross_entropy_sum(logits, batch.targets, batch.loss_mask)[0]
 
 
-def measure_step(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: int) -> dict:
+def measure_step(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: int, device: str = "cpu") -> dict:
     """A whole forward and backward pass of the TinyStories model (4 blocks, context 128, two
     documents per window) at this vocabulary: its loss from the whole logits, or fused."""
     seq_len = min(128, tokens)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=4, n_head=4, n_embd=width, loss_chunk=rows))
-    idx, targets = torch.randint(vocab, (2, tokens // seq_len, seq_len))
-    doc_ids = (torch.arange(seq_len) >= seq_len // 2).int().expand_as(idx).contiguous()
+    model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=4, n_head=4, n_embd=width, loss_chunk=rows)).to(device)
+    idx, targets = torch.randint(vocab, (2, tokens // seq_len, seq_len), device=device)
+    doc_ids = (torch.arange(seq_len, device=device) >= seq_len // 2).int().expand_as(idx).contiguous()
     batch = Batch(idx, targets, torch.ones_like(idx, dtype=torch.bool), doc_ids)
     times = {"whole": [], "fused": []}
     for i in range(rounds):
         for name in ("whole", "fused") if i % 2 == 0 else ("fused", "whole"):
-            start = time.perf_counter()
-            accumulate_gradients(model, [batch], idx.numel(), autocast,
-                                 loss_fn=loss_of_whole_logits if name == "whole" else summed_token_loss)
+            loss_fn = loss_of_whole_logits if name == "whole" else summed_token_loss
+            times[name].append(timed(lambda: accumulate_gradients(model, [batch], idx.numel(), autocast, loss_fn=loss_fn),
+                                     device))
             model.zero_grad(set_to_none=True)
-            times[name].append(time.perf_counter() - start)
     whole, fused = (statistics.median(times[n]) for n in ("whole", "fused"))
     return {"step_whole_ms": round(whole * 1e3, 1), "step_fused_ms": round(fused * 1e3, 1),
             "step_speedup_fused": round(whole / fused, 2)}
@@ -108,15 +128,22 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16 * 128, help="rows: tokens of one micro-batch (TinyStories: 16 × 128)")
     p.add_argument("--width", type=int, default=128, help="n_embd")
     p.add_argument("--rows", type=int, default=0, help="positions per chunk (0: nanolm's choice for each vocabulary)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="the head's matmul under CPU autocast or not")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="the head's matmul under autocast or not")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda also reports the peak memory of each (peak_mb_*): what chunking saves on a GPU")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this PyTorch sees no CUDA GPU; run on a GPU machine or drop --device")
     torch.set_num_threads(args.threads)
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if args.precision == "bf16" else contextlib.nullcontext
-    results = [measure(int(v), args.tokens, args.width, args.rows, autocast, args.rounds) for v in args.vocab.split(",")]
+    autocast = ((lambda: torch.autocast(args.device, dtype=torch.bfloat16)) if args.precision == "bf16"
+                else contextlib.nullcontext)
+    results = [measure(int(v), args.tokens, args.width, args.rows, autocast, args.rounds, args.device)
+               for v in args.vocab.split(",")]
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpu": f"{os.cpu_count()} cores",
-                      "threads": args.threads, "precision": args.precision, "tokens": args.tokens, "width": args.width,
+                      "device": args.device, "threads": args.threads, "precision": args.precision,
+                      "tokens": args.tokens, "width": args.width,
                       "results": results}, indent=2))
 
 
