@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from .errors import NanolmError
 from .loss import head_cross_entropy_sum, masked_cross_entropy, masked_cross_entropy_sum
 from .model import GPT, GPTConfig
-from .optim import cosine_lr, get_param_groups
+from .optim import cosine_lr, get_param_groups, wsd_lr
 
 __all__ = [
     "GPT",
@@ -16,4 +16,5 @@ __all__ = [
     "head_cross_entropy_sum",
     "masked_cross_entropy",
     "masked_cross_entropy_sum",
+    "wsd_lr",
 ]

@@ -26,7 +26,7 @@ from .errors import NanolmError
 from .guards import NAN_ACTIONS, SPIKE_ACTIONS
 from .model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from .monitor import LOG_SINKS, PROGRESS_MODES, parse_sinks
-from .optim import OPTIMIZERS, default_min_lr, muon_available
+from .optim import OPTIMIZERS, SCHEDULES, default_min_lr, muon_available
 from .precision import PRECISIONS
 from .tokenizer import EOS, KINDS as TOKENIZER_KINDS
 
@@ -92,8 +92,12 @@ class DataOptions:
 @dataclass
 class OptimOptions:
     lr: float = option(3e-3, "peak learning rate")
-    min_lr: float | None = option(None, "final learning rate of the cosine decay (default: lr / 10)")
+    min_lr: float | None = option(None, "final learning rate, where the decay ends (default: lr / 10)")
     warmup: int | None = option(None, "linear warmup steps (default: steps / 10, at most 200)")
+    schedule: str = option("cosine", "the rate after warmup: cosine (decays from the end of warmup to --min-lr at "
+                           "--steps) or wsd (warmup-stable-decay: the peak rate until the last --decay-fraction of "
+                           "the steps, then a straight line down to --min-lr; docs/speedrun.md)", choices=SCHEDULES)
+    decay_fraction: float = option(0.2, "with --schedule wsd: the share of --steps spent decaying at the end")
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (never on norms, biases, embeddings)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
@@ -251,6 +255,8 @@ class RunConfig:
         need(o.min_lr is None or (finite(o.min_lr) and 0 <= o.min_lr <= o.lr), "min_lr", o.min_lr,
              f"between 0 and --lr ({o.lr})")
         need(o.warmup is None or o.warmup >= 0, "warmup", o.warmup, ">= 0")
+        need(finite(o.decay_fraction) and 0 < o.decay_fraction <= 1, "decay_fraction", o.decay_fraction,
+             "in (0, 1]: the share of the steps that the wsd schedule spends decaying")
         need(o.warmup is None or o.warmup <= t.steps, "warmup", o.warmup,
              f"at most --steps ({t.steps}): a warmup longer than the run never reaches --lr")
         need(finite(o.weight_decay) and o.weight_decay >= 0, "weight_decay", o.weight_decay, ">= 0")
@@ -341,7 +347,8 @@ COMPATIBLE_ON_RESUME = {
     "train": {"steps", "eval_every", "eval_at_start", "eval_batches", "log_every", "sample_tokens", "out_dir", "device",
               "threads", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
               "peak_flops", "target_val_bpb", "dist"},
-    "optim": {"lr", "min_lr", "warmup", "weight_decay", "beta1", "beta2", "clip", "muon_lr", "muon_momentum"},
+    "optim": {"lr", "min_lr", "warmup", "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "clip", "muon_lr",
+              "muon_momentum"},
     "model": {"loss_chunk"},  # how the head and loss are computed, not what: the same numbers up to rounding
     "guard": {f.name for f in dataclasses.fields(GuardOptions)},
 }

@@ -26,6 +26,7 @@ import torch
 
 from .evaluate import estimate_loss
 from .monitor import Monitor, parse_sinks, perplexity
+from .optim import wsd_decay_start
 from .precision import grad_zero_fraction
 from .stats import LayerStats, StepMeter, is_stats_step
 
@@ -95,7 +96,9 @@ class Observer:
         ``nanolm diagnose``) can tell a run without clipping or LR decay from the numbers alone."""
         o = self.cfg.optim
         recipe = {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup, "beta1": o.beta1, "beta2": o.beta2,
-                  "weight_decay": o.weight_decay, "clip": o.clip, "optimizer": o.optimizer}
+                  "weight_decay": o.weight_decay, "clip": o.clip, "optimizer": o.optimizer, "schedule": o.schedule}
+        if o.schedule == "wsd":  # the rate stays at its peak until this (1-based) step by design
+            recipe["decay_start_step"] = wsd_decay_start(o.warmup, self.cfg.train.steps, o.decay_fraction) + 1
         if o.optimizer == "muon":
             recipe.update(muon_lr=o.muon_lr, muon_momentum=o.muon_momentum)
         if self.optimizer is not None:  # what the optimizer really decays, not what the options say

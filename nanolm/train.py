@@ -48,11 +48,11 @@ from .guards import Guard, nan_origin
 from .model import GPT
 from .monitor import missing_sink_packages, parse_sinks
 from .observer import Observer
-from .optim import cosine_lr, get_param_groups, optimizer_for
+from .optim import get_param_groups, learning_rate, optimizer_for
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
 from .rundir import locate_run, set_up_run_directory, use_prepared_tokenizer
-from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads, resolve_device,
-                      seed_everything)
+from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads,
+                      keep_freed_memory_for_reuse, resolve_device, seed_everything)
 from .stats import peak_flops
 from .threads import ThreadTuner
 from .step import StepParts, summed_token_loss, train_step
@@ -197,6 +197,7 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
     log(f"precision: {precision.describe()}")
     auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active and not t.deterministic
     configure_threads(t.threads, device, log, auto=auto_threads)
+    keep_freed_memory_for_reuse(device)  # a CPU step reuses its freed buffers instead of re-faulting fresh pages
     if dist.active:
         log(f"distributed: {dist.describe()}")
     plan = dist.from_main(lambda: locate_run(cfg, dist.world_size, log))
@@ -238,7 +239,7 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
     guard = Guard(plan.out_dir if dist.is_main else None, g.on_nan, g.on_spike, g.spike_window, g.spike_threshold,
                   g.max_rollbacks, log, g.rollback_lr_scale,
                   explain_nan=lambda batch: nan_origin(model, batch, precision.autocast, tokenizer.vocab_size))
-    parts = StepParts(model, optimizer, schedule=lambda step: cosine_lr(step - 1, o.lr, o.warmup, t.steps, o.min_lr)
+    parts = StepParts(model, optimizer, schedule=lambda step: learning_rate(step - 1, o, t.steps)
                       * guard.lr_scale, clip=o.clip, step_model=step_model, scaler=scaler,
                       autocast=precision.autocast, dist=dist, guard=guard, loss_fn=components.loss_fn)
     peak, peak_source = peak_flops(device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)

@@ -113,3 +113,17 @@ def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(m
     assert [r["vocab"] for r in results] == [300, 600]
     assert all(r["same_gradients"] and r["whole_ms"] > 0 and r["fused_ms"] > 0 for r in results)
     assert all(r["step_whole_ms"] > 0 and r["step_fused_ms"] > 0 for r in results)
+
+
+def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processes(monkeypatch, capsys):
+    """The figures behind keeping freed buffers (docs/benchmarks.md): each configuration in its
+    own process, and the kept one really kept (on glibc)."""
+    monkeypatch.setattr(sys, "argv", ["allocator.py", "--threads", "1", "--rounds", "1", "--steps", "1",
+                                      "--precision", "fp32", "--vocab", "300", "--seq-len", "16", "--batch", "2",
+                                      "--layers", "1", "--width", "16"])
+    runpy.run_path(str(BENCHMARKS / "allocator.py"), run_name="__main__")
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["qk_norm"] for r in results] == ["off", "on"]
+    assert all(r["kept_ms"] > 0 and r["given_back_ms"] > 0 for r in results)
+    if sys.platform.startswith("linux"):
+        assert all(r["applied"] for r in results)

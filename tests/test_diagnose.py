@@ -246,6 +246,22 @@ def test_every_runbook_a_finding_points_to_is_a_section_of_the_runbooks():
     assert set(dg.RUNBOOKS.values()) <= anchors, sorted(set(dg.RUNBOOKS.values()) - anchors)
 
 
+def test_a_wsd_run_still_at_its_peak_before_its_decay_is_not_a_missing_decay():
+    """Warmup-stable-decay holds the peak rate until the last part of the run on purpose; a run
+    looked at before its decay has not forgotten to decay. Once the decay should be well under
+    way and the rate is still at its peak, it has."""
+    trace = load("constant_lr")
+    last = max(r["step"] for r in trace["metrics"])
+
+    def with_decay_starting_at(step):
+        rows = [dict(r, schedule="wsd", decay_start_step=step) if r["step"] == 0 and "peak_lr" in r else r
+                for r in trace["metrics"]]
+        return {f.name for f in diagnose_trace(rows, trace["events"])}
+
+    assert "no_lr_decay" not in with_decay_starting_at(last + 1)  # the decay is still to come
+    assert "no_lr_decay" in with_decay_starting_at(last - dg.MIN_STEPS)  # it should have happened
+
+
 def test_the_recipe_gated_rules_stay_silent_on_healthy_runs_that_record_their_recipe():
     """The healthy traces carry the step-0 recipe (clip 1.0, beta2 0.95, the real param groups)."""
     for name in HEALTHY:

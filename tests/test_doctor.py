@@ -141,7 +141,7 @@ def test_lr_schedule_check_fails_without_warmup(tiny_cfg):
 
 
 def test_lr_schedule_check_fails_when_the_schedule_undershoots(tiny_cfg, monkeypatch):
-    monkeypatch.setattr(doctor, "cosine_lr", lambda step, max_lr, warmup, total, min_lr: max_lr * (1 - step / total))
+    monkeypatch.setattr(doctor, "learning_rate", lambda step, o, total: o.lr * (1 - step / total))
     assert not _results(tiny_cfg)["LR schedule"].passed
 
 

@@ -242,3 +242,29 @@ def test_the_models_loss_in_chunks_is_the_loss_of_its_logits():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-5 * scale, msg=name)
     _, mean = model(idx, targets=targets, loss_mask=mask)
     torch.testing.assert_close(mean, whole / mask.sum())
+
+
+def test_qk_norm_under_bf16_autocast_takes_the_fused_norm_with_the_same_numbers():
+    """Under autocast q and k arrive in bf16 while the norm's gain is fp32; PyTorch's fused
+    rms_norm needs one dtype and otherwise falls back to a slower composite (with a warning).
+    The norm runs in fp32 and rounds back instead: the same numbers as normalising the fp32
+    values, and no fallback."""
+    import warnings
+
+    from nanolm.model import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        norm.weight.mul_(1 + 0.1 * torch.randn(32))
+    q = (3 * torch.randn(2, 4, 16, 32)).bfloat16()
+    expected = torch.nn.functional.rms_norm(q.float(), (32,), norm.weight, 1e-6).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the composite path warns "Mismatch dtype between input and weight"
+        out = norm(q)
+        model = tiny_model(qk_norm=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(torch.randint(64, (2, 20)), targets=torch.randint(64, (2, 20)))
+        loss.backward()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert model.blocks[0].attn.q_norm.weight.grad is not None

@@ -760,6 +760,9 @@ def rule_no_lr_decay(t: Trace) -> Finding | None:
     last_step, last_lr = lrs[-1]
     if last_lr < NO_DECAY_SHARE * t.peak_lr:
         return None
+    decay_start = _recipe(t).get("decay_start_step")  # a WSD run: the peak is held until there by design
+    if decay_start is not None and last_step < decay_start + MIN_STEPS:
+        return None
     n = t.last_step
     window = [r["loss"] for r in t.train if 0.6 * n < r["step"] <= 0.8 * n]
     final = [r["loss"] for r in t.train if r["step"] > 0.8 * n]

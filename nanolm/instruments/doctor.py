@@ -29,7 +29,7 @@ from ..config import RunConfig
 from ..data import Batch, WindowSampler, pack_windows
 from ..errors import NanolmError
 from ..model import GPT, GPTConfig
-from ..optim import cosine_lr, get_param_groups
+from ..optim import get_param_groups, learning_rate
 
 
 @dataclass
@@ -203,7 +203,7 @@ def check_param_groups(model, weight_decay: float) -> Check:
 def check_lr_schedule(cfg: RunConfig) -> Check:
     """Warmup first, then a decay that ends on the floor and never goes under it."""
     o, t = cfg.optim, cfg.train
-    lrs = [cosine_lr(s, o.lr, o.warmup, t.steps, o.min_lr) for s in range(t.steps + 1)]
+    lrs = [learning_rate(s, o, t.steps) for s in range(t.steps + 1)]
     after_warmup = lrs[o.warmup:]
     problems, meanings = [], []
     if o.warmup <= 0 or lrs[0] >= o.lr:
@@ -217,7 +217,9 @@ def check_lr_schedule(cfg: RunConfig) -> Check:
         problems.append("the rate exceeds --lr")
         meanings.append("the schedule function is broken")
     ok = not problems
-    detail = (f"warmup {o.warmup} steps to {o.lr:.1e}, cosine to the floor {o.min_lr:.1e} at step {t.steps}"
+    decay = ("cosine" if o.schedule == "cosine" else
+             f"flat, then a straight line over the last {o.decay_fraction:.0%} of the steps")
+    detail = (f"warmup {o.warmup} steps to {o.lr:.1e}, {decay} to the floor {o.min_lr:.1e} at step {t.steps}"
               if ok else "; ".join(problems))
     return Check("LR schedule", ok, detail, "; ".join(meanings))
 

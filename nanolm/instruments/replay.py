@@ -34,7 +34,7 @@ from ..errors import NanolmError
 from ..guards import Guard, nan_origin, read_events
 from ..monitor import read_metrics
 from ..observer import StepProbe
-from ..optim import cosine_lr, get_param_groups
+from ..optim import get_param_groups, learning_rate
 from ..precision import BF16AdamW, cast_weights_, resolve_precision
 from ..runtime import configure_determinism, resolve_device
 from ..stats import LayerStats
@@ -111,7 +111,7 @@ def replay(run_dir, step: int, device: str | None = None, log=print) -> dict:
                                  "observer": _Ignored()}, "", tokenizer, data.digest, every=t.ckpt_every,
                                 last_step=t.steps, log=log)
     start = checkpointer.restore(checkpoint)
-    step_parts = StepParts(model, optimizer, schedule=lambda s: cosine_lr(s - 1, o.lr, o.warmup, t.steps, o.min_lr)
+    step_parts = StepParts(model, optimizer, schedule=lambda s: learning_rate(s - 1, o, t.steps)
                            * guard.lr_scale, clip=o.clip, scaler=scaler, autocast=precision.autocast, guard=guard,
                            loss_fn=parts.loss_fn)
     log(f"replay: from {checkpoint.name}, re-training steps {start + 1}..{step - 1}, then step {step}")

@@ -266,7 +266,8 @@ PANELS = [
     Panel("grad_norm", "Gradient norm (before clipping)", "rises briefly in warmup, then settles below the clip line "
           "and drifts slowly", "lives above the clip line (every step clipped: LR too high); sudden spikes "
           "(bad batch, instability); a steady climb late in training", ("grad_norm",), draw_grad_norm, log_y=True),
-    Panel("lr", "Learning rate", "linear warmup, then the cosine down to min_lr",
+    Panel("lr", "Learning rate", "linear warmup, then the cosine down to min_lr (or, with --schedule wsd, flat at the "
+          "peak and a straight line down to min_lr at the end)",
           "anything else is a schedule bug, or a resume that restarted the schedule", ("lr",), draw_lr),
     Panel("clipped_frac", "Clipped steps", "many clipped steps in warmup, few or none afterwards",
           "most steps clipped after warmup: the clip is doing the LR's job; lower --lr", ("clipped_steps",), draw_clipped),
