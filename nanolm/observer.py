@@ -97,8 +97,9 @@ class Observer:
         o = self.cfg.optim
         recipe = {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup, "beta1": o.beta1, "beta2": o.beta2,
                   "weight_decay": o.weight_decay, "clip": o.clip, "optimizer": o.optimizer, "schedule": o.schedule}
-        if o.schedule == "wsd":  # the rate stays at its peak until this (1-based) step by design
+        if o.schedule == "wsd":  # the peak until decay_start_step by design, then a line to min_lr at decay_end_step
             recipe["decay_start_step"] = wsd_decay_start(o.warmup, self.cfg.train.steps, o.decay_fraction) + 1
+            recipe["decay_end_step"] = self.cfg.train.steps + 1
         if o.optimizer == "muon":
             recipe.update(muon_lr=o.muon_lr, muon_momentum=o.muon_momentum)
         if self.optimizer is not None:  # what the optimizer really decays, not what the options say

@@ -211,8 +211,9 @@ def cosine_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min
 
 def wsd_decay_start(warmup_steps: int, total_steps: int, decay_fraction: float) -> int:
     """The 0-based step where a WSD schedule leaves its peak: ``decay_fraction`` of the steps
-    before the end, never inside the warmup."""
-    return max(warmup_steps, total_steps - round(decay_fraction * total_steps))
+    before the end (at least two, so that some trained step is below the peak whatever the
+    fraction), never inside the warmup."""
+    return max(warmup_steps, total_steps - max(2, round(decay_fraction * total_steps)))
 
 
 def wsd_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None,

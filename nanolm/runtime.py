@@ -107,7 +107,8 @@ def keep_freed_memory_for_reuse(device: torch.device) -> bool:
     the TinyStories speedrun's model (bf16, 2 cores, ``benchmarks/allocator.py``): a forward
     and backward pass 1.06x faster with the blocks kept, 1.10x with QK-norm (whose small
     tensors churn the most), and the whole speedrun 1.07x (docs/benchmarks.md). Raising both thresholds
-    (``mallopt``: M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, to 1 GiB) keeps those blocks for
+    (``mallopt``: M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, to 1 GiB; an older glibc caps the
+    first at 32 MiB) keeps those blocks for
     reuse. The price: the process's memory does not shrink after a peak, which a training
     run reaches again every step anyway.
 
@@ -122,7 +123,10 @@ def keep_freed_memory_for_reuse(device: torch.device) -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): their allocators differ
         return False
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES))
+    trim = bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES))
+    # older glibc refuses an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2): take the largest it allows
+    mmap = bool(mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES)) or bool(mallopt(M_MMAP_THRESHOLD, 32 << 20))
+    return trim and mmap
 
 
 class TrainingInterrupted(Exception):

@@ -248,18 +248,19 @@ def test_every_runbook_a_finding_points_to_is_a_section_of_the_runbooks():
 
 def test_a_wsd_run_still_at_its_peak_before_its_decay_is_not_a_missing_decay():
     """Warmup-stable-decay holds the peak rate until the last part of the run on purpose; a run
-    looked at before its decay has not forgotten to decay. Once the decay should be well under
-    way and the rate is still at its peak, it has."""
+    looked at before its decay, or early in a long one, has not forgotten to decay. Once the
+    line should have brought the rate well down and it is still at its peak, it has."""
     trace = load("constant_lr")
     last = max(r["step"] for r in trace["metrics"])
 
-    def with_decay_starting_at(step):
-        rows = [dict(r, schedule="wsd", decay_start_step=step) if r["step"] == 0 and "peak_lr" in r else r
-                for r in trace["metrics"]]
+    def with_decay(start, end):
+        rows = [dict(r, schedule="wsd", decay_start_step=start, decay_end_step=end, min_lr=r["peak_lr"] / 10)
+                if r["step"] == 0 and "peak_lr" in r else r for r in trace["metrics"]]  # logged: the peak throughout
         return {f.name for f in diagnose_trace(rows, trace["events"])}
 
-    assert "no_lr_decay" not in with_decay_starting_at(last + 1)  # the decay is still to come
-    assert "no_lr_decay" in with_decay_starting_at(last - dg.MIN_STEPS)  # it should have happened
+    assert "no_lr_decay" not in with_decay(last + 1, last + 100)  # the decay is still to come
+    assert "no_lr_decay" not in with_decay(last - 60, last + 10_000)  # 60 steps into a 10,000-step line: ~99 %
+    assert "no_lr_decay" in with_decay(last - dg.MIN_STEPS, last + 1)  # the line ends here: it should be low
 
 
 def test_the_recipe_gated_rules_stay_silent_on_healthy_runs_that_record_their_recipe():

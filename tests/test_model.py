@@ -259,12 +259,20 @@ def test_qk_norm_under_bf16_autocast_takes_the_fused_norm_with_the_same_numbers(
         norm.weight.mul_(1 + 0.1 * torch.randn(32))
     q = (3 * torch.randn(2, 4, 16, 32)).bfloat16()
     expected = torch.nn.functional.rms_norm(q.float(), (32,), norm.weight, 1e-6).bfloat16()
-    with warnings.catch_warnings():
+    fused, calls = torch.nn.functional.rms_norm, []
+
+    def one_dtype_only(x, shape, weight=None, eps=None):  # PyTorch warns only once per process: check the call
+        calls.append((x.dtype, None if weight is None else weight.dtype))
+        return fused(x, shape, weight, eps)
+
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "rms_norm", one_dtype_only)
         warnings.simplefilter("error")  # the composite path warns "Mismatch dtype between input and weight"
         out = norm(q)
         model = tiny_model(qk_norm=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(torch.randint(64, (2, 20)), targets=torch.randint(64, (2, 20)))
         loss.backward()
+    assert calls and all(weight in (None, x) for x, weight in calls), calls
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     assert model.blocks[0].attn.q_norm.weight.grad is not None

@@ -760,9 +760,14 @@ def rule_no_lr_decay(t: Trace) -> Finding | None:
     last_step, last_lr = lrs[-1]
     if last_lr < NO_DECAY_SHARE * t.peak_lr:
         return None
-    decay_start = _recipe(t).get("decay_start_step")  # a WSD run: the peak is held until there by design
-    if decay_start is not None and last_step < decay_start + MIN_STEPS:
-        return None
+    recipe = _recipe(t)
+    start, end = recipe.get("decay_start_step"), recipe.get("decay_end_step")
+    if start is not None and end is not None and _finite(recipe.get("min_lr")):
+        # a WSD run holds its peak until `start` by design, then decays in a straight line: only a
+        # rate above what that line gives by now is a missing decay
+        done = min(1.0, max(0.0, (last_step - start) / max(1, end - start)))
+        if t.peak_lr - (t.peak_lr - recipe["min_lr"]) * done >= NO_DECAY_SHARE * t.peak_lr:
+            return None
     n = t.last_step
     window = [r["loss"] for r in t.train if 0.6 * n < r["step"] <= 0.8 * n]
     final = [r["loss"] for r in t.train if r["step"] > 0.8 * n]

@@ -29,7 +29,7 @@ from ..config import RunConfig
 from ..data import Batch, WindowSampler, pack_windows
 from ..errors import NanolmError
 from ..model import GPT, GPTConfig
-from ..optim import get_param_groups, learning_rate
+from ..optim import get_param_groups, learning_rate, wsd_decay_start
 
 
 @dataclass
@@ -217,8 +217,12 @@ def check_lr_schedule(cfg: RunConfig) -> Check:
         problems.append("the rate exceeds --lr")
         meanings.append("the schedule function is broken")
     ok = not problems
-    decay = ("cosine" if o.schedule == "cosine" else
-             f"flat, then a straight line over the last {o.decay_fraction:.0%} of the steps")
+    if o.schedule == "cosine":
+        decay = "cosine"
+    elif wsd_decay_start(o.warmup, t.steps, o.decay_fraction) <= o.warmup:  # no stable phase left
+        decay = "a straight line"
+    else:
+        decay = f"flat, then a straight line over the last {o.decay_fraction:.0%} of the steps"
     detail = (f"warmup {o.warmup} steps to {o.lr:.1e}, {decay} to the floor {o.min_lr:.1e} at step {t.steps}"
               if ok else "; ".join(problems))
     return Check("LR schedule", ok, detail, "; ".join(meanings))
