@@ -181,32 +181,36 @@ def default_min_lr(max_lr: float) -> float:
     return max_lr / 10
 
 
-def warmup_lr(step: int, max_lr: float, warmup_steps: int) -> float:
-    """The rate during warmup, the same for every schedule: a straight line from
-    max_lr/warmup_steps at step 0 to max_lr at step ``warmup_steps``."""
-    return max_lr * (step + 1) / warmup_steps
-
-
-def cosine_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None) -> float:
-    """Learning rate at optimizer step ``step`` (0-based): linear warmup, then cosine decay.
+def _warmup_peak_decay(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None,
+                       decay_start: int, decay) -> float:
+    """The frame every schedule shares, at optimizer step ``step`` (0-based): the linear
+    warmup, the peak held until ``decay_start``, ``decay(progress, max_lr, min_lr)`` from there
+    (progress 0 -> 1 at ``total_steps``), then the floor ``min_lr`` (10 % of max_lr by default).
 
     * Warmup: the rate climbs linearly from max_lr/warmup_steps at step 0 to max_lr at step
       ``warmup_steps``. Adam's second-moment estimate is noisy in the first steps; full-size
       updates from it can throw a fresh model into a bad region.
-    * Decay: half a cosine from max_lr down to ``min_lr`` (10 % of max_lr by default) at
-      ``total_steps``, then flat. Lowering the rate at the end lets the weights settle into
-      the minimum the noisy high-rate phase found.
+    * Decay: lowering the rate at the end lets the weights settle into the minimum the noisy
+      high-rate phase found.
 
     A pure function of the step, so resuming a run needs nothing but the step count.
     """
     if min_lr is None:
         min_lr = default_min_lr(max_lr)
     if step < warmup_steps:
-        return warmup_lr(step, max_lr, warmup_steps)
+        return max_lr * (step + 1) / warmup_steps
     if step >= total_steps:
         return min_lr
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    if step < decay_start:
+        return max_lr
+    return decay((step - decay_start) / max(1, total_steps - decay_start), max_lr, min_lr)
+
+
+def cosine_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None) -> float:
+    """Learning rate at optimizer step ``step`` (0-based): linear warmup, then half a cosine
+    from max_lr down to ``min_lr`` at ``total_steps``, then flat."""
+    return _warmup_peak_decay(step, max_lr, warmup_steps, total_steps, min_lr, warmup_steps,
+                              lambda p, top, floor: floor + 0.5 * (top - floor) * (1.0 + math.cos(math.pi * p)))
 
 
 def wsd_decay_start(warmup_steps: int, total_steps: int, decay_fraction: float) -> int:
@@ -229,17 +233,9 @@ def wsd_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr
     short, steep decay at the end, where the loss falls most. Runs of different lengths can
     also share the stable phase: a checkpoint from it can be resumed with more ``--steps``.
     """
-    if min_lr is None:
-        min_lr = default_min_lr(max_lr)
-    if step < warmup_steps:
-        return warmup_lr(step, max_lr, warmup_steps)
-    if step >= total_steps:
-        return min_lr
-    decay_start = wsd_decay_start(warmup_steps, total_steps, decay_fraction)
-    if step < decay_start:
-        return max_lr
-    progress = (step - decay_start) / max(1, total_steps - decay_start)
-    return max_lr - (max_lr - min_lr) * progress
+    return _warmup_peak_decay(step, max_lr, warmup_steps, total_steps, min_lr,
+                              wsd_decay_start(warmup_steps, total_steps, decay_fraction),
+                              lambda p, top, floor: top - (top - floor) * p)
 
 
 SCHEDULES = ("cosine", "wsd")
