@@ -129,3 +129,16 @@ def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processe
 
     if platform.libc_ver()[0] == "glibc":
         assert all(r["applied"] for r in results)
+
+
+@pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
+def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(monkeypatch, capsys):
+    """The figures behind GroupedMuon (docs/benchmarks.md): both Muons and AdamW timed on the
+    same gradients, and the grouped one leaving the same weights as PyTorch's."""
+    monkeypatch.setattr(sys, "argv", ["muon_step.py", "--layers", "2", "--width", "32", "--vocab", "64",
+                                      "--threads", "1", "--steps", "2"])
+    runpy.run_path(str(BENCHMARKS / "muon_step.py"), run_name="__main__")
+    result = json.loads(capsys.readouterr().out)
+    assert result["matrices"] == 10 and len(result["shapes"]) == 3  # qkv and the MLP's gate, up are all 96 x 32
+    assert all(ms > 0 for ms in result["step_ms"].values())
+    assert result["largest_weight_difference"] < 1e-4  # weights ~0.02, each step moves them ~1e-3
