@@ -131,12 +131,6 @@ def queries_keys_values_indexed(self, x, cos, sin):
     return q, k, qkv[2]
 
 
-def fp32_sdpa_attention(q, k, v, **kwargs):
-    """Attention under CPU autocast before short contexts took bf16 products: fp32 SDPA always."""
-    with torch.autocast(q.device.type, enabled=False):
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
-
-
 @contextlib.contextmanager
 def patched(target=nanolm.model, **replacements):
     """Replace attributes of ``target`` (``nanolm.model`` or one of its classes) for the
@@ -373,8 +367,6 @@ def build_runners(args, shape, vocab, tokens, eos, device, precision, threads):
         if extra_bf16:
             runners.append(nanolm_runner("before_fp32_attention_bf16", shape, vocab, tokens, eos, device, bf16,
                                          patch=sdpa_as_is))
-            runners.append(nanolm_runner("before_short_attention_matmuls_bf16", shape, vocab, tokens, eos, device,
-                                         bf16, patch=functools.partial(patched, attention=fp32_sdpa_attention)))
     if args.breakdown:
         runners += [model_in_plain_loop_runner("nanolm_model_in_plain_loop", shape, vocab, tokens, device, auto),
                     nanolm_runner("without_rope", shape, vocab, tokens, eos, device, auto,

@@ -178,53 +178,19 @@ def flex_attention(q, k, v, block_mask):
     return _compiled_flex_attention(q, k, v, block_mask=block_mask)
 
 
-SHORT_CONTEXT = 256
-
-
 def attention(q, k, v, **kwargs):
-    """``F.scaled_dot_product_attention``, except on a CPU under autocast.
+    """``F.scaled_dot_product_attention``, in fp32 when a CPU runs under autocast.
 
-    There PyTorch's flash-attention kernel is ~4x slower in bf16 than in fp32 for the backward
-    pass (benchmarks/throughput.py --ablations), while bf16 matrix products are ~2x faster than
-    fp32 on a CPU with native bf16 dot products. So under CPU autocast:
-
-    * up to ``SHORT_CONTEXT`` positions (without dropout), attention is written out as two
-      batched matrix products in the autocast dtype around an fp32 softmax
-      (:func:`attention_by_matmuls`): what autocast makes of nanoGPT's hand-written attention.
-      The scores of one head are only T × T there, and a forward and backward pass of one
-      layer's attention is ~1.5x faster than fp32 SDPA at context 128 (1.2x at 256);
-    * longer contexts keep SDPA with fp32 inputs, whose kernel never holds the scores whole.
-
-    Elsewhere (CUDA, plain fp32) this is SDPA itself.
+    On CPU, PyTorch's flash-attention kernel is ~4x slower in bf16 than in fp32 for the
+    backward pass (benchmarks/throughput.py --ablations), while the Linear layers' matrix
+    multiplies are ~2x faster in bf16 on a CPU with native bf16 dot products. So under CPU
+    autocast only the Linear layers use bf16 and attention keeps fp32 inputs. Elsewhere
+    (CUDA, plain fp32) this is SDPA itself.
     """
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        if max(q.shape[-2], k.shape[-2]) <= SHORT_CONTEXT and not kwargs.get("dropout_p"):
-            return attention_by_matmuls(q, k, v, kwargs.get("attn_mask"), kwargs.get("is_causal", False),
-                                        torch.get_autocast_dtype("cpu"))
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
-
-
-def attention_by_matmuls(q, k, v, mask=None, is_causal=False, dtype=torch.bfloat16):
-    """softmax(q k^T / sqrt(d) + mask) v: the scores and the weighted sum as batched products in
-    ``dtype``, the softmax in fp32 (it rounds to ``dtype`` after). ``mask`` and ``is_causal`` as
-    for SDPA (a boolean mask: True where a query may attend); every query must be allowed at
-    least one key, as under the causal and the document masks."""
-    B, H, Tq, D = q.shape
-    Tk = k.shape[-2]
-    if is_causal:
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
-    with torch.autocast(q.device.type, enabled=False):
-        q, k, v = (t.to(dtype).reshape(B * H, -1, D) for t in (q, k, v))
-        if mask is None:
-            scores = torch.bmm(q, k.mT).mul_(D ** -0.5)
-        else:
-            if mask.dtype == torch.bool:
-                mask = torch.zeros(mask.shape, dtype=dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-            bias = mask.to(dtype).expand(B, H, Tq, Tk).reshape(B * H, Tq, Tk)
-            scores = torch.baddbmm(bias, q, k.mT, alpha=D ** -0.5)
-        return torch.bmm(scores.softmax(-1, dtype=torch.float32).to(dtype), v).view(B, H, Tq, D)
 
 
 def reference_attention(q, k, v, mask=None):

@@ -37,11 +37,6 @@ def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablat
                  "before_qkv_split", "before_all", "nanolm_model_in_plain_loop", "without_rope", "layer_norm_for_rms_norm"):
         assert shape[name]["tokens_per_sec"] > 0 and shape[name]["gflops_per_sec"] > 0
     assert "speedup nanolm over reference" in shape["time_ratios"]["wall"]
-    from nanolm.precision import cpu_has_native_bf16
-
-    if cpu_has_native_bf16():  # bf16's own variants: as it runs, its attention before each change
-        for name in ("nanolm_bf16", "before_fp32_attention_bf16", "before_short_attention_matmuls_bf16"):
-            assert shape[name]["tokens_per_sec"] > 0
     assert 0 < shape["loader_share_of_step"] < 1 and result["peak_rss_mb"] > 0
     # 4 layers x (qkv, proj, gate, up, down) + the head, each forward once and backward twice
     assert shape["matmuls_alone"]["count_per_step"] == 3 * (4 * 5 + 1) and shape["matmuls_alone"]["ms_per_step"] > 0
