@@ -102,8 +102,8 @@ def newton_schulz_batched(updates: torch.Tensor, coefficients, steps: int, eps: 
     The same quintic Newton-Schulz iteration as ``torch.optim.Muon`` (each matrix scaled to
     Frobenius norm 1 first, a wide matrix's Gram matrix rather than a tall one's, in bf16 by
     default), with every product a batched one over the n matrices. The iteration's matrices
-    are small (128 × 384 for a 128-wide model): one at a time, each product is too short to
-    keep a CPU's matrix units busy, and the per-call cost dominates.
+    are small (128 × 384 or 128 × 352 for a 128-wide model): one at a time, each product is too
+    short to keep a CPU's matrix units busy, and the per-call cost dominates.
     """
     a, b, c = coefficients
     x = updates.to(dtype)
@@ -141,13 +141,20 @@ class GroupedMuon(_MUON):
     optimizer step then costs ~15× AdamW's). Here the momentum is updated for all matrices
     at once and the Newton-Schulz iteration runs once per shape (a transformer block has four:
     qkv, proj, the MLP's gate and up, its down), batched. Same algorithm, same state
-    (``momentum_buffer``), same options: the same numbers as PyTorch's
-    (``test_grouped_muon_takes_the_steps_of_torch_muon``).
+    (``momentum_buffer``, so checkpoints load either way), same options: the same numbers as
+    PyTorch's (``test_grouped_muon_takes_the_steps_of_torch_muon``; to the bit on the
+    development CPU, ``benchmarks/muon_step.py``).
+
+    A batch holds at most ``BATCH_ELEMENTS`` (16M) elements, a few 4096 × 1024 matrices: the
+    iteration's stacked copies of a whole shape at once would otherwise cost a large model
+    gigabytes that PyTorch's one-at-a-time loop never holds.
 
     One difference, on a CPU without native bf16 (no AVX512-BF16 or AMX): there bf16 matrix
     products run at ~1 GFLOP/s, and the iteration (~2 GFLOP per step for a 3-layer, 128-wide
     model) would take seconds per step, so it runs in fp32, which is also the more exact.
     """
+
+    BATCH_ELEMENTS = 2**24
 
     def newton_schulz_dtype(self, device: torch.device) -> torch.dtype:
         from .precision import cpu_has_native_bf16
@@ -176,13 +183,16 @@ class GroupedMuon(_MUON):
                 torch._foreach_mul_(params, 1 - lr * decay)
             by_shape: dict[tuple, list[int]] = {}
             for i, p in enumerate(params):
-                by_shape.setdefault(tuple(p.shape), []).append(i)
-            for shape, members in by_shape.items():
-                orthogonal = newton_schulz_batched(torch.stack([updates[i] for i in members]),
-                                                   group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                                   self.newton_schulz_dtype(params[0].device))
-                torch._foreach_add_([params[i] for i in members], list(orthogonal.unbind(0)),
-                                    alpha=-lr * muon_lr_factor(group["adjust_lr_fn"], shape))
+                by_shape.setdefault((tuple(p.shape), p.device), []).append(i)
+            for (shape, device), members in by_shape.items():
+                per_batch = max(1, self.BATCH_ELEMENTS // math.prod(shape))
+                for start in range(0, len(members), per_batch):
+                    batch = members[start:start + per_batch]
+                    orthogonal = newton_schulz_batched(torch.stack([updates[i] for i in batch]),
+                                                       group["ns_coefficients"], group["ns_steps"], group["eps"],
+                                                       self.newton_schulz_dtype(device))
+                    torch._foreach_add_([params[i] for i in batch], list(orthogonal.unbind(0)),
+                                        alpha=-lr * muon_lr_factor(group["adjust_lr_fn"], shape))
         return loss
 
 

@@ -145,36 +145,56 @@ def test_a_muon_update_is_orthogonal_and_the_size_of_an_adamw_update_at_the_same
 
 
 @muon
-@pytest.mark.parametrize("adjust_lr_fn", ["match_rms_adamw", "original"])
-def test_grouped_muon_takes_the_steps_of_torch_muon(adjust_lr_fn, monkeypatch):
+@pytest.mark.parametrize("options", [
+    dict(adjust_lr_fn="match_rms_adamw"),
+    dict(adjust_lr_fn="original", nesterov=False, momentum=0.9),
+    dict(adjust_lr_fn=None, weight_decay=0.0),
+], ids=["match_rms_adamw", "original_no_nesterov", "default_no_decay"])
+@pytest.mark.parametrize("small_batches", [False, True])
+def test_grouped_muon_takes_the_steps_of_torch_muon(options, small_batches, monkeypatch):
     """Orthogonalising the matrices of one shape together is the same algorithm as PyTorch's
     Muon, one matrix at a time: the same parameters after several steps (tall, wide, square
-    and one-of-a-kind shapes, momentum, weight decay), and the same state to checkpoint."""
+    and one-of-a-kind shapes; two groups with their own rates, decay and momentum; a matrix
+    without a gradient; the rate changed between steps as the schedule does; batches split
+    when a shape holds many elements), and a state that loads into either optimizer."""
     monkeypatch.setattr("nanolm.precision.cpu_has_native_bf16", lambda: True)  # bf16, as PyTorch's
-    shapes = [(48, 16), (16, 16), (40, 16), (40, 16), (16, 40), (48, 16), (24, 40)]
+    if small_batches:
+        monkeypatch.setattr(GroupedMuon, "BATCH_ELEMENTS", 700)  # 1 or 2 matrices a batch
+    shapes = [(48, 16), (16, 16), (40, 16), (40, 16), (16, 40), (48, 16), (24, 40), (40, 16)]
 
-    def matrices():
+    def groups():
         torch.manual_seed(0)
-        return [nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+        matrices = [nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+        return [{"params": matrices[:5]},
+                {"params": matrices[5:], "lr": 1e-2, "weight_decay": 0.05, "momentum": 0.8, "nesterov": True}]
 
-    ours, theirs = matrices(), matrices()
-    options = dict(lr=3e-2, weight_decay=0.1, adjust_lr_fn=adjust_lr_fn)
-    grouped, reference = GroupedMuon(ours, **options), torch.optim.Muon(theirs, **options)
-    for _ in range(4):
-        for a, b in zip(ours, theirs):
-            a.grad = torch.randn(a.shape)
-            b.grad = a.grad.clone()
-        start = [p.detach().clone() for p in theirs]
+    defaults = dict(lr=3e-2, weight_decay=0.1) | options
+    ours, theirs = groups(), groups()
+    grouped, reference = GroupedMuon(ours, **defaults), torch.optim.Muon(theirs, **defaults)
+    mine = [p for g in ours for p in g["params"]]
+    torchs = [p for g in theirs for p in g["params"]]
+    for step in range(4):
+        for i, (a, b) in enumerate(zip(mine, torchs)):
+            a.grad = None if (i == 2 and step == 1) else torch.randn(a.shape)
+            b.grad = None if a.grad is None else a.grad.clone()
+        for optimizer in (grouped, reference):
+            optimizer.param_groups[0]["lr"] = 3e-2 * (1 - step / 8)
+        start = [p.detach().clone() for p in torchs]
         grouped.step()
         reference.step()
-        for a, b, s in zip(ours, theirs, start):
+        for a, b, s in zip(mine, torchs, start):
             # bf16 products: allow their rounding (measured: identical to the bit on this CPU)
-            assert (a - b).norm() <= 1e-3 * (b - s).norm()
+            assert (a - b).norm() <= 1e-3 * (b - s).norm() + 1e-12
     ours_state, theirs_state = grouped.state_dict(), reference.state_dict()
     assert ours_state["param_groups"] == theirs_state["param_groups"]
     for i in range(len(shapes)):
         torch.testing.assert_close(ours_state["state"][i]["momentum_buffer"],
                                    theirs_state["state"][i]["momentum_buffer"], rtol=1e-3, atol=1e-5)
+    resumed = GroupedMuon(groups(), **defaults)  # a checkpoint of PyTorch's Muon resumes here
+    resumed.load_state_dict(theirs_state)
+    for i in range(len(shapes)):
+        assert torch.equal(resumed.state_dict()["state"][i]["momentum_buffer"],
+                           theirs_state["state"][i]["momentum_buffer"])
 
 
 @muon
