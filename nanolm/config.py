@@ -107,7 +107,7 @@ class OptimOptions:
                             choices=OPTIMIZERS)
     muon_lr: float | None = option(None, "with --optimizer muon: peak learning rate of the hidden matrices (default: "
                                    "--lr; Muon's update is scaled to AdamW's size, so the same rate means the same "
-                                   "step); the schedule's warmup and cosine apply to it alike")
+                                   "step); the schedule (warmup, then --schedule's decay) applies to it alike")
     muon_momentum: float = option(0.95, "with --optimizer muon: Muon's (Nesterov) momentum")
 
 

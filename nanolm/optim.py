@@ -204,7 +204,7 @@ class MuonWithAdamW:
     gradient's; PyTorch's ``adjust_lr_fn="match_rms_adamw"`` scales it (0.2·sqrt(max(rows,
     cols))) so that its RMS matches a typical AdamW update at the same rate. So ``muon_lr``
     means what ``lr`` means for AdamW, and by default it *is* ``lr``: one rate to sweep. The
-    schedule (warmup + cosine) multiplies both alike; ``lr_ratio`` in each group is that
+    schedule (warmup, then the cosine or WSD) multiplies both alike; ``lr_ratio`` in each group is that
     group's peak over the AdamW peak (:func:`set_learning_rate`).
 
     Weight decay is decoupled in both (``w -= lr·wd·w``), on Muon's matrices and AdamW's
@@ -216,7 +216,7 @@ class MuonWithAdamW:
         matrices = split_for_muon(model)
         self.lr_ratio = (muon_lr if muon_lr is not None else lr) / lr
         self.muon = GroupedMuon([{"params": matrices, "lr_ratio": self.lr_ratio}], lr=lr * self.lr_ratio,
-                                     weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+                                weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
         in_muon = {id(p) for p in matrices}
         rest = [{**group, "params": [p for p in group["params"] if id(p) not in in_muon]}  # decayed as for AdamW
                 for group in get_param_groups(model, weight_decay)]

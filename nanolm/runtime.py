@@ -106,11 +106,10 @@ def keep_freed_memory_for_reuse(device: torch.device) -> bool:
     fresh pages that the kernel must fault in and zero one 4 KiB page at a time. Measured on
     the TinyStories speedrun's model (bf16, 2 cores, ``benchmarks/allocator.py``): a forward
     and backward pass 1.06x faster with the blocks kept, 1.10x with QK-norm (whose small
-    tensors churn the most), and the whole speedrun 1.07x (docs/benchmarks.md). Raising both thresholds
-    (``mallopt``: M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, to 1 GiB; an older glibc caps the
-    first at 32 MiB) keeps those blocks for
-    reuse. The price: the process's memory does not shrink after a peak, which a training
-    run reaches again every step anyway.
+    tensors churn the most), and the whole speedrun 1.07x (docs/benchmarks.md). Raising both
+    thresholds (``mallopt``: M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, to 1 GiB; an older glibc
+    caps the first at 32 MiB) keeps those blocks for reuse. The price: the process's memory
+    does not shrink after a peak, which a training run reaches again every step anyway.
 
     Linux with glibc, CPU runs only (a GPU's memory has PyTorch's own caching allocator);
     ``NANOLM_KEEP_FREED_MEMORY=0`` leaves the allocator alone. Returns whether it applied.

@@ -4,8 +4,8 @@ import torch
 import torch.nn as nn
 
 from nanolm.data import Batch
-from nanolm.optim import (GroupedMuon, MuonWithAdamW, build_optimizer, cosine_lr, get_param_groups, muon_available, set_learning_rate,
-                          wsd_lr)
+from nanolm.optim import (GroupedMuon, MuonWithAdamW, build_optimizer, cosine_lr, get_param_groups, muon_available,
+                          set_learning_rate, wsd_lr)
 from nanolm.step import StepParts, train_step
 
 from conftest import tiny_model
