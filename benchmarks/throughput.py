@@ -17,12 +17,17 @@ every ratio is of medians from the same process:
 * ``nanolm_bf16`` on a CPU with native bf16 (``--precision bf16``; the reference stays fp32);
 * ``nanolm_compiled`` with ``--compile`` (``torch.compile``; compile time reported apart);
 * with ``--ablations``: nanolm with one of its optimisations undone (``before_*``), to show
-  what each one is worth, and with all of them undone (``before_all``); and ``nanolm_twin``,
-  a second, identical nanolm runner: how far apart two runs of the same code land is the
-  noise floor of every other ratio;
+  what each one is worth, and with all of them undone (``before_all``);
 * with ``--breakdown``: what each difference from the reference costs (``nanolm_model_in_plain_loop``:
   nanolm's model in the reference's loop; ``without_rope``; ``layer_norm_for_rms_norm``: stand-ins
-  that price one part, not models anyone should train), with the twin as the yardstick;
+  that price one part, not models anyone should train);
+* with either, two yardsticks. A variant that only patches the code (``before_rope_roll``,
+  ``before_qkv_split``, ``without_rope``, ``layer_norm_for_rms_norm``) runs on nanolm's own
+  runner, switched on for its rounds (:func:`toggled`), and ``nanolm_again``, the same runner
+  with nothing switched, is the noise floor of its ratio. A variant with a model or optimizer of
+  its own (``before_fused_adamw``, ``before_all``, the plain-loop one) has ``nanolm_twin``, a
+  second, identical nanolm runner: how far apart two runners of the same code land (2-5 % on a
+  shared CPU, from where their buffers sit) is the noise floor of those;
 * with ``--threads 1,2``: every variant at each thread count (``name@1``, ``name@2``).
 
 Also reported: ``matmuls_alone``, the step's own matrix multiplies (shapes recorded by the
@@ -253,12 +258,35 @@ def all_of(*patches):
 
 
 def before_rope(runner: Runner) -> Runner:
-    """The same runner with the cat-based RoPE and its unsigned sin table."""
+    """The same runner with the cat-based RoPE and its unsigned sin table (the table's first half
+    negated while the patch is on, and back after: negation is exact, so the runner's own rounds
+    see the table unchanged)."""
     sin = runner.model.rope_sin
     half = sin.shape[-1] // 2
-    sin[:, :half].neg_()
-    runner.patch = functools.partial(patched, apply_rope=rope_cat)
+
+    @contextlib.contextmanager
+    def unsigned_table_and_cat():
+        sin[:, :half].neg_()
+        try:
+            with patched(apply_rope=rope_cat):
+                yield
+        finally:
+            sin[:, :half].neg_()
+
+    runner.patch = all_of(runner.patch, unsigned_table_and_cat) if runner.patch else unsigned_table_and_cat
     return runner
+
+
+def toggled(base: Runner, name: str, patch=None) -> Runner:
+    """``base`` itself (its model, optimizer and batches) under ``patch``, as a variant of its own.
+
+    Two runners of identical code land 2-5 % apart on a shared CPU (``nanolm_twin``): where their
+    models and buffers sit in memory, which neighbours the other core has. A variant that only
+    patches the code is therefore timed on nanolm's own runner, switched on for its rounds and off
+    for nanolm's, so that the ratio is the patch's alone; ``nanolm_again`` (nanolm toggled
+    against itself, no patch) is the noise floor of such ratios.
+    """
+    return Runner(name, base.step, base.model, base.device, patch)
 
 
 def interleaved(runners: list[Runner], rounds: int, steps: int, warmup: int) -> tuple[dict, dict]:
@@ -355,26 +383,26 @@ def build_runners(args, shape, vocab, tokens, eos, device, precision, threads):
         runners.append(nanolm_runner("nanolm_bf16", shape, vocab, tokens, eos, device, bf16))
     if not args.no_reference:
         runners.append(reference_runner(shape, vocab, tokens, device, resolve_precision(args.reference_precision, device).autocast))
+    base = runners[0]
+    if args.ablations or args.breakdown:
+        runners += [nanolm_runner("nanolm_twin", shape, vocab, tokens, eos, device, auto),  # another runner: its noise
+                    toggled(base, "nanolm_again")]  # the same runner again: the noise of the toggled variants
     if args.ablations:
         sdpa_as_is = functools.partial(patched, attention=F.scaled_dot_product_attention)
         qkv_indexed = functools.partial(patched, nanolm.model.Attention, queries_keys_values=queries_keys_values_indexed)
-        runners += [nanolm_runner("nanolm_twin", shape, vocab, tokens, eos, device, auto),  # the noise yardstick
-                    nanolm_runner("before_fused_adamw", shape, vocab, tokens, eos, device, auto, fused_adamw=False),
-                    before_rope(nanolm_runner("before_rope_roll", shape, vocab, tokens, eos, device, auto)),
-                    nanolm_runner("before_qkv_split", shape, vocab, tokens, eos, device, auto, patch=qkv_indexed),
-                    before_rope(nanolm_runner("before_all", shape, vocab, tokens, eos, device, auto, fused_adamw=False))]
-        runners[-1].patch = all_of(runners[-1].patch, qkv_indexed)
+        runners += [nanolm_runner("before_fused_adamw", shape, vocab, tokens, eos, device, auto, fused_adamw=False),
+                    before_rope(toggled(base, "before_rope_roll")),
+                    toggled(base, "before_qkv_split", qkv_indexed),
+                    before_rope(nanolm_runner("before_all", shape, vocab, tokens, eos, device, auto, fused_adamw=False,
+                                              patch=qkv_indexed))]
         if extra_bf16:
             runners.append(nanolm_runner("before_fp32_attention_bf16", shape, vocab, tokens, eos, device, bf16,
                                          patch=sdpa_as_is))
     if args.breakdown:
         runners += [model_in_plain_loop_runner("nanolm_model_in_plain_loop", shape, vocab, tokens, device, auto),
-                    nanolm_runner("without_rope", shape, vocab, tokens, eos, device, auto,
-                                  patch=functools.partial(patched, apply_rope=lambda x, cos, sin: x)),
-                    nanolm_runner("layer_norm_for_rms_norm", shape, vocab, tokens, eos, device, auto,
-                                  patch=functools.partial(patched, nanolm.model.RMSNorm, forward=layer_norm_instead))]
-        if not args.ablations:
-            runners.append(nanolm_runner("nanolm_twin", shape, vocab, tokens, eos, device, auto))
+                    toggled(base, "without_rope", functools.partial(patched, apply_rope=lambda x, cos, sin: x)),
+                    toggled(base, "layer_norm_for_rms_norm",
+                            functools.partial(patched, nanolm.model.RMSNorm, forward=layer_norm_instead))]
     if args.compile:
         for r in [nanolm_runner("nanolm_compiled", shape, vocab, tokens, eos, device, auto, compile=True),
                   nanolm_runner("nanolm_mask_off_compiled", shape, vocab, tokens, eos, device, auto, doc_mask=False,

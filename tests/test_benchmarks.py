@@ -33,8 +33,9 @@ def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablat
         torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out)
     shape = result["shapes"]["nanogpt"]
-    for name in ("nanolm", "nanolm_mask_off", "reference", "nanolm_twin", "before_fused_adamw", "before_rope_roll",
-                 "before_qkv_split", "before_all", "nanolm_model_in_plain_loop", "without_rope", "layer_norm_for_rms_norm"):
+    for name in ("nanolm", "nanolm_mask_off", "reference", "nanolm_twin", "nanolm_again", "before_fused_adamw",
+                 "before_rope_roll", "before_qkv_split", "before_all", "nanolm_model_in_plain_loop", "without_rope",
+                 "layer_norm_for_rms_norm"):
         assert shape[name]["tokens_per_sec"] > 0 and shape[name]["gflops_per_sec"] > 0
     assert "speedup nanolm over reference" in shape["time_ratios"]["wall"]
     assert 0 < shape["loader_share_of_step"] < 1 and result["peak_rss_mb"] > 0
@@ -43,6 +44,30 @@ def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablat
     assert shape["parameters"] == 810_368  # nanoGPT's CPU shape with the char vocabulary of the stories
     assert (nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values,
             nanolm.model.RMSNorm.forward) == originals
+
+
+def test_a_toggled_variant_runs_on_nanolms_own_runner_and_leaves_it_as_it_found_it():
+    """``--ablations`` times a code-only variant on nanolm's own runner, switched on for its rounds.
+    Its patch must be undone after each round, the RoPE table's sign included, or every later
+    nanolm round would time (and train) the variant."""
+    import contextlib
+
+    import numpy as np
+
+    bench = runpy.run_path(str(BENCHMARKS / "throughput.py"))
+    shape = dict(n_layer=1, n_head=2, n_embd=32, seq_len=16, batch_size=2)
+    tokens = np.random.default_rng(0).integers(1, 50, 5000)
+    nanolm_runner = bench["nanolm_runner"]("nanolm", shape, 50, tokens, 0, torch.device("cpu"), contextlib.nullcontext)
+    variant = bench["before_rope"](bench["toggled"](nanolm_runner, "before_rope_roll"))
+    table, rope = nanolm_runner.model.rope_sin.clone(), nanolm.model.apply_rope
+    assert variant.model is nanolm_runner.model and variant.step is nanolm_runner.step
+    with variant.patch():
+        assert nanolm.model.apply_rope is bench["rope_cat"] and not torch.equal(nanolm_runner.model.rope_sin, table)
+    assert nanolm.model.apply_rope is rope and torch.equal(nanolm_runner.model.rope_sin, table)
+    for _ in range(2):  # a round of each, as --ablations alternates them
+        variant.timed(1)
+        assert nanolm.model.apply_rope is rope and torch.equal(nanolm_runner.model.rope_sin, table)
+        nanolm_runner.timed(1)
 
 
 def test_sharded_checkpoint_benchmark_compares_both_formats_and_checks_every_load():
