@@ -284,7 +284,7 @@ def toggled(base: Runner, name: str, patch=None) -> Runner:
     models and buffers sit in memory, which neighbours the other core has. A variant that only
     patches the code is therefore timed on nanolm's own runner, switched on for its rounds and off
     for nanolm's, so that the ratio is the patch's alone; ``nanolm_again`` (nanolm toggled
-    against itself, no patch) is the noise floor of such ratios.
+    against itself, no patch) is the noise floor of such ratios (0.4-2 % on the development CPU).
     """
     return Runner(name, base.step, base.model, base.device, patch)
 
