@@ -223,6 +223,24 @@ def test_muon_orthogonalises_in_fp32_on_a_cpu_without_native_bf16(monkeypatch):
 
 
 @muon
+def test_the_run_options_momentum_and_betas_reach_both_optimizers():
+    """The speedrun configs set Muon's momentum (0.9) and AdamW's beta2 (0.99) away from their
+    defaults; an optimizer built with the defaults instead would still train, just slower to the
+    target, and nothing else would say so."""
+    from pathlib import Path
+
+    from nanolm.config import load_run_config
+    from nanolm.optim import optimizer_for
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name in ("speedrun_tinystories.toml", "speedrun_cpu.toml"):
+        options = load_run_config(configs / name).optim
+        opt = optimizer_for(tiny_model(), options)
+        assert [g["momentum"] for g in opt.muon.param_groups] == [options.muon_momentum] == [0.9]
+        assert {g["betas"] for g in opt.adamw.param_groups} == {(options.beta1, options.beta2)} == {(0.9, 0.99)}
+
+
+@muon
 def test_each_group_runs_at_its_own_peak_on_the_shared_schedule():
     """The schedule's rate times the group's own ratio: Muon's matrices at --muon-lr's share,
     AdamW's groups at --lr's; the ratio is the current run's even after loading an older state."""

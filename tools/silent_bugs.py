@@ -180,6 +180,8 @@ BUGS = [
         "if p.requires_grad and p.dim() == 2]"),
     Bug("muon_at_adamws_rate", "--muon-lr is ignored: the matrices run at --lr",
         "nanolm/optim.py", 'group["lr"] = lr * group.get("lr_ratio", 1.0)', 'group["lr"] = lr * 1.0'),
+    Bug("muon_momentum_ignored", "--muon-momentum is ignored: Muon keeps PyTorch's 0.95 (the speedruns need 0.9)",
+        "nanolm/optim.py", "muon_lr=o.muon_lr, momentum=o.muon_momentum)", "muon_lr=o.muon_lr)"),
     Bug("muon_state_counted_as_adamws", "the memory check refuses a Muon run that fits: it counts AdamW's two moments",
         "nanolm/rundir.py", "t.eval_batches * t.batch_size * dist.world_size, cfg.optim.optimizer)",
         "t.eval_batches * t.batch_size * dist.world_size)"),
