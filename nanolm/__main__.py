@@ -1,5 +1,3 @@
-import sys
+from .instruments.cli import entry
 
-from .instruments.cli import main
-
-sys.exit(main())
+entry()

@@ -156,6 +156,21 @@ def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processe
         assert all(r["applied"] for r in results)
 
 
+def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exemption(monkeypatch, capsys,
+                                                                                     stories_file):
+    """The figures behind the quick exit (docs/benchmarks.md): a real ``python -m nanolm`` in fresh
+    processes, exempting objects from collection by default and not under NANOLM_FREEZE_GC=0."""
+    monkeypatch.setattr(sys, "argv", ["garbage_collector.py", "--rounds", "1", "--", "train", "--data",
+                                      str(stories_file), "--steps", "1", "--tokenizer", "char", "--n-layer", "1",
+                                      "--n-embd", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
+                                      "--eval-batches", "1", "--sample-tokens", "0"])
+    runpy.run_path(str(BENCHMARKS / "garbage_collector.py"), run_name="__main__")
+    out = json.loads(capsys.readouterr().out)
+    assert out["exempted"]["frozen_objects"] > 10_000 and out["collector_alone"]["frozen_objects"] == 0
+    for name in ("exempted", "collector_alone"):
+        assert out[name]["exit_s"] > 0 and out[name]["gc_s"] >= 0 and out[name]["wall_s"] > out[name]["exit_s"]
+
+
 @pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
 def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(monkeypatch, capsys):
     """The figures behind GroupedMuon (docs/benchmarks.md): both Muons and AdamW timed on the

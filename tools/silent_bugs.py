@@ -192,6 +192,9 @@ BUGS = [
     Bug("muon_in_bf16_without_bf16_units", "Muon's iteration runs in bf16 on a CPU that emulates it: seconds per step",
         "nanolm/optim.py", 'return torch.float32 if device.type == "cpu" and not cpu_has_native_bf16() else torch.bfloat16',
         "return torch.bfloat16"),
+    Bug("quick_exit_skips_finalizers", "the command ends without finalizing garbage in reference cycles: whatever "
+        "their __del__ would flush or close is lost", "nanolm/runtime.py", "    gc.collect()\n    gc.freeze()\n",
+        "    gc.freeze()  # nothing collected first\n"),
     Bug("thread_trial_draws_the_steps_dropout", "--threads auto's trial passes consume the random state: the step's dropout differs",
         "nanolm/threads.py", "        torch.set_rng_state(rng)  #", "        pass  #"),
     Bug("bf16_on_every_cpu", "--precision auto picks bf16 on CPUs without bf16 units, where it is emulated and far slower",

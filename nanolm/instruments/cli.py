@@ -438,5 +438,17 @@ def _one_line(message: str) -> str:
     return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
+def entry() -> None:
+    """The ``nanolm`` command and ``python -m nanolm``: :func:`main` in a process that spares the
+    garbage collector the objects it need not walk, during the run and at exit (~0.8 s of a
+    10 s speedrun; ``nanolm.runtime``). Tests call :func:`main` in-process instead."""
+    from ..runtime import exempt_existing_objects_from_collection, prepare_to_exit_quickly
+
+    exempt_existing_objects_from_collection()  # PyTorch's modules, imported with this one
+    code = main()
+    prepare_to_exit_quickly()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
