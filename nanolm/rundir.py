@@ -49,7 +49,7 @@ from .checkpoint import (
 )
 from .config import RunConfig, load_run_config, resume_differences
 from .corpus import write_stories
-from .data import PreparedData, prepare
+from .data import COMPRESSOR_SAMPLE_BYTES, PreparedData, prepare
 from .distributed import Distributed
 from .download import resolve_data_path
 from .errors import NanolmError
@@ -202,13 +202,14 @@ def resume_checkpoint_at(path: Path, log) -> Path:
 
 
 # --------------------------------------------------------------------------- the run's data
-def load_training_data(cfg: RunConfig, scratch: Path, log=print) -> PreparedData:
+def load_training_data(cfg: RunConfig, scratch: Path, log=print, compressor_bounds: bool = True) -> PreparedData:
     """The run's data, prepared (tokenized into shards) if it is raw text.
 
     No ``--data``: the built-in story corpus, generated from the seed, with its exact
     entropy. A directory made by ``nanolm prepare`` is used as it is, tokenizer included.
     A known corpus name (``shakespeare``, ``tinystories``) that is not a local path is
-    downloaded once, verified and cached.
+    downloaded once, verified and cached. ``compressor_bounds`` False skips the zlib and xz
+    bounds of raw text (``nanolm.data.prepare``): training does, ``nanolm doctor`` does not.
     """
     d = cfg.data
     if not d.data:
@@ -224,7 +225,8 @@ def load_training_data(cfg: RunConfig, scratch: Path, log=print) -> PreparedData
             return data
         log(f"data: {source}")
     return prepare(source, scratch / "data", d.tokenizer, d.vocab_size, d.val_fraction, d.separator,
-                   d.text_field, seq_len=cfg.model.seq_len, progress=False, log=log)
+                   d.text_field, seq_len=cfg.model.seq_len, progress=False, log=log,
+                   compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if compressor_bounds else 0)
 
 
 def open_run_data(run_data: Path, checkpoint: Path, cfg: RunConfig, scratch: Path, log=print) -> PreparedData:
@@ -238,7 +240,7 @@ def open_run_data(run_data: Path, checkpoint: Path, cfg: RunConfig, scratch: Pat
         return PreparedData(run_data)
     except NanolmError as e:
         log(f"warning: {e}; preparing the run's data again from its source")
-    data = load_training_data(cfg, scratch, log)
+    data = load_training_data(cfg, scratch, log, compressor_bounds=False)
     if read_checkpoint_meta(checkpoint).get("data_digest") != data.digest:
         raise NanolmError(f"{run_data} is damaged, and its source ({cfg.data.data or 'the built-in corpus'}) no "
                           f"longer gives the data the run was trained on; restore the source, or start a new run "
@@ -304,7 +306,7 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
         elif checkpoint is not None and run_data.exists() and not plan.restart:
             data = open_run_data(run_data, checkpoint, cfg, scratch, log)  # tokenized once, checked
         else:
-            data = load_training_data(cfg, scratch, log)
+            data = load_training_data(cfg, scratch, log, compressor_bounds=False)  # nothing in a run reads them
         if len(data.train) < cfg.model.seq_len + 1:
             raise NanolmError(
                 f"the training split holds {len(data.train)} tokens, fewer than one window of "

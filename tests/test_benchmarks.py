@@ -156,6 +156,18 @@ def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processe
         assert all(r["applied"] for r in results)
 
 
+def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bounds(monkeypatch, capsys,
+                                                                                  stories_file):
+    """The figures behind a training run skipping the compressors (docs/data.md): both ways, the
+    bounds reported only by the way that computes them."""
+    monkeypatch.setattr(sys, "argv", ["prepare_throughput.py", "--data", str(stories_file), "--tokenizers", "char",
+                                      "--rounds", "1"])
+    runpy.run_path(str(BENCHMARKS / "prepare_throughput.py"), run_name="__main__")
+    char = json.loads(capsys.readouterr().out)["char"]
+    assert char["seconds"] > 0 and char["seconds_as_a_training_run_prepares"] > 0 and char["tokens"] > 0
+    assert 0 < char["compressor_bpb"]["xz"] < 8
+
+
 def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exemption(monkeypatch, capsys,
                                                                                      stories_file):
     """The figures behind the quick exit (docs/benchmarks.md): a real ``python -m nanolm`` in fresh

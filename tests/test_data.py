@@ -18,7 +18,7 @@ from nanolm.data import (
 from nanolm.errors import NanolmError
 from nanolm.tokenizer import EOS
 
-from conftest import tiny_model
+from conftest import tiny_model, tiny_run_config
 
 E = 0  # EOS id
 
@@ -319,6 +319,26 @@ def test_prepare_reports_compressor_bounds(tmp_path, stories_file):
     bounds = data.meta["compressor_bpb"]
     assert 0 < bounds["xz"] < bounds["zlib"] < 8
     assert data.meta["mb_per_s"] > 0
+
+
+def test_a_training_run_skips_the_compressor_bounds_that_prepare_and_doctor_report(tmp_path, stories_file):
+    """xz competes with the encoding for the cores (~1 s of tiny-shakespeare's 2.8 s preparation)
+    and nothing in a run reads its bound, so a run's own preparation skips it, with the same
+    shards; ``nanolm prepare`` and ``nanolm doctor`` (``load_training_data``'s default)
+    still report the bound a model must beat."""
+    from nanolm.instruments.doctor import check_loss_floor
+    from nanolm.rundir import load_training_data
+    from nanolm.train import train
+
+    text = tmp_path / "plain.txt"  # no entropy file beside it: doctor falls back on the compressors
+    text.write_text(stories_file.read_text())
+    cfg = tiny_run_config(text, tmp_path / "run", steps=1, eval_every=1)
+    bounded = load_training_data(cfg, tmp_path / "doctor", log=lambda *_: None)
+    skipped = load_training_data(cfg, tmp_path / "run_scratch", log=lambda *_: None, compressor_bounds=False)
+    assert 0 < bounded.meta["compressor_bpb"]["xz"] < 8 and "xz" in check_loss_floor(bounded).detail
+    assert skipped.meta["compressor_bpb"] is None and skipped.digest == bounded.digest
+    train(cfg, log=lambda *_: None)
+    assert json.loads((tmp_path / "run" / "data" / "meta.json").read_text())["compressor_bpb"] is None
 
 
 def test_a_changed_token_inside_the_vocabulary_is_refused(tmp_path):

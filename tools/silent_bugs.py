@@ -192,6 +192,8 @@ BUGS = [
     Bug("muon_in_bf16_without_bf16_units", "Muon's iteration runs in bf16 on a CPU that emulates it: seconds per step",
         "nanolm/optim.py", 'return torch.float32 if device.type == "cpu" and not cpu_has_native_bf16() else torch.bfloat16',
         "return torch.bfloat16"),
+    Bug("doctor_without_compressor_bounds", "nanolm doctor stops reporting the xz bound a trained model must beat",
+        "nanolm/rundir.py", "log=print, compressor_bounds: bool = True)", "log=print, compressor_bounds: bool = False)"),
     Bug("quick_exit_skips_finalizers", "the command ends without finalizing garbage in reference cycles: whatever "
         "their __del__ would flush or close is lost", "nanolm/runtime.py", "    gc.collect()\n    gc.freeze()\n",
         "    gc.freeze()  # nothing collected first\n"),
