@@ -139,12 +139,13 @@ def importing_alongside(module: str):
     Every ``torch.optim`` optimizer imports ``torch._dynamo`` on first use: ~1.7 s of one core,
     before the first step of every run. Preparing raw text leaves a core idle most of the time
     (reading and splitting the documents, the tokenizer's merges), so the import runs there
-    instead: on tiny-shakespeare with BPE 8,192, preparing and importing took 1.65-1.9 s together
-    against 2.2-3.0 s one after the other (docs/benchmarks.md). Safe because the block imports
-    no PyTorch module itself (``test_preparing_data_imports_no_pytorch_module``), so the two
-    threads never wait on each other's import locks; the join at the end means nothing after
-    the block runs beside it. A failed import is left for whoever imports the module next.
-    If the block raises, the import is not waited for (the thread is a daemon).
+    instead: from start-up to the model built, 1.70 s instead of 2.49 s on the shakespeare
+    speedrun, 1.86 s instead of 4.55 s on the TinyStories one (docs/benchmarks.md). Safe because
+    the block imports no PyTorch module itself (``test_preparing_data_imports_no_pytorch_module``),
+    so the two threads never wait on each other's import locks; the block's end waits for the
+    import, even when it raises (a thread still importing at the interpreter's shutdown could
+    take the process down with it), so nothing after the block runs beside it. A failed import
+    is left for whoever imports the module next.
     """
     if module in sys.modules or os.environ.get("NANOLM_IMPORT_ALONGSIDE", "1") == "0":
         yield
@@ -156,8 +157,10 @@ def importing_alongside(module: str):
 
     thread = threading.Thread(target=quietly_import, name=f"import {module}", daemon=True)
     thread.start()
-    yield
-    thread.join()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 def exempt_existing_objects_from_collection() -> None:
@@ -186,7 +189,8 @@ def prepare_to_exit_quickly() -> None:
     reference cycles (an object whose ``__del__`` closes or flushes something runs it, as the
     shutdown would have run it); freezing the rest lets the shutdown skip them. It still runs the
     atexit handlers, waits for threads, flushes stdout and stderr and frees objects by
-    reference count. Measured: ~0.3 s instead of ~0.8 s (docs/benchmarks.md).
+    reference count. Measured after a shakespeare speedrun: 0.16 s instead of 0.91 s
+    (docs/benchmarks.md).
     """
     if os.environ.get("NANOLM_FREEZE_GC", "1") == "0":
         return

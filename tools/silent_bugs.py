@@ -196,7 +196,7 @@ BUGS = [
         "nanolm/rundir.py", "log=print, compressor_bounds: bool = True)", "log=print, compressor_bounds: bool = False)"),
     Bug("import_alongside_not_awaited", "the optimizer's PyTorch import still runs when the model is built: two threads "
         "importing one package can be handed half-initialised modules", "nanolm/runtime.py",
-        "    yield\n    thread.join()\n", "    yield  # not awaited\n"),
+        "    finally:\n        thread.join()\n", "    finally:\n        pass  # not awaited\n"),
     Bug("quick_exit_skips_finalizers", "the command ends without finalizing garbage in reference cycles: whatever "
         "their __del__ would flush or close is lost", "nanolm/runtime.py", "    gc.collect()\n    gc.freeze()\n",
         "    gc.freeze()  # nothing collected first\n"),
