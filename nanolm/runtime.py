@@ -98,6 +98,13 @@ def configure_threads(threads: int, device: torch.device, log=print, auto: bool 
             f"busy). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}.")
 
 
+def turned_off(variable: str) -> bool:
+    """Whether the environment turns off one of the process-level speed-ups below (``VARIABLE=0``):
+    each is on by default, and each has a switch so that a benchmark can measure it against its
+    absence and a user can rule it out."""
+    return os.environ.get(variable, "1") == "0"
+
+
 KEPT_FREED_BYTES = 1 << 30  # blocks up to this size stay in the process when freed
 
 
@@ -118,7 +125,7 @@ def keep_freed_memory_for_reuse(device: torch.device) -> bool:
     Linux with glibc, CPU runs only (a GPU's memory has PyTorch's own caching allocator);
     ``NANOLM_KEEP_FREED_MEMORY=0`` leaves the allocator alone. Returns whether it applied.
     """
-    if device.type != "cpu" or os.environ.get("NANOLM_KEEP_FREED_MEMORY", "1") == "0":
+    if device.type != "cpu" or turned_off("NANOLM_KEEP_FREED_MEMORY"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -147,7 +154,7 @@ def importing_alongside(module: str):
     take the process down with it), so nothing after the block runs beside it. A failed import
     is left for whoever imports the module next.
     """
-    if module in sys.modules or os.environ.get("NANOLM_IMPORT_ALONGSIDE", "1") == "0":
+    if module in sys.modules or turned_off("NANOLM_IMPORT_ALONGSIDE"):
         yield
         return
 
@@ -176,7 +183,7 @@ def exempt_existing_objects_from_collection() -> None:
     and imports keep what they create. Called by the ``nanolm`` command once it is imported;
     ``NANOLM_FREEZE_GC=0`` leaves the collector alone (``benchmarks/garbage_collector.py``).
     """
-    if os.environ.get("NANOLM_FREEZE_GC", "1") != "0":
+    if not turned_off("NANOLM_FREEZE_GC"):
         gc.freeze()
 
 
@@ -192,7 +199,7 @@ def prepare_to_exit_quickly() -> None:
     reference count. Measured after a shakespeare speedrun: 0.16 s instead of 0.91 s
     (docs/benchmarks.md).
     """
-    if os.environ.get("NANOLM_FREEZE_GC", "1") == "0":
+    if turned_off("NANOLM_FREEZE_GC"):
         return
     gc.collect()
     gc.freeze()
