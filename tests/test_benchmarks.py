@@ -194,3 +194,36 @@ def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(monkeypatch,
     assert result["matrices"] == 10 and len(result["shapes"]) == 3  # qkv and the MLP's gate, up are all 96 x 32
     assert all(ms > 0 for ms in result["step_ms"].values())
     assert result["largest_weight_difference"] < 1e-4  # weights ~0.02, each step moves them ~1e-3
+
+
+def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_every_model_alike(monkeypatch, capsys,
+                                                                                               tmp_path):
+    """The three models are judged by one evaluation: untrained, each predicts about uniformly
+    (ln V nats per token); nanolm's model in the plain loop and in nanolm's step start from the
+    same weights (the same seed), so their step-0 figures are equal; on ASCII text a character
+    is a byte, so bits per byte are nats per token / ln 2; and at full rate from step 1 every
+    loop lowers its loss."""
+    text = (Path(__file__).resolve().parents[1] / "data" / "toy.txt").read_text(encoding="utf-8")[:40_000]
+    path = tmp_path / "text.txt"
+    path.write_text(text.replace("<|endoftext|>\n", ""), encoding="utf-8")  # one document: no EOS in it
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", ["loss_per_step.py", "--data", str(path), "--steps", "6", "--eval-every", "3",
+                                      "--seeds", "1", "--warmup", "1", "--lr", "3e-3", "--val-windows", "8",
+                                      "--threads", "1"])
+    try:
+        runpy.run_path(str(BENCHMARKS / "loss_per_step.py"), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    result = json.loads(capsys.readouterr().out)
+    runs = result["seeds"]["1"]
+    vocab = result["vocab_size"]
+    assert len(set(path.read_text(encoding="utf-8"))) <= vocab <= 260
+    for name in ("reference", "nanolm_model", "nanolm"):
+        curve = runs[name]["curve"]
+        assert [c["step"] for c in curve] == [0, 3, 6]
+        assert curve[0]["loss"] == pytest.approx(math.log(vocab), abs=0.3)
+        assert all(c["bpb"] == pytest.approx(c["loss"] / math.log(2), abs=2e-4) for c in curve)
+        assert curve[-1]["loss"] < curve[0]["loss"] - 0.1
+        assert runs[name]["ms_per_step"] > 0
+    assert runs["nanolm_model"]["curve"][0] == runs["nanolm"]["curve"][0]
+    assert set(result["summary"]) == {"reference", "nanolm_model", "nanolm"}
