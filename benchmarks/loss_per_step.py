@@ -10,6 +10,8 @@ recipe on the same data and compares their validation loss step by step:
   with nanoGPT's parameter groups: every matrix and embedding decayed, biases and norms not);
 * ``nanolm_model``: nanolm's ``GPT`` (RoPE, RMSNorm, SwiGLU, no biases) in that very loop, same
   optimizer and groups, same random windows: what the model alone changes;
+* ``nanolm_model_gelu`` (on request, ``--models``): ``nanolm_model`` with a GELU MLP 4x wide in
+  place of SwiGLU (``--mlp gelu``, about as many parameters): SwiGLU's share of the difference;
 * ``nanolm``: nanolm's training step (``train_step`` on ``TrainBatches``: every window once per
   epoch, the document mask, the loss divided by the step's token count, nanolm's AdamW and its
   groups, which do not decay embeddings): what the rest of nanolm changes on top.
@@ -57,6 +59,7 @@ from nanolm.runtime import keep_freed_memory_for_reuse
 from nanolm.step import StepParts, train_step
 
 MODELS = ("reference", "nanolm_model", "nanolm")
+OPTIONAL = ("nanolm_model_gelu",)
 
 
 def nanogpt_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.AdamW:
@@ -82,7 +85,8 @@ class Trainee:
             self.model = RefGPT(vocab, shape["seq_len"], shape["n_layer"], shape["n_head"], shape["n_embd"])
         else:
             self.model = GPT(GPTConfig(vocab_size=vocab, seq_len=shape["seq_len"], n_layer=shape["n_layer"],
-                                       n_head=shape["n_head"], n_embd=shape["n_embd"]))
+                                       n_head=shape["n_head"], n_embd=shape["n_embd"],
+                                       mlp="gelu" if name == "nanolm_model_gelu" else "swiglu"))
         if name == "nanolm":
             optimizer = build_optimizer(self.model, args.lr, args.weight_decay, betas=betas)
             self.parts = StepParts(self.model, optimizer, schedule=self.lr, clip=1.0)
@@ -162,7 +166,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps; the cosine ends there (nanoGPT's 2,000)")
     p.add_argument("--eval-every", type=int, default=250, help="steps between evaluations (nanoGPT's 250)")
     p.add_argument("--seeds", default="1337,1,2", help="comma-separated seeds: each model's initialisation and windows")
-    p.add_argument("--models", default=",".join(MODELS), help=f"which of {', '.join(MODELS)}")
+    p.add_argument("--models", default=",".join(MODELS), help=f"which of {', '.join(MODELS + OPTIONAL)}")
     p.add_argument("--target", type=float, default=2.72, help="validation bits per byte whose first crossing is reported "
                    "(2.72: where nanoGPT's recipe ends on tiny-shakespeare)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -174,9 +178,9 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=0, help="PyTorch threads (0: PyTorch's default)")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
-    unknown = [m for m in models if m not in MODELS]
+    unknown = [m for m in models if m not in MODELS + OPTIONAL]
     if unknown or not models:
-        p.error(f"--models takes {', '.join(MODELS)}; got {args.models!r}")
+        p.error(f"--models takes {', '.join(MODELS + OPTIONAL)}; got {args.models!r}")
     if args.steps < 1 or args.eval_every < 1 or args.val_windows < 0:
         p.error("--steps and --eval-every must be positive, --val-windows at least 0")
     try:

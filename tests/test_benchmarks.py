@@ -209,7 +209,7 @@ def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_ever
     threads = torch.get_num_threads()
     monkeypatch.setattr(sys, "argv", ["loss_per_step.py", "--data", str(path), "--steps", "6", "--eval-every", "3",
                                       "--seeds", "1", "--warmup", "1", "--lr", "3e-3", "--val-windows", "8",
-                                      "--threads", "1"])
+                                      "--threads", "1", "--models", "reference,nanolm_model,nanolm,nanolm_model_gelu"])
     try:
         runpy.run_path(str(BENCHMARKS / "loss_per_step.py"), run_name="__main__")
     finally:
@@ -218,7 +218,7 @@ def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_ever
     runs = result["seeds"]["1"]
     vocab = result["vocab_size"]
     assert len(set(path.read_text(encoding="utf-8"))) <= vocab <= 260
-    for name in ("reference", "nanolm_model", "nanolm"):
+    for name in ("reference", "nanolm_model", "nanolm", "nanolm_model_gelu"):
         curve = runs[name]["curve"]
         assert [c["step"] for c in curve] == [0, 3, 6]
         assert curve[0]["loss"] == pytest.approx(math.log(vocab), abs=0.3)
@@ -226,4 +226,5 @@ def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_ever
         assert curve[-1]["loss"] < curve[0]["loss"] - 0.1
         assert runs[name]["ms_per_step"] > 0
     assert runs["nanolm_model"]["curve"][0] == runs["nanolm"]["curve"][0]
-    assert set(result["summary"]) == {"reference", "nanolm_model", "nanolm"}
+    assert runs["nanolm_model_gelu"]["curve"][0] != runs["nanolm_model"]["curve"][0]  # another MLP, another model
+    assert set(result["summary"]) == {"reference", "nanolm_model", "nanolm", "nanolm_model_gelu"}
