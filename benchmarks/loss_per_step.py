@@ -5,9 +5,10 @@ runs at ~0.93x the plain loop a user would write (RoPE and RMSNorm have no fused
 user does not wait for a step but for a loss. This script trains three models with the same
 recipe on the same data and compares their validation loss step by step:
 
-* ``reference``: the plain loop of ``throughput.py`` (nanoGPT's model: GPT-2 blocks, learned
-  positions, LayerNorm, GELU, biases; random windows; ``F.cross_entropy``; ``torch.optim.AdamW``
-  with nanoGPT's parameter groups: every matrix and embedding decayed, biases and norms not);
+* ``reference``: the plain loop of ``throughput.py`` with nanoGPT's model as its ``train.py``
+  trains it (GPT-2 blocks without biases, learned positions, LayerNorm, GELU, nanoGPT's
+  initialisation; random windows; ``F.cross_entropy``; ``torch.optim.AdamW`` with nanoGPT's
+  parameter groups: every matrix and embedding decayed, norm gains not);
 * ``nanolm_model``: nanolm's ``GPT`` (RoPE, RMSNorm, SwiGLU, no biases) in that very loop, same
   optimizer and groups, same random windows: what the model alone changes;
 * ``nanolm_model_gelu`` (on request, ``--models``): ``nanolm_model`` with a GELU MLP 4x wide in
@@ -82,7 +83,7 @@ class Trainee:
         betas = (0.9, args.beta2)
         torch.manual_seed(seed)
         if name == "reference":
-            self.model = RefGPT(vocab, shape["seq_len"], shape["n_layer"], shape["n_head"], shape["n_embd"])
+            self.model = RefGPT(vocab, shape["seq_len"], shape["n_layer"], shape["n_head"], shape["n_embd"], bias=False)
         else:
             self.model = GPT(GPTConfig(vocab_size=vocab, seq_len=shape["seq_len"], n_layer=shape["n_layer"],
                                        n_head=shape["n_head"], n_embd=shape["n_embd"],

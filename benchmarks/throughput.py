@@ -50,6 +50,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import os
 import resource
 import statistics
@@ -83,12 +84,12 @@ SHAPES = {
 
 # --------------------------------------------------------------------------- the reference
 class RefBlock(nn.Module):
-    def __init__(self, d: int, n_head: int):
+    def __init__(self, d: int, n_head: int, bias: bool = True):
         super().__init__()
         self.n_head = n_head
-        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.c_attn, self.c_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.ln_1, self.ln_2 = nn.LayerNorm(d, bias=bias), nn.LayerNorm(d, bias=bias)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d, bias=bias), nn.Linear(d, d, bias=bias)
+        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d, bias=bias), nn.Linear(4 * d, d, bias=bias)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -100,16 +101,26 @@ class RefBlock(nn.Module):
 
 
 class RefGPT(nn.Module):
-    def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d: int):
+    """nanoGPT's model, initialised as nanoGPT does (N(0, 0.02), biases at zero, the two
+    projections into the residual stream at 0.02 / sqrt(2 · n_layer)). ``bias`` False is what
+    nanoGPT's ``train.py`` trains by default (``loss_per_step.py``); the throughput reference
+    keeps GPT-2's biases."""
+
+    def __init__(self, vocab: int, seq_len: int, n_layer: int, n_head: int, d: int, bias: bool = True):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq_len, d)
-        self.blocks = nn.ModuleList(RefBlock(d, n_head) for _ in range(n_layer))
-        self.ln_f = nn.LayerNorm(d)
+        self.blocks = nn.ModuleList(RefBlock(d, n_head, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(d, bias=bias)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+        for name, p in self.named_parameters():
+            if name.endswith(("c_proj.weight", "mlp_proj.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))

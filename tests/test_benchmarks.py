@@ -5,12 +5,14 @@ in the code it drives: ``benchmarks/gpu_check.sh`` runs ``throughput.py`` on a G
 session may never have, so the CPU suite is where its breakage has to show.
 """
 
+import argparse
 import json
 import math
 import runpy
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -228,3 +230,34 @@ def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_ever
     assert runs["nanolm_model"]["curve"][0] == runs["nanolm"]["curve"][0]
     assert runs["nanolm_model_gelu"]["curve"][0] != runs["nanolm_model"]["curve"][0]  # another MLP, another model
     assert set(result["summary"]) == {"reference", "nanolm_model", "nanolm", "nanolm_model_gelu"}
+
+
+def test_every_loop_of_the_loss_per_step_benchmark_runs_the_same_recipe():
+    """What makes the comparison fair: at every step each loop runs at the rate the training loop
+    would use (no step off by one between ``train_step`` and the plain loop), with the same AdamW
+    constants; the two plain loops draw the same windows; and the reference is nanoGPT's model as
+    its train.py trains it: no biases, the residual projections initialised smaller."""
+    from nanolm.config import OptimOptions
+    from nanolm.optim import learning_rate
+
+    script = runpy.run_path(str(BENCHMARKS / "loss_per_step.py"))
+    args = argparse.Namespace(lr=1e-3, warmup=3, steps=8, beta2=0.99, weight_decay=0.1)
+    tokens = np.random.default_rng(0).integers(1, 40, 4000)
+    loops = {name: script["Trainee"](name, args, 40, tokens, 0, 1) for name in ("reference", "nanolm_model", "nanolm")}
+    optimizers = {name: loop.parts.optimizer if name == "nanolm" else loop.optimizer for name, loop in loops.items()}
+    schedule = OptimOptions(lr=1e-3, warmup=3, min_lr=1e-4)
+    for step in range(1, 9):
+        for loop in loops.values():
+            loop.step(step)
+        expected = learning_rate(step - 1, schedule, 8)
+        for name, optimizer in optimizers.items():
+            assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([expected] * len(optimizer.param_groups))
+    for optimizer in optimizers.values():
+        assert {g["betas"] for g in optimizer.param_groups} == {(0.9, 0.99)}
+        assert {g["weight_decay"] for g in optimizer.param_groups} == {0.0, 0.1}
+    assert torch.equal(loops["reference"].generator.get_state(), loops["nanolm_model"].generator.get_state())
+    reference = loops["reference"].model
+    assert not [n for n, _ in reference.named_parameters() if n.endswith("bias")]
+    weights = dict(reference.named_parameters())
+    assert weights["blocks.0.c_proj.weight"].std() < 0.5 * weights["blocks.0.c_attn.weight"].std()
+    assert weights["blocks.0.mlp_proj.weight"].std() < 0.5 * weights["blocks.0.c_fc.weight"].std()
