@@ -9,7 +9,7 @@ recipe on the same data and compares their validation loss step by step:
   trains it (GPT-2 blocks without biases, learned positions, LayerNorm, GELU, nanoGPT's
   initialisation; random windows; ``F.cross_entropy``; ``torch.optim.AdamW`` with nanoGPT's
   parameter groups: every matrix and embedding decayed, norm gains not);
-* ``nanolm_model``: nanolm's ``GPT`` (RoPE, RMSNorm, SwiGLU, no biases) in that very loop, same
+* ``nanolm_model``: nanolm's ``GPT`` (RoPE, RMSNorm, SwiGLU) in that very loop, same
   optimizer and groups, same random windows: what the model alone changes;
 * ``nanolm_model_gelu`` (on request, ``--models``): ``nanolm_model`` with a GELU MLP 4x wide in
   place of SwiGLU (``--mlp gelu``, about as many parameters): SwiGLU's share of the difference;
