@@ -23,17 +23,23 @@ from nanolm.optim import muon_available
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+def benchmark_json(monkeypatch, capsys, script: str, *args: str) -> dict:
+    """Run ``benchmarks/<script>`` as its command line would, and return the JSON it prints.
+    Scripts that take ``--threads`` change PyTorch's thread count; it is put back for the next test."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    try:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads(capsys.readouterr().out)
+
+
 def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablations_patch(monkeypatch, capsys):
     originals = (nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values,
                  nanolm.model.RMSNorm.forward)
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(sys, "argv", ["throughput.py", "--shapes", "nanogpt", "--rounds", "1", "--steps", "1",
-                                      "--warmup", "1", "--ablations", "--breakdown", "--threads", "1"])
-    try:
-        runpy.run_path(str(BENCHMARKS / "throughput.py"), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
-    result = json.loads(capsys.readouterr().out)
+    result = benchmark_json(monkeypatch, capsys, "throughput.py", "--shapes", "nanogpt", "--rounds", "1", "--steps",
+                                                 "1", "--warmup", "1", "--ablations", "--breakdown", "--threads", "1")
     shape = result["shapes"]["nanogpt"]
     for name in ("nanolm", "nanolm_mask_off", "reference", "nanolm_twin", "nanolm_again", "before_fused_adamw",
                  "before_rope_roll", "before_qkv_split", "before_all", "nanolm_model_in_plain_loop", "without_rope",
@@ -117,10 +123,9 @@ def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, mon
         "print(f'step 20: train loss 1.8000, val loss {1.8 if len(ids) == 90 else 9:.4f}')\n")
     path = tmp_path / "input.txt"
     path.write_text(text, encoding="utf-8")
-    monkeypatch.setattr(sys, "argv", ["nanogpt_reference.py", "--nanogpt", str(repo), "--data", str(path),
-                                      "--max-iters", "20", "--target", str(round(1.8 / math.log(2) * chars_per_byte, 4))])
-    runpy.run_path(str(BENCHMARKS / "nanogpt_reference.py"), run_name="__main__")
-    result = json.loads(capsys.readouterr().out)
+    result = benchmark_json(monkeypatch, capsys, "nanogpt_reference.py", "--nanogpt", str(repo), "--data", str(path),
+                                                 "--max-iters", "20", "--target",
+                                                 str(round(1.8 / math.log(2) * chars_per_byte, 4)))
     assert [c["iter"] for c in result["curve"]] == [0, 20]
     assert result["final_val_bpb"] == pytest.approx(1.8 / math.log(2) * chars_per_byte, abs=1e-4)
     assert result["target_seen_at_s"] is not None
@@ -129,14 +134,8 @@ def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, mon
 def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(monkeypatch, capsys):
     """The figures behind the fused head and loss (docs/benchmarks.md): the fused one must
     compute what the whole one does, or its timing means nothing."""
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(sys, "argv", ["head_and_loss.py", "--vocab", "300,600", "--tokens", "96", "--width", "16",
-                                      "--rows", "32", "--rounds", "2"])
-    try:
-        runpy.run_path(str(BENCHMARKS / "head_and_loss.py"), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
-    results = json.loads(capsys.readouterr().out)["results"]
+    results = benchmark_json(monkeypatch, capsys, "head_and_loss.py", "--vocab", "300,600", "--tokens", "96",
+                                                  "--width", "16", "--rows", "32", "--rounds", "2")["results"]
     assert [r["vocab"] for r in results] == [300, 600]
     assert all(r["same_gradients"] and r["whole_ms"] > 0 and r["fused_ms"] > 0 for r in results)
     assert all(r["step_whole_ms"] > 0 and r["step_fused_ms"] > 0 for r in results)
@@ -145,11 +144,9 @@ def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(m
 def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processes(monkeypatch, capsys):
     """The figures behind keeping freed buffers (docs/benchmarks.md): each configuration in its
     own process, and the kept one really kept (on glibc)."""
-    monkeypatch.setattr(sys, "argv", ["allocator.py", "--threads", "1", "--rounds", "1", "--steps", "1",
-                                      "--precision", "fp32", "--vocab", "300", "--seq-len", "16", "--batch", "2",
-                                      "--layers", "1", "--width", "16"])
-    runpy.run_path(str(BENCHMARKS / "allocator.py"), run_name="__main__")
-    results = json.loads(capsys.readouterr().out)["results"]
+    results = benchmark_json(monkeypatch, capsys, "allocator.py", "--threads", "1", "--rounds", "1", "--steps", "1",
+                                                  "--precision", "fp32", "--vocab", "300", "--seq-len", "16",
+                                                  "--batch", "2", "--layers", "1", "--width", "16")["results"]
     assert [r["qk_norm"] for r in results] == ["off", "on"]
     assert all(r["kept_ms"] > 0 and r["given_back_ms"] > 0 for r in results)
     import platform
@@ -162,10 +159,8 @@ def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bou
                                                                                   stories_file):
     """The figures behind a training run skipping the compressors (docs/data.md): both ways, the
     bounds reported only by the way that computes them."""
-    monkeypatch.setattr(sys, "argv", ["prepare_throughput.py", "--data", str(stories_file), "--tokenizers", "char",
-                                      "--rounds", "1"])
-    runpy.run_path(str(BENCHMARKS / "prepare_throughput.py"), run_name="__main__")
-    char = json.loads(capsys.readouterr().out)["char"]
+    char = benchmark_json(monkeypatch, capsys, "prepare_throughput.py", "--data", str(stories_file), "--tokenizers",
+                                               "char", "--rounds", "1")["char"]
     assert char["seconds"] > 0 and char["seconds_as_a_training_run_prepares"] > 0 and char["tokens"] > 0
     assert 0 < char["compressor_bpb"]["xz"] < 8
 
@@ -174,12 +169,10 @@ def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exem
                                                                                      stories_file):
     """The figures behind the quick exit (docs/benchmarks.md): a real ``python -m nanolm`` in fresh
     processes, exempting objects from collection by default and not under NANOLM_FREEZE_GC=0."""
-    monkeypatch.setattr(sys, "argv", ["garbage_collector.py", "--rounds", "1", "--", "train", "--data",
-                                      str(stories_file), "--steps", "1", "--tokenizer", "char", "--n-layer", "1",
-                                      "--n-embd", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
-                                      "--eval-batches", "1", "--sample-tokens", "0"])
-    runpy.run_path(str(BENCHMARKS / "garbage_collector.py"), run_name="__main__")
-    out = json.loads(capsys.readouterr().out)
+    out = benchmark_json(monkeypatch, capsys, "garbage_collector.py", "--rounds", "1", "--", "train", "--data",
+                                              str(stories_file), "--steps", "1", "--tokenizer", "char", "--n-layer",
+                                              "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16",
+                                              "--batch-size", "2", "--eval-batches", "1", "--sample-tokens", "0")
     assert out["exempted"]["frozen_objects"] > 10_000 and out["collector_alone"]["frozen_objects"] == 0
     for name in ("exempted", "collector_alone"):
         assert out[name]["exit_s"] > 0 and out[name]["gc_s"] >= 0 and out[name]["wall_s"] > out[name]["exit_s"]
@@ -189,10 +182,8 @@ def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exem
 def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(monkeypatch, capsys):
     """The figures behind GroupedMuon (docs/benchmarks.md): both Muons and AdamW timed on the
     same gradients, and the grouped one leaving the same weights as PyTorch's."""
-    monkeypatch.setattr(sys, "argv", ["muon_step.py", "--layers", "2", "--width", "32", "--vocab", "64",
-                                      "--threads", "1", "--steps", "2"])
-    runpy.run_path(str(BENCHMARKS / "muon_step.py"), run_name="__main__")
-    result = json.loads(capsys.readouterr().out)
+    result = benchmark_json(monkeypatch, capsys, "muon_step.py", "--layers", "2", "--width", "32", "--vocab", "64",
+                                                 "--threads", "1", "--steps", "2")
     assert result["matrices"] == 10 and len(result["shapes"]) == 3  # qkv and the MLP's gate, up are all 96 x 32
     assert all(ms > 0 for ms in result["step_ms"].values())
     assert result["largest_weight_difference"] < 1e-4  # weights ~0.02, each step moves them ~1e-3
@@ -208,15 +199,10 @@ def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_ever
     text = (Path(__file__).resolve().parents[1] / "data" / "toy.txt").read_text(encoding="utf-8")[:40_000]
     path = tmp_path / "text.txt"
     path.write_text(text.replace("<|endoftext|>\n", ""), encoding="utf-8")  # one document: no EOS in it
-    threads = torch.get_num_threads()
-    monkeypatch.setattr(sys, "argv", ["loss_per_step.py", "--data", str(path), "--steps", "6", "--eval-every", "3",
-                                      "--seeds", "1", "--warmup", "1", "--lr", "3e-3", "--val-windows", "8",
-                                      "--threads", "1", "--models", "reference,nanolm_model,nanolm,nanolm_model_gelu"])
-    try:
-        runpy.run_path(str(BENCHMARKS / "loss_per_step.py"), run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
-    result = json.loads(capsys.readouterr().out)
+    result = benchmark_json(monkeypatch, capsys, "loss_per_step.py", "--data", str(path), "--steps", "6",
+                                                 "--eval-every", "3", "--seeds", "1", "--warmup", "1", "--lr", "3e-3",
+                                                 "--val-windows", "8", "--threads", "1",
+                                                 "--models", "reference,nanolm_model,nanolm,nanolm_model_gelu")
     runs = result["seeds"]["1"]
     vocab = result["vocab_size"]
     assert len(set(path.read_text(encoding="utf-8"))) <= vocab <= 260
