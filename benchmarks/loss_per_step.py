@@ -54,6 +54,7 @@ from throughput import SHAPES, RefGPT  # the plain loop's model, written once
 
 from nanolm.corpus import write_stories
 from nanolm.data import TrainBatches, WindowSampler, get_batch, prepare
+from nanolm.errors import NanolmError
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, cosine_lr
 from nanolm.runtime import keep_freed_memory_for_reuse
@@ -153,6 +154,9 @@ def load_data(data: str | None, tmp: Path):
     T = SHAPES["nanogpt"]["seq_len"]
     val = torch.from_numpy(np.array(prepared.val.tokens, dtype=np.int64))
     n = (len(val) - 1) // T
+    if n < 1 or len(prepared.train) < T + 1:
+        raise NanolmError(f"{source} is too short: each split needs a window of {T + 1} characters (the training "
+                          f"split holds {len(prepared.train)}, the held-out one {len(val)}); use a longer text")
     windows = torch.stack([val[i * T : i * T + T + 1] for i in range(n)])
     token_bytes = torch.from_numpy(prepared.tokenizer.token_bytes()).long()
     return (np.array(prepared.train.tokens), windows, token_bytes, prepared.tokenizer.vocab_size,
@@ -190,13 +194,16 @@ def main(argv=None) -> None:
     except ValueError:
         p.error(f"--seeds takes comma-separated integers; got {args.seeds!r}")
     if args.data and not Path(args.data).is_file():
-        p.error(f"--data {args.data}: no such file")
+        p.error(f"--data {args.data}: not a file")
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory_for_reuse(torch.device("cpu"))  # as a nanolm run does, for every model alike
 
     with tempfile.TemporaryDirectory() as tmp:
-        train_tokens, windows, token_bytes, vocab, eos = load_data(args.data, Path(tmp))
+        try:
+            train_tokens, windows, token_bytes, vocab, eos = load_data(args.data, Path(tmp))
+        except NanolmError as e:
+            p.error(str(e))
     if args.val_windows and args.val_windows < len(windows):
         windows = windows[np.linspace(0, len(windows) - 1, args.val_windows).round().astype(np.int64)]
     results = {"recipe": {k: getattr(args, k) for k in ("steps", "lr", "beta2", "weight_decay", "warmup")},
