@@ -79,7 +79,7 @@ class Trainee:
 
     def __init__(self, name: str, args, vocab: int, train_tokens: np.ndarray, eos: int, seed: int):
         shape = SHAPES["nanogpt"]
-        self.name, self.shape, self.args, self.tokens = name, shape, args, train_tokens
+        self.name, self.shape, self.tokens = name, shape, train_tokens
         self.lr = lambda step: cosine_lr(step - 1, args.lr, args.warmup, args.steps, args.lr / 10)
         betas = (0.9, args.beta2)
         torch.manual_seed(seed)
