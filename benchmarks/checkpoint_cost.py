@@ -39,7 +39,7 @@ def main():
     opt.step()
     tok = train_char(["abc"])
     state = {"step": 1, "optimizer": opt.state_dict(), "sampler": {"epoch": 0, "cursor": 1, "seed": 0},
-             "rng": capture_rng(), "counters": {"tokens_seen": 128}}
+             "rng": capture_rng("cpu"), "counters": {"tokens_seen": 128}}
     saves, loads = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
@@ -52,7 +52,7 @@ def main():
             load_weights(fresh, found / "model.safetensors")
             loaded = load_state(found)
             build_optimizer(fresh, 1e-3, 0.1).load_state_dict(loaded["optimizer"])
-            restore_rng(loaded["rng"])
+            restore_rng(loaded["rng"], "cpu")
             loads.append(time.perf_counter() - start)
         sizes = {f.name: f.stat().st_size for f in path.iterdir()}
     print(json.dumps({

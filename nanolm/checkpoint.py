@@ -4,7 +4,7 @@
 run is indistinguishable from one that never stopped: the weights; the optimizer state
 (Adam's m and v *and* its step count t, which sets the bias correction); the training step
 (the learning rate is a pure function of it); the sampler's position in the data; every
-random number generator (Python, NumPy, torch CPU, each CUDA device); the loss scaler's
+random number generator (Python, NumPy, torch CPU, the run's CUDA or MPS device); the loss scaler's
 state; counters (tokens seen, best validation loss); the resolved config and the tokenizer.
 
 **Layout** — one directory per checkpoint, ``checkpoints/step_000500/``:
@@ -134,9 +134,13 @@ def weights_are_finite(model: torch.nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------- random state
-def capture_rng() -> dict:
+def capture_rng(device: torch.device) -> dict:
     """Every generator a training step may draw from, as tensors and plain numbers: Python's,
-    NumPy's, torch's on the CPU, and each CUDA device's or the MPS device's when there is one."""
+    NumPy's, torch's on the CPU, and the run's own accelerator's (``device``).
+
+    Only the run's device: a CPU run on a GPU machine must not start a CUDA context, and a
+    checkpoint must resume on a machine with another number of GPUs (or another
+    ``CUDA_VISIBLE_DEVICES``), which a state per visible GPU would refuse."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
     state = {
@@ -145,18 +149,16 @@ def capture_rng() -> dict:
                   "has_gauss": int(has_gauss), "gauss": float(gauss)},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if _mps_available():
+    device = torch.device(device)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device.type == "mps":
         state["mps"] = torch.mps.get_rng_state()
     return state
 
 
-def _mps_available() -> bool:
-    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
-
-
-def restore_rng(state: dict) -> None:
+def restore_rng(state: dict, device: torch.device) -> None:
+    """Put back what :func:`capture_rng` saved; the accelerator's stream only on that kind of device."""
     try:
         py = state["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
@@ -165,12 +167,14 @@ def restore_rng(state: dict) -> None:
         torch.set_rng_state(state["torch"])
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         raise NanolmError(f"the checkpoint's random state is malformed ({type(e).__name__}: {e})") from None
-    if "cuda" in state and torch.cuda.is_available():
-        if len(state["cuda"]) != torch.cuda.device_count():
-            raise NanolmError(f"the checkpoint holds RNG states for {len(state['cuda'])} CUDA devices, "
-                              f"this machine has {torch.cuda.device_count()}")
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "mps" in state and _mps_available():
+    device = torch.device(device)
+    if device.type == "cuda" and "cuda" in state:
+        saved = state["cuda"]
+        if isinstance(saved, list):  # checkpoints before 2026-12 kept one state per visible GPU
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            saved = saved[index] if index < len(saved) else saved[0]
+        torch.cuda.set_rng_state(saved, device)
+    elif device.type == "mps" and "mps" in state:
         torch.mps.set_rng_state(state["mps"])
 
 
@@ -529,7 +533,7 @@ def save_run_checkpoint(dist, run_dir, step: int, model, optimizer, state: dict,
     writes the single-process layout; under FSDP every rank first writes its shard.
     ``dist`` is the run's :class:`nanolm.distributed.Distributed`.
     """
-    rngs = dist.all_gather(capture_rng())
+    rngs = dist.all_gather(capture_rng(dist.device))
     state = dict(state, rng=rngs[0], world_size=dist.world_size)
     if dist.world_size > 1:
         state["rng_ranks"] = rngs
@@ -582,7 +586,7 @@ def load_run_checkpoint(dist, checkpoint: Path, state: dict, model, optimizer, l
         ranks = state.get("rng_ranks")
         if saved_world > 1 and not (isinstance(ranks, list) and len(ranks) == saved_world):
             raise NanolmError(f"checkpoint {checkpoint}: state.pt lacks the random state of each rank")
-        restore_rng(ranks[dist.rank] if saved_world > 1 else state["rng"])
+        restore_rng(ranks[dist.rank] if saved_world > 1 else state["rng"], dist.device)
     else:
         seed_everything(derived_seed(int(state["sampler"]["seed"]), int(state["step"]), dist.rank))
         log(f"resume: the checkpoint was written by {saved_world} process(es), this run has {dist.world_size}: "

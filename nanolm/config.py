@@ -154,6 +154,9 @@ class TrainOptions:
     resume: str = option("auto", "auto: continue the run in --out-dir from its newest valid checkpoint, finish it, "
                          "or restart an attempt that never saved one; never: only start a new run (a directory "
                          "with checkpoints is refused); or the path of a checkpoint (or run) directory to continue from")
+    tf32: bool = option(True, "with --precision fp32 on an Ampere or later NVIDIA GPU: matrix products on TF32 tensor "
+                        "cores (fp32 range, 10-bit mantissa, fp32 accumulation; ~8x faster); --no-tf32 keeps full fp32 "
+                        "products (docs/gpu.md)")
     deterministic: bool = option(False, "make every kernel deterministic (torch.use_deterministic_algorithms); "
                                  "free on CPU, slower on GPU")
     dist: str = option("auto", "data parallelism under torchrun: ddp (every rank holds the whole model), fsdp "

@@ -613,10 +613,15 @@ class Batch:
     positions: torch.Tensor | None = None
 
     def to(self, device) -> "Batch":
+        """The batch on ``device``. For CUDA through pinned (page-locked) host memory, so the copy
+        can overlap the GPU's work; MPS shares memory with the CPU and gains nothing from pinning."""
         device = torch.device(device)
         if device.type == "cpu":
             return self
-        move = lambda t: None if t is None else t.pin_memory().to(device, non_blocking=True)
+        if device.type == "cuda":
+            move = lambda t: None if t is None else t.pin_memory().to(device, non_blocking=True)
+        else:
+            move = lambda t: None if t is None else t.to(device)
         return Batch(move(self.idx), move(self.targets), move(self.loss_mask), move(self.doc_ids), move(self.positions))
 
     @property

@@ -389,14 +389,20 @@ class Distributed:
                            "sharded checkpoints")
         return (SPLIT_OPTIONS if before == after else set()), allowed, refused
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Leave the process group. DDP's gradient reducer sits in a reference cycle and holds
         the group; collected only at interpreter exit, after the group is gone, it aborts the
         process ("terminate called without an active exception") about one run in four. So
-        it is collected here, while the group still exists."""
+        it is collected here, while the group still exists.
+
+        A rank that ``failed`` (out of memory in its backward pass, say) leaves without the
+        closing barrier: the other ranks are waiting in a collective it will never join, and
+        a barrier would keep this one waiting for them in turn. It exits with its error, and
+        torchrun stops the others."""
         if self.active and dist.is_initialized():
             gc.collect()
-            dist.barrier()
+            if not failed:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -434,9 +440,9 @@ def setup(mode: str, device: torch.device) -> Distributed:
     if device.type == "mps":
         raise NanolmError("--dist: PyTorch has no distributed backend for MPS; use --device cpu")
     if device.type == "cuda":
-        if device.index is not None and world_size > 1:
-            raise NanolmError(f"--device {device}: under torchrun every process uses cuda:LOCAL_RANK; "
-                              "pass --device cuda (or auto)")
+        if device.index is not None and device.index != local_rank:
+            raise NanolmError(f"--device {device}: under torchrun every process uses cuda:LOCAL_RANK (here "
+                              f"cuda:{local_rank}); pass --device cuda (or auto), and choose GPUs with CUDA_VISIBLE_DEVICES")
         count = torch.cuda.device_count()
         if local_rank >= count:
             raise NanolmError(f"torchrun started local rank {local_rank} on a node with {count} GPU(s); "
@@ -456,5 +462,7 @@ def launch(mode: str, device: torch.device):
     ctx = setup(mode, device)
     try:
         yield ctx
-    finally:
-        ctx.close()
+    except BaseException:
+        ctx.close(failed=True)
+        raise
+    ctx.close()

@@ -19,15 +19,17 @@ from .model import GPT
 def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, device="cpu", reduce=None) -> dict:
     """Loss (nats per counted token) and bits per byte over a fixed list of batches.
 
-    Deterministic: the same batches, the model in eval mode (no dropout), sums accumulated
-    in float64. Bits per byte divides the total information by the bytes of text the
-    predicted tokens spell (EOS spells none), so it compares across tokenizers.
-    ``reduce`` combines the three sums (nats, tokens, bytes) with other processes' before
-    the division: each rank evaluates its share of the batches.
+    Deterministic: the same batches, the model in eval mode (no dropout). Each batch's sum
+    of token losses (fp32, on the device) is added up in float64 on the host: a long
+    validation set in fp32 would lose digits, and an Apple GPU has no float64 at all.
+    Bits per byte divides the total information by the bytes of text the predicted tokens
+    spell (EOS spells none), so it compares across tokenizers. ``reduce`` combines the three
+    sums (nats, tokens, bytes) with other processes' before the division: each rank
+    evaluates its share of the batches (torchrun runs on CUDA or CPU, never on MPS).
     """
     was_training = model.training
     model.eval()
-    nats = torch.zeros((), dtype=torch.float64, device=device)
+    batch_nats = []
     tokens = torch.zeros((), dtype=torch.int64, device=device)
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
     token_bytes = token_bytes.to(device)
@@ -35,13 +37,15 @@ def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, d
         batch = batch.to(device)
         _, total = model(batch.idx, targets=batch.targets, loss_mask=batch.loss_mask, doc_ids=batch.doc_ids,
                          positions=batch.positions, reduction="sum")
-        nats += total.double()
+        batch_nats.append(total.float())
         tokens += batch.loss_mask.sum()
         n_bytes += (token_bytes[batch.targets] * batch.loss_mask).sum()
     model.train(was_training)
+    nats = sum(torch.stack(batch_nats).tolist()) if batch_nats else 0.0  # Python floats: float64
     if reduce is not None:
-        nats, tokens, n_bytes = reduce(nats, tokens, n_bytes)
-    nats, tokens, n_bytes = nats.item(), tokens.item(), n_bytes.item()
+        summed = reduce(torch.tensor(nats, dtype=torch.float64, device=device), tokens, n_bytes)
+        nats, tokens, n_bytes = summed[0].item(), summed[1], summed[2]
+    tokens, n_bytes = torch.stack([tokens, n_bytes]).tolist()
     return {
         "loss": nats / max(tokens, 1),
         "bpb": nats / math.log(2) / max(n_bytes, 1),

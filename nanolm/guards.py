@@ -222,8 +222,11 @@ def read_events(run_dir, warn=None) -> list[dict]:
 
 def nan_origin(model: torch.nn.Module, batch, autocast, vocab_size: int) -> dict:
     """Re-run ``batch`` with hooks: the first module whose output, or else the first
-    parameter whose gradient, is not finite; and whether the ids are out of range."""
+    parameter whose gradient, is not finite; and whether the ids are out of range.
+
+    ``batch`` is a micro-batch as the loop holds it, on the host: it goes to the model's device."""
     report: dict = {}
+    batch = batch.to(next(model.parameters()).device)
     ids = batch.idx
     bad_ids = int(((ids < 0) | (ids >= vocab_size)).sum())
     if bad_ids:

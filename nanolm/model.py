@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .errors import NanolmError
 from .loss import head_cross_entropy_sum
+from .runtime import has_triton
 
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
@@ -129,8 +130,13 @@ def apply_rope(x, cos, sin):
     halves is one ``roll``; the sign is in the table. The numbers are bit for bit those of
     the textbook ``x * cos + rotate_half(x) * sin`` (negating a factor is exact) with ~40 %
     less time in RoPE's forward and backward on CPU (benchmarks/throughput.py --ablations).
+
+    The tables are fp32 and autocast leaves elementwise products alone, so under autocast a
+    16-bit q or k would come out of the rotation promoted to fp32 while v stays 16-bit:
+    attention kernels that want one dtype (FlexAttention checks) refuse that, others run
+    their slow fp32 path. The rotation is computed in fp32 and rounded once, to x's dtype.
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -145,6 +151,7 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 _compiled_flex_attention = None
+_compiled_create_block_mask = None
 
 
 def flex_document_mask(doc_ids: torch.Tensor):
@@ -155,6 +162,7 @@ def flex_document_mask(doc_ids: torch.Tensor):
     a dense boolean mask would cost more. The block mask is computed once per forward and
     shared by all layers.
     """
+    global _compiled_create_block_mask
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, T = doc_ids.shape
@@ -162,8 +170,11 @@ def flex_document_mask(doc_ids: torch.Tensor):
     def same_document_and_causal(b, h, q_idx, kv_idx):
         return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
-    return create_block_mask(same_document_and_causal, B, None, T, T, device=doc_ids.device,
-                             _compile=doc_ids.is_cuda)
+    if not doc_ids.is_cuda:  # eager: builds the (B, T, T) mask densely once; fine at CPU sizes
+        return create_block_mask(same_document_and_causal, B, None, T, T, device=doc_ids.device)
+    if _compiled_create_block_mask is None:  # compiled once per process: never materialises (B, T, T)
+        _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
+    return _compiled_create_block_mask(same_document_and_causal, B, None, T, T, device=doc_ids.device)
 
 
 def flex_attention(q, k, v, block_mask):
@@ -371,11 +382,11 @@ class GPT(nn.Module):
         return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
 
     def uses_flex_attention(self, device) -> bool:
-        """FlexAttention for the document mask on CUDA (auto), SDPA with a boolean mask
-        elsewhere. Dropout needs SDPA: FlexAttention has none."""
+        """FlexAttention for the document mask on CUDA (auto; it is a Triton kernel there), SDPA
+        with a boolean mask elsewhere. Dropout needs SDPA: FlexAttention has none."""
         if self.config.attention == "sdpa" or (self.training and self.config.dropout > 0):
             return False
-        return self.config.attention == "flex" or torch.device(device).type == "cuda"
+        return self.config.attention == "flex" or (torch.device(device).type == "cuda" and has_triton())
 
     def attention_mask(self, idx, doc_ids):
         """Which positions may attend to which: None is plain causal attention (the kernels'

@@ -48,29 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NanolmError
+from .hardware import BY_KEY as GPUS
 from .loss import loss_chunk_positions
 from .model import GPTConfig
 
-
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    bf16_flops: float  # peak dense bf16 (fp16 where noted) tensor-core FLOP/s, no sparsity
-    memory_gb: float
-
-
-GPUS = {
-    "a100-40gb": GPU("A100 40GB", 312e12, 40),
-    "a100": GPU("A100 80GB", 312e12, 80),
-    "h100": GPU("H100 SXM 80GB", 989e12, 80),
-    "h100-pcie": GPU("H100 PCIe 80GB", 756e12, 80),
-    "h200": GPU("H200 141GB", 989e12, 141),
-    "b200": GPU("B200 180GB", 2250e12, 180),
-    "l4": GPU("L4 24GB", 121e12, 24),
-    "l40s": GPU("L40S 48GB", 362e12, 48),
-    "rtx4090": GPU("RTX 4090 24GB", 165e12, 24),
-    "mi300x": GPU("MI300X 192GB", 1307e12, 192),
-}
 
 # Shapes in nanolm's architecture (RoPE, RMSNorm, no biases). The GPT-2/3 sizes use GELU and
 # a tied head; "7b"/"13b" follow Llama 2 (SwiGLU, untied), with nanolm's SwiGLU width rule
@@ -274,11 +255,16 @@ def make_plan(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: in
     spec = GPUS[gpu]
     fpt = flops_per_token(c, T)
     tokens_per_step = micro_batch * grad_accum * T * gpus
-    seconds = fpt * tokens / (gpus * spec.bf16_flops * mfu) if tokens else 0.0
+    peak = spec.peak({"bf16-pure": "bf16"}.get(precision, precision), tf32=True)  # fp32 on TF32 where it exists
+    if peak is None:
+        raise NanolmError(f"the {spec.name} has no {precision} tensor cores (it emulates bf16, slowly); "
+                          f"plan with --precision fp16 (or fp32)")
+    seconds = fpt * tokens / (gpus * peak * mfu) if tokens else 0.0
     return {
         "parameters": count_parameters(c),
         "parameters_non_embedding": count_parameters(c) - c.vocab_size * c.n_embd,
         "flops_per_token": fpt,
+        "peak_flops": peak,
         "attention_flops_per_token": 12 * c.n_layer * T * c.n_embd,
         "memory": memory_per_gpu(c, precision, dist, gpus, micro_batch, T, fp32_master, optimizer),
         "gpu": spec,
@@ -359,7 +345,7 @@ def format_plan(p: dict, c: GPTConfig, name: str = "") -> str:
     lines.append("  (activation checkpointing is a planning figure: nanolm train does not checkpoint activations yet)")
     if p["tokens"]:
         lines += ["", f"time       {_size(p['tokens'])} tokens in {p['steps']:,} steps at {p['mfu']:.0%} MFU: "
-                      f"{p['flops_per_token']:.3e} × {p['tokens']:.3g} / ({p['gpus']} × {spec.bf16_flops:.3g} × "
+                      f"{p['flops_per_token']:.3e} × {p['tokens']:.3g} / ({p['gpus']} × {p['peak_flops']:.3g} × "
                       f"{p['mfu']:g}) = {p['seconds']:.3g} s = {_duration(p['seconds'])} "
                       f"({p['seconds'] * p['gpus'] / 3600:,.0f} GPU-hours)"]
     return "\n".join(lines)

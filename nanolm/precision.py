@@ -34,10 +34,11 @@ What each ``--precision`` does:
   copy of the weights in the optimizer and rounds to nearest.
 
 ``auto`` picks bf16 where the hardware multiplies it natively (a CUDA GPU with bf16, a CPU with
-AVX512-BF16 or AMX) and fp32 everywhere else: emulated bf16 is far slower than fp32. On a CPU
-that has it, bf16 reached both speedrun targets sooner than fp32 (1.13x and 1.66x, three seeds
-each) with the same final loss, which decided it (docs/precision.md). auto never picks fp16,
-whose loss scaling is a moving part a user should ask for.
+AVX512-BF16 or AMX); fp16 with loss scaling on a CUDA GPU without bf16 tensor cores (T4, V100:
+their tensor cores are fp16 only, and fp32 runs there at ~1/8 of that rate); fp32 everywhere
+else (MPS, CPUs without native bf16): emulated bf16 is far slower than fp32. On a CPU that has
+it, bf16 reached both speedrun targets sooner than fp32 with the same final loss, which decided
+it (docs/precision.md). docs/gpu.md has the choices per GPU class.
 """
 
 from __future__ import annotations
@@ -109,8 +110,11 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
         if kind == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
             return Precision("bf16", kind, "auto: this GPU computes in bf16 natively; weights stay fp32")
         if kind == "cuda":
-            return Precision("fp32", kind, "auto: this GPU has no native bf16; "
-                                           "--precision fp16 (with loss scaling) is its fast format")
+            return Precision("fp16", kind, "auto: this GPU has no bf16 tensor cores (T4/V100 class); fp16 is its fast "
+                                           "format, with dynamic loss scaling; weights stay fp32")
+        if kind == "mps":
+            return Precision("fp32", kind, "auto: on an Apple GPU nanolm has not measured 16-bit autocast to pay; "
+                                           "--precision fp16 or bf16 to try it")
         if kind == "cpu" and cpu_has_native_bf16():
             return Precision("bf16", kind, "auto: this CPU multiplies bf16 natively, where bf16 reached both speedrun "
                                            "targets 1.13-1.66x sooner than fp32 with the same final loss "

@@ -15,6 +15,7 @@ import importlib
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -46,6 +47,131 @@ def resolve_device(name: str) -> torch.device:
     if device.type not in ("cpu", "cuda", "mps"):
         raise NanolmError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
     return device
+
+
+def has_triton() -> bool:
+    """Whether Triton is importable: torch.compile and FlexAttention need it on a CUDA GPU."""
+    try:
+        from torch.utils._triton import has_triton as triton_present
+    except ImportError:  # pragma: no cover - older PyTorch
+        return False
+    return triton_present()
+
+
+def has_cpp_compiler() -> bool:
+    """Whether a C++ compiler is on the PATH: torch.compile's CPU code generator needs one."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX", "c++"), "g++", "clang++"))
+
+
+def tf32_capable(device: torch.device) -> bool:
+    """A CUDA GPU of the Ampere generation or later (compute capability 8.0+) has TF32 tensor cores."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def refuse_what_the_device_cannot_do(device: torch.device, deterministic: bool, compile: bool,
+                                     attention: str) -> None:
+    """One line naming the fix for a request this device cannot honour, before anything is written.
+
+    PyTorch's own failures come later and less plainly: MPS has no deterministic version of
+    several kernels (an error deep inside the first backward pass), torch.compile without
+    its code generator's toolchain fails after a minute of tracing, and FlexAttention on a
+    GPU is a Triton kernel.
+    """
+    if device.type == "mps" and deterministic:
+        raise NanolmError("--deterministic: PyTorch has no deterministic kernels for every operation on MPS; "
+                          "drop --deterministic, or use --device cpu for a bit-exact run")
+    if compile and device.type == "cuda" and not has_triton():
+        raise NanolmError("--compile on a CUDA GPU needs Triton, which this PyTorch lacks: "
+                          "pip install triton, or drop --compile")
+    if compile and device.type == "cpu" and not has_cpp_compiler():
+        raise NanolmError("--compile on the CPU needs a C++ compiler (g++ or clang++) on the PATH: "
+                          "install one, or drop --compile")
+    if attention == "flex" and device.type != "cuda":
+        raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
+    if attention == "flex" and not has_triton():
+        raise NanolmError("--attention flex on a CUDA GPU needs Triton, which this PyTorch lacks: "
+                          "pip install triton, or use --attention sdpa (or auto)")
+
+
+@contextlib.contextmanager
+def settings_restored():
+    """PyTorch's process-wide switches that a run sets, put back as they were when it ends.
+
+    ``train()`` called from a notebook, a sweep or the lab must leave the process as it found
+    it: a later run (or the user's own code) would otherwise inherit deterministic kernels
+    (slower on a GPU, and an error on an operation that has none), TF32 matrix products or
+    another thread count without asking for them.
+    """
+    before = (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
+              torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.get_num_threads(),
+              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    try:
+        yield
+    finally:
+        deterministic, matmul, benchmark, cudnn_tf32, threads, workspace = before
+        if torch.are_deterministic_algorithms_enabled() != deterministic:
+            torch.use_deterministic_algorithms(deterministic)
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = benchmark, cudnn_tf32
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+
+
+def configure_tf32(device: torch.device, precision_name: str, allowed: bool) -> str | None:
+    """fp32 matrix products on TF32 tensor cores, where the GPU has them and ``--tf32`` allows.
+
+    TF32 keeps fp32's range with a 10-bit mantissa (bf16 has 7) inside the product and
+    accumulates in fp32: on an A100 or H100 an fp32 matmul runs ~8x faster, and training
+    curves match fp32 (NVIDIA's and PyTorch's own guidance for deep learning). Only an fp32
+    run's products change (autocast runs in 16 bits already). Returns the sentence that says
+    so, or None when nothing was switched on.
+    """
+    if not (allowed and precision_name == "fp32" and tf32_capable(device)):
+        return None
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    return "fp32 matrix products on TF32 tensor cores (--no-tf32 for full fp32 products)"
+
+
+def device_choices(device_name: str, precision_name: str, attention: str, tf32: bool,
+                   deterministic: bool, compile: bool) -> list[str]:
+    """What a run with these options would pick on this machine, and why, one line each
+    (``nanolm doctor`` prints them). Raises the run's own one-line error for what the
+    device cannot do."""
+    from .precision import resolve_precision  # precision imports nothing of this module's users
+
+    device = resolve_device(device_name)
+    refuse_what_the_device_cannot_do(device, deterministic, compile, attention)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
+    elif device.type == "mps":
+        where = "Apple GPU (Metal)"
+    else:
+        where = f"{os.cpu_count()} cores"
+    why = " (auto: cuda > mps > cpu)" if device_name == "auto" else ""
+    precision = resolve_precision(precision_name, device)
+    flex = attention == "flex" or (attention == "auto" and device.type == "cuda" and has_triton())
+    lines = [f"device     {device} ({where}){why}",
+             f"precision  {precision.describe()}",
+             f"attention  {'FlexAttention block mask' if flex else 'SDPA with a boolean mask'} for the document mask"
+             f" ({'requested' if attention != 'auto' else 'auto: FlexAttention on CUDA with Triton, SDPA elsewhere'})"]
+    if precision.name == "fp32" and tf32_capable(device):
+        lines.append(f"tf32       {'on: fp32 matrix products on TF32 tensor cores' if tf32 else 'off (--no-tf32)'}")
+    lines.append(f"batches    {'through pinned host memory (overlaps the copy)' if device.type == 'cuda' else 'no pinning'}"
+                 f" | compile {'available' if (has_triton() if device.type == 'cuda' else has_cpp_compiler()) else 'unavailable'}"
+                 f"{' (asked)' if compile else ''}")
+    return lines
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA raises ``torch.OutOfMemoryError``; MPS a plain RuntimeError ("MPS backend out of memory")."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
 
 
 def seed_everything(seed: int) -> None:

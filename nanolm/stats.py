@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import resource
 import sys
 import time
@@ -34,42 +33,17 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 
-# Dense (no sparsity) peak FLOP/s per GPU from the vendors' data sheets: (16-bit tensor
-# cores, TF32 tensor cores, plain FP32). A GPU is recognised when every token of the key
-# appears in its name ("NVIDIA H100 PCIe" → H100 PCIe); more specific keys come first.
-# None: the GPU has no such units (V100 and T4 have fp16 tensor cores but no bf16 or TF32).
-GPU_PEAK_FLOPS: list[tuple[tuple[str, ...], tuple[float | None, float | None, float]]] = [
-    (("H100", "PCIe"), (756e12, 378e12, 51.2e12)),
-    (("H100", "NVL"), (835e12, 417.5e12, 60e12)),
-    (("GH200",), (989.4e12, 494.7e12, 67e12)),
-    (("H200",), (989.4e12, 494.7e12, 66.9e12)),
-    (("H100",), (989.4e12, 494.7e12, 66.9e12)),  # SXM
-    (("A100",), (312e12, 156e12, 19.5e12)),
-    (("L40S",), (362.05e12, 183e12, 91.6e12)),
-    (("L4",), (121e12, 60e12, 30.3e12)),
-    (("A10",), (125e12, 62.5e12, 31.2e12)),
-    (("RTX", "4090"), (165.2e12, 82.6e12, 82.6e12)),
-    (("RTX", "3090"), (71e12, 35.6e12, 35.6e12)),
-    (("V100", "PCIE"), (112e12, None, 14e12)),
-    (("V100",), (125e12, None, 15.7e12)),
-    (("T4",), (65e12, None, 8.1e12)),
-]
-
+from .hardware import find_gpu
+from .model import document_causal_mask
+from .precision import cpu_has_native_bf16
 
 def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
-    """Peak FLOP/s of the GPU called ``name`` for matmuls in ``dtype``; None if unknown.
-
-    MFU is only comparable when the peak matches the arithmetic in use: bf16/fp16 work is
-    measured against the tensor-core peak, fp32 against the TF32 peak when PyTorch is
-    allowed to use TF32 (``torch.set_float32_matmul_precision('high')``), else plain FP32.
-    """
-    tokens = set(re.findall(r"[A-Za-z0-9]+", name.upper()))
-    for key, (half, tf32_peak, fp32) in GPU_PEAK_FLOPS:
-        if all(k.upper() in tokens for k in key):
-            if dtype in (torch.bfloat16, torch.float16):
-                return half
-            return tf32_peak if tf32 else fp32
-    return None
+    """Peak FLOP/s of the GPU called ``name`` for matmuls in ``dtype``; None if unknown
+    (``nanolm.hardware`` says which peak goes with which arithmetic)."""
+    gpu = find_gpu(name)
+    if gpu is None:
+        return None
+    return gpu.peak({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"), tf32)
 
 
 @lru_cache(maxsize=None)
@@ -83,7 +57,10 @@ def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.fl
     another process held a core reads low, so :class:`StepMeter` raises it to any throughput
     the run itself achieves above it (an MFU never reads above 100 %).
     """
-    n = 512 if dtype == torch.float32 else 128
+    # 512 x 512 reaches a CPU's peak; a CPU that emulates bf16 (~1 GFLOP/s) gets 128 x 128, which
+    # measures its (slow) rate as well in 1/64 of the time. Native bf16 timed on 128 x 128 read
+    # ~6x below its peak, and MFU figures above 70 % for a tiny model.
+    n = 512 if dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16()) else 128
     g = torch.Generator(device=device_type).manual_seed(0)  # never touch the run's random stream
     a = torch.randn(n, n, dtype=dtype, device=device_type, generator=g)
     b = torch.randn(n, n, dtype=dtype, device=device_type, generator=g)
@@ -102,7 +79,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, declare
     """The peak FLOP/s that MFU is measured against, and where the figure comes from.
 
     Order: a declared value (``--peak-flops``) wins; a CUDA GPU is looked up in
-    :data:`GPU_PEAK_FLOPS`; a CPU is measured (:func:`measure_matmul_flops`). Anything else
+    :data:`nanolm.hardware.GPUS`; a CPU is measured (:func:`measure_matmul_flops`). Anything else
     (an unknown GPU, MPS) has no peak, and rows carry no ``mfu``.
     """
     if declared > 0:
@@ -350,8 +327,8 @@ def probe(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 
     def watch(i, block):
         def on_attention(module, args, output):
-            x, cos, sin, mask = args[:4]
-            logit_max[i] = max_attention_logit(module, x, cos, sin, mask)
+            x, cos, sin = args[:3]
+            logit_max[i] = max_attention_logit(module, x, cos, sin, allowed)
 
         def on_pre_activation(module, args, output):
             open_units[i] = (output > 0).flatten(0, -2).any(dim=0)
@@ -363,13 +340,16 @@ def probe(model: nn.Module, batch) -> dict[str, torch.Tensor]:
         hooks.append(_unit_pre_activations(block.mlp).register_forward_hook(on_pre_activation))
         hooks.append(block.register_forward_hook(on_block))
 
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    # The layers may receive the document mask as a FlexAttention BlockMask (a description of
+    # tiles, not a tensor); the logits are taken over the same pairs, as a boolean tensor.
+    allowed = document_causal_mask(batch.doc_ids) if batch.doc_ids is not None else None
     for i, block in enumerate(blocks):
         watch(i, block)
     was_training = model.training
     model.eval()
     try:
-        device = next(model.parameters()).device
-        batch = batch.to(device)
         model(batch.idx, doc_ids=batch.doc_ids, positions=batch.positions)
     finally:
         for h in hooks:

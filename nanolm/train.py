@@ -51,8 +51,9 @@ from .observer import Observer
 from .optim import get_param_groups, learning_rate, optimizer_for
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
 from .rundir import locate_run, set_up_run_directory, use_prepared_tokenizer
-from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads,
-                      keep_freed_memory_for_reuse, resolve_device, seed_everything)
+from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads, configure_tf32,
+                      is_out_of_memory, keep_freed_memory_for_reuse, refuse_what_the_device_cannot_do,
+                      resolve_device, seed_everything, settings_restored)
 from .stats import peak_flops
 from .threads import ThreadTuner
 from .step import StepParts, summed_token_loss, train_step
@@ -126,8 +127,8 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
     """
     cfg = cfg.resolved()
     device = resolve_device(cfg.train.device)
-    if cfg.model.attention == "flex" and device.type != "cuda":
-        raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
+    refuse_what_the_device_cannot_do(device, cfg.train.deterministic, cfg.train.compile, cfg.model.attention)
+    resolve_precision(cfg.train.precision, device)  # an impossible format stops here, before anything is written
     missing = missing_sink_packages(parse_sinks(cfg.train.log))
     if missing:
         raise NanolmError(f"--log {missing[0]} needs the {missing[0]} package: pip install 'nanolm[{missing[0]}]'")
@@ -137,11 +138,13 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
         require_sharded_storage()
     use_prepared_tokenizer(cfg)
     try:
-        with launch(cfg.train.dist, device) as dist:
+        with settings_restored(), launch(cfg.train.dist, device) as dist:
             log = log if dist.is_main else Muted()
             run = build_run(cfg, dist, log, components or Components())
             return run if isinstance(run, dict) else run_loop(run, log)
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not is_out_of_memory(e):
+            raise
         raise NanolmError(f"out of memory on {device} (--batch-size {cfg.train.batch_size}, --seq-len "
                           f"{cfg.model.seq_len}); lower --batch-size and raise --grad-accum for the same tokens "
                           f"per step, then run the same command again: it resumes from the last checkpoint") from None
@@ -205,6 +208,9 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
         log(plan.message)
         return {"out_dir": str(plan.out_dir), "finished": True}
     configure_determinism(t.deterministic)
+    tf32 = configure_tf32(device, precision.name, t.tf32)
+    if tf32:
+        log(f"precision: {tf32}")
     seed_everything(t.seed)
     data = set_up_run_directory(cfg, dist, plan, precision.name, log)
     tokenizer = data.tokenizer

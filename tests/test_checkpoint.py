@@ -236,12 +236,12 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     import numpy as np
 
     ckpt_dir = _save(tmp_path, 1)
-    state = {"rng": ckpt.capture_rng()}
+    state = {"rng": ckpt.capture_rng("cpu")}
     torch.save(state, ckpt_dir / "rng.pt")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     for _ in range(3):
         random.random(), np.random.rand(), torch.rand(1)
-    ckpt.restore_rng(torch.load(ckpt_dir / "rng.pt", weights_only=True)["rng"])
+    ckpt.restore_rng(torch.load(ckpt_dir / "rng.pt", weights_only=True)["rng"], "cpu")
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
@@ -376,7 +376,7 @@ def test_the_mps_random_state_is_saved_and_restored_when_there_is_an_mps_device(
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.mps, "get_rng_state", lambda: saved["state"].clone())
     monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: saved.update(restored=s))
-    state = ckpt.capture_rng()
+    state = ckpt.capture_rng("cpu")
     assert torch.equal(state["mps"], saved["state"])
-    ckpt.restore_rng(state)
+    ckpt.restore_rng(state, "cpu")
     assert torch.equal(saved["restored"], saved["state"])

@@ -84,7 +84,7 @@ def test_hand_worked_7b_on_8_gpus_with_fsdp():
 def test_time_is_flops_over_the_clusters_useful_throughput():
     c = GPTConfig(**PRESETS["124m"])
     p = make_plan(c, gpus=8, gpu="h100", micro_batch=16, tokens=10e9, mfu=0.4)
-    assert p["seconds"] == pytest.approx(854_654_976 * 10e9 / (8 * 989e12 * 0.4))  # 2,700.5 s
+    assert p["seconds"] == pytest.approx(854_654_976 * 10e9 / (8 * 989.4e12 * 0.4))  # 2,699.4 s
     assert p["tokens_per_step"] == 16 * 1024 * 8 and p["steps"] == 76_294  # ceil(1e10 / 131,072)
 
 
@@ -138,7 +138,7 @@ def test_plan_command_prints_every_figure(capsys):
     for text in ("6.71B", "FLOPs", "weights (fp32 ÷ 8 GPUs)", "AdamW state", "activations", "with AC", "days"):
         assert text in out
     figures = json.loads(out.strip().splitlines()[-1])
-    assert figures["parameters"] == 6_713_249_792 and figures["gpu"]["bf16_flops"] == 989e12
+    assert figures["parameters"] == 6_713_249_792 and figures["gpu"]["bf16"] == 989.4e12 and figures["peak_flops"] == 989.4e12
 
 
 def test_plan_reads_a_run_config(capsys, tmp_path):

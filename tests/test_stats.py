@@ -178,8 +178,14 @@ def test_gpu_peak_table_matches_the_data_sheets_and_never_mistakes_a_neighbour()
     assert gpu_peak_flops("NVIDIA L40S", bf16) == 362.05e12  # not the L4
     assert gpu_peak_flops("NVIDIA L4", bf16) == 121e12
     assert gpu_peak_flops("NVIDIA GH200 480GB", bf16) == 989.4e12
-    assert gpu_peak_flops("NVIDIA A10G", bf16) is None  # not the A10
+    assert gpu_peak_flops("NVIDIA A10G", bf16) == 70e12  # not the A10's 125
+    assert gpu_peak_flops("NVIDIA A10", bf16) == 125e12
     assert gpu_peak_flops("Tesla V100-SXM2-16GB", fp32, tf32=True) is None  # V100 has no TF32
+    assert gpu_peak_flops("Tesla T4", bf16) is None  # 65 TFLOP/s is its fp16 figure: no bf16 tensor cores
+    assert gpu_peak_flops("Tesla T4", torch.float16) == 65e12
+    assert gpu_peak_flops("NVIDIA H200 NVL", bf16) == 835.5e12  # not the SXM's 989.4
+    assert gpu_peak_flops("NVIDIA H200", bf16) == 989.4e12
+    assert gpu_peak_flops("NVIDIA B200", bf16) == 2250e12
     assert peak_flops(torch.device("cpu"), declared=1e12) == (1e12, "declared (--peak-flops)")
     measured, source = peak_flops(torch.device("cpu"))
     assert measured > 1e8 and "measured" in source

@@ -381,7 +381,7 @@ def _add_other_commands(sub) -> None:
     p.add_argument("--dist", choices=["auto", "none", "ddp", "fsdp"], default=None,
                    help="data parallelism (default: ddp with --gpus > 1, else none)")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs")
-    p.add_argument("--gpu", choices=list(GPUS), default="h100", help="GPU model (peak bf16 FLOP/s and memory)")
+    p.add_argument("--gpu", choices=list(GPUS), default="h100", help="GPU model: its peak FLOP/s for the precision (nanolm.hardware) and its memory")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
     p.add_argument("--tokens", default=None, help="tokens to train, e.g. 2e9, 300M, 20B (default 20 per parameter)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")

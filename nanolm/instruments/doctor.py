@@ -30,6 +30,7 @@ from ..data import Batch, WindowSampler, pack_windows
 from ..errors import NanolmError
 from ..model import GPT, GPTConfig
 from ..optim import get_param_groups, learning_rate, wsd_decay_start
+from ..runtime import device_choices
 
 
 @dataclass
@@ -322,6 +323,9 @@ def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list
         n_params = sum(p.numel() for p in make_model().parameters())
         log(f"nanolm doctor: {name}, {n_params / 1e6:.2f}M parameters, {tokenizer.kind} vocabulary of "
             f"{tokenizer.vocab_size}, data {cfg.data.data or 'built-in stories'}")
+        t = cfg.train
+        for line in device_choices(t.device, t.precision, cfg.model.attention, t.tf32, t.deterministic, t.compile):
+            log("  " + line)
         sampler = WindowSampler(len(data.train), seq_len, 8, seed=cfg.train.seed)
         batch = pack_windows(data.train.tokens, sampler.next_starts(), seq_len, tokenizer.eos_id, doc_mask=False)
         results = []

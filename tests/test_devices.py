@@ -1,0 +1,305 @@
+"""What a CUDA GPU and an Apple GPU run, exercised on the CPU as far as a CPU allows.
+
+Three means (docs/gpu.md says what each covers and what only a GPU proves):
+
+* FlexAttention's forward runs on the CPU: every function that can receive the document
+  mask as a ``BlockMask`` receives one here (its backward has no CPU kernel);
+* :mod:`simulated_device`: tensors that claim ``cuda:0`` or ``mps:0`` while their numbers
+  live on the CPU, so that a step, an evaluation, the statistics, the NaN explanation and a
+  checkpoint run with the model "on the GPU" and a stray CPU tensor raises as it would there;
+  for MPS it refuses float64 and pinned memory, as MPS does;
+* CPU autocast, whose rules for elementwise products are the GPU's: the dtypes attention sees.
+"""
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import tiny_model, tiny_run_config
+from simulated_device import DeviceMix, SimulatedDevice
+
+import nanolm.checkpoint as ckpt
+from nanolm.data import Batch, pack_windows
+from nanolm.errors import NanolmError
+from nanolm.evaluate import estimate_loss
+from nanolm.guards import nan_origin
+from nanolm.optim import build_optimizer
+from nanolm.precision import resolve_precision
+from nanolm.runtime import configure_tf32, refuse_what_the_device_cannot_do, settings_restored
+from nanolm.stats import LayerStats, probe
+from nanolm.step import StepParts, train_step
+
+V = 64
+
+
+def packed_batch(seed=0, rows=2, seq_len=32) -> Batch:
+    """Windows packed with several short documents (EOS = 0 opens each), so the mask matters."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, V, size=rows * (seq_len + 1) * 2).astype(np.uint16)
+    tokens[rng.choice(len(tokens), size=len(tokens) // 8, replace=False)] = 0
+    starts = np.arange(rows) * (seq_len + 1)
+    return pack_windows(tokens, starts, seq_len, eos_id=0, doc_mask=True)
+
+
+def token_bytes():
+    return torch.ones(V, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------- FlexAttention's forward on the CPU
+def test_flex_block_mask_gives_the_same_evaluation_as_the_boolean_mask():
+    flex, sdpa = tiny_model(attention="flex"), tiny_model(attention="sdpa")
+    batches = [packed_batch(0), packed_batch(1)]
+    a = estimate_loss(flex, batches, token_bytes())
+    b = estimate_loss(sdpa, batches, token_bytes())
+    assert a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_layer_statistics_take_their_attention_logits_under_a_flex_block_mask():
+    flex, sdpa = tiny_model(attention="flex"), tiny_model(attention="sdpa")
+    batch = packed_batch(2)
+    assert flex.uses_flex_attention("cpu")  # the layers really receive a BlockMask
+    with_flex, with_mask = probe(flex, batch), probe(sdpa, batch)
+    for key in with_mask:
+        torch.testing.assert_close(with_flex[key], with_mask[key], rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- autocast: one dtype into attention
+def test_rotary_step_hands_attention_q_k_and_v_in_one_dtype_under_autocast():
+    model = tiny_model()
+    x = torch.randn(2, 32, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = model.blocks[0].attn.queries_keys_values(x, *model.rope(32, None))
+    assert q.dtype == k.dtype == v.dtype == torch.bfloat16  # FlexAttention refuses a mix
+
+
+# ----------------------------------------------------------------------------- the model on a simulated GPU
+def step_parts(model, **kw):
+    return StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, **kw)
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "mps:0"])
+def test_a_training_step_keeps_every_tensor_on_the_model_device(device):
+    model = tiny_model()
+    batches = [packed_batch(4), packed_batch(5)]  # on the host, as the loop holds them
+    with SimulatedDevice(device) as gpu:
+        gpu.move(model)
+        result = train_step(step_parts(model), 1, batches)
+        assert result.updated and result.loss.device == torch.device(device)
+        assert all(gpu.holds(p) and gpu.holds(p.grad) is False or p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("device", ["cuda:0", "mps:0"])
+def test_evaluation_runs_on_the_device_without_float64(device):
+    model = tiny_model()
+    batches = [packed_batch(6), packed_batch(7)]
+    expected = estimate_loss(model, batches, token_bytes())
+    with SimulatedDevice(device) as gpu:  # an MPS simulation refuses float64
+        gpu.move(model)
+        result = estimate_loss(model, batches, token_bytes(), device=device)
+    assert result == expected  # the sums are the same numbers, added in float64 on the host
+
+
+def test_layer_statistics_run_on_the_device():
+    model = tiny_model()
+    batch = packed_batch(8)
+    with SimulatedDevice("cuda:0") as gpu:
+        gpu.move(model)
+        parts = step_parts(model)
+        stats = LayerStats(model, batch)
+        train_step(parts, 1, [batch], _Probe(stats))
+        row = stats.after_update()
+    assert row["attn_logit_max/0"] > 0 and 0 <= row["mlp_dead_frac/1"] <= 1
+
+
+class _Probe:
+    def __init__(self, stats):
+        self.stats = stats
+
+    def capture(self):
+        self.stats.capture()
+
+
+def test_the_nan_explanation_moves_the_host_batch_to_the_model():
+    model = tiny_model()
+    with torch.no_grad():
+        model.blocks[1].attn.qkv.weight[0, 0] = float("inf")
+    with SimulatedDevice("cuda:0") as gpu:
+        gpu.move(model)
+        report = nan_origin(model, packed_batch(9), contextlib.nullcontext, V)
+    assert report["origin"].startswith("the output of blocks.1")
+
+
+def test_a_checkpoint_saves_and_restores_a_model_on_the_device(tmp_path, monkeypatch):
+    cuda_state = torch.arange(16, dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: cuda_state.clone())
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: restored.append(state))
+    model, copy = tiny_model(seed=1), tiny_model(seed=2)
+    from nanolm.distributed import Distributed
+    from nanolm.tokenizer import train_char
+
+    tokenizer = train_char(["abcdef"])
+    with SimulatedDevice("cuda:0") as gpu:
+        gpu.move(model), gpu.move(copy)
+        dist = Distributed("none", torch.device("cuda:0"))
+        optimizer = build_optimizer(model, 1e-3, 0.1)
+        path = ckpt.save_run_checkpoint(dist, tmp_path, 1, model, optimizer, {"step": 1}, "", tokenizer)
+        state = ckpt.load_state(path)
+        ckpt.load_run_checkpoint(dist, path, state, copy, build_optimizer(copy, 1e-3, 0.1))
+        assert all(gpu.holds(p) for p in copy.parameters())
+    for a, b in zip(model.parameters(), copy.parameters()):
+        assert torch.equal(a, b)
+    assert torch.equal(state["rng"]["cuda"], cuda_state) and torch.equal(restored[0], cuda_state)
+
+
+# ----------------------------------------------------------------------------- random state: the run's device only
+def test_a_cpu_run_saves_no_cuda_random_state_and_never_touches_cuda(monkeypatch):
+    def no_cuda(*a, **k):
+        raise AssertionError("a CPU run touched CUDA (and would start a context on a GPU machine)")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    for name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all", "device_count"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    state = ckpt.capture_rng(torch.device("cpu"))
+    assert "cuda" not in state
+    ckpt.restore_rng(state, torch.device("cpu"))
+
+
+def test_a_checkpoint_from_a_machine_with_more_gpus_resumes_on_one(monkeypatch):
+    """A state per visible GPU (as checkpoints kept before) is read for the run's own GPU only."""
+    set_to = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: set_to.append((state, device)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    state = ckpt.capture_rng(torch.device("cpu"))
+    per_gpu = [torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8)]
+    ckpt.restore_rng({**state, "cuda": per_gpu}, torch.device("cuda:0"))
+    assert torch.equal(set_to[0][0], per_gpu[0])
+
+
+# ----------------------------------------------------------------------------- what a device picks and refuses
+def test_auto_precision_is_fp16_with_loss_scaling_on_a_gpu_without_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    assert resolve_precision("auto", torch.device("cuda:0")).name == "fp16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_precision("auto", torch.device("cuda:0")).name == "bf16"
+    assert resolve_precision("auto", torch.device("mps")).name == "fp32"
+
+
+def test_what_a_device_cannot_do_is_refused_in_one_line(monkeypatch):
+    with pytest.raises(NanolmError, match="--deterministic.*MPS"):
+        refuse_what_the_device_cannot_do(torch.device("mps"), deterministic=True, compile=False, attention="auto")
+    monkeypatch.setattr("nanolm.runtime.has_triton", lambda: False)
+    with pytest.raises(NanolmError, match="--compile.*Triton"):
+        refuse_what_the_device_cannot_do(torch.device("cuda:0"), deterministic=False, compile=True, attention="auto")
+    with pytest.raises(NanolmError, match="flex.*Triton"):
+        refuse_what_the_device_cannot_do(torch.device("cuda:0"), deterministic=False, compile=False, attention="flex")
+    monkeypatch.setattr("nanolm.runtime.has_cpp_compiler", lambda: False)
+    with pytest.raises(NanolmError, match="C\\+\\+ compiler"):
+        refuse_what_the_device_cannot_do(torch.device("cpu"), deterministic=False, compile=True, attention="auto")
+
+
+def test_deterministic_on_mps_is_refused_before_anything_is_written(tmp_path, monkeypatch, stories_file):
+    from nanolm.train import train
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    cfg = tiny_run_config(stories_file, tmp_path / "run", device="mps", deterministic=True, steps=2)
+    with pytest.raises(NanolmError, match="--deterministic"):
+        train(cfg, log=lambda *_: None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_tf32_is_used_for_fp32_products_on_ampere_and_put_back_after_the_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    before = torch.get_float32_matmul_precision()
+    with settings_restored():
+        assert configure_tf32(torch.device("cuda:0"), "fp32", allowed=True)
+        assert torch.get_float32_matmul_precision() == "high"
+    assert torch.get_float32_matmul_precision() == before
+    assert configure_tf32(torch.device("cuda:0"), "fp32", allowed=False) is None  # --no-tf32
+    assert configure_tf32(torch.device("cuda:0"), "bf16", allowed=True) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    assert configure_tf32(torch.device("cuda:0"), "fp32", allowed=True) is None
+
+
+def test_a_run_called_from_python_leaves_determinism_and_threads_as_it_found_them(tmp_path, stories_file):
+    from nanolm.train import train
+
+    threads = torch.get_num_threads()
+    assert not torch.are_deterministic_algorithms_enabled()
+    train(tiny_run_config(stories_file, tmp_path / "run", steps=2, deterministic=True, threads=1, eval_every=2),
+          log=lambda *_: None)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.get_num_threads() == threads
+
+
+def test_batches_are_pinned_for_cuda_only():
+    batch = packed_batch(10)  # idx, targets, loss_mask, doc_ids (no positions)
+    with SimulatedDevice("cuda:0") as gpu:
+        moved = batch.to("cuda:0")
+        assert gpu.pinned == 4 and gpu.holds(moved.idx) and gpu.holds(moved.doc_ids)
+    with SimulatedDevice("mps:0") as mac:  # refuses pin_memory: Apple GPUs share memory with the CPU
+        moved = batch.to("mps:0")
+        assert mac.pinned == 0 and mac.holds(moved.idx)
+
+
+def test_out_of_memory_on_mps_is_one_line_not_a_traceback(tmp_path, stories_file):
+    from nanolm.train import Components, train
+    from nanolm.step import summed_token_loss
+
+    def runs_out_of_memory(model, batch):
+        raise RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.2 GB)")
+
+    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=2, eval_at_start=False)
+    with pytest.raises(NanolmError, match="out of memory on cpu.*lower --batch-size"):
+        train(cfg, log=lambda *_: None, components=Components(loss_fn=runs_out_of_memory))
+    assert summed_token_loss  # the real one is untouched
+
+
+def test_a_failing_rank_leaves_the_process_group_without_waiting_at_a_barrier(monkeypatch):
+    import torch.distributed as dist
+
+    from nanolm import distributed
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    monkeypatch.setattr(distributed, "setup", lambda mode, device: distributed.Distributed("ddp", device, 1, 2, 1))
+    with pytest.raises(NanolmError):
+        with distributed.launch("ddp", torch.device("cpu")):
+            raise NanolmError("out of memory on cuda:1")
+    assert calls == ["destroy"]  # the other ranks sit in a collective: a barrier here would never return
+    calls.clear()
+    with distributed.launch("ddp", torch.device("cpu")):
+        pass
+    assert calls == ["barrier", "destroy"]
+
+
+def test_under_torchrun_a_named_gpu_other_than_local_rank_is_refused(monkeypatch):
+    from nanolm import distributed
+
+    monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "1"), monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("joined with the wrong GPU"))
+    with pytest.raises(NanolmError, match="LOCAL_RANK"):
+        distributed.setup("ddp", torch.device("cuda:1"))
+
+
+def test_the_cpu_bf16_peak_behind_mfu_is_timed_on_products_large_enough_to_reach_it(monkeypatch):
+    """Native bf16 timed on 128 x 128 products reads ~6x below its peak (docs/benchmarks.md), and a
+    tiny model then logs an MFU of 70-94 %. A CPU that emulates bf16 may keep small products."""
+    from nanolm.stats import measure_matmul_flops
+
+    shapes, real_randn = [], torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, **kw: shapes.append(shape) or real_randn(*shape, **kw))
+    monkeypatch.setattr("nanolm.stats.cpu_has_native_bf16", lambda: True)
+    measure_matmul_flops.cache_clear()
+    try:
+        measure_matmul_flops("cpu", torch.bfloat16, seconds=0.01)
+    finally:
+        measure_matmul_flops.cache_clear()
+    assert min(shapes[0]) >= 512
