@@ -295,7 +295,8 @@ def test_small_learning_rates_train_bf16_weights_only_with_stochastic_rounding_o
 
 def test_auto_is_bf16_only_where_the_hardware_multiplies_it_natively(monkeypatch):
     """bf16 on a CPU or GPU with native bf16 (measured: both speedrun targets sooner, the same
-    final loss), fp32 elsewhere: emulated bf16 is slower than fp32."""
+    final loss); fp16 with loss scaling on a GPU whose tensor cores are fp16 only (T4, V100);
+    fp32 elsewhere: emulated bf16 is slower than fp32."""
     import nanolm.precision as precision_module
 
     for native, name in ((True, "bf16"), (False, "fp32")):
@@ -306,12 +307,12 @@ def test_auto_is_bf16_only_where_the_hardware_multiplies_it_natively(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_precision("auto", torch.device("cuda")).name == "bf16"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
-    assert resolve_precision("auto", torch.device("cuda")).name == "fp32"  # emulated bf16 is slow: not auto's pick
+    assert resolve_precision("auto", torch.device("cuda")).name == "fp16"  # emulated bf16 is slow: fp16 is its format
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # so that CUDA autocast can be constructed here
     assert "only emulates bf16" in resolve_precision("bf16", torch.device("cuda")).reason
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
-    assert resolve_precision("auto", torch.device("cuda")).name == "fp32"
+    assert resolve_precision("auto", torch.device("cuda")).name == "fp16"
     with pytest.raises(NanolmError, match="Tesla T4.*no bf16"):
         resolve_precision("bf16-pure", torch.device("cuda"))
 

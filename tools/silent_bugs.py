@@ -138,6 +138,24 @@ BUGS = [
         "nanolm/precision.py", "                self.loss_scale *= self.growth_factor", "                pass"),
     Bug("stochastic_rounding_rounds_to_nearest", "bf16 weights silently drop small updates",
         "nanolm/precision.py", "    noise = torch.randint(0, 1 << 16, x.shape,", "    noise = 32768 + 0 * torch.randint(0, 1 << 16, x.shape,"),
+    # devices (tests/test_devices.py runs them on the CPU: FlexAttention's forward, a simulated GPU and MPS)
+    Bug("rope_promotes_q_and_k", "under autocast q and k leave RoPE in fp32 beside a 16-bit v: FlexAttention refuses, SDPA runs slow",
+        "nanolm/model.py", "return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)",
+        "return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin"),
+    Bug("stats_slice_a_block_mask", "the first statistics step on a GPU slices FlexAttention's BlockMask like a tensor: TypeError",
+        "nanolm/stats.py", "logit_max[i] = max_attention_logit(module, x, cos, sin, allowed)",
+        "logit_max[i] = max_attention_logit(module, x, cos, sin, args[3])"),
+    Bug("float64_sums_on_the_device", "evaluation sums in float64 on the device: an Apple GPU has none, nanolm eval dies on a Mac",
+        "nanolm/evaluate.py", "batch_nats.append(total.float())", "batch_nats.append(total.double())"),
+    Bug("nan_explained_on_the_host_batch", "the guard's NaN explanation feeds host tensors to a GPU model: a device error instead of the rollback",
+        "nanolm/guards.py", "    batch = batch.to(next(model.parameters()).device)\n", "    batch = batch.to(batch.idx.device)\n"),
+    Bug("rng_of_every_visible_gpu", "a CPU run starts a CUDA context; a checkpoint from a 2-GPU machine refuses to resume on one",
+        "nanolm/checkpoint.py", '    if device.type == "cuda":\n        state["cuda"] = torch.cuda.get_rng_state(device)',
+        '    if torch.cuda.is_available():\n        state["cuda"] = torch.cuda.get_rng_state_all()'),
+    Bug("settings_leak_out_of_train", "train() from a notebook leaves deterministic kernels and its thread count to everything after it",
+        "nanolm/train.py", "with settings_restored(), launch(", "with launch("),
+    Bug("barrier_after_a_failed_rank", "a rank out of memory waits at a barrier while the others wait in its all-reduce: the job hangs",
+        "nanolm/distributed.py", "            if not failed:\n                dist.barrier()", "            if True:\n                dist.barrier()"),
     # checkpoints and guards
     Bug("checksum_ignored", "a corrupted checkpoint or data shard is loaded as if whole",
         "nanolm/files.py", "        if sha256_file(on_disk[name], callback) != files[name]:", "        if False:"),
@@ -214,7 +232,7 @@ BUGS = [
 
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
-              "test_corpus test_guards test_distributed test_replay test_threads test_plan").split()
+              "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:
