@@ -347,7 +347,7 @@ COMPATIBLE_ON_RESUME = {
     # what may change between a run and its resumption: how long, how often, where, and the
     # optimizer's knobs (lowering the LR for a restart is a classic); everything else shapes
     # the model or the data stream, and changing it mid-run would silently mix two runs
-    "train": {"steps", "eval_every", "eval_at_start", "eval_batches", "log_every", "sample_tokens", "out_dir", "device",
+    "train": {"steps", "eval_every", "eval_at_start", "eval_batches", "log_every", "sample_tokens", "out_dir", "device", "tf32",
               "threads", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
               "peak_flops", "target_val_bpb", "dist"},
     "optim": {"lr", "min_lr", "warmup", "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "clip", "muon_lr",
