@@ -154,7 +154,7 @@ class Observer:
             return row
         with self.precision.autocast():
             result = estimate_loss(self.model, self.dist.share_of(self.val_batches), self.token_bytes,
-                                   self.dist.device, reduce=self.dist.sum_tensors)
+                                   self.dist.device, reduce=self.dist.sum_tensors if self.dist.active else None)
         self.dist.reshard(self.model)
         row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
         if self.floor:

@@ -155,6 +155,65 @@ def test_a_checkpoint_saves_and_restores_a_model_on_the_device(tmp_path, monkeyp
     assert torch.equal(state["rng"]["cuda"], cuda_state) and torch.equal(restored[0], cuda_state)
 
 
+# ----------------------------------------------------------------------------- the real loop on a simulated GPU
+def simulated_machine(kind: str, monkeypatch) -> str:
+    """Make this CPU-only PyTorch say it has one GPU of ``kind`` (its queries answered, its
+    generators on the host); returns the device to train on."""
+    real_generator = torch.Generator
+    monkeypatch.setattr(torch, "Generator", lambda device=None: real_generator())  # sampling's seeded generator
+    if kind == "mps":
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+        monkeypatch.setattr(torch.mps, "get_rng_state", lambda: torch.zeros(16, dtype=torch.uint8))
+        monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: None)
+        return "mps:0"
+    for name, answer in (("is_available", lambda: True), ("device_count", lambda: 1),
+                         ("get_device_capability", lambda device=None: (7, 0)),
+                         ("get_device_name", lambda device=None: "Tesla V100-SXM2-16GB"),
+                         ("reset_peak_memory_stats", lambda device=None: None),
+                         ("max_memory_allocated", lambda device=None: 0),
+                         ("mem_get_info", lambda device=None: (16 << 30, 16 << 30)),
+                         ("get_rng_state", lambda device=None: torch.zeros(16, dtype=torch.uint8)),
+                         ("set_rng_state", lambda state, device=None: None)):
+        monkeypatch.setattr(torch.cuda, name, answer)
+    return "cuda:0"
+
+
+@pytest.mark.parametrize("kind", ["cuda", "mps"])
+def test_the_training_loop_runs_on_a_gpu_with_the_numbers_of_the_cpu(kind, tmp_path, stories_file, monkeypatch):
+    """The real ``train()``: evaluation, per-layer statistics, checkpoints, a NaN rolled back, a
+    resume, the sample at the end, then ``nanolm replay`` of a step: every tensor on the device
+    (no float64 on MPS), and, the arithmetic being the CPU's, the CPU run's numbers exactly."""
+    from nanolm.instruments.faults import components as fault_components
+    from nanolm.instruments.replay import replay
+    from nanolm.monitor import read_metrics
+    from nanolm.train import train
+
+    def run(device, out, steps):
+        cfg = tiny_run_config(stories_file, out, steps=steps, device=device, precision="fp32", eval_every=2,
+                              stats_every=3, threads=1, deterministic=kind == "cuda", sample_tokens=8)
+        cfg.debug.inject_nan_at = 3  # rolled back to the checkpoint of step 2
+        return train(cfg, log=lambda *_: None, components=fault_components(cfg))
+
+    run("cpu", tmp_path / "cpu", 8)
+    reference = run("cpu", tmp_path / "cpu", 10)  # two more steps: a resume
+    device = simulated_machine(kind, monkeypatch)
+    with SimulatedDevice(device):
+        run(device, tmp_path / "gpu", 8)
+        result = run(device, tmp_path / "gpu", 10)
+        replayed = replay(tmp_path / "gpu", 7, device=device, log=lambda *_: None)
+    def losses(run):
+        return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+
+    if kind == "cuda":
+        assert losses("gpu") == losses("cpu") and result["sample"] == reference["sample"]
+    else:  # MPS: AdamW without its fused kernel (CUDA and CPU only), which rounds the last bits differently
+        flat = lambda rows: [v for row in rows for v in row if v is not None]  # noqa: E731
+        assert flat(losses("gpu")) == pytest.approx(flat(losses("cpu")), rel=1e-5)
+    assert replayed["matches_the_log"]
+    events = (tmp_path / "gpu" / "events.jsonl").read_text()
+    assert '"action": "rollback"' in events and '"kind": "resume"' in events
+
+
 # ----------------------------------------------------------------------------- random state: the run's device only
 def test_a_cpu_run_saves_no_cuda_random_state_and_never_touches_cuda(monkeypatch):
     def no_cuda(*a, **k):

@@ -36,7 +36,7 @@ from ..monitor import read_metrics
 from ..observer import StepProbe
 from ..optim import get_param_groups, learning_rate
 from ..precision import BF16AdamW, cast_weights_, resolve_precision
-from ..runtime import configure_determinism, resolve_device
+from ..runtime import configure_determinism, resolve_device, settings_restored
 from ..stats import LayerStats
 from ..step import StepParts, counted_tokens, train_step
 from ..tokenizer import Tokenizer
@@ -70,7 +70,13 @@ def checkpoint_before(run_dir: Path, step: int, log=print) -> Path:
 
 
 def replay(run_dir, step: int, device: str | None = None, log=print) -> dict:
-    """Replay optimizer step ``step`` of the run in ``run_dir``; returns what it showed."""
+    """Replay optimizer step ``step`` of the run in ``run_dir``; returns what it showed. The
+    run's determinism setting applies during the replay only."""
+    with settings_restored():
+        return _replay(run_dir, step, device, log)
+
+
+def _replay(run_dir, step: int, device: str | None, log) -> dict:
     run_dir = Path(run_dir)
     if step < 1:
         raise NanolmError(f"--step must be at least 1, got {step}")
