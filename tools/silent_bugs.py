@@ -156,6 +156,9 @@ BUGS = [
         "nanolm/train.py", "with settings_restored(), launch(", "with launch("),
     Bug("barrier_after_a_failed_rank", "a rank out of memory waits at a barrier while the others wait in its all-reduce: the job hangs",
         "nanolm/distributed.py", "            if not failed:\n                dist.barrier()", "            if True:\n                dist.barrier()"),
+    Bug("single_process_reduce_in_float64", "every evaluation builds a float64 tensor on the device for a reduction only torchrun needs: MPS fails",
+        "nanolm/observer.py", "self.dist.device, reduce=self.dist.sum_tensors if self.dist.active else None)",
+        "self.dist.device, reduce=self.dist.sum_tensors)"),
     # checkpoints and guards
     Bug("checksum_ignored", "a corrupted checkpoint or data shard is loaded as if whole",
         "nanolm/files.py", "        if sha256_file(on_disk[name], callback) != files[name]:", "        if False:"),
