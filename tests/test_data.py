@@ -436,3 +436,16 @@ def test_prepare_refuses_a_directory_holding_other_files(tmp_path):
     with pytest.raises(NanolmError, match="mine.txt, which prepare did not write"):
         prepare(src, tmp_path / "out", "char", progress=False)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mine.txt"]
+
+
+def test_the_bpe_tokenizer_learns_from_training_documents_only():
+    """Merges learnt from validation text would let the held-out documents compress better than
+    unseen text does: a validation loss flattered by the tokenizer. The char vocabulary sees
+    every document, since a character only in validation must still be encodable."""
+    from nanolm.data import _tokenizer_texts, split_documents
+
+    docs = [f"story {i} " + ("zyzzyva " * 20 if i % 10 == 9 else "plain words ") for i in range(40)]
+    val = {text for split, text in split_documents(iter(docs), 0.1) if split == "val"}
+    seen = list(_tokenizer_texts(docs, "bpe", 0.1))
+    assert val and not val & set(seen) and len(seen) == len(docs) - len(val)
+    assert set(_tokenizer_texts(docs, "char", 0.1)) >= val

@@ -280,3 +280,15 @@ def test_qk_norm_under_bf16_autocast_takes_the_fused_norm_with_the_same_numbers(
     assert calls and all(weight in (None, x) for x, weight in calls), calls
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     assert model.blocks[0].attn.q_norm.weight.grad is not None
+
+
+def test_projections_into_the_residual_stream_start_smaller_by_sqrt_of_twice_the_depth():
+    """Each block adds two branches to the residual stream; with every matrix at N(0, 0.02) its
+    variance would grow with depth. The attention output and MLP down projections start at
+    0.02 / sqrt(2 · n_layer), the rest at 0.02 (GPT-2's scheme)."""
+    model = tiny_model(n_layer=8, n_embd=128, n_head=4)
+    residual = [p for n, p in model.named_parameters() if n.endswith(("attn.proj.weight", "mlp.down.weight"))]
+    others = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.endswith(("attn.proj.weight", "mlp.down.weight"))]
+    assert len(residual) == 16
+    assert torch.cat([p.flatten() for p in residual]).std().item() == pytest.approx(0.02 / 4, rel=0.02)
+    assert torch.cat([p.flatten() for p in others]).std().item() == pytest.approx(0.02, rel=0.02)

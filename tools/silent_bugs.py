@@ -67,6 +67,8 @@ BUGS = [
         "nanolm/data.py", "        tail_from = covered - last", "        tail_from = 0"),
     Bug("bpe_cut_at_any_newline", "a long document encodes to slightly different tokens than the tokenizer's own",
         "nanolm/tokenizer.py", 'SAFE_CUT = re.compile(r"(?<=[!-~]\\n)(?=[!-~])")', 'SAFE_CUT = re.compile(r"(?<=\\n)")'),
+    Bug("tokenizer_sees_validation", "BPE merges learnt from the held-out text: validation compresses better than unseen text, a flattered loss",
+        "nanolm/data.py", 'if kind == "char" or split == "train":', "if True:"),
     # model
     Bug("rope_off", "the model loses word order beyond what the causal mask gives; trains, worse",
         "nanolm/model.py", "return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v", "return q, k, v"),
@@ -81,6 +83,8 @@ BUGS = [
     Bug("top_k_keeps_one", "top-k sampling becomes greedy",
         "nanolm/model.py", "kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]",
         "kth = torch.topk(logits, top_k, dim=-1).values[:, :1]"),
+    Bug("residual_init_not_scaled", "the residual stream's variance grows with depth from the first step: a deep model starts unstable",
+        "nanolm/model.py", "residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)", "residual_std = 0.02 / 1.0"),
     # loss
     Bug("loss_over_all_positions", "masked positions dilute the mean: the loss reads low",
         "nanolm/loss.py", "    return total, mask.sum()", "    return total, torch.ones_like(mask).sum()"),
