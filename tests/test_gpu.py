@@ -1,7 +1,7 @@
 """The CUDA paths: bf16 autocast, fused AdamW, FlexAttention's document mask, torch.compile.
 
-Each test skips without a CUDA GPU; ``benchmarks/gpu_check.sh`` runs them (``pytest -m gpu``)
-on a GPU machine. They compare every fast path with the plain one it replaces, the way the
+Each test skips without a CUDA GPU; ``benchmarks/gpu_check.sh`` runs them on a GPU machine
+(its ``gpu_tests`` part: ``pytest -m gpu``; docs/gpu.md). They compare every fast path with the plain one it replaces, the way the
 CPU tests compare SDPA with ``reference_attention``.
 """
 
