@@ -135,11 +135,15 @@ BUGS = [
         "tokens_per_step = t.batch_size * cfg.model.seq_len * dist.world_size"),
     # precision
     Bug("fp16_not_unscaled", "fp16 gradients reach clipping and Adam multiplied by the loss scale",
-        "nanolm/precision.py", "                p.grad.mul_(inv)", "                pass"),
+        "nanolm/precision.py", "            torch._foreach_mul_(grads, inv)", "            pass"),
     Bug("loss_scale_never_grows", "after one overflow fp16 keeps a needlessly small scale: underflow",
         "nanolm/precision.py", "                self.loss_scale *= self.growth_factor", "                pass"),
     Bug("stochastic_rounding_rounds_to_nearest", "bf16 weights silently drop small updates",
         "nanolm/precision.py", "    noise = torch.randint(0, 1 << 16, x.shape,", "    noise = 32768 + 0 * torch.randint(0, 1 << 16, x.shape,"),
+    Bug("rounding_seed_overflows", "--precision bf16-pure with a --seed above ~2.8e8 fails at its first step",
+        "nanolm/precision.py", '    return int.from_bytes(digest, "little") >> 1', "    return (seed * 1_000_003 + step) * 65_537 + index"),
+    Bug("rounding_noise_repeats_every_step", "bf16-pure draws the same rounding noise at every step: a weight whose noise is low rounds up every time",
+        "nanolm/precision.py", 'f"{seed},{step},{index}"', 'f"{seed},{index}"'),
     # checkpoints and guards
     Bug("checksum_ignored", "a corrupted checkpoint or data shard is loaded as if whole",
         "nanolm/files.py", "        if sha256_file(on_disk[name], callback) != files[name]:", "        if False:"),
