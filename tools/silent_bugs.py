@@ -123,7 +123,10 @@ BUGS = [
         "nanolm/step.py", "clip_grad_norm_(parts.model, parts.clip if parts.clip > 0 else math.inf)",
         "clip_grad_norm_(parts.model, math.inf)"),
     Bug("local_token_count", "under torchrun each rank averages over its own tokens: short documents weigh more",
-        "nanolm/step.py", "count = parts.dist.sum(counted_tokens(micro_batches))", "count = counted_tokens(micro_batches)"),
+        "nanolm/step.py", "count = parts.dist.sum_async(counted_tokens(micro_batches))",
+        "count = PendingSum(counted_tokens(micro_batches))"),
+    Bug("host_read_per_micro_batch", "the loss is summed on the host: a GPU waits for every micro-batch's forward pass, same numbers",
+        "nanolm/step.py", "        loss_sum += micro_sum.detach()", "        loss_sum += micro_sum.item()"),
     # evaluation and metrics
     Bug("eval_in_training_mode", "with dropout, validation loss is noisy and too high",
         "nanolm/evaluate.py", "    model.eval()\n", "    pass\n"),
@@ -220,7 +223,7 @@ BUGS = [
 
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
-              "test_corpus test_guards test_distributed test_replay test_threads test_plan").split()
+              "test_corpus test_guards test_distributed test_replay test_threads test_plan test_host_reads").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:
