@@ -137,6 +137,31 @@ def _sum_gradients(process_group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def at_least_one(count: int | torch.Tensor) -> int | torch.Tensor:
+    """``count``, or 1 when it is 0 (a step with nothing to count divides by 1, adding zero),
+    as a number for a number and a tensor for a tensor."""
+    return count.clamp(min=1) if torch.is_tensor(count) else max(1, count)
+
+
+@dataclass
+class PendingSum:
+    """A sum over ranks that may still be under way (:meth:`Distributed.sum_async`).
+
+    ``value()`` waits for it and returns it: a Python int on one process, an int64 device
+    tensor under torchrun. On a GPU the wait is the device's (NCCL's stream joins the
+    current one), not the host's: nothing is read back.
+    """
+
+    total: int | torch.Tensor
+    work: object = None
+
+    def value(self) -> int | torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.total
+
+
 class Muted:
     """Stands in for rank 0's outputs (metrics file, log) on the other ranks: does nothing."""
 
@@ -194,15 +219,30 @@ class Distributed:
         dist.all_reduce(t)
         return type(value)(t.item()) if isinstance(value, int) else t.item()
 
-    def global_mean(self, local_sum: torch.Tensor, global_count: int) -> torch.Tensor:
+    def sum_async(self, count: int) -> PendingSum:
+        """Start summing a count over all ranks, without waiting for it and without a host
+        read: :meth:`PendingSum.value` gives the sum when it is needed.
+
+        The step's token count is needed at its first backward pass, not before: its
+        all-reduce (of an int64 on the device, exact) runs while the first forward pass is
+        computed. On one process the count is already the sum and stays a Python int, so
+        the arithmetic is exactly what it was before this existed.
+        """
+        if not self.active:
+            return PendingSum(count)
+        local = torch.tensor(count, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        local = local.to(self.device, non_blocking=True)  # from pinned memory: no wait for the device's queue
+        return PendingSum(local, dist.all_reduce(local, async_op=True))
+
+    def global_mean(self, local_sum: torch.Tensor, global_count: int | torch.Tensor) -> torch.Tensor:
         """The mean over every rank's counted tokens: the ranks' sums added, then divided by
         the global count (not the mean of the ranks' means: a rank with few counted tokens
-        must weigh less)."""
+        must weigh less). ``global_count`` is a number or a device tensor (no host read)."""
         if not self.active:
-            return local_sum / max(1, global_count)
+            return local_sum / at_least_one(global_count)
         total = local_sum.detach().double()
         dist.all_reduce(total)
-        return (total / max(1, global_count)).float()
+        return (total / at_least_one(global_count)).float()
 
     def first_signal(self, requested: int | None) -> int | None:
         """A stop signal seen by any rank, so that every rank stops after the same step."""

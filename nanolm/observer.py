@@ -41,13 +41,14 @@ class StepProbe:
         self.figures: dict = {}
 
     def capture(self) -> None:
-        if self.underflow:
+        if self.underflow:  # a device tensor, read after the update: the step itself waits for nothing
             self.figures["grad_zero_frac"] = grad_zero_fraction(self.model.parameters())
         if self.layer_stats is not None:
             self.layer_stats.capture()
 
     def after_update(self) -> dict:
-        return {**self.figures, **(self.layer_stats.after_update() if self.layer_stats is not None else {})}
+        figures = {k: v.item() if torch.is_tensor(v) else v for k, v in self.figures.items()}  # one read
+        return {**figures, **(self.layer_stats.after_update() if self.layer_stats is not None else {})}
 
 
 class Observer:

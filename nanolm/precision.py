@@ -44,6 +44,7 @@ it (docs/precision.md). docs/gpu.md has the choices per GPU class.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -194,24 +195,29 @@ class DynamicLossScaler:
 
     @torch.no_grad()
     def unscale_(self, parameters) -> None:
-        """Divide every gradient by the loss scale (exact: the scale is a power of two)."""
+        """Divide every gradient by the loss scale (exact: the scale is a power of two).
+
+        One ``_foreach_mul_`` per device and dtype: on a GPU a few kernel launches for the
+        whole model instead of one per parameter tensor.
+        """
         if not self.enabled:
             return
         inv = 1.0 / self.loss_scale
-        for p in parameters:
-            if p.grad is not None:
-                p.grad.mul_(inv)
+        for grads in by_device_and_dtype(p.grad for p in parameters if p.grad is not None):
+            torch._foreach_mul_(grads, inv)
 
     def update(self, grad_norm) -> bool:
         """Adapt the scale to this step's gradients; returns whether the step should be taken.
 
         ``grad_norm`` is the global norm of the unscaled gradients: it is inf or NaN exactly
         when some gradient is (or when the norm itself overflows fp32, a step no one should
-        take either).
+        take either). Whether to step must be known on the host, so a device tensor is read
+        here: the fp16 step's one host read. When the guard has already read the norm (a
+        float), nothing more is read.
         """
         if not self.enabled:
             return True
-        if math.isfinite(float(grad_norm)):
+        if math.isfinite(float(grad_norm)):  # a float: no read; a device tensor: the one read
             self.good_steps += 1
             if self.good_steps >= self.growth_interval:
                 self.loss_scale *= self.growth_factor
@@ -243,7 +249,7 @@ class DynamicLossScaler:
 
 
 @torch.no_grad()
-def grad_zero_fraction(parameters) -> float:
+def grad_zero_fraction(parameters) -> torch.Tensor:
     """Fraction of gradient elements that are exactly zero: fp16's underflow detector.
 
     A gradient below fp16's smallest number (~6e-8) does not come out small, it comes out 0,
@@ -251,13 +257,40 @@ def grad_zero_fraction(parameters) -> float:
     against the same run in fp32, is the sign; a loss scale that is too low is the usual
     cause. Some zeros are structural and appear in fp32 too (with untied embeddings, the rows
     of tokens absent from the batch). One pass over the gradients: measured on logged steps.
+
+    Returns a 0-dim fp32 tensor on the gradients' device, not a number: the counts are summed
+    there, and whoever logs it reads it once (reading one count per parameter tensor would
+    stall a GPU once per tensor). Under FSDP each count is completed across ranks first.
     """
-    zeros, total = 0, 0
-    for p in parameters:
-        if p.grad is not None:
-            zeros += int((p.grad == 0).sum())
-            total += p.grad.numel()
-    return zeros / max(total, 1)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    counts = [(g == 0).sum() for g in grads]
+    counts = [c.full_tensor() if hasattr(c, "full_tensor") else c for c in counts]  # FSDP: a shard's count
+    return torch.stack(counts).sum().float() / sum(g.numel() for g in grads)
+
+
+def by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:
+    """``tensors`` in lists that share a device and a dtype, the unit a ``torch._foreach_*``
+    call takes in one go (its fused kernels want both alike), in first-seen order."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def rounding_seed(seed: int, step: int, index: int) -> int:
+    """The seed of the stochastic rounding noise of optimizer step ``step`` for the parameters
+    starting at ``index``, in a run seeded ``seed``: repeatable, different for every
+    combination, and always a valid generator seed.
+
+    A hash, not arithmetic: ``(seed * 1_000_003 + step) * 65_537 + index`` exceeded the 64
+    bits a generator seed may hold once ``--seed`` passed ~2.8e8 (it may go to 2^32), and
+    ``--precision bf16-pure`` then failed at its first step. 63 bits of BLAKE2b fit any
+    generator, and two combinations share a seed with negligible probability.
+    """
+    digest = hashlib.blake2b(f"{seed},{step},{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -290,8 +323,9 @@ class BF16AdamW(torch.optim.Optimizer):
     * default: :func:`stochastic_round_to_bf16`. No fp32 copy of the weights is kept (12
       bytes per parameter: bf16 weight and gradient, fp32 moments), and updates far smaller
       than a bf16 gap still move the weight *on average*. The rounding noise at step t is
-      drawn from a generator seeded by (``seed``, t, parameter index), so a run is
-      repeatable and a resumed one needs nothing but the optimizer state.
+      drawn from a generator seeded by :func:`rounding_seed` (``seed``, t, index of the
+      first parameter of its bucket), so a run is repeatable and a resumed one needs nothing
+      but the optimizer state.
     * ``master_weights=True``: an fp32 master copy lives in the optimizer state (16 bytes per
       parameter, as with autocast); AdamW updates it, and the bf16 weight is its
       round-to-nearest copy. Nothing is ever lost; the forward pass sees the master rounded.
@@ -299,6 +333,15 @@ class BF16AdamW(torch.optim.Optimizer):
     Parameters that are not bf16 are updated in place in their own dtype (for fp32, this is
     exactly AdamW), which is also how the arithmetic is tested against PyTorch's.
     """
+
+    bucket_elements = 1 << 24
+    """The most elements one bucket updates at once on a GPU: its fp32 temporaries (the flat
+    weights and gradients of bf16 parameters, the denominators, the rounding noise) stay under
+    ~300 MB."""
+    cpu_bucket_elements = 1 << 16
+    """On a CPU, where a ``_foreach_*`` call is a loop over its tensors anyway, a bucket small
+    enough to stay in cache through its ~17 operations: one bucket for a whole 4M-parameter
+    model made the step ~1.5x slower than updating one tensor at a time (docs/benchmarks.md)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  master_weights: bool = False, seed: int = 0):
@@ -322,21 +365,32 @@ class BF16AdamW(torch.optim.Optimizer):
                 if torch.is_tensor(value) and key != "step":
                     self.state[param][key] = value.to(param.device).clone()
 
-    def _generator(self, device, step: int, index: int) -> torch.Generator:
+    def _generator(self, device, seed: int) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device)
-        return self._generators[device].manual_seed((self.seed * 1_000_003 + step) * 65_537 + index)
+        return self._generators[device].manual_seed(seed)
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW update of every parameter with a gradient, a bucket of them at a time.
+
+        Parameters that share a group, device, dtype, way of writing back and step count
+        form a bucket of at most :attr:`bucket_elements` elements (:attr:`cpu_bucket_elements`
+        on a CPU; one larger tensor is a bucket of its own); each bucket is updated with
+        ``torch._foreach_*`` calls, so a GPU step is a few kernel launches per bucket rather
+        than ~10 per parameter tensor. The arithmetic per element is the loop's of
+        ``torch.optim.AdamW``, operation for operation. bf16 weights and gradients are cast to
+        fp32 in one flat buffer per bucket, and the stochastic rounding draws one noise tensor
+        for the whole bucket, from a generator seeded by :func:`rounding_seed` (``seed``,
+        step, index of the bucket's first parameter).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        buckets: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
         index = -1
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        for g, group in enumerate(self.param_groups):
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -349,18 +403,66 @@ class BF16AdamW(torch.optim.Optimizer):
                     if self.master_weights and p.dtype != torch.float32:
                         state["master"] = p.detach().float()
                 state["step"] += 1
-                t = state["step"]
-                w = state["master"] if "master" in state else p.float()  # p.float() is p itself for fp32
-                g = p.grad.float()
-                w.mul_(1 - lr * wd)
-                state["exp_avg"].lerp_(g, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                w.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**t))
-                if w is p:
-                    continue
-                if p.dtype == torch.bfloat16 and "master" not in state:
-                    p.copy_(stochastic_round_to_bf16(w, self._generator(p.device, t, index)))
-                else:
-                    p.copy_(w)
+                write_back = ("in place" if p.dtype == torch.float32 else "from master" if "master" in state
+                              else "stochastic" if p.dtype == torch.bfloat16 else "nearest")
+                buckets.setdefault((g, p.device, p.dtype, write_back, state["step"]), []).append((index, p))
+        for (g, device, _, write_back, t), members in buckets.items():
+            limit = self.cpu_bucket_elements if device.type == "cpu" else self.bucket_elements
+            for bucket in _bounded(members, limit):
+                self._update(self.param_groups[g], bucket, write_back, t, device)
         return loss
+
+    def _update(self, group: dict, bucket: list[tuple[int, torch.Tensor]], write_back: str, t: int, device) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        params = [p for _, p in bucket]
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        if any(g.dtype != torch.float32 for g in grads):
+            grads = _flat_fp32(grads)[1]
+        if write_back == "in place":
+            weights = params
+        elif write_back == "from master":
+            weights = [s["master"] for s in states]
+        else:
+            flat, weights = _flat_fp32(params)
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(weights, 1 - lr * wd)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, math.sqrt(1 - beta2**t))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(weights, exp_avgs, denom, value=-lr / (1 - beta1**t))
+        if write_back == "stochastic":
+            rounded = stochastic_round_to_bf16(flat, self._generator(device, rounding_seed(self.seed, t, bucket[0][0])))
+            torch._foreach_copy_(params, _views(rounded, params))
+        elif write_back != "in place":
+            torch._foreach_copy_(params, weights)  # round to nearest
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into views shaped like ``like``, one after another."""
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+def _flat_fp32(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """fp32 copies of ``tensors``: one flat buffer (one cast for all of them) and its views."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].detach().reshape(-1)
+    flat = flat.float() if flat.dtype != torch.float32 else flat.clone()
+    return flat, _views(flat, tensors)
+
+
+def _bounded(members: list, limit: int) -> list[list]:
+    """``members`` (index, tensor) cut into consecutive runs of at most ``limit`` elements each
+    (a larger tensor alone)."""
+    runs, run, size = [], [], 0
+    for member in members:
+        n = member[1].numel()
+        if run and size + n > limit:
+            runs.append(run)
+            run, size = [], 0
+        run.append(member)
+        size += n
+    return runs + ([run] if run else [])

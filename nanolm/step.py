@@ -19,6 +19,15 @@ micro-batch more than one in a long micro-batch, and change the effective learni
 with ``--grad-accum``. Under torchrun the count is summed over every rank and gradients are
 summed across ranks after the last micro-batch only (``nanolm.distributed``): the same step,
 split over processes.
+
+**One host read per step.** Reading a number from a GPU makes the host wait until the GPU has
+computed it, and leaves the GPU idle while the host then prepares the next kernels. The step
+reads once: the guard's loss and gradient norm, in one ``tolist()`` (step 4). Nothing else
+waits: the token count is host arithmetic on the host's batches, summed over ranks by an
+asynchronous all-reduce on the device and used there as the divisor; fp16's overflow check
+reuses the guard's reading (without a reading guard it is the one read); its underflow
+figure is read once, on logged steps (``nanolm.observer``). ``tests/test_host_reads.py``
+counts them.
 """
 
 from __future__ import annotations
@@ -31,13 +40,17 @@ from typing import Callable
 import torch
 
 from .data import Batch
-from .distributed import Distributed, gradient_sync
+from .distributed import Distributed, PendingSum, at_least_one, gradient_sync
 from .optim import set_learning_rate
 from .precision import DynamicLossScaler
 
 
 def counted_tokens(micro_batches: list[Batch]) -> int:
-    """Targets that count in these micro-batches (the loss mask's True entries)."""
+    """Targets that count in these micro-batches (the loss mask's True entries).
+
+    Host arithmetic: the step's batches are built on the host and only copies of them go to
+    the device (``Batch.to``), so reading these counts waits for no device.
+    """
     return sum(int(b.counted) for b in micro_batches)
 
 
@@ -52,8 +65,9 @@ def summed_token_loss(model, batch: Batch) -> torch.Tensor:
     return total
 
 
-def accumulate_gradients(model, micro_batches: list[Batch], count: int, autocast=contextlib.nullcontext,
-                         loss_scale: float = 1.0, loss_fn=summed_token_loss) -> torch.Tensor:
+def accumulate_gradients(model, micro_batches: list[Batch], count: int | torch.Tensor | PendingSum,
+                         autocast=contextlib.nullcontext, loss_scale: float = 1.0,
+                         loss_fn=summed_token_loss) -> torch.Tensor:
     """Forward and backward over every micro-batch of one optimizer step.
 
     Each micro-batch backpropagates (sum of its token losses) ÷ ``count``, the counted
@@ -65,16 +79,25 @@ def accumulate_gradients(model, micro_batches: list[Batch], count: int, autocast
     (fp16; the scaler divides it out of the gradients again). A distributed model reduces
     gradients across ranks in the last micro-batch's backward pass only.
 
+    ``count`` is a number, a device tensor, or a :class:`~nanolm.distributed.PendingSum`
+    whose all-reduce is waited for only before the first backward pass (it runs during the
+    first forward pass). On one process it is a number, as it always was; under torchrun an
+    int64 device tensor, whose quotient is the same fp32 number as the Python count's on a
+    CPU (on a GPU, PyTorch applies a Python divisor as a product with its reciprocal, which
+    can differ from a true division in the last bit).
+
     Returns the sum of this process's token losses, detached and unscaled.
     """
     device = next(model.parameters()).device
-    denominator = max(1, count)
+    denominator = None
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         batch = batch.to(device)
         with gradient_sync(model, enabled=i == len(micro_batches) - 1):
             with autocast():
                 micro_sum = loss_fn(model, batch)  # forward: the micro-batch's summed token loss, in fp32
+            if denominator is None:
+                denominator = at_least_one(count.value() if isinstance(count, PendingSum) else count)
             (micro_sum / denominator * loss_scale).backward()
         loss_sum += micro_sum.detach()
     return loss_sum
@@ -132,10 +155,10 @@ def train_step(parts: StepParts, step: int, micro_batches: list[Batch], probe=No
     set_learning_rate(parts.optimizer, lr)  # every group; Muon's at its own peak ratio
 
     # 2. forward and backward, every token's loss divided by the step's count of counted tokens
-    count = parts.dist.sum(counted_tokens(micro_batches))  # every micro-batch of every rank, counted once
+    count = parts.dist.sum_async(counted_tokens(micro_batches))  # every micro-batch of every rank, counted once
     loss_sum = accumulate_gradients(parts.step_model, micro_batches, count, parts.autocast,
                                     parts.scaler.loss_scale, parts.loss_fn)
-    loss = parts.dist.global_mean(loss_sum, count)
+    loss = parts.dist.global_mean(loss_sum, count.value())
 
     # 3. fp16: undo the loss scale; clip the global gradient norm once, after every backward pass
     parts.scaler.unscale_(parts.model.parameters())
@@ -146,7 +169,7 @@ def train_step(parts: StepParts, step: int, micro_batches: list[Batch], probe=No
     # 4. the guard decides on the step's global numbers (every rank alike)
     action, event, target = "take", None, None
     if parts.guard is not None and parts.guard.reads_every_step:
-        loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()  # one read
+        loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()  # the one read
         if not (parts.scaler.enabled and not math.isfinite(grad_norm)):  # an fp16 overflow is the scaler's to skip
             action, event, target = parts.guard.decide(step, loss, grad_norm, lr)
 

@@ -65,3 +65,75 @@ def observed_run(tmp_path_factory, stories_file) -> Path:
         cfg.train.log = "tensorboard"
     train(cfg, log=lambda *_: None)
     return out
+
+
+class HostReads:
+    """Counts the places where the host reads a tensor's values, while ``step`` is set.
+
+    A read (``item``, ``tolist``, ``bool``/``float``/``int``/``index`` of a tensor, ``cpu``,
+    ``numpy``) of a tensor on a GPU makes the host wait for the GPU to finish everything queued
+    before it: a device-to-host synchronisation. On the CPU nothing waits, but the same calls
+    run, so counting them here counts the synchronisations a GPU run would make.
+
+    What is *not* counted: reads of the batches' token counts (``Batch.counted``). The batches
+    are built on the host and only copies of them travel to the device (``Batch.to``), so in a
+    GPU run these are host arithmetic, not synchronisations; every value ``Batch.counted``
+    returns is remembered and its reads are left out. A read inside another read (``float``
+    calling ``item``) counts once.
+
+    ``reads`` lists (step, what, where) with ``where`` the reading function as file:name (a
+    comprehension's reads are its function's).
+    Usable as a context manager without pytest (in spawned ranks).
+    """
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+    def __init__(self):
+        self.reads, self.step, self._host, self._depth, self._saved = [], None, [], 0, {}
+
+    def __enter__(self):
+        from nanolm.data import Batch
+
+        for name in self.NAMES:
+            self._saved[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        self._saved[(Batch, "counted")] = Batch.__dict__["counted"]
+        host_count = Batch.counted.fget
+
+        def counted(batch):
+            value = host_count(batch)
+            self._host.append(value)
+            return value
+
+        Batch.counted = property(counted)
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), value in self._saved.items():
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+        return False
+
+    def _wrap(self, name, original):
+        def read(tensor, *args, **kwargs):
+            if self.step is not None and self._depth == 0 and not any(tensor is h for h in self._host):
+                frame = sys._getframe(1)
+                while frame.f_code.co_name.startswith("<") and frame.f_back is not None:  # a comprehension's
+                    frame = frame.f_back
+                self.reads.append((self.step, name, f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"))
+            self._depth += 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return read
+
+    def at(self, step):
+        """Count from here on as reads of step ``step`` (the batches' counts of earlier steps forgotten)."""
+        self.step, self._host = step, []
+
+    def per_step(self, steps) -> list[int]:
+        return [sum(1 for s, _, _ in self.reads if s == step) for step in steps]

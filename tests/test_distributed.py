@@ -30,10 +30,10 @@ from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
 from nanolm.tokenizer import train_char
 from nanolm.monitor import read_metrics
-from nanolm.optim import muon_available
-from nanolm.step import accumulate_gradients, counted_tokens
+from nanolm.optim import build_optimizer, muon_available
+from nanolm.step import StepParts, accumulate_gradients, counted_tokens, train_step
 
-from conftest import REPO, tiny_model
+from conftest import REPO, HostReads, tiny_model
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -369,8 +369,8 @@ def _worker(rank, world_size, port, result_dir):
             ctx = Distributed(mode, torch.device("cpu"), rank, world_size)
             model = tiny_model(seed=rank)  # different on each rank: the wrapper must start all from rank 0's
             wrapped = ctx.wrap(model)
-            count = ctx.sum(local)
-            loss = ctx.global_mean(accumulate_gradients(wrapped, mine, count), count)
+            count = ctx.sum_async(local)  # an all-reduce under way; accumulate_gradients waits for it
+            loss = ctx.global_mean(accumulate_gradients(wrapped, mine, count), count.value())
             grads = _full_grads(model)
             norm = ctx.clip_grad_norm_(model, 0.1 * ref_norm)  # clipped to a tenth
             clipped = _full_grads(model)
@@ -381,7 +381,16 @@ def _worker(rank, world_size, port, result_dir):
                 "loss": abs(loss.item() - ref_loss.item()) / ref_loss.item(),
                 "norm": abs(norm.item() - ref_norm) / ref_norm,
             }
-        for mode in ("ddp", "fsdp"):  # each rank saves and gets back its own random stream
+        for mode in ("ddp", "fsdp"):  # a whole step, its reads counted (guard none: it reads nothing)
+            ctx = Distributed(mode, torch.device("cpu"), rank, world_size)
+            model = tiny_model(seed=0)
+            wrapped = ctx.wrap(model)
+            parts = StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, step_model=wrapped,
+                              dist=ctx)
+            with HostReads() as counter:
+                counter.at(1)
+                train_step(parts, 1, mine)
+            result[mode]["step_reads"] = counter.reads
             ctx = Distributed(mode, torch.device("cpu"), rank, world_size)
             model = tiny_model(seed=0)
             ctx.wrap(model)
@@ -432,6 +441,14 @@ def test_ranks_gradients_sum_to_the_whole_batch_gradient_with_accumulation(mode,
     for rank, result in enumerate(two_ranks):
         for key in ("grad", "clipped", "loss", "norm"):
             assert result[mode][key] < 1e-6, (rank, key, result[mode])
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_ranks_step_waits_for_no_host_read_of_the_token_count(mode, two_ranks):
+    """The step's token count is summed over ranks by an asynchronous all-reduce of a device
+    tensor and divides the loss there: no rank reads it back (a GPU would wait for the whole
+    queue before the first forward pass). Without a guard, a whole step reads nothing."""
+    assert [r[mode]["step_reads"] for r in two_ranks] == [[], []]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

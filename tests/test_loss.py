@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanolm.loss import head_cross_entropy_sum, loss_chunk_positions, masked_cross_entropy, masked_cross_entropy_sum
 
@@ -126,7 +127,8 @@ def test_the_fused_loss_gradients_survive_fp16_before_the_loss_scale_is_known():
     """Under fp16 autocast the head's gradients are computed in the forward pass, before the
     step's 1 / token count and loss scale reach them: summed over 4,096 positions of large
     hidden states, an fp16 product would overflow (65,504) where the whole-logits path, whose
-    gradient arrives already divided by the count, stays finite. They are taken in fp32."""
+    gradient arrives already divided by the count, stays finite. The gradient of the logits
+    is scaled down by a power of two before its fp16 cast, enough that no entry can overflow."""
     torch.manual_seed(7)
     hidden, weight = torch.rand(1, 4096, 16) * 20 + 10, torch.randn(32, 16) * 0.01
     targets = torch.zeros(1, 4096, dtype=torch.long)  # one column's gradient adds up over every position
@@ -139,6 +141,65 @@ def test_the_fused_loss_gradients_survive_fp16_before_the_loss_scale_is_known():
     assert torch.isfinite(w.grad).all() and torch.isfinite(h.grad).all()
     assert float((w.grad - gw_ref).norm() / gw_ref.norm()) < 1e-2
     assert float((h.grad - gh_ref).norm() / gh_ref.norm()) < 1e-2
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the dtypes of the operands of every matrix-matrix product."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.seen.append({a.dtype for a in args if isinstance(a, torch.Tensor) and a.dim() == 2})
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_fused_heads_three_products_run_in_the_autocast_dtype(dtype):
+    """Under fp16 or bf16 autocast the logits and both gradient products (of the hidden states
+    and of the head's weight) multiply 16-bit operands, as ``nn.Linear`` and its backward do:
+    on a T4, whose fp16 tensor cores run 8x its fp32 rate, fp32 gradient products would take
+    ~16x the time of the logits' product. Three products per chunk."""
+    torch.manual_seed(9)
+    hidden = torch.randn(2, 24, 16, requires_grad=True)
+    weight = (torch.randn(40, 16) * 0.3).requires_grad_()
+    targets = torch.randint(40, (2, 24))
+    with torch.autocast("cpu", dtype=dtype), _MatmulDtypes() as products:
+        total, _ = head_cross_entropy_sum(hidden, weight, targets, chunk=16)
+    assert len(products.seen) == 3 * 3  # 48 positions in 3 chunks
+    assert all(seen == {dtype} for seen in products.seen), products.seen
+    total.backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+
+
+def test_the_fused_fp16_gradients_of_unlikely_tokens_keep_their_digits():
+    """The head's weight gradient of a token that is unlikely at every position is a sum of
+    tiny probabilities (here mostly 1e-10 to 3e-7) times the hidden states. Cast to fp16 as they are,
+    these fall below its smallest normal number (6e-5) and lose most digits (~50 % error); one
+    scale for every token, limited by the frequent token's row (the target of half the
+    positions), still loses some (~1 %). With a scale per token, every row is as accurate as
+    fp16 operands allow, against the same product computed in fp32 from the same fp16 logits."""
+    torch.manual_seed(10)
+    n, c, v = 512, 32, 256
+    hidden = torch.randn(n, c)
+    hidden[:, 0] = 4.0
+    weight = torch.randn(v, c) * 0.3
+    weight[v // 2 :, 0] = -3.0  # the upper half of the vocabulary: logits ~12 below the rest everywhere
+    targets = torch.randint(v // 2, (n,))
+    targets[::2] = 0
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        total, _ = head_cross_entropy_sum(h, w, targets, chunk=n)
+    total.backward()
+    d = torch.softmax((hidden.half() @ weight.half().t()).float(), -1)  # the fused path's own fp16 logits
+    assert d[:, v // 2 :].max() < 6e-5  # every one below fp16's smallest normal number
+    d[torch.arange(n), targets] -= 1
+    expected_gh, expected_gw = d @ weight.half().float(), d.t() @ hidden.half().float()
+    row_error = (w.grad - expected_gw).norm(dim=1) / expected_gw.norm(dim=1)
+    assert row_error.max() < 2e-3, (row_error[: v // 2].max(), row_error[v // 2 :].max())
+    assert float((h.grad - expected_gh).norm() / expected_gh.norm()) < 2e-3
 
 
 def test_the_fused_loss_trains_bf16_weights_without_autocast():

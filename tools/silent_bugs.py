@@ -99,9 +99,11 @@ BUGS = [
     Bug("fused_loss_ignores_the_backward_factor", "the step's 1/token count never reaches the gradients: all are count times too large, clipping hides it",
         "nanolm/loss.py", "return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),",
         "return (grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype),"),
-    Bug("fused_loss_gradients_in_fp16", "under fp16 the head's gradients overflow before the loss scale can help: the scaler shrinks until the run stops",
-        "nanolm/loss.py", "grad_dtype = torch.float32 if product_dtype == torch.float16 else product_dtype",
-        "grad_dtype = product_dtype"),
+    Bug("fused_loss_fp16_gradients_unscaled", "under fp16 the head's weight gradient overflows before the loss scale can help: the scaler shrinks until the run stops",
+        "nanolm/loss.py", "token_scale = _fp16_scale((probs.t() @ largest).index_add_(0, safe_t[:, 0], largest))",
+        "token_scale = torch.ones(probs.shape[1], device=probs.device)"),
+    Bug("fused_loss_fp16_one_scale_for_every_token", "under fp16 the head's gradient rows of rare tokens lose their digits below fp16's normal range: those rows train on rounding noise",
+        "nanolm/loss.py", ".index_add_(0, safe_t[:, 0], largest))", ".index_add_(0, safe_t[:, 0], largest).amax().expand(probs.shape[1]))"),
     # optimizer and schedule
     Bug("decay_on_everything", "norm gains and embeddings are pulled toward zero",
         "nanolm/optim.py", "if p.dim() >= 2 and id(p) not in embedding_params:", "if True:"),
@@ -125,7 +127,10 @@ BUGS = [
         "nanolm/step.py", "clip_grad_norm_(parts.model, parts.clip if parts.clip > 0 else math.inf)",
         "clip_grad_norm_(parts.model, math.inf)"),
     Bug("local_token_count", "under torchrun each rank averages over its own tokens: short documents weigh more",
-        "nanolm/step.py", "count = parts.dist.sum(counted_tokens(micro_batches))", "count = counted_tokens(micro_batches)"),
+        "nanolm/step.py", "count = parts.dist.sum_async(counted_tokens(micro_batches))",
+        "count = PendingSum(counted_tokens(micro_batches))"),
+    Bug("host_read_per_micro_batch", "the loss is summed on the host: a GPU waits for every micro-batch's forward pass, same numbers",
+        "nanolm/step.py", "        loss_sum += micro_sum.detach()", "        loss_sum += micro_sum.item()"),
     # evaluation and metrics
     Bug("eval_in_training_mode", "with dropout, validation loss is noisy and too high",
         "nanolm/evaluate.py", "    model.eval()\n", "    pass\n"),
@@ -137,7 +142,7 @@ BUGS = [
         "tokens_per_step = t.batch_size * cfg.model.seq_len * dist.world_size"),
     # precision
     Bug("fp16_not_unscaled", "fp16 gradients reach clipping and Adam multiplied by the loss scale",
-        "nanolm/precision.py", "                p.grad.mul_(inv)", "                pass"),
+        "nanolm/precision.py", "            torch._foreach_mul_(grads, inv)", "            pass"),
     Bug("loss_scale_never_grows", "after one overflow fp16 keeps a needlessly small scale: underflow",
         "nanolm/precision.py", "                self.loss_scale *= self.growth_factor", "                pass"),
     Bug("stochastic_rounding_rounds_to_nearest", "bf16 weights silently drop small updates",
@@ -239,7 +244,7 @@ BUGS = [
 
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
-              "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices").split()
+              "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:
