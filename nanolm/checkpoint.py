@@ -241,7 +241,7 @@ def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: di
         atomic_write_text(tmp / "meta.json", json.dumps(sealed(meta), indent=2))
         fsync_dir(tmp)
         if final.exists():  # a checkpoint of the same step from an abandoned attempt
-            shutil.rmtree(final)
+            _discard(final)
         os.replace(tmp, final)
         fsync_dir(root)
         atomic_write_text(root / LATEST, final.name + "\n")
@@ -283,9 +283,21 @@ def _prune(run_dir, keep: int) -> None:
     latest = read_latest(run_dir)
     for _, path in checkpoints[:-keep]:
         if path != best and path != latest:
-            shutil.rmtree(path, ignore_errors=True)
-    for stale in (Path(run_dir) / CHECKPOINTS).glob(".tmp-step_*"):
+            _discard(path)
+    for stale in (Path(run_dir) / CHECKPOINTS).glob(".tmp-*"):  # a killed save's, or a killed discard's
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint so that a reader (``nanolm sample`` on a live run) finds it whole
+    or gone, never half deleted: renamed aside in one atomic step, then deleted. A reader
+    that loses it mid-read reads the newest one again (:func:`latest_valid_checkpoint`)."""
+    try:
+        aside = tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-discarded-{path.name}-")
+        os.replace(path, aside)
+    except OSError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def read_latest(run_dir) -> Path | None:
@@ -362,19 +374,24 @@ def latest_valid_checkpoint(run_dir, log=_warn, check=None) -> Path | None:
     left a higher-numbered directory), then the others newest first. ``check(path)``, if
     given, is a further test (such as loading its state) whose failure also skips it.
     """
-    candidates = [p for _, p in reversed(list_checkpoints(run_dir))]
-    latest = read_latest(run_dir)
-    if latest is not None and latest in candidates:
-        candidates.remove(latest)
-        candidates.insert(0, latest)
-    for path in candidates:
-        try:
-            verify_checkpoint(path)
-            if check is not None:
-                check(path)
-            return path
-        except NanolmError as e:
-            log(f"warning: {e}; falling back to an earlier checkpoint")
+    for _ in range(100):  # a live run may discard a checkpoint while it is read here: list them again
+        candidates = [p for _, p in reversed(list_checkpoints(run_dir))]
+        latest = read_latest(run_dir)
+        if latest is not None and latest in candidates:
+            candidates.remove(latest)
+            candidates.insert(0, latest)
+        for path in candidates:
+            try:
+                verify_checkpoint(path)
+                if check is not None:
+                    check(path)
+                return path
+            except NanolmError as e:
+                if not path.is_dir():  # discarded by the run (--keep) while it was read
+                    break
+                log(f"warning: {e}; falling back to an earlier checkpoint")
+        else:
+            return None
     return None
 
 
@@ -731,10 +748,16 @@ def load_run(run_dir, device="cpu", log=_warn) -> tuple[GPT, Tokenizer, RunConfi
         model = GPT(config.model.gpt_config(tokenizer.vocab_size))
         load_weights(model, run_dir / "model.safetensors")
         return model.to(device).eval(), tokenizer, config
-    checkpoint = latest_valid_checkpoint(run_dir, log)
-    if checkpoint is None:
-        raise NanolmError(f"{run_dir} has neither verified final weights nor a valid checkpoint")
-    return _load_checkpoint_model(checkpoint, device)
+    for _ in range(100):  # a live run may discard the checkpoint being loaded: load the newest again
+        checkpoint = latest_valid_checkpoint(run_dir, log)
+        if checkpoint is None:
+            raise NanolmError(f"{run_dir} has neither verified final weights nor a valid checkpoint")
+        try:
+            return _load_checkpoint_model(checkpoint, device)
+        except (NanolmError, FileNotFoundError):
+            if checkpoint.is_dir():
+                raise
+    raise NanolmError(f"{run_dir}: its checkpoints were discarded faster than they could be read; try again")
 
 
 def _load_checkpoint_model(checkpoint: Path, device) -> tuple[GPT, Tokenizer, RunConfig]:

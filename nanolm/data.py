@@ -47,6 +47,7 @@ import torch
 
 from .errors import NanolmError
 from .files import atomic_write_text, check_manifest, check_seal, manifest, read_json, sealed
+from .lock import LOCK_FILE
 from .tokenizer import EOS, Tokenizer, train_tokenizer
 
 SEPARATOR = EOS
@@ -480,7 +481,8 @@ def prepare(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise NanolmError(f"--out {out} is a file; give a directory for the shards")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, META_FILE)) if out.is_dir() else []
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, META_FILE, LOCK_FILE)) \
+        if out.is_dir() else []
     if foreign:
         raise NanolmError(f"{out} already holds {foreign[0]}, which prepare did not write; choose a new or empty --out")
     total_bytes = docs.size_bytes()

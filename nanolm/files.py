@@ -137,7 +137,11 @@ def check_manifest(directory, files, what: str, skip: tuple[str, ...] = (), on_b
         raise NanolmError(f"{what}: {unlisted[0]} is not in its manifest (a file nanolm did not write)")
     for name in sorted(files):
         callback = None if on_block is None else (lambda block, name=name: on_block(name, block))
-        if sha256_file(on_disk[name], callback) != files[name]:
+        try:
+            digest = sha256_file(on_disk[name], callback)
+        except FileNotFoundError:  # removed since it was listed
+            raise NanolmError(f"{what}: {name} is missing") from None
+        if digest != files[name]:
             raise NanolmError(f"{what}: {name} is corrupt (its checksum does not match)")
 
 

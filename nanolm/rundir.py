@@ -26,6 +26,13 @@ Then, in order:
   committed (killed, out of memory, disk full...): it is started again from step 0 in
   place, replacing only the files nanolm writes.
 
+**One writer.** The plan is made while holding the directory's lock (``nanolm.lock``), and
+the lock is held until the run ends: a second command on a live run is refused in one line
+naming the process that writes it, instead of planning from a state that is changing under
+it. A numbered directory that another process is writing is skipped when it holds a
+different run, like any other. After ``kill -9`` the lock is gone with its process, and the
+same command continues the run.
+
 The run's data lives here too: tokenized once into the run directory (``data/``), checked
 on every resume, and prepared again from its source if it was damaged.
 """
@@ -54,6 +61,7 @@ from .distributed import Distributed
 from .download import resolve_data_path
 from .errors import NanolmError
 from .files import atomic_write_text, probe_writable, read_json
+from .lock import DirectoryBusy, RunLock
 from .runtime import importing_alongside
 from .tokenizer import Tokenizer
 
@@ -103,11 +111,13 @@ def _finished(final: dict | None, cfg: RunConfig) -> bool:
     return final["step"] >= t.steps or reached
 
 
-def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatch: bool) -> RunPlan | list[str]:
-    """The plan for ``out_dir``, or (when ``quiet_mismatch``) the refused differences of the
-    run it holds, for the caller to try another directory."""
+def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatch: bool,
+              lock: RunLock) -> RunPlan | list[str]:
+    """The plan for ``out_dir``, made holding its lock, or (when ``quiet_mismatch``) the
+    refused differences of the run it holds, for the caller to try another directory."""
     t = cfg.train
     probe_writable(out_dir)
+    lock.take(out_dir, log=log)
     if not out_dir.exists() or not any((out_dir / name).exists() for name in RUN_FILES):
         return RunPlan(out_dir)
     if not (out_dir / "config.toml").is_file():
@@ -140,8 +150,9 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
         final = None
     finished_at = final["step"] if _finished(final, cfg) else None  # only verified final weights say so
     if finished_at is not None and (checkpoint is None or _step(checkpoint) <= finished_at):
-        return RunPlan(out_dir, finished=True, message=f"{out_dir} finished at step {finished_at} of {t.steps}; "
-                       f"nothing to do (raise --steps to train longer, or choose another --out-dir for a new run)")
+        return RunPlan(out_dir, finished=True, message=_past_steps(out_dir, finished_at, t.steps) or (
+            f"{out_dir} finished at step {finished_at} of {t.steps}; nothing to do (raise --steps to train longer, "
+            f"or choose another --out-dir for a new run)"))
     if checkpoint is not None:
         return RunPlan(out_dir, checkpoint=checkpoint)
     if committed:
@@ -158,36 +169,63 @@ def _step(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step_"))
 
 
-def locate_run(cfg: RunConfig, world_size: int = 1, log=print) -> RunPlan:
+def locate_run(cfg: RunConfig, lock: RunLock, world_size: int = 1, log=print) -> RunPlan:
     """Decide where this command's run lives and whether it starts, continues, restarts or
-    is already done. Nothing is written here."""
+    is already done, and lock that directory with ``lock`` (held until the caller lets go).
+    Nothing else is written here."""
     t = cfg.train
     if t.out_dir:
-        plan = _plan_for(Path(t.out_dir), cfg, world_size, log, quiet_mismatch=False)
+        plan = _plan_for(Path(t.out_dir), cfg, world_size, log, quiet_mismatch=False, lock=lock)
     else:
-        plan = _first_free_or_same(cfg, world_size, log)
-    if t.resume in ("auto", "never"):
-        return plan
-    checkpoint = resume_checkpoint_at(Path(t.resume), log)  # --resume PATH
-    if plan.checkpoint is not None and plan.out_dir.resolve() not in checkpoint.resolve().parents:
-        raise NanolmError(f"{plan.out_dir} holds checkpoints of its own; --resume {t.resume} continues another "
-                          f"run into a new --out-dir")
-    return RunPlan(plan.out_dir, checkpoint=checkpoint, restart=plan.restart)
+        plan = _first_free_or_same(cfg, world_size, log, lock)
+    if t.resume not in ("auto", "never"):  # --resume PATH
+        checkpoint = resume_checkpoint_at(Path(t.resume), log)
+        if plan.checkpoint is not None and plan.out_dir.resolve() not in checkpoint.resolve().parents:
+            raise NanolmError(f"{plan.out_dir} holds checkpoints of its own; --resume {t.resume} continues another "
+                              f"run into a new --out-dir")
+        plan = RunPlan(plan.out_dir, checkpoint=checkpoint, restart=plan.restart)
+    past = _past_steps(plan.out_dir, _step(plan.checkpoint), t.steps) if plan.checkpoint is not None else ""
+    if past:
+        log(past)
+    return plan
 
 
-def _first_free_or_same(cfg: RunConfig, world_size: int, log) -> RunPlan:
+def _past_steps(out_dir: Path, step: int, steps: int) -> str:
+    """What a run already past ``--steps`` does (nothing but its final weights, from where it
+    is: training does not go back), said in one line; empty when it is not past them."""
+    return (f"{out_dir} is at step {step}, past --steps {steps}: nothing to train; its final weights are from "
+            f"step {step}") if step > steps else ""
+
+
+def _first_free_or_same(cfg: RunConfig, world_size: int, log, lock: RunLock) -> RunPlan:
     name = default_name(cfg)
     skipped = []
     for n in range(1, 10_000):
         out_dir = Path("runs") / (name if n == 1 else f"{name}-{n}")
-        plan = _plan_for(out_dir, cfg, world_size, log, quiet_mismatch=True)
+        try:
+            plan = _plan_for(out_dir, cfg, world_size, log, quiet_mismatch=True, lock=lock)
+        except DirectoryBusy:
+            plan = _live_differences(out_dir, cfg, world_size)
+            if not plan:  # this very run, or one whose configuration is not written yet
+                raise
         if isinstance(plan, RunPlan):
             if skipped:
                 log(f"{skipped[0][0]} holds a different run ({skipped[0][1]}); this one is {out_dir} "
                     f"(pass --out-dir to choose)")
             return plan
+        lock.release()
         skipped.append((out_dir, "; ".join(plan[:3]) + (" ..." if len(plan) > 3 else "")))
     raise NanolmError(f"runs/{name} ... runs/{name}-9999 all hold other runs; pass --out-dir")
+
+
+def _live_differences(out_dir: Path, cfg: RunConfig, world_size: int) -> list[str]:
+    """How the run another process is writing in ``out_dir`` differs from this command's
+    (its ``config.toml`` is written whole, first): none means this command's own run."""
+    try:
+        saved = load_run_config(out_dir / "config.toml")
+    except NanolmError:
+        return []
+    return _refused_changes(saved, world_size, cfg, world_size)
 
 
 def resume_checkpoint_at(path: Path, log) -> Path:

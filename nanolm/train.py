@@ -45,6 +45,7 @@ from .distributed import Distributed, Muted, launch
 from .errors import NanolmError
 from .evaluate import estimate_loss, sample_text  # noqa: F401 (estimate_loss: where the course imports it from)
 from .guards import Guard, nan_origin
+from .lock import RunLock
 from .model import GPT
 from .monitor import missing_sink_packages, parse_sinks
 from .observer import Observer
@@ -138,9 +139,9 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
         require_sharded_storage()
     use_prepared_tokenizer(cfg)
     try:
-        with settings_restored(), launch(cfg.train.dist, device) as dist:
+        with settings_restored(), launch(cfg.train.dist, device) as dist, RunLock() as lock:  # one writer per run directory
             log = log if dist.is_main else Muted()
-            run = build_run(cfg, dist, log, components or Components())
+            run = build_run(cfg, dist, log, components or Components(), lock)
             return run if isinstance(run, dict) else run_loop(run, log)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
@@ -190,8 +191,9 @@ def run_loop(run: Run, log=print) -> dict:
     return finish(run, row, log)
 
 
-def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) -> Run | dict:
-    """Decide where the run lives and what it does (``nanolm.rundir``), check everything, write
+def build_run(cfg: RunConfig, dist: Distributed, log, components: Components, lock: RunLock) -> Run | dict:
+    """Decide where the run lives and what it does (``nanolm.rundir``; rank 0 locks it with
+    ``lock``, which the caller holds until the run ends), check everything, write
     the run directory, build the model, optimizer, data stream and components, and resume
     from a checkpoint when there is one. A run that had already finished returns a dict."""
     t, o, d, g = cfg.train, cfg.optim, cfg.data, cfg.guard
@@ -203,7 +205,7 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components) ->
     keep_freed_memory_for_reuse(device)  # a CPU step reuses its freed buffers instead of re-faulting fresh pages
     if dist.active:
         log(f"distributed: {dist.describe()}")
-    plan = dist.from_main(lambda: locate_run(cfg, dist.world_size, log))
+    plan = dist.from_main(lambda: locate_run(cfg, lock, dist.world_size, log))
     if plan.finished:
         log(plan.message)
         return {"out_dir": str(plan.out_dir), "finished": True}

@@ -28,6 +28,7 @@ from nanolm.config import RunConfig
 from nanolm.data import Batch, PreparedData, WindowSampler, pack_windows
 from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
+from nanolm.lock import LOCK_FILE, RunLock
 from nanolm.tokenizer import train_char
 from nanolm.monitor import read_metrics
 from nanolm.optim import build_optimizer, muon_available
@@ -264,6 +265,19 @@ def test_ddp_resume_after_sigkill_is_bit_identical(tmp_path, uneven_corpus, ddp_
     a, b = _weights(ddp_run / "model.safetensors"), _weights(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _rows(tmp_path / "run") == _rows(ddp_run)
+
+
+def test_under_torchrun_rank_0_holds_the_one_lock_and_every_rank_follows_its_refusal(tmp_path, uneven_corpus):
+    """One lock per run, whatever the number of processes: rank 0 takes it while it plans,
+    the other ranks take none and stop with rank 0's refusal, before anything is written."""
+    out = tmp_path / "run"
+    with RunLock() as live:  # as if another run were writing there
+        live.take(out)
+        r = torchrun("--data", uneven_corpus, "--out-dir", out, *RUN, *TWO_RANKS, "--dist", "ddp")
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode != 0 and len(errors) == 2, r.stderr[-3000:]
+    assert all(f"{out} is being written by process {os.getpid()}" in line for line in errors)
 
 
 def test_fsdp_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path, fsdp_run, uneven_corpus):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import nanolm.checkpoint as ckpt
 from nanolm.checkpoint import list_checkpoints, read_final
 from nanolm.instruments.cli import main
+from nanolm.lock import LOCK_FILE
 from nanolm.monitor import read_metrics
 
 from conftest import run_cli
@@ -40,7 +41,9 @@ def _same_weights(a, b):
 
 
 def _files(run_dir):
-    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    """The run's files; not the lock file, which only names the process writing there now (a
+    ``kill -9`` leaves it behind, and the next command to take the lock removes it)."""
+    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != LOCK_FILE}
 
 
 @pytest.fixture(scope="module")

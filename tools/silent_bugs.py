@@ -170,7 +170,7 @@ BUGS = [
         "self.dist.device, reduce=self.dist.sum_tensors)"),
     # checkpoints and guards
     Bug("checksum_ignored", "a corrupted checkpoint or data shard is loaded as if whole",
-        "nanolm/files.py", "        if sha256_file(on_disk[name], callback) != files[name]:", "        if False:"),
+        "nanolm/files.py", "        if digest != files[name]:", "        if False:"),
     Bug("unlisted_files_accepted", "a file slipped into a checkpoint (a pickle, a stray shard) is read unchecked",
         "nanolm/files.py", "    if unlisted:\n", "    if False:\n"),
     Bug("meta_step_trusted", "a meta.json that claims another step makes a resume skip or repeat steps",
@@ -185,6 +185,9 @@ BUGS = [
     Bug("final_weights_never_written", "killed after its last checkpoint, a rerun says 'nothing to do' without final weights",
         "nanolm/rundir.py", '    finished_at = final["step"] if _finished(final, cfg) else None',
         "    finished_at = _step(checkpoint) if checkpoint is not None and _step(checkpoint) >= t.steps else None"),
+    Bug("lock_taken_but_not_checked", "a second train on a live run trains over it: both exit 0, the run is a mix of two",
+        "nanolm/lock.py", "                raise _refusal(e, directory, holder, flag) from None",
+        "                return  # refused or not, go ahead"),
     Bug("nan_model_exits_0", "a run whose final model outputs NaN is reported as a success",
         "nanolm/train.py", "    if progress.val_loss is not None and not math.isfinite(progress.val_loss):", "    if False:"),
     Bug("mfu_above_100", "a peak measured on a busy CPU makes MFU read above 100 %",
@@ -242,7 +245,7 @@ BUGS = [
         "nanolm/threads.py", "times[best] < (1 - SWITCH_GAIN) * base", "times[best] < base"),
 ]
 
-FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir "
+FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads").split()
 

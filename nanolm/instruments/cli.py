@@ -40,6 +40,7 @@ def _eval(args) -> None:
 
 def _prepare(args) -> None:
     from ..data import prepare
+    from ..lock import RunLock
 
     if not 0 <= args.val_fraction < 1:
         raise NanolmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
@@ -48,8 +49,10 @@ def _prepare(args) -> None:
     if args.vocab_size <= 0:
         raise NanolmError(f"--vocab-size must be positive, got {args.vocab_size}")
 
-    data = prepare(args.data, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.separator,
-                   args.text_field, seq_len=args.seq_len, progress=sys.stderr.isatty())
+    with RunLock() as lock:  # one writer: two prepares into one directory would interleave their shards
+        lock.take(args.out, flag="--out")
+        data = prepare(args.data, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.separator,
+                       args.text_field, seq_len=args.seq_len, progress=sys.stderr.isatty())
     m = data.meta
     s = m["splits"]
     print(f"prepared {args.data} -> {args.out} in {m['seconds']:.1f}s ({m['mb_per_s']:.1f} MB/s)")

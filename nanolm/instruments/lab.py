@@ -42,6 +42,7 @@ from typing import Callable
 from ..config import RunConfig
 from .diagnose import diagnose, format_findings
 from ..errors import NanolmError
+from ..lock import RunLock
 
 
 @dataclass
@@ -194,6 +195,7 @@ def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bo
                 log_lines: list[str] | None = None) -> tuple[Path, str | None]:
     """Train one variant into ``out/<name>``; returns (run dir, error message or None)."""
     from .faults import components
+    from ..lock import DirectoryBusy
     from ..train import train
 
     run_dir = out / variant.name
@@ -224,11 +226,14 @@ def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bo
             lines.append(f"--- killed after the checkpoint of step {stop}; resuming "
                          f"{'without' if cfg.debug.drop_optimizer_state else 'with'} the optimizer state")
         train(cfg, log=lines.append, components=components(cfg))
+    except DirectoryBusy:  # another process writes there: nothing of it is touched, not even train.log
+        lines = None
+        raise
     except NanolmError as e:
         error = str(e)
         lines.append(f"error: {e}")
     finally:
-        if run_dir.is_dir():
+        if run_dir.is_dir() and lines is not None:
             (run_dir / "train.log").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return run_dir, error
 
@@ -242,11 +247,17 @@ def run_lab(out, only: list[str] | None = None, steps: int | None = None, quick:
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         raise NanolmError(f"unknown lab variant {unknown[0]!r}; known: {', '.join(BY_NAME)}")
+    if steps is not None and steps < 20:
+        raise NanolmError(f"--steps must be at least 20 for the lab, got {steps}")
+    with RunLock() as lock:  # one writer: a second lab on --out is refused, not mixed in
+        lock.take(out, flag="--out", log=log)
+        return _lab(names, out, steps, quick, seed, report, only, log)
+
+
+def _lab(names: list[str], out: Path, steps, quick: bool, seed: int, report: bool, only, log) -> list[LabResult]:
     taken = [n for n in names if (out / n).exists()]
     if taken:
         raise NanolmError(f"{out / taken[0]} already exists; choose another --out")
-    if steps is not None and steps < 20:
-        raise NanolmError(f"--steps must be at least 20 for the lab, got {steps}")
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in names:

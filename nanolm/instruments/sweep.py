@@ -94,8 +94,7 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
     """Train at every rate in ``lrs`` into ``out/lr_<value>``; returns the table and the
     recommendation (see the module docstring for the rule)."""
     from ..config import load_toml
-    from .diagnose import diagnose
-    from ..train import train
+    from ..lock import RunLock
 
     if not 0 <= tolerance < 10:
         raise NanolmError(f"--tolerance must be a fraction such as 0.1, got {tolerance}")
@@ -107,6 +106,17 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
     steps_given = hasattr(args, "steps") or "steps" in (load_toml(args.config).get("train", {})
                                                         if getattr(args, "config", None) else {})
     configs = {lr: _config_for(args, lr, out / lr_dir_name(lr), steps_given) for lr in lrs}  # validate all first
+    with RunLock() as lock:  # one writer: a second sweep on --out is refused, not mixed in
+        lock.take(out, flag="--out", log=log)
+        return _sweep(configs, out, tolerance, report, log)
+
+
+def _sweep(configs: dict, out: Path, tolerance: float, report: bool, log) -> dict:
+    from ..lock import DirectoryBusy
+    from ..train import train
+    from .diagnose import diagnose
+
+    lrs = list(configs)
     taken = [lr for lr in lrs if (out / lr_dir_name(lr)).exists()]
     if taken:
         raise NanolmError(f"{out / lr_dir_name(taken[0])} already exists; choose another --out")
@@ -121,6 +131,8 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
         error = None
         try:
             train(cfg, log=lines.append)
+        except DirectoryBusy:  # another process writes there: nothing of it is touched
+            raise
         except NanolmError as e:
             error = str(e)
             lines.append(f"error: {e}")

@@ -1,0 +1,278 @@
+"""One run directory, one writer: a second process on a live run is refused in one line,
+and nothing of the first is lost.
+
+The processes here are real (``python -m nanolm train`` in a subprocess, stopped with
+SIGSTOP at the moment under test, so that no test depends on how fast a machine is) and
+each test compares the first run's weights and metrics, bit for bit, with the same
+command run alone.
+"""
+
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import nanolm.checkpoint as ckpt
+import nanolm.lock
+from nanolm.checkpoint import load_run, read_final
+from nanolm.errors import NanolmError
+from nanolm.instruments.cli import main
+from nanolm.lock import LOCK_FILE, NO_LOCK, DirectoryBusy, RunLock
+from nanolm.monitor import read_metrics
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
+        "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--log-every", "1",
+        "--steps", "100", "--eval-every", "25", "--ckpt-every", "10", "--threads", "1"]
+SAME = ("step", "loss", "lr", "grad_norm", "val_loss")  # what two runs of one command share, bit for bit
+
+
+def _command(data, *extra):
+    return ["train", "--data", str(data), *TINY, *map(str, extra)]
+
+
+def _start(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "nanolm", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _when(proc: subprocess.Popen, condition, timeout=120) -> None:
+    """Wait until ``condition()`` holds while ``proc`` runs."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"exit {proc.returncode}: {proc.communicate()}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def _holds_lock(proc, run_dir):
+    def check():
+        try:
+            return (run_dir / LOCK_FILE).read_text().startswith(f"{proc.pid}@")
+        except FileNotFoundError:
+            return False
+    return check
+
+
+def _same_run(a, b) -> bool:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    rows = [[{k: r.get(k) for k in SAME} for r in read_metrics(d / "metrics.jsonl")] for d in (a, b)]
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa) and rows[0] == rows[1]
+
+
+def _files(run_dir):
+    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, stories_file):
+    """The command, run alone."""
+    out = tmp_path_factory.mktemp("alone") / "run"
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    return out
+
+
+# ------------------------------------------------------------------ the lock itself
+def test_a_directory_has_one_writer_and_a_second_is_refused_naming_the_holder(tmp_path):
+    with RunLock() as first:
+        first.take(tmp_path / "run")
+        with pytest.raises(DirectoryBusy) as refused:
+            RunLock().take(tmp_path / "run")  # another open file: refused even in the same process
+        assert f"is being written by process {os.getpid()} on {socket.gethostname()}; wait for it to end, " \
+               f"or choose another --out-dir" in str(refused.value)
+    with RunLock() as second:  # let go: the next writer takes it
+        second.take(tmp_path / "run")
+
+
+def test_the_lock_leaves_no_trace_when_it_is_let_go(tmp_path):
+    """A command refused after taking the lock (its data too short...) wrote nothing: the
+    directories the lock made are removed again when nothing was written into them."""
+    with RunLock() as lock:
+        lock.take(tmp_path / "runs" / "new")
+        assert (tmp_path / "runs" / "new" / LOCK_FILE).is_file()
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "mine").mkdir()
+    with RunLock() as lock:
+        lock.take(tmp_path / "mine")
+    assert (tmp_path / "mine").is_dir() and list((tmp_path / "mine").iterdir()) == []
+
+
+def test_the_lock_dies_with_its_holder(tmp_path):
+    """``kill -9``: no handler runs, and the lock is free at once. Its file stays behind, naming
+    a dead process, and means nothing: the flock decides."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanolm.lock import RunLock; "
+                               "RunLock().take(sys.argv[1]); print('held', flush=True); time.sleep(600)",
+                               str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(DirectoryBusy, match=f"process {holder.pid} on"):
+        RunLock().take(tmp_path / "run")
+    holder.kill()
+    holder.wait()
+    assert (tmp_path / "run" / LOCK_FILE).read_text().startswith(f"{holder.pid}@")
+    with RunLock() as lock:
+        lock.take(tmp_path / "run")
+
+
+def test_a_file_system_without_locks_is_refused_unless_told_otherwise(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(nanolm.lock.fcntl, "flock", no_locks)
+    with pytest.raises(NanolmError, match=f"without working locks .*set {NO_LOCK}=1"):
+        RunLock().take(tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv(NO_LOCK, "1")
+    said = []
+    with RunLock() as lock:
+        lock.take(tmp_path / "run", log=said.append)
+    assert "written without a lock" in said[0]
+
+
+# ------------------------------------------------------------------ two processes, one run
+def test_a_second_train_on_a_live_run_is_refused_and_the_first_ends_as_if_alone(tmp_path, stories_file, alone,
+                                                                                 capsys):
+    """The issue's case: the second command (a changed --lr, which a resume allows) starts
+    while the first runs. It is refused in one line naming the first, writes nothing, and
+    the first ends bit-identical to the command run alone. Readers keep working meanwhile."""
+    out = tmp_path / "run"
+    first = _start(*_command(stories_file, "--out-dir", out))
+    try:
+        _when(first, lambda: (out / "checkpoints" / "latest").exists() and _holds_lock(first, out)())
+        first.send_signal(signal.SIGSTOP)  # mid-run, holding the lock
+        before = _files(out)
+        assert main(_command(stories_file, "--out-dir", out, "--lr", "1e-2")) == 2
+        line = _one_error_line(capsys)
+        assert f"{out} is being written by process {first.pid} on {socket.gethostname()}; wait" in line
+        assert "--out-dir" in line and _files(out) == before
+        load_run(out)  # readers (sample, eval, export) read the newest checkpoint meanwhile
+        assert main(["diagnose", str(out)]) in (0, 1)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    assert _same_run(out, alone) and not (out / LOCK_FILE).exists()
+
+
+def test_a_second_train_without_out_dir_skips_a_live_different_run_and_refuses_its_own(
+        tmp_path, stories_file, capsys, monkeypatch):
+    """Without --out-dir a command picks ``runs/<name>`` or the next numbered directory: a
+    directory another process is writing is skipped when it holds a different run (as it
+    would be if that process were not running) and refused when it holds this very run."""
+    monkeypatch.chdir(tmp_path)
+    name = stories_file.stem
+    assert main(_command(stories_file, "--steps", 2, "--n-embd", 64)) == 0
+    with RunLock() as live:
+        live.take(tmp_path / "runs" / name)  # as if that run were training now
+        capsys.readouterr()
+        assert main(_command(stories_file, "--steps", 2)) == 0
+        assert f"holds a different run (n_embd: 64 -> 32); this one is {os.path.join('runs', name + '-2')}" \
+               in capsys.readouterr().out
+        assert main(_command(stories_file, "--steps", 2, "--n-embd", 64)) == 2
+        assert f"runs/{name} is being written by process {os.getpid()}" in _one_error_line(capsys)
+
+
+def test_killed_with_9_the_holder_lets_go_and_the_same_command_resumes_bit_identical(tmp_path, stories_file, alone,
+                                                                                      capsys):
+    out = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-m", "nanolm", *_command(stories_file, "--out-dir", out,
+                                                                     "--debug-kill-after-checkpoint", 50)])
+    assert killed.returncode == -signal.SIGKILL
+    assert (out / LOCK_FILE).is_file()  # left behind by the dead process: it must not block the rerun
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    assert f"resumed from {out / 'checkpoints' / 'step_000050'}" in capsys.readouterr().out
+    assert _same_run(out, alone) and not (out / LOCK_FILE).exists()
+
+
+def test_a_reader_during_a_save_loads_a_whole_checkpoint(tmp_path, stories_file, monkeypatch):
+    """``--keep 1``: each save discards the checkpoint before it, possibly while ``nanolm
+    sample`` reads it. Here the reader has checked the newest checkpoint and is about to load
+    its weights when the live run saves the next one and discards it: the reader loads the
+    newest one instead of failing."""
+    out = tmp_path / "run"
+    run = _start(*_command(stories_file, "--out-dir", out, "--steps", 200, "--ckpt-every", 1, "--keep", 1,
+                           "--eval-every", 1000))
+    try:
+        _when(run, lambda: (out / "checkpoints" / "latest").exists())
+        run.send_signal(signal.SIGSTOP)
+        read, real = [], ckpt.load_weights
+
+        def save_meanwhile(model, path):
+            if not read:  # the first checkpoint read: let the run save the next ones, discarding it
+                run.send_signal(signal.SIGCONT)
+                deadline = time.monotonic() + 60
+                while path.exists() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                run.send_signal(signal.SIGSTOP)
+            read.append(path.parent.name)
+            return real(model, path)
+
+        monkeypatch.setattr(ckpt, "load_weights", save_meanwhile)
+        model, _, _ = load_run(out)
+        assert len(read) == 2 and read[0] != read[1] and ckpt.weights_are_finite(model)
+        rows = read_metrics(out / "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(len(rows)))  # never half a line
+    finally:
+        run.send_signal(signal.SIGCONT)
+        run.kill()
+        run.communicate()
+
+
+# ------------------------------------------------------------------ other writers
+def test_prepare_into_a_directory_being_written_is_refused(tmp_path, stories_file, capsys):
+    with RunLock() as live:
+        live.take(tmp_path / "shards")
+        assert main(["prepare", "--data", str(stories_file), "--out", str(tmp_path / "shards"), "--tokenizer", "char"]) == 2
+        line = _one_error_line(capsys)
+        assert f"is being written by process {os.getpid()}" in line and line.endswith("choose another --out")
+        assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [LOCK_FILE]
+    assert main(["prepare", "--data", str(stories_file), "--out", str(tmp_path / "shards"), "--tokenizer", "char"]) == 0
+
+
+def test_a_sweep_takes_its_directory_and_each_rate_s_run(tmp_path, stories_file, capsys, monkeypatch):
+    """A sweep on a directory another sweep writes is refused before it writes anything; and
+    each rate's run is locked while it trains, since the sweep trains it with ``train()``."""
+    out = tmp_path / "sweep"
+    sweep = ["sweep", "--lrs", "1e-3", "--out", str(out), "--data", str(stories_file), *TINY, "--no-report"]
+    with RunLock() as live:
+        live.take(out)
+        assert main(sweep) == 2
+        assert f"{out} is being written by process {os.getpid()}" in _one_error_line(capsys)
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+    held = []
+    real = ckpt.save_checkpoint
+
+    def check_the_lock(run_dir, step, *a, **k):
+        with pytest.raises(DirectoryBusy):
+            RunLock().take(run_dir)
+        held.append(step)
+        return real(run_dir, step, *a, **k)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", check_the_lock)
+    assert main(sweep) == 0
+    assert held and not (out / "lr_0.001" / LOCK_FILE).exists() and not (out / LOCK_FILE).exists()
+
+
+# ------------------------------------------------------------------ --steps below where the run is
+def test_resuming_with_steps_below_the_checkpoint_says_so_in_one_line(tmp_path, stories_file, capsys):
+    out = tmp_path / "run"
+    assert main(_command(stories_file, "--out-dir", out, "--steps", 10)) == 0
+    capsys.readouterr()
+    assert main(_command(stories_file, "--out-dir", out, "--steps", 5)) == 0  # finished at 10
+    said = f"{out} is at step 10, past --steps 5: nothing to train; its final weights are from step 10"
+    assert said in capsys.readouterr().out
+    (out / "final.json").unlink()  # killed after its last checkpoint: the final weights are still to write
+    (out / "model.safetensors").unlink()
+    assert main(_command(stories_file, "--out-dir", out, "--steps", 5)) == 0
+    assert said in capsys.readouterr().out and read_final(out)["step"] == 10
