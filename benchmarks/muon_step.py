@@ -22,7 +22,8 @@ import time
 import torch
 
 from nanolm.model import GPT, GPTConfig
-from nanolm.optim import GroupedMuon, build_optimizer, muon_available, split_for_muon
+from nanolm.muon import GroupedMuon
+from nanolm.optim import build_optimizer, muon_available, split_for_muon
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ import torch
 import torch.nn as nn
 
 from nanolm.data import Batch
-from nanolm.optim import (GroupedMuon, MuonWithAdamW, build_optimizer, cosine_lr, get_param_groups, muon_available,
+from nanolm.muon import GroupedMuon
+from nanolm.optim import (MuonWithAdamW, build_optimizer, cosine_lr, get_param_groups, muon_available,
                           set_learning_rate, wsd_lr)
 from nanolm.step import StepParts, train_step
 
@@ -201,11 +202,11 @@ def test_grouped_muon_takes_the_steps_of_torch_muon(options, small_batches, monk
 def test_muon_orthogonalises_in_fp32_on_a_cpu_without_native_bf16(monkeypatch):
     """Where bf16 products are emulated (~1 GFLOP/s), Newton-Schulz in bf16 would cost seconds
     a step: it runs in fp32 there, and gives PyTorch's bf16 update up to bf16's rounding."""
-    import nanolm.optim
+    import nanolm.muon
 
     seen = []
-    iteration = nanolm.optim.newton_schulz_batched
-    monkeypatch.setattr(nanolm.optim, "newton_schulz_batched",
+    iteration = nanolm.muon.newton_schulz_batched
+    monkeypatch.setattr(nanolm.muon, "newton_schulz_batched",
                         lambda x, *args: seen.append(args[-1]) or iteration(x, *args))
     monkeypatch.setattr("nanolm.precision.cpu_has_native_bf16", lambda: False)
     torch.manual_seed(0)
