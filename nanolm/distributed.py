@@ -99,12 +99,6 @@ def torchrun_env() -> tuple[int, int, int] | None:
         raise NanolmError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (they are set by torchrun)") from None
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPT inside ``torch.compile`` and DDP wrappers (FSDP2 shards the GPT in place)."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
 @contextlib.contextmanager
 def gradient_sync(model: torch.nn.Module, enabled: bool):
     """Reduce gradients across ranks in the backward pass inside this block, or hold them.

@@ -44,7 +44,6 @@ length, b sequences per GPU micro-batch, N parameters, G GPUs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NanolmError

@@ -12,14 +12,13 @@ Three means (docs/gpu.md says what each covers and what only a GPU proves):
 """
 
 import contextlib
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import tiny_model, tiny_run_config
-from simulated_device import DeviceMix, SimulatedDevice
+from simulated_device import SimulatedDevice
 
 import nanolm.checkpoint as ckpt
 from nanolm.data import Batch, pack_windows

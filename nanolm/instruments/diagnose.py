@@ -115,10 +115,6 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _median(xs):
-    return statistics.median(xs) if xs else None
-
-
 def _r(x, digits: int = 4):
     """Round for evidence: significant digits, so that 3e-5 and 1234.5 both read well."""
     if not _finite(x):
