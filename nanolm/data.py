@@ -712,7 +712,7 @@ def prepare(
         log(f"skipped {problem}")
     if len(docs.problems) > 20:
         log(f"... and {len(docs.problems) - 20} more bad records")
-    shown.closing(f"{_megabytes(total_bytes)} into {sum(w.n_tokens for w in writers.values()):,} tokens in {out}")
+    shown.closing(f"{_megabytes(total_bytes)} into {sum(w.n_tokens for w in writers.values()):,} tokens")
     return PreparedData(out, verify=False)
 
 
