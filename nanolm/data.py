@@ -35,6 +35,8 @@ import hashlib
 import json
 import lzma
 import math
+import os
+import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -449,6 +451,158 @@ def _known_document_entropy(source: Path) -> list[float] | None:
         return None
 
 
+# --------------------------------------------------------------------------- prepare's progress
+PROGRESS_MIN_BYTES = 10_000_000  # a smaller source prepares in a few seconds: no progress is shown
+PROGRESS_EVERY_S = 30.0  # lines mode: a line at least this often, besides one per 10 %
+PROGRESS_GAP_S = 5.0  # lines mode: and at most this often (a phase of seconds needs no line per 10 %)
+BPE_TRAINING_CHARS = 100_000_000  # BPE learns its merges from at most this much training text
+
+
+def _progress_mode(progress, source_bytes: int, log) -> str | None:
+    """How ``prepare`` shows its progress: ``"bar"``, ``"lines"`` or None (silent).
+
+    ``progress`` takes the training loop's modes (``auto``, ``bar``, ``lines``, see
+    :func:`nanolm.monitor.choose_progress`) so one ``--progress`` decides for both; True is
+    ``auto`` and False silence. Silent below ``PROGRESS_MIN_BYTES`` (a few seconds of work:
+    progress would only be noise) and on every torchrun rank but 0 (each rank would print
+    the same lines, and bars from several processes garble a terminal).
+    """
+    from .monitor import PROGRESS_MODES, choose_progress
+
+    if progress is False or progress is None:
+        return None
+    mode = "auto" if progress is True else progress
+    if mode not in PROGRESS_MODES:
+        raise NanolmError(f"progress {progress!r} is not one of {', '.join(PROGRESS_MODES)}")
+    if os.environ.get("RANK", "0") != "0" or source_bytes < PROGRESS_MIN_BYTES:
+        return None
+    return choose_progress(mode, log)
+
+
+def _expected_text_bytes(docs: DocumentSource) -> int:
+    """About how many UTF-8 bytes of text ``docs`` holds, for the percentage and the ETA: the
+    file sizes, except for parquet, whose file is compressed (there, the column's size
+    uncompressed, from the file's metadata)."""
+    if docs.path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(docs.path).metadata
+            names = [meta.schema.column(j).name for j in range(meta.num_columns)]
+            j = names.index(docs.text_field)
+            return sum(meta.row_group(i).column(j).total_uncompressed_size for i in range(meta.num_row_groups))
+        except Exception:  # an unreadable file is reported by the reading itself
+            pass
+    return docs.size_bytes()
+
+
+class PrepareProgress:
+    """What a person sees while ``prepare`` works through a large corpus.
+
+    Preparing 1 GB of text takes minutes (docs/benchmarks.md), and a command that prints
+    nothing for minutes looks hung. Each phase (training the tokenizer, encoding) counts the
+    UTF-8 bytes of the documents it is done with and shows how far it is, how fast, and when
+    it should end: a tqdm bar on a terminal (``"bar"``), or, where a bar's carriage returns
+    would be noise (a log file, CI, a notebook's captured output), a line at each tenth of the
+    way and at least every ``PROGRESS_EVERY_S`` seconds, but not twice within ``PROGRESS_GAP_S``
+    (``"lines"``). Each phase ends with a line in both. ``mode`` None shows nothing and costs
+    nothing.
+
+    Progress only watches: :meth:`follow`, through which the tokenizer reads its documents,
+    yields every one it is given, unchanged and in order, so the prepared files are byte for
+    byte those of a silent run (``test_progress_does_not_change_the_prepared_bytes``).
+    """
+
+    def __init__(self, mode: str | None, log=print):
+        self.mode, self.log = mode, log
+        self.bar = None
+        self.started = time.monotonic()
+
+    def say(self, line: str) -> None:
+        if self.mode is None:
+            return
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+        else:
+            self.log(line)
+
+    def begin(self, what: str, total: int) -> None:
+        """A phase ``what`` that expects to go through ``total`` bytes."""
+        if self.mode is None:
+            return
+        self.what, self.total, self.done, self.next_tenth = what, max(1, total), 0, 1
+        self.start = self.last_line = time.monotonic()
+        if self.mode == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, desc=f"prepare: {what}", unit="B", unit_scale=True, file=sys.stdout,
+                            dynamic_ncols=True, leave=False)
+        else:
+            self.log(f"prepare: {what} ({_megabytes(self.total)} expected)")
+
+    def advance(self, n: int) -> None:
+        if self.mode is None:
+            return
+        self.done += n
+        if self.done > self.total:  # the estimate was short: the end moves, the percentage stays below 100
+            self.total = self.done
+            if self.bar is not None:
+                self.bar.total = self.total
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.monotonic()
+        since = now - self.last_line
+        if (self.done * 10 >= self.next_tenth * self.total and since >= PROGRESS_GAP_S) or since >= PROGRESS_EVERY_S:
+            if self.done < self.total:
+                self.log(f"prepare: {self.what} {100 * self.done // self.total}% "
+                         f"({_rate_and_eta(self.done, self.total, now - self.start)})")
+            self.next_tenth, self.last_line = self.done * 10 // self.total + 1, now
+
+    def end(self) -> tuple[int, float]:
+        """(bytes, seconds) of the phase that ends."""
+        if self.mode is None:
+            return 0, 0.0
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        return self.done, time.monotonic() - self.start
+
+    def follow(self, texts, what: str, total: int, on_end=None):
+        """``texts``, counted as the phase ``what``, each text once the consumer asks for the next
+        (it is then done with it). ``on_end(bytes, seconds)`` runs when ``texts`` is exhausted."""
+        if self.mode is None:
+            return texts
+        return self._counted(texts, what, total, on_end)
+
+    def _counted(self, texts, what: str, total: int, on_end):
+        self.begin(what, total)
+        for text in texts:
+            yield text
+            self.advance(len(text.encode("utf-8")))
+        done = self.end()
+        if on_end is not None:
+            on_end(*done)
+
+    def closing(self, line: str) -> None:
+        self.say(f"prepare: {line} (done in {format_seconds(time.monotonic() - self.started)})")
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _rate_and_eta(done: int, total: int, seconds: float) -> str:
+    rate = done / max(seconds, 1e-9)
+    return f"{_megabytes(done)}, {rate / 1e6:.1f} MB/s, ETA {format_seconds((total - done) / max(rate, 1e-9))}"
+
+
+def format_seconds(seconds: float) -> str:
+    from .monitor import format_duration
+
+    return f"{seconds:.1f}s" if seconds < 60 else format_duration(seconds)
+
+
 def prepare(
     source,
     out_dir,
@@ -459,7 +613,7 @@ def prepare(
     text_field: str = "text",
     tokenizer: Tokenizer | None = None,
     seq_len: int = 256,
-    progress: bool = True,
+    progress: bool | str = True,
     compressor_sample_bytes: int = COMPRESSOR_SAMPLE_BYTES,
     log=print,
 ) -> PreparedData:
@@ -475,6 +629,9 @@ def prepare(
     (``meta["compressor_bpb"]`` is then None): a training run does, because xz competes with the
     encoding for the cores (tiny-shakespeare with BPE 8,192: 2.08 s with them, 1.29 s without,
     ``benchmarks/prepare_throughput.py``) and nothing in the run reads the figures.
+
+    ``progress``: ``"auto"`` (True), ``"bar"``, ``"lines"`` or False, as :class:`PrepareProgress`
+    shows it; a source under ``PROGRESS_MIN_BYTES`` prepares silently whatever it says.
     """
     t0 = time.perf_counter()
     docs = DocumentSource(source, separator, text_field)
@@ -486,19 +643,16 @@ def prepare(
     if foreign:
         raise NanolmError(f"{out} already holds {foreign[0]}, which prepare did not write; choose a new or empty --out")
     total_bytes = docs.size_bytes()
+    shown = PrepareProgress(_progress_mode(progress, total_bytes, log), log)
     out.mkdir(parents=True, exist_ok=True)
 
+    expected = _expected_text_bytes(docs) if shown.mode else 0
     if tokenizer is None:
-        tokenizer = train_tokenizer(tokenizer_kind, _tokenizer_texts(docs, tokenizer_kind, val_fraction), vocab_size)
+        tokenizer = _trained_tokenizer(docs, tokenizer_kind, vocab_size, val_fraction, expected, shown)
     tokenizer.save(out / "tokenizer.json")
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     writers = {name: _SplitWriter(out / f"{name}.bin", dtype) for name in ("train", "val")}
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare", leave=False)
     chunk: dict[str, list[str]] = {"train": [], "val": []}
     chunk_chars = 0
     sample = {"train": [], "val": []}
@@ -508,14 +662,15 @@ def prepare(
         nonlocal chunk_chars
         for name, texts in chunk.items():
             if texts:
+                before = writers[name].n_bytes
                 writers[name].write_docs(tokenizer.encode_batch(texts), texts, tokenizer.eos_id)
-                if bar is not None:
-                    bar.update(sum(len(t.encode("utf-8")) for t in texts))
+                shown.advance(writers[name].n_bytes - before)
         chunk["train"], chunk["val"], chunk_chars = [], [], 0
 
     doc_nats = _known_document_entropy(Path(source))
     val_nats = 0.0
     n_docs = {"train": 0, "val": 0}
+    shown.begin("encoding", expected)
     for i, (split, text) in enumerate(split_documents(iter(docs), val_fraction)):
         chunk[split].append(text)
         n_docs[split] += 1
@@ -532,8 +687,9 @@ def prepare(
         compressor_bpb = (background.submit(compressor_bits_per_byte, b"".join(sample["train"]),
                                             b"".join(sample["val"])) if compressor_sample_bytes else None)
         flush()
-    if bar is not None:
-        bar.close()
+    done, seconds = shown.end()
+    shown.say(f"prepare: encoded {_megabytes(done)} in {format_seconds(seconds)} "
+              f"({done / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
     for name, w in writers.items():
         w.close(out, name)
     if n_docs["train"] == 0:
@@ -556,13 +712,35 @@ def prepare(
         log(f"skipped {problem}")
     if len(docs.problems) > 20:
         log(f"... and {len(docs.problems) - 20} more bad records")
+    shown.closing(f"{_megabytes(total_bytes)} into {sum(w.n_tokens for w in writers.values()):,} tokens")
     return PreparedData(out, verify=False)
+
+
+def _trained_tokenizer(docs, kind: str, vocab_size: int, val_fraction: float, expected: int,
+                       shown: PrepareProgress) -> Tokenizer:
+    """The first pass: the tokenizer learned from ``docs``, its progress shown by ``shown``."""
+    start = time.monotonic()
+    reads = expected if kind == "char" else min(BPE_TRAINING_CHARS, round(expected * (1 - val_fraction)))
+
+    def read_all(done, seconds):
+        if kind == "bpe":
+            shown.say(f"prepare: the tokenizer read {_megabytes(done)} in {format_seconds(seconds)}; "
+                      f"computing its merges")
+
+    texts = shown.follow(_tokenizer_texts(docs, kind, val_fraction), f"training the {kind} tokenizer", reads,
+                         on_end=read_all)
+    # not the Rust trainer's own bars (show_progress): for texts from an iterator its first bar
+    # has no end, hence no ETA, and it would draw over this one
+    tokenizer = train_tokenizer(kind, texts, vocab_size)
+    shown.say(f"prepare: tokenizer trained in {format_seconds(time.monotonic() - start)} "
+              f"({kind}, {tokenizer.vocab_size} tokens)")
+    return tokenizer
 
 
 def _tokenizer_texts(docs, kind: str, val_fraction: float):
     """What the tokenizer learns from: BPE the training documents (up to 100 MB of them), the
     char vocabulary every document (a character only in validation must be encodable too)."""
-    budget = 100_000_000
+    budget = BPE_TRAINING_CHARS
     for split, text in split_documents(iter(docs), val_fraction):
         if kind == "char" or split == "train":
             yield text

@@ -265,7 +265,7 @@ def load_training_data(cfg: RunConfig, scratch: Path, log=print, compressor_boun
         log(f"data: {source}")
     with importing_alongside("torch._dynamo"):  # the optimizer's first use needs it: on the core the tokenizer leaves idle
         return prepare(source, scratch / "data", d.tokenizer, d.vocab_size, d.val_fraction, d.separator,
-                       d.text_field, seq_len=cfg.model.seq_len, progress=False, log=log,
+                       d.text_field, seq_len=cfg.model.seq_len, progress=cfg.train.progress, log=log,
                        compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if compressor_bounds else 0)
 
 

@@ -449,3 +449,80 @@ def test_the_bpe_tokenizer_learns_from_training_documents_only():
     seen = list(_tokenizer_texts(docs, "bpe", 0.1))
     assert val and not val & set(seen) and len(seen) == len(docs) - len(val)
     assert set(_tokenizer_texts(docs, "char", 0.1)) >= val
+
+
+# ------------------------------------------------------------------ prepare's progress
+@pytest.fixture(scope="module")
+def progress_runs(tmp_path_factory):
+    """One corpus prepared twice, silently and with plain progress lines (the size threshold and
+    the least gap between lines lowered so that 1.5 MB shows them): (silent data, shown data, the lines)."""
+    from nanolm.corpus import write_stories
+
+    tmp = tmp_path_factory.mktemp("progress")
+    write_stories(tmp / "stories.txt", 4000, seed=0)
+    lines = []
+    threshold, data_mod.PROGRESS_MIN_BYTES = data_mod.PROGRESS_MIN_BYTES, 0
+    gap, data_mod.PROGRESS_GAP_S = data_mod.PROGRESS_GAP_S, 0.0
+    try:
+        quiet = prepare(tmp / "stories.txt", tmp / "quiet", "bpe", 512, progress=False, compressor_sample_bytes=0,
+                        log=lambda *_: None)
+        shown = prepare(tmp / "stories.txt", tmp / "shown", "bpe", 512, progress="lines", compressor_sample_bytes=0,
+                        log=lines.append)
+    finally:
+        data_mod.PROGRESS_MIN_BYTES, data_mod.PROGRESS_GAP_S = threshold, gap
+    return quiet, shown, lines
+
+
+def test_progress_does_not_change_the_prepared_bytes(progress_runs):
+    """Progress only watches: the tokenizer reads its documents through the progress meter,
+    and a meter that consumed or dropped any of them would train another tokenizer."""
+    quiet, shown, _ = progress_runs
+    assert shown.tokenizer.fingerprint() == quiet.tokenizer.fingerprint()
+    assert shown.digest == quiet.digest
+
+
+def test_plain_progress_shows_each_phase_with_an_eta(progress_runs):
+    *_, lines = progress_runs
+    assert all(line.startswith("prepare: ") for line in lines)
+    text = "\n".join(lines)
+    assert "prepare: training the bpe tokenizer (" in text and "prepare: encoding (" in text
+    for phase in ("training the bpe tokenizer", "encoding"):
+        with_eta = [line for line in lines if line.startswith(f"prepare: {phase} ") and "% (" in line and "ETA " in line]
+        assert with_eta, f"no progress line with an ETA for {phase}"
+        assert len(with_eta) <= 10  # a line per tenth at most (the 30 s cadence is not reached here)
+    assert "computing its merges" in text and "tokenizer trained in" in text and "prepare: encoded " in text
+    assert lines[-1].startswith("prepare: ") and "done in" in lines[-1]
+
+
+@pytest.mark.parametrize("why", ["small source", "rank 1"])
+def test_progress_stays_out_of_the_way(stories_file, tmp_path, monkeypatch, why):
+    """A source under the threshold prepares in seconds: no progress. Under torchrun only rank 0
+    shows it (every rank would print the same lines)."""
+    if why == "rank 1":
+        monkeypatch.setattr(data_mod, "PROGRESS_MIN_BYTES", 0)
+        monkeypatch.setenv("RANK", "1")
+    lines = []
+    prepare(stories_file, tmp_path / "out", "char", progress="lines", compressor_sample_bytes=0, log=lines.append)
+    assert not [line for line in lines if line.startswith("prepare:")]
+
+
+def test_prepare_refuses_an_unknown_progress_mode(stories_file, tmp_path):
+    with pytest.raises(NanolmError, match="progress 'fancy' is not one of auto, bar, lines"):
+        prepare(stories_file, tmp_path / "out", "char", progress="fancy")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("seconds_per_percent, expected", [(1.0, 9), (0.05, 0), (0.1, 1), (10.0, 39)])
+def test_plain_progress_lines_come_at_a_modest_cadence(monkeypatch, seconds_per_percent, expected):
+    """A line per tenth, but none within 5 s of the last (a phase of seconds needs none) and at
+    least one every 30 s (a slow tenth still shows life); 100 % is the phase's end line."""
+    clock = [0.0]
+    monkeypatch.setattr(data_mod.time, "monotonic", lambda: clock[0])
+    lines = []
+    shown = data_mod.PrepareProgress("lines", log=lines.append)
+    shown.begin("encoding", 100)
+    for _ in range(100):
+        clock[0] += seconds_per_percent
+        shown.advance(1)
+    shown.end()
+    assert len(lines) - 1 == expected, lines

@@ -52,7 +52,7 @@ def _prepare(args) -> None:
     with RunLock() as lock:  # one writer: two prepares into one directory would interleave their shards
         lock.take(args.out, flag="--out")
         data = prepare(args.data, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.separator,
-                       args.text_field, seq_len=args.seq_len, progress=sys.stderr.isatty())
+                       args.text_field, seq_len=args.seq_len, progress=args.progress)
     m = data.meta
     s = m["splits"]
     print(f"prepared {args.data} -> {args.out} in {m['seconds']:.1f}s ({m['mb_per_s']:.1f} MB/s)")
@@ -247,6 +247,7 @@ def _add_training_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     p.set_defaults(func=_eval)
 
+    from ..monitor import PROGRESS_MODES
     from ..tokenizer import EOS, KINDS
 
     p = sub.add_parser("prepare", help="tokenize a corpus once into token shards", formatter_class=fmt)
@@ -258,6 +259,9 @@ def _add_training_commands(sub) -> None:
     p.add_argument("--separator", default=EOS, help="line separating documents in a .txt file")
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column with the text")
     p.add_argument("--seq-len", type=int, default=256, help="window length used for the boundary statistics")
+    p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                   help="progress of a long preparation (10 MB and more): a bar, plain lines, or auto (a bar on a "
+                        "terminal)")
     p.set_defaults(func=_prepare)
 
 
