@@ -30,7 +30,7 @@ from nanolm.optim import build_optimizer
 from nanolm.precision import resolve_precision
 from nanolm.runtime import configure_tf32, refuse_what_the_device_cannot_do, settings_restored
 from nanolm.stats import LayerStats, probe
-from nanolm.step import StepParts, train_step
+from nanolm.step import StepSetup, train_step
 
 V = 64
 
@@ -76,8 +76,8 @@ def test_rotary_step_hands_attention_q_k_and_v_in_one_dtype_under_autocast():
 
 
 # ----------------------------------------------------------------------------- the model on a simulated GPU
-def step_parts(model, **kw):
-    return StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, **kw)
+def step_setup(model, **kw):
+    return StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, **kw)
 
 
 @pytest.mark.parametrize("device", ["cuda:0", "mps:0"])
@@ -86,7 +86,7 @@ def test_a_training_step_keeps_every_tensor_on_the_model_device(device):
     batches = [packed_batch(4), packed_batch(5)]  # on the host, as the loop holds them
     with SimulatedDevice(device) as gpu:
         gpu.move(model)
-        result = train_step(step_parts(model), 1, batches)
+        result = train_step(step_setup(model), 1, batches)
         assert result.updated and result.loss.device == torch.device(device)
         assert all(gpu.holds(p) and gpu.holds(p.grad) is False or p.grad is None for p in model.parameters())
 
@@ -107,14 +107,13 @@ def test_layer_statistics_run_on_the_device():
     batch = packed_batch(8)
     with SimulatedDevice("cuda:0") as gpu:
         gpu.move(model)
-        parts = step_parts(model)
         stats = LayerStats(model, batch)
-        train_step(parts, 1, [batch], _Probe(stats))
+        train_step(step_setup(model, watch=lambda step, micro_batches: _Watch(stats)), 1, [batch])
         row = stats.after_update()
     assert row["attn_logit_max/0"] > 0 and 0 <= row["mlp_dead_frac/1"] <= 1
 
 
-class _Probe:
+class _Watch:
     def __init__(self, stats):
         self.stats = stats
 

@@ -344,7 +344,7 @@ def test_a_compiled_step_follows_the_eager_step():
     gradient element near zero may change sign when the sums are reordered). On CPU too,
     where the compile is the slow part."""
     from nanolm.data import pack_windows
-    from nanolm.step import StepParts, train_step
+    from nanolm.step import StepSetup, train_step
 
     tokens = np.random.default_rng(0).integers(1, 64, size=2000)
     tokens[::37] = 0  # documents, so the mask path is compiled too
@@ -352,9 +352,9 @@ def test_a_compiled_step_follows_the_eager_step():
     results = []
     for compile in (False, True):
         model = tiny_model(n_layer=1)
-        parts = StepParts(model, torch.optim.SGD(model.parameters(), lr=1.0), schedule=lambda step: 1.0,
+        setup = StepSetup(model, torch.optim.SGD(model.parameters(), lr=1.0), schedule=lambda step: 1.0,
                           step_model=torch.compile(model) if compile else model)
-        results.append((train_step(parts, 1, [batch]).loss.item(), [p.detach().clone() for p in model.parameters()]))
+        results.append((train_step(setup, 1, [batch]).loss.item(), [p.detach().clone() for p in model.parameters()]))
     (eager_loss, eager_weights), (compiled_loss, compiled_weights) = results
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(eager_weights, compiled_weights))
