@@ -57,7 +57,7 @@ from nanolm.data import TrainBatches, WindowSampler, get_batch, prepare
 from nanolm.errors import NanolmError
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, cosine_lr
-from nanolm.runtime import keep_freed_memory_for_reuse
+from nanolm.instruments.process import keep_freed_memory_for_reuse
 from nanolm.step import StepSetup, train_step
 
 MODELS = ("reference", "nanolm_model", "nanolm")

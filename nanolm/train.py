@@ -55,8 +55,8 @@ from .optim import get_param_groups, learning_rate, optimizer_for
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
 from .rundir import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
 from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads, configure_tf32,
-                      is_out_of_memory, keep_freed_memory_for_reuse, refuse_what_the_device_cannot_do,
-                      resolve_device, seed_everything, settings_restored)
+                      is_out_of_memory, refuse_what_the_device_cannot_do, resolve_device, seed_everything,
+                      settings_restored)
 from .stats import peak_flops
 from .step import StepSetup, summed_token_loss, train_step
 from .threads import ThreadTuner, TunedBatches
@@ -207,7 +207,6 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
     log(f"precision: {precision.describe()}")
     auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active and not t.deterministic
     configure_threads(t.threads, device, log, auto=auto_threads)
-    keep_freed_memory_for_reuse(device)  # a CPU step reuses its freed buffers instead of re-faulting fresh pages
     if dist.active:
         log(f"distributed: {dist.describe()}")
     configure_determinism(t.deterministic)
@@ -334,7 +333,7 @@ def finish(run: Run, row: dict, log=print) -> dict:
     return result
 
 
-if __name__ == "__main__":  # ``python -m nanolm.train ...`` is ``nanolm train ...``
-    from nanolm.instruments.cli import main
+if __name__ == "__main__":  # ``python -m nanolm.train ...`` is ``nanolm train ...``, through the same entry
+    from nanolm.instruments.cli import entry
 
-    sys.exit(main(["train", *sys.argv[1:]]))
+    entry(["train", *sys.argv[1:]])

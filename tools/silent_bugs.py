@@ -114,7 +114,14 @@ BUGS = [
     Bug("lr_one_step_late", "every step runs at the previous step's learning rate",
         "nanolm/train.py", "learning_rate(step - 1, o,", "learning_rate(max(0, step - 2), o,"),
     Bug("freed_buffers_given_back", "a CPU run lets glibc unmap each step's freed buffers: 6-10 % slower steps, same numbers",
-        "nanolm/train.py", "    keep_freed_memory_for_reuse(device)  #", "    (lambda device: None)(device)  #"),
+        "nanolm/instruments/process.py", "        self.kept_freed_memory = keep_freed_memory_for_reuse(device)",
+        "        self.kept_freed_memory = device.type == 'never'"),
+    Bug("train_tunes_the_process", "train() called from a notebook or a sweep freezes the caller's garbage collector: "
+        "its objects are never collected again", "nanolm/train.py", "    seed_everything(t.seed)\n",
+        "    seed_everything(t.seed)\n    __import__('gc').freeze()\n"),
+    Bug("process_tuning_off_ignored", "--process-tuning off still tunes the process: a benchmark against it measures "
+        "nothing", "nanolm/instruments/process.py", '        if option != "auto":\n            return\n',
+        '        if option not in ("auto", "off"):\n            return\n'),
     Bug("qk_norm_on_the_slow_path", "QK-norm under bf16 autocast falls back to PyTorch's composite norm: 4-5 % slower steps",
         "nanolm/model.py", "        if x.dtype != self.weight.dtype:\n", "        if False:\n"),
     Bug("wsd_schedule_ignored", "--schedule wsd is accepted and the run follows the cosine anyway",
@@ -201,7 +208,7 @@ BUGS = [
     Bug("rollback_lr_scale_ignored", "--rollback-lr-scale does nothing: after a rollback the run meets the same "
         "instability at the same rate",
         "nanolm/step.py", "lr = setup.schedule(step) * (setup.guard.lr_scale if setup.guard is not None else 1.0)",
-        "lr = setup.schedule(step)"),
+        "lr = setup.schedule(step) * (1.0 if setup.guard is not None else 1.0)"),
     Bug("rollback_replays_the_bad_batch", "after a rollback the run meets the same bad batches again",
         "nanolm/train.py", "checkpointer.restore(result.rollback_to, data_position=False)",
         "checkpointer.restore(result.rollback_to, data_position=True)"),
@@ -231,11 +238,8 @@ BUGS = [
         "return torch.bfloat16"),
     Bug("doctor_without_compressor_bounds", "nanolm doctor stops reporting the xz bound a trained model must beat",
         "nanolm/rundir.py", "log=print, compressor_bounds: bool = True)", "log=print, compressor_bounds: bool = False)"),
-    Bug("import_alongside_not_awaited", "the optimizer's PyTorch import still runs when the model is built: two threads "
-        "importing one package can be handed half-initialised modules", "nanolm/runtime.py",
-        "    finally:\n        thread.join()\n", "    finally:\n        pass  # not awaited\n"),
     Bug("quick_exit_skips_finalizers", "the command ends without finalizing garbage in reference cycles: whatever "
-        "their __del__ would flush or close is lost", "nanolm/runtime.py", "    gc.collect()\n    gc.freeze()\n",
+        "their __del__ would flush or close is lost", "nanolm/instruments/process.py", "    gc.collect()\n    gc.freeze()\n",
         "    gc.freeze()  # nothing collected first\n"),
     Bug("thread_trial_draws_the_steps_dropout", "--threads auto's trial passes consume the random state: the step's dropout differs",
         "nanolm/threads.py", "        torch.set_rng_state(rng)  #", "        pass  #"),
