@@ -96,11 +96,15 @@ def settings_restored():
     ``train()`` called from a notebook, a sweep or the lab must leave the process as it found
     it: a later run (or the user's own code) would otherwise inherit deterministic kernels
     (slower on a GPU, and an error on an operation that has none), TF32 matrix products or
-    another thread count without asking for them.
+    another thread count without asking for them. The random generators a run seeds (Python's,
+    NumPy's, torch's on the CPU, and on each GPU already in use) continue where the caller's were.
     """
     before = (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
               torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.get_num_threads(),
               os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    cuda_in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+    generators = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                  torch.cuda.get_rng_state_all() if cuda_in_use else None)
     try:
         yield
     finally:
@@ -115,6 +119,12 @@ def settings_restored():
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         else:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+        python_rng, numpy_rng, torch_rng, cuda_rngs = generators
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+        torch.set_rng_state(torch_rng)
+        if cuda_rngs is not None:
+            torch.cuda.set_rng_state_all(cuda_rngs)
 
 
 def configure_tf32(device: torch.device, precision_name: str, allowed: bool) -> str | None:

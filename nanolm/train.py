@@ -197,7 +197,8 @@ def run_loop(run: Run, log=print) -> dict:
 def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
               components: Components | None = None) -> Run:
     """Everything the loop needs, for the run ``plan`` locates (``nanolm.rundir.locate_run``;
-    its directory is locked by the caller until the run ends): the process's settings, the run
+    its directory is locked by the caller until the run ends): PyTorch's settings for the run
+    (threads, determinism, TF32, seeds; ``train()`` restores them when it returns), the run
     directory and its data, the model and optimizer (:func:`build_model`), the batches
     (:func:`build_batches`), the components that watch, guard and save the run
     (:func:`build_components`), and the resume from a checkpoint when there is one."""

@@ -282,15 +282,29 @@ def test_tf32_is_used_for_fp32_products_on_ampere_and_put_back_after_the_run(mon
     assert configure_tf32(torch.device("cuda:0"), "fp32", allowed=True) is None
 
 
-def test_a_run_called_from_python_leaves_determinism_and_threads_as_it_found_them(tmp_path, stories_file):
+def test_a_run_called_from_python_leaves_determinism_threads_and_random_generators_as_it_found_them(
+        tmp_path, stories_file):
+    """A notebook's own random draws after ``train()`` continue as if the run had not seeded and
+    drawn from the generators."""
+    import random
+
+    import numpy as np
+
     from nanolm.train import train
+
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
 
     threads = torch.get_num_threads()
     assert not torch.are_deterministic_algorithms_enabled()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    expected = draws()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
     train(tiny_run_config(stories_file, tmp_path / "run", steps=2, deterministic=True, threads=1, eval_every=2),
           log=lambda *_: None)
     assert not torch.are_deterministic_algorithms_enabled()
     assert torch.get_num_threads() == threads
+    assert draws() == expected
 
 
 def test_batches_are_pinned_for_cuda_only():

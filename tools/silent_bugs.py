@@ -170,6 +170,9 @@ BUGS = [
         '    if torch.cuda.is_available():\n        state["cuda"] = torch.cuda.get_rng_state_all()'),
     Bug("settings_leak_out_of_train", "train() from a notebook leaves deterministic kernels and its thread count to everything after it",
         "nanolm/train.py", "with settings_restored(), launch(", "with launch("),
+    Bug("train_leaves_its_seed_behind", "a notebook's random draws after train() repeat the run's seed instead of "
+        "continuing its own stream", "nanolm/runtime.py", "        torch.set_rng_state(torch_rng)\n",
+        "        pass  # the run's generator state stays\n"),
     Bug("barrier_after_a_failed_rank", "a rank out of memory waits at a barrier while the others wait in its all-reduce: the job hangs",
         "nanolm/distributed.py", "            if not failed:\n                dist.barrier()", "            if True:\n                dist.barrier()"),
     Bug("single_process_reduce_in_float64", "every evaluation builds a float64 tensor on the device for a reduction only torchrun needs: MPS fails",
