@@ -3,10 +3,11 @@
 Every training step allocates and frees the same large buffers. glibc's malloc gives freed
 blocks above a threshold back to the kernel, and the next step maps them again as fresh pages
 that the kernel faults in and zeroes one at a time. ``nanolm train`` raises the thresholds on a
-CPU (``nanolm.runtime.keep_freed_memory_for_reuse``) so that the blocks stay in the process.
+CPU under ``--process-tuning auto`` (``nanolm.instruments.process.keep_freed_memory_for_reuse``)
+so that the blocks stay in the process.
 
 Each configuration runs in its own fresh process (the allocator's state is per process), with
-``NANOLM_KEEP_FREED_MEMORY`` 1 (kept, what training does) or 0 (glibc's default), alternated
+the blocks kept (what ``nanolm train`` does) or given back (glibc's default), alternated
 round by round; each process times ``--steps`` forward and backward passes of one model after
 two warm-up passes, and reports their median. By default: the TinyStories speedrun's model
 (3 layers of width 128, BPE 4,096, 16 × 128 tokens, bf16 autocast where the CPU has native
@@ -37,11 +38,11 @@ def one_process(args) -> None:
     from nanolm.data import Batch
     from nanolm.model import GPT, GPTConfig
     from nanolm.precision import resolve_precision
-    from nanolm.runtime import keep_freed_memory_for_reuse
+    from nanolm.instruments.process import keep_freed_memory_for_reuse
     from nanolm.step import accumulate_gradients
 
     torch.set_num_threads(args.threads)
-    kept = keep_freed_memory_for_reuse(torch.device("cpu"))
+    kept = args.keep == "1" and keep_freed_memory_for_reuse(torch.device("cpu"))
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=4,
                           n_embd=args.width, qk_norm=args.qk_norm))
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--qk-norm", default="off,on", help="comma-separated: off, on")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--keep", default="1", help=argparse.SUPPRESS)  # the child's: 1 keeps freed blocks, 0 does not
     args = p.parse_args()
     if args.child:
         args.qk_norm = args.qk_norm == "on"
@@ -84,10 +86,9 @@ def main() -> None:
     runs: dict = {c: [] for c in configs}
     for r in range(args.rounds):
         for qk, keep in configs if r % 2 == 0 else list(reversed(configs)):
-            out = subprocess.run([sys.executable, __file__, "--child", "--qk-norm", qk, *shape], check=True,
-                                 capture_output=True, text=True, cwd=REPO,
-                                 env={**os.environ, "NANOLM_KEEP_FREED_MEMORY": keep,
-                                      "PYTHONPATH": str(REPO)}).stdout
+            out = subprocess.run([sys.executable, __file__, "--child", "--keep", keep, "--qk-norm", qk, *shape],
+                                 check=True, capture_output=True, text=True, cwd=REPO,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
             runs[(qk, keep)].append(json.loads(out.strip().splitlines()[-1]))
     results = []
     for qk in args.qk_norm.split(","):

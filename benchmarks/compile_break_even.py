@@ -29,7 +29,7 @@ from nanolm.corpus import write_stories  # noqa: E402
 from nanolm.data import TrainBatches, WindowSampler, prepare  # noqa: E402
 from nanolm.model import GPT, GPTConfig  # noqa: E402
 from nanolm.optim import build_optimizer  # noqa: E402
-from nanolm.step import StepParts, train_step  # noqa: E402
+from nanolm.step import StepSetup, train_step  # noqa: E402
 
 
 def main() -> None:
@@ -54,7 +54,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=vocab, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                               n_embd=args.n_embd))
-        parts = StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3,
+        setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3,
                           step_model=torch.compile(model) if compile else model)
         batches = TrainBatches(tokens, WindowSampler(len(tokens), args.seq_len, args.batch_size, seed=0), args.seq_len,
                                eos)
@@ -63,7 +63,7 @@ def main() -> None:
         def step() -> float:
             state["step"] += 1
             start = time.perf_counter()
-            result = train_step(parts, state["step"], batches.next(state["step"]))
+            result = train_step(setup, state["step"], batches.next(state["step"]))
             float(result.loss)
             return time.perf_counter() - start
 

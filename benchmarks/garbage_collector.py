@@ -1,13 +1,13 @@
 """What Python's garbage collector costs a short run, during the run and at exit, with nanolm's
-exemptions (``nanolm.runtime``) and without them.
+exemptions (``nanolm.instruments.process``) and without them.
 
 Importing PyTorch leaves ~170,000 objects that the cyclic garbage collector tracks, and the
 optimizer's first import of ``torch._dynamo`` ~120,000 more. Every full collection walks all of
-them, and the interpreter's shutdown runs several. The ``nanolm`` command exempts what exists
-once it is imported and, at exit, collects once and exempts the rest (``gc.freeze``);
-``NANOLM_FREEZE_GC=0`` leaves the collector alone.
+them, and the interpreter's shutdown runs several. ``nanolm train`` exempts what exists once
+its options are read and, at exit, collects once and exempts the rest (``gc.freeze``);
+``--process-tuning off`` leaves the collector alone (and the allocator: on a CPU both differ).
 
-Each configuration runs ``python -m nanolm ARGS`` in fresh processes, alternated round by round,
+Each configuration runs ``python -m nanolm train ARGS --process-tuning auto|off`` in fresh processes, alternated round by round,
 with a hook that adds up the time spent in collections until the command returns. Reported per
 configuration (medians over rounds): the collections' seconds during the command (with the
 exemption, the one collection it makes when the command returns included), the seconds from its
@@ -16,7 +16,7 @@ the three) and how many objects were exempted. By default the command is the sha
 speedrun's training run.
 
     python benchmarks/garbage_collector.py --data path/to/tinyshakespeare.txt
-    python benchmarks/garbage_collector.py --rounds 5 -- sample --run RUN_DIR --max-new-tokens 50
+    python benchmarks/garbage_collector.py --rounds 5 -- train --data FILE --steps 50
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ runpy.run_module("nanolm", run_name="__main__", alter_sys=True)
 
 
 def one_process(args: list[str], freeze: bool) -> dict:
-    env = {**os.environ, "NANOLM_FREEZE_GC": "1" if freeze else "0", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    args = [*args, "--process-tuning", "auto" if freeze else "off"]
     start = time.time()
     proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, cwd=REPO)
     end = time.time()
@@ -67,7 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=None, help="text file for the default command (the shakespeare speedrun)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per configuration, alternated")
-    p.add_argument("command", nargs="*", help="nanolm's arguments, after -- (default: the shakespeare speedrun)")
+    p.add_argument("command", nargs="*", help="nanolm train's arguments, after -- (default: the shakespeare speedrun)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         command = args.command
@@ -75,10 +76,12 @@ def main() -> None:
             if not args.data:
                 raise SystemExit("error: give --data FILE (tiny-shakespeare) or a nanolm command after --")
             command = ["train", "--config", "configs/speedrun_cpu.toml", "--data", str(Path(args.data).resolve())]
+        if command[0] != "train":
+            raise SystemExit("error: --process-tuning is a training run's option: give `train ...` after --")
         runs = {True: [], False: []}
         for r in range(args.rounds):
             for freeze in (True, False) if r % 2 == 0 else (False, True):
-                extra = ["--out-dir", str(Path(tmp) / f"run_{r}_{freeze}")] if command[0] == "train" else []
+                extra = ["--out-dir", str(Path(tmp) / f"run_{r}_{freeze}")]
                 runs[freeze].append(one_process(command + extra, freeze))
     out = {"date": time.strftime("%Y-%m-%d"), "command": command, "python": sys.version.split()[0]}
     for freeze, name in ((True, "exempted"), (False, "collector_alone")):

@@ -306,7 +306,7 @@ def part_fp16_overflow(ctx: Context) -> str:
     from nanolm.instruments.faults import OneOffBadBatch
     from nanolm.optim import build_optimizer
     from nanolm.precision import DynamicLossScaler, resolve_precision
-    from nanolm.step import StepParts, train_step
+    from nanolm.step import StepSetup, train_step
 
     try:
         fp16 = resolve_precision("fp16", torch.device(ctx.device))
@@ -319,12 +319,12 @@ def part_fp16_overflow(ctx: Context) -> str:
     batches = bad.batches(tokens, WindowSampler(len(tokens), T, B, seed=0), T, eos)
     scaler = DynamicLossScaler(growth_interval=growth)
     optimizer = build_optimizer(model, 3e-3, 0.1)
-    parts = StepParts(model, optimizer, schedule=lambda step: 3e-3, scaler=scaler, autocast=fp16.autocast,
+    setup = StepSetup(model, optimizer, schedule=lambda step: 3e-3, scaler=scaler, autocast=fp16.autocast,
                       loss_fn=bad.loss_fn)
     history = []
     for step in range(1, bad_step + growth + 2):
         before = [p.detach().clone() for p in model.parameters()]
-        result = train_step(parts, step, batches.next(step))
+        result = train_step(setup, step, batches.next(step))
         unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         history.append({"step": step, "updated": bool(result.updated), "weights_unchanged": unchanged,
                         "grad_norm": float(result.grad_norm), "loss_scale": scaler.loss_scale})

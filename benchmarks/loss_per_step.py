@@ -57,8 +57,8 @@ from nanolm.data import TrainBatches, WindowSampler, get_batch, prepare
 from nanolm.errors import NanolmError
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, cosine_lr
-from nanolm.runtime import keep_freed_memory_for_reuse
-from nanolm.step import StepParts, train_step
+from nanolm.instruments.process import keep_freed_memory_for_reuse
+from nanolm.step import StepSetup, train_step
 
 MODELS = ("reference", "nanolm_model", "nanolm")
 OPTIONAL = ("nanolm_model_gelu",)
@@ -91,7 +91,7 @@ class Trainee:
                                        mlp="gelu" if name == "nanolm_model_gelu" else "swiglu"))
         if name == "nanolm":
             optimizer = build_optimizer(self.model, args.lr, args.weight_decay, betas=betas)
-            self.parts = StepParts(self.model, optimizer, schedule=self.lr, clip=1.0)
+            self.parts = StepSetup(self.model, optimizer, schedule=self.lr, clip=1.0)
             sampler = WindowSampler(len(train_tokens), shape["seq_len"], shape["batch_size"], seed=seed)
             self.batches = TrainBatches(train_tokens, sampler, shape["seq_len"], eos)
         else:

@@ -24,7 +24,7 @@ from nanolm.corpus import write_stories
 from nanolm.data import WindowSampler, boundary_crossing_windows, pack_windows, prepare
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer
-from nanolm.step import StepParts, train_step
+from nanolm.step import StepSetup, train_step
 
 
 def main():
@@ -47,14 +47,14 @@ def main():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=data.tokenizer.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
                           n_head=args.n_head, n_embd=args.n_embd))
-    parts = StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, clip=1.0)
+    setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, clip=1.0)
     sampler = WindowSampler(len(tokens), args.seq_len, args.batch_size, seed=0)
 
     def run(doc_mask: bool, steps: int) -> float:
         start = time.perf_counter()
         for i in range(steps):
             batch = pack_windows(tokens, sampler.next_starts(), args.seq_len, eos, doc_mask=doc_mask)
-            train_step(parts, i + 1, [batch])  # the training loop's own step
+            train_step(setup, i + 1, [batch])  # the training loop's own step
         return (time.perf_counter() - start) / steps
 
     run(True, 5), run(False, 5)  # warm up both paths

@@ -38,20 +38,20 @@ from nanolm.corpus import write_stories  # noqa: E402
 from nanolm.data import TrainBatches, WindowSampler, prepare  # noqa: E402
 from nanolm.model import GPT  # noqa: E402
 from nanolm.monitor import read_metrics  # noqa: E402
-from nanolm.observer import StepProbe  # noqa: E402
+from nanolm.observer import GradientWatch  # noqa: E402
 from nanolm.optim import build_optimizer  # noqa: E402
 from nanolm.stats import LayerStats  # noqa: E402
-from nanolm.step import StepParts, train_step  # noqa: E402
+from nanolm.step import StepSetup, train_step  # noqa: E402
 from nanolm.train import train  # noqa: E402
 
 
 def components(data, cfg: RunConfig, device: str, steps: int) -> dict:
     """Median seconds of the training loop's own step (:func:`nanolm.step.train_step`) plain
-    and watched (a :class:`~nanolm.observer.StepProbe` taking the per-layer statistics, read
+    and watched (a :class:`~nanolm.observer.GradientWatch` taking the per-layer statistics, read
     after the update as the observer does), interleaved."""
     torch.manual_seed(0)
     model = GPT(cfg.model.gpt_config(data.tokenizer.vocab_size)).to(device)
-    parts = StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, clip=1.0)
+    setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, clip=1.0)
     t = cfg.train
     batches = TrainBatches(data.train.tokens, WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=0),
                            cfg.model.seq_len, data.tokenizer.eos_id)
@@ -60,10 +60,11 @@ def components(data, cfg: RunConfig, device: str, steps: int) -> dict:
         micro = batches.next(i + 1)
         watching = i % 2 == 1 and i > 2  # alternate plain and watched steps; the first ones warm up
         t0 = time.perf_counter()
-        probe = StepProbe(model, LayerStats(model, micro[0]), underflow=False) if watching else None
-        result = train_step(parts, i + 1, micro, probe)
-        if probe is not None:
-            probe.after_update()
+        watch = GradientWatch(model, LayerStats(model, micro[0]), underflow=False) if watching else None
+        setup.watch = (lambda step, micro_batches: watch) if watching else None
+        result = train_step(setup, i + 1, micro)
+        if watch is not None:
+            watch.after_update()
         float(result.loss)
         if i > 2:
             (watched if watching else plain).append(time.perf_counter() - t0)

@@ -69,7 +69,7 @@ from nanolm.data import TrainBatches, WindowSampler, get_batch, pack_windows, pr
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, get_param_groups
 from nanolm.precision import cpu_has_native_bf16, resolve_precision
-from nanolm.step import StepParts, train_step
+from nanolm.step import StepSetup, train_step
 
 SHAPES = {
     # nanoGPT's shakespeare_char recipe on CPU (n_layer, n_head, n_embd, seq_len, batch)
@@ -244,7 +244,7 @@ def nanolm_runner(name, shape, vocab, tokens, eos, device, autocast, doc_mask=Tr
         opt = build_optimizer(model, lr, 0.1)
     else:  # PyTorch's default AdamW for the device: one tensor at a time on CPU
         opt = torch.optim.AdamW(get_param_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    parts = StepParts(model, opt, schedule=lambda step: lr, clip=1.0,
+    setup = StepSetup(model, opt, schedule=lambda step: lr, clip=1.0,
                       step_model=torch.compile(model) if compile else model, autocast=autocast)
     batches = TrainBatches(tokens, WindowSampler(len(tokens), shape["seq_len"], shape["batch_size"], seed=0),
                            shape["seq_len"], eos, doc_mask=doc_mask)
@@ -252,7 +252,7 @@ def nanolm_runner(name, shape, vocab, tokens, eos, device, autocast, doc_mask=Tr
 
     def step():  # the training loop's own step (no loss scaler: fp32 or bf16; no guard: every step taken)
         n = next(steps)
-        train_step(parts, n, batches.next(n))
+        train_step(setup, n, batches.next(n))
 
     return Runner(name, step, model, device, patch)
 

@@ -615,25 +615,26 @@ class Checkpointer:
 
     It saves every ``every`` steps, at the last step, when a stop signal arrived and when the
     run reached its target; what it saves is the model, the optimizer and the
-    ``state_dict()`` of each stateful part of the run (``parts``: the sampler, the loss
-    scaler, the progress counters, the guard, the observer), so that a part owns its own
+    ``state_dict()`` of each stateful component of the run (``stateful``: the sampler, the loss
+    scaler, the progress counters, the guard, the observer), so that a component owns its own
     state. :meth:`restore` puts all of it back (a resume), or, for a rollback, everything but
-    the random streams and the parts named in ``kept_by_rollback``: the data position (the
+    the random streams and the components named in ``kept_by_rollback``: the data position (the
     bad batches are not replayed) and the guard's own count of rollbacks.
     """
 
-    def __init__(self, dist, run_dir, model, optimizer, parts: dict, config_toml: str, tokenizer, data_digest: str,
-                 every: int, last_step: int, keep: int = 3, log=print, kept_by_rollback=("sampler", "guard")):
+    def __init__(self, *, dist, run_dir, model, optimizer, stateful: dict, config_toml: str, tokenizer,
+                 data_digest: str, every: int, last_step: int, keep: int = 3, log=print,
+                 kept_by_rollback=("sampler", "guard")):
         self.dist, self.run_dir, self.model, self.optimizer = dist, Path(run_dir), model, optimizer
         self.kept_by_rollback = set(kept_by_rollback)
-        self.parts, self.config_toml, self.tokenizer, self.data_digest = parts, config_toml, tokenizer, data_digest
+        self.stateful, self.config_toml, self.tokenizer, self.data_digest = stateful, config_toml, tokenizer, data_digest
         self.every, self.last_step, self.keep, self.log = every, last_step, keep, log
 
     def due(self, step: int, stop_signal: int | None = None, target_reached: bool = False) -> bool:
         return step % self.every == 0 or step == self.last_step or bool(stop_signal) or target_reached
 
     def save(self, step: int, val_loss: float | None = None) -> Path:
-        state = {"step": step, **{name: part.state_dict() for name, part in self.parts.items()}}
+        state = {"step": step, **{name: c.state_dict() for name, c in self.stateful.items()}}
         return save_run_checkpoint(self.dist, self.run_dir, step, self.model, self.optimizer, state, self.config_toml,
                                    self.tokenizer, val_loss, self.keep, meta_extra={"data_digest": self.data_digest})
 
@@ -642,18 +643,20 @@ class Checkpointer:
         (``data_position=False``) keeps the sampler and the random streams where they are."""
         state = load_state(path)
         load_run_checkpoint(self.dist, path, state, self.model, self.restored_optimizer(), self.log, rng=data_position)
-        for name, part in self.parts.items():
+        for name, component in self.stateful.items():
             if data_position or name not in self.kept_by_rollback:
-                part.load_state_dict(state[name])
+                component.load_state_dict(state[name])
         return state["step"]
 
     def restored_optimizer(self):
         """The optimizer a restore fills (the lab's forgetful variant returns None)."""
         return self.optimizer
 
-    def latest(self) -> Path | None:
-        """The newest checkpoint a rollback can return to (every rank gets rank 0's answer)."""
-        return self.dist.from_main(lambda: valid_resume_checkpoint(self.run_dir, self.log))
+
+def rollback_checkpoint(dist, run_dir, log=print) -> Path | None:
+    """The newest checkpoint a rollback can return to (every rank gets rank 0's answer): the
+    guard's ``rollback_to``."""
+    return dist.from_main(lambda: valid_resume_checkpoint(Path(run_dir), log))
 
 
 def save_final_weights(dist, model, run_dir, step: int, summary: dict) -> torch.nn.Module | None:

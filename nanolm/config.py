@@ -123,6 +123,11 @@ class TrainOptions:
                           "fastest, and switches only for a clear gain: on a machine other jobs also use, fewer "
                           "threads than cores is often several times faster. A number fixes the count "
                           "(--deterministic keeps PyTorch's default); docs/benchmarks.md", parse=count_or_auto)
+    process_tuning: str = option("auto", "auto: the nanolm command (and python -m nanolm.train) tunes its own process "
+                                 "for the run: on a CPU the C allocator keeps freed buffers for the next step, and the "
+                                 "garbage collector skips the objects that live until exit; off: neither. train() "
+                                 "called from Python never tunes the process (docs/benchmarks.md)",
+                                 choices=("auto", "off"))
     compile: bool = option(False, "torch.compile the model: ~25 s of compiling at start-up, then faster steps "
                            "(1.18x at the default model on 2 CPU cores, so it pays after ~1,600 steps; more on a "
                            "GPU); leave it off while debugging (docs/benchmarks.md)")
@@ -348,7 +353,7 @@ COMPATIBLE_ON_RESUME = {
     # optimizer's knobs (lowering the LR for a restart is a classic); everything else shapes
     # the model or the data stream, and changing it mid-run would silently mix two runs
     "train": {"steps", "eval_every", "eval_at_start", "eval_batches", "log_every", "sample_tokens", "out_dir", "device", "tf32",
-              "threads", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
+              "threads", "process_tuning", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
               "peak_flops", "target_val_bpb", "dist"},
     "optim": {"lr", "min_lr", "warmup", "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "clip", "muon_lr",
               "muon_momentum"},

@@ -47,6 +47,13 @@ NAN_ACTIONS = ("stop", "skip", "rollback")
 SPIKE_ACTIONS = ("off", "warn", "skip", "rollback")
 
 
+def reads_every_step(on_nan: str, on_spike: str) -> bool:
+    """A guard that may skip or roll back needs every step's numbers before the update; one
+    that only stops on a NaN (``--on-nan stop --on-spike off``) reads none, and the observer
+    stops the run when a logged row's loss is not finite."""
+    return on_nan != "stop" or on_spike != "off"
+
+
 class SpikeDetector:
     """Robust z-score of a new value against the last ``window`` values."""
 
@@ -85,35 +92,36 @@ class Guard:
     rollback restores the run from a checkpoint but never rewinds them, so no fault (or bug)
     that comes back can make a run loop forever.
 
-    ``find_checkpoint()`` returns the checkpoint a rollback would return to (None: there is
-    none yet); ``explain_nan(batch)`` re-runs a batch to name where a NaN was born.
+    ``rollback_to()`` returns the checkpoint a rollback would return to (None: there is none
+    yet); ``explain_nan(batch)`` re-runs a batch to name where a NaN was born. ``out_dir`` None
+    decides without writing ``events.jsonl`` (every rank but the first, a replay).
     """
 
-    def __init__(self, out_dir, on_nan: str = "rollback", on_spike: str = "warn", window: int = 50,
-                 threshold: float = 6.0, max_rollbacks: int = 3, log=print, rollback_lr_scale: float = 1.0,
-                 find_checkpoint=None, explain_nan=None):
+    def __init__(self, *, out_dir, on_nan: str = "rollback", on_spike: str = "warn", window: int = 50,
+                 threshold: float = 6.0, max_rollbacks: int = 3, rollback_lr_scale: float = 1.0, log=print,
+                 rollback_to=None, explain_nan=None):
         self.on_nan, self.on_spike, self.max_rollbacks = on_nan, on_spike, max_rollbacks
         self.loss = SpikeDetector(window, threshold)
         self.grad = SpikeDetector(window, threshold, log_scale=True)
         self.history: deque[dict] = deque(maxlen=window)
-        self.events_path = Path(out_dir) / "events.jsonl" if out_dir is not None else None  # None: decide, write nothing
+        self.events_path = Path(out_dir) / "events.jsonl" if out_dir is not None else None
         self.out_dir = out_dir
         self.rollbacks = 0
         self.lr_scale = 1.0
         self.rollback_lr_scale = rollback_lr_scale
-        self.find_checkpoint, self.explain_nan = find_checkpoint, explain_nan
+        self.rollback_to, self.explain_nan = rollback_to, explain_nan
         self.log = log
 
     # ---------------------------------------------------------------- what a run asks of it
     def decide(self, step: int, loss: float, grad_norm: float, lr: float):
         """:meth:`check`, then the fallbacks: (action, event, the checkpoint to roll back to)."""
         action, event = self.check(step, loss, grad_norm, lr)
-        target = self.find_checkpoint() if action == "rollback" and self.find_checkpoint is not None else None
-        if action == "rollback" and target is None:
+        checkpoint = self.rollback_to() if action == "rollback" and self.rollback_to is not None else None
+        if action == "rollback" and checkpoint is None:
             action, event["note"] = "skip", "no checkpoint yet: skipped instead of rolled back"
         if action == "rollback" and self.rollbacks >= self.max_rollbacks:
             action, event["note"] = "stop", f"already rolled back {self.max_rollbacks} times (--max-rollbacks)"
-        return action, event, target
+        return action, event, checkpoint
 
     def settle(self, result, micro_batches) -> None:
         """Write down a step's event with its evidence (for a NaN, the first module that
@@ -138,14 +146,6 @@ class Guard:
         self.record(event, "rollback", to_step=to_step, lr_scale=self.lr_scale)
         self.reset_history()
 
-    def on_logged(self, row: dict, loss_scaled: bool) -> NanolmError | None:
-        """A guard that does not read every step (``--on-nan stop --on-spike off``) sees the
-        loss only in logged rows: a non-finite one stops the run (under fp16 a non-finite
-        gradient is the loss scaler's to skip)."""
-        if self.reads_every_step or loss_scaled or math.isfinite(row["loss"]):
-            return None
-        return NanolmError(f"the loss became {row['loss']} at step {row['step']}; lower --lr or raise --warmup")
-
     def state_dict(self) -> dict:
         return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale}
 
@@ -154,8 +154,7 @@ class Guard:
 
     @property
     def reads_every_step(self) -> bool:
-        """A guard that may skip or roll back needs every step's numbers before the update."""
-        return self.on_nan != "stop" or self.on_spike != "off"
+        return reads_every_step(self.on_nan, self.on_spike)
 
     def check(self, step: int, loss: float, grad_norm: float, lr: float) -> tuple[str, dict | None]:
         """The action for this step (``take``, ``skip``, ``rollback`` or ``stop``) and its event."""

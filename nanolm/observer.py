@@ -7,7 +7,7 @@ one call per step (:meth:`Observer.observe`) and reads no schedule of its own:
   (re)start, statistics steps, evaluation steps and the last one;
 * **what a logged step shows**: the step meter's figures (loss, LR, gradient norm, clipping,
   tokens/s, MFU, memory: ``nanolm.stats``), the loss scaler's under fp16, and on statistics
-  steps the per-layer figures, taken by a :class:`StepProbe` inside the step (the gradients
+  steps the per-layer figures, taken by a :class:`GradientWatch` inside the step (the gradients
   before clipping) and after the update (how far each layer moved);
 * **when to evaluate**: every ``--eval-every`` steps and at the end, on the fixed validation
   set (``nanolm.evaluate``);
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import NanolmError
 from .evaluate import estimate_loss
 from .monitor import Monitor, parse_sinks, perplexity
 from .optim import wsd_decay_start
@@ -31,9 +32,10 @@ from .precision import grad_zero_fraction
 from .stats import LayerStats, StepMeter, is_stats_step
 
 
-class StepProbe:
+class GradientWatch:
     """What the observer reads of one step's gradients, after unscaling and before clipping
-    (:func:`nanolm.step.train_step` calls :meth:`capture` there): fp16's share of exact
+    (:func:`nanolm.step.train_step` asks :meth:`Observer.gradient_watch` for one and calls
+    :meth:`capture` there): fp16's share of exact
     zeros (underflow) on logged steps, the per-layer figures on statistics steps."""
 
     def __init__(self, model, layer_stats: LayerStats | None, underflow: bool):
@@ -59,16 +61,16 @@ class Observer:
     of clipped steps and the training time so far.
     """
 
-    def __init__(self, cfg, dist, out_dir: Path, model, precision, scaler, guard, progress, val_batches: list,
-                 token_bytes: torch.Tensor, floor: dict | None, tokens_per_step: int, peak: float | None, log=print,
-                 optimizer=None):
+    def __init__(self, *, cfg, dist, out_dir: Path, model, precision, scaler, progress, val_batches: list,
+                 token_bytes: torch.Tensor, floor: dict | None, tokens_per_step: int, peak: float | None,
+                 loss_read_every_step: bool, log=print, optimizer=None):
         t = cfg.train
         self.optimizer = optimizer
         self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
-        self.guard, self.progress, self.val_batches, self.token_bytes, self.floor = guard, progress, val_batches, \
-            token_bytes, floor
+        self.progress, self.val_batches, self.token_bytes, self.floor = progress, val_batches, token_bytes, floor
         self.tokens_per_step, self.log, self.out_dir = tokens_per_step, log, out_dir
         self.cfg, self.peak = cfg, peak
+        self.loss_read_every_step = loss_read_every_step  # the guard's (``nanolm.guards.reads_every_step``)
         self.monitor, self.meter, self.resumed = None, None, {}
         self.restarted_at = 0
 
@@ -84,7 +86,7 @@ class Observer:
         self.meter = StepMeter(t.steps, self.tokens_per_step, self.model.flops_per_token(), self.peak,
                                self.cfg.optim.clip, self.dist.device, start_step=step,
                                clipped_steps=self.resumed.get("clipped_steps", 0),
-                               elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=self.guard.reads_every_step)
+                               elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=self.loss_read_every_step)
         self.restarted_at = step
         if step == 0:
             row = {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(), **self.meter.constants(),
@@ -116,15 +118,15 @@ class Observer:
         return (step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps or step == 1
                 or is_stats_step(step, t.stats_every) or step - self.restarted_at <= 3)  # a (re)start: all shown
 
-    def probe(self, step: int, micro_batches) -> StepProbe | None:
-        """The probe for this step's gradients, or None when nothing is to be read of them.
-        Per-layer probes run on rank 0's own model; under FSDP no rank holds whole layers."""
+    def gradient_watch(self, step: int, micro_batches) -> GradientWatch | None:
+        """The watch on this step's gradients, or None when nothing is to be read of them.
+        Per-layer figures are read on rank 0's own model; under FSDP no rank holds whole layers."""
         stats = (LayerStats(self.model, micro_batches[0], self.precision.autocast)
                  if is_stats_step(step, self.t.stats_every) and self.dist.is_main and not self.dist.sharded else None)
         underflow = self.logs(step) and self.precision.name == "fp16"
-        return StepProbe(self.model, stats, underflow) if stats is not None or underflow else None
+        return GradientWatch(self.model, stats, underflow) if stats is not None or underflow else None
 
-    def observe(self, result, probe: StepProbe | None) -> dict:
+    def observe(self, result) -> dict:
         """After a step that stands: count it; on a logged step, read its figures (one host
         sync), evaluate when due, and record the row. Returns the row ({} when not logged)."""
         step = result.step
@@ -137,12 +139,11 @@ class Observer:
         if self.dist.device.type == "cpu":
             row["threads"] = torch.get_num_threads()  # --threads auto may change it mid-run
         row.update(self.scaler.metrics())
-        if probe is not None:
-            row.update(probe.after_update())
-        stop = self.guard.on_logged(row, self.scaler.enabled)  # without per-step reads, the guard sees the loss here
-        if stop is not None:
-            self.record(row)
-            raise stop
+        if result.watch is not None:
+            row.update(result.watch.after_update())
+        if not (self.loss_read_every_step or self.scaler.enabled or math.isfinite(row["loss"])):
+            self.record(row)  # a guard that reads no step sees the loss only here (fp16: the scaler's to skip)
+            raise NanolmError(f"the loss became {row['loss']} at step {row['step']}; lower --lr or raise --warmup")
         if step % self.t.eval_every == 0 or step == self.t.steps:
             row = self.evaluate(step, row)
         self.record(row)

@@ -62,7 +62,6 @@ from .download import resolve_data_path
 from .errors import NanolmError
 from .files import atomic_write_text, probe_writable, read_json
 from .lock import DirectoryBusy, RunLock
-from .runtime import importing_alongside
 from .tokenizer import Tokenizer
 
 RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "events.jsonl", "model.safetensors", "final.json",
@@ -263,10 +262,9 @@ def load_training_data(cfg: RunConfig, scratch: Path, log=print, compressor_boun
                 f"{data.tokenizer.vocab_size} tokens is used (--tokenizer and --vocab-size do not apply)")
             return data
         log(f"data: {source}")
-    with importing_alongside("torch._dynamo"):  # the optimizer's first use needs it: on the core the tokenizer leaves idle
-        return prepare(source, scratch / "data", d.tokenizer, d.vocab_size, d.val_fraction, d.separator,
-                       d.text_field, seq_len=cfg.model.seq_len, progress=cfg.train.progress, log=log,
-                       compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if compressor_bounds else 0)
+    return prepare(source, scratch / "data", d.tokenizer, d.vocab_size, d.val_fraction, d.separator,
+                   d.text_field, seq_len=cfg.model.seq_len, progress=cfg.train.progress, log=log,
+                   compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if compressor_bounds else 0)
 
 
 def open_run_data(run_data: Path, checkpoint: Path, cfg: RunConfig, scratch: Path, log=print) -> PreparedData:

@@ -8,16 +8,12 @@ it is gathered in one place so that the loop does not carry it and two copies ca
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import hashlib
-import importlib
 import math
 import os
 import random
 import shutil
 import signal
-import sys
 import threading
 
 import numpy as np
@@ -100,11 +96,15 @@ def settings_restored():
     ``train()`` called from a notebook, a sweep or the lab must leave the process as it found
     it: a later run (or the user's own code) would otherwise inherit deterministic kernels
     (slower on a GPU, and an error on an operation that has none), TF32 matrix products or
-    another thread count without asking for them.
+    another thread count without asking for them. The random generators a run seeds (Python's,
+    NumPy's, torch's on the CPU, and on each GPU already in use) continue where the caller's were.
     """
     before = (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
               torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.get_num_threads(),
               os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    cuda_in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+    generators = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                  torch.cuda.get_rng_state_all() if cuda_in_use else None)
     try:
         yield
     finally:
@@ -119,6 +119,12 @@ def settings_restored():
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         else:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+        python_rng, numpy_rng, torch_rng, cuda_rngs = generators
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+        torch.set_rng_state(torch_rng)
+        if cuda_rngs is not None:
+            torch.cuda.set_rng_state_all(cuda_rngs)
 
 
 def configure_tf32(device: torch.device, precision_name: str, allowed: bool) -> str | None:
@@ -222,113 +228,6 @@ def configure_threads(threads: int, device: torch.device, log=print, auto: bool 
         log(f"cpu: {used} threads on {cores} cores while the load average says other processes keep ~{busy:.1f} "
             f"busy; PyTorch's threads wait on each other then (measured 2.6x slower steps on 2 cores with one "
             f"busy). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}.")
-
-
-def turned_off(variable: str) -> bool:
-    """Whether the environment turns off one of the process-level speed-ups below (``VARIABLE=0``):
-    each is on by default, and each has a switch so that a benchmark can measure it against its
-    absence and a user can rule it out."""
-    return os.environ.get(variable, "1") == "0"
-
-
-KEPT_FREED_BYTES = 1 << 30  # blocks up to this size stay in the process when freed
-
-
-def keep_freed_memory_for_reuse(device: torch.device) -> bool:
-    """On a CPU, let the C allocator keep the buffers a step frees, for the next step.
-
-    Every step allocates and frees the same large buffers (activations, attention scores,
-    chunks of logits). glibc's malloc gives freed blocks above a threshold back to the
-    kernel (``munmap``, or trimming the top of the heap), so the next step gets them again as
-    fresh pages that the kernel must fault in and zero one 4 KiB page at a time. Measured on
-    the TinyStories speedrun's model (bf16, 2 cores, ``benchmarks/allocator.py``): a forward
-    and backward pass 1.06x faster with the blocks kept, 1.10x with QK-norm (whose small
-    tensors churn the most), and the whole speedrun 1.07x (docs/benchmarks.md). Raising both
-    thresholds (``mallopt``: M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, to 1 GiB; an older glibc
-    caps the first at 32 MiB) keeps those blocks for reuse. The price: the process's memory
-    does not shrink after a peak, which a training run reaches again every step anyway.
-
-    Linux with glibc, CPU runs only (a GPU's memory has PyTorch's own caching allocator);
-    ``NANOLM_KEEP_FREED_MEMORY=0`` leaves the allocator alone. Returns whether it applied.
-    """
-    if device.type != "cpu" or turned_off("NANOLM_KEEP_FREED_MEMORY"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): their allocators differ
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    trim = bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREED_BYTES))
-    # older glibc refuses an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2): take the largest it allows
-    mmap = bool(mallopt(M_MMAP_THRESHOLD, KEPT_FREED_BYTES)) or bool(mallopt(M_MMAP_THRESHOLD, 32 << 20))
-    return trim and mmap
-
-
-@contextlib.contextmanager
-def importing_alongside(module: str):
-    """Import ``module`` on a second thread while the block runs; it is imported when the block ends.
-
-    Every ``torch.optim`` optimizer imports ``torch._dynamo`` on first use: ~1.7 s of one core,
-    before the first step of every run. Preparing raw text leaves a core idle most of the time
-    (reading and splitting the documents, the tokenizer's merges), so the import runs there
-    instead: from start-up to the model built, 1.70 s instead of 2.49 s on the shakespeare
-    speedrun, 1.86 s instead of 4.55 s on the TinyStories one (docs/benchmarks.md). Safe because
-    the block imports no PyTorch module itself (``test_preparing_data_imports_no_pytorch_module``),
-    so the two threads never wait on each other's import locks; the block's end waits for the
-    import, even when it raises (a thread still importing at the interpreter's shutdown could
-    take the process down with it), so nothing after the block runs beside it. A failed import
-    is left for whoever imports the module next.
-    """
-    if module in sys.modules or turned_off("NANOLM_IMPORT_ALONGSIDE"):
-        yield
-        return
-
-    def quietly_import():
-        with contextlib.suppress(Exception):
-            importlib.import_module(module)
-
-    thread = threading.Thread(target=quietly_import, name=f"import {module}", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        thread.join()
-
-
-def exempt_existing_objects_from_collection() -> None:
-    """Take every object that exists now out of the garbage collector's sight, for good.
-
-    Python's cyclic garbage collector walks every object it tracks in each full collection.
-    Importing PyTorch creates ~170,000 of them (modules, classes, functions) that live until
-    the process ends, and a run triggers several full collections while it sets up (training
-    the tokenizer, the optimizer's first import of ``torch._dynamo``, which adds ~120,000 more):
-    ~0.5 s of a 10 s shakespeare speedrun, half of it spent on the imports' objects.
-    ``gc.freeze()`` moves them to a permanent generation that collections skip; what is created
-    afterwards is collected as usual. The price is that garbage among them is never collected,
-    and imports keep what they create. Called by the ``nanolm`` command once it is imported;
-    ``NANOLM_FREEZE_GC=0`` leaves the collector alone (``benchmarks/garbage_collector.py``).
-    """
-    if not turned_off("NANOLM_FREEZE_GC"):
-        gc.freeze()
-
-
-def prepare_to_exit_quickly() -> None:
-    """Before the process exits: collect garbage once, then exempt every survivor from collection.
-
-    The interpreter's shutdown runs full collections while it tears the modules down, and each
-    walks every object again: ~0.8 s after a training run's last line, on every ``nanolm``
-    command that imports PyTorch. One collection now finalizes whatever is already garbage in
-    reference cycles (an object whose ``__del__`` closes or flushes something runs it, as the
-    shutdown would have run it); freezing the rest lets the shutdown skip them. It still runs the
-    atexit handlers, waits for threads, flushes stdout and stderr and frees objects by
-    reference count. Measured after a shakespeare speedrun: 0.16 s instead of 0.91 s
-    (docs/benchmarks.md).
-    """
-    if turned_off("NANOLM_FREEZE_GC"):
-        return
-    gc.collect()
-    gc.freeze()
 
 
 class TrainingInterrupted(Exception):

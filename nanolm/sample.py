@@ -66,7 +66,7 @@ def evaluate_file(run_dir, path, batch_size: int = 16, device: str = "auto") -> 
     return result
 
 
-if __name__ == "__main__":  # ``python -m nanolm.sample ...`` is ``nanolm sample ...``
-    from nanolm.instruments.cli import main
+if __name__ == "__main__":  # ``python -m nanolm.sample ...`` is ``nanolm sample ...``, through the same entry
+    from nanolm.instruments.cli import entry
 
-    sys.exit(main(["sample", *sys.argv[1:]]))
+    entry(["sample", *sys.argv[1:]])

@@ -3,7 +3,8 @@ benchmark can time.
 
 In order (:func:`train_step`):
 
-1. set the learning rate for this step (a pure function of the step number);
+1. set the learning rate for this step: the schedule's rate for the step number (a pure
+   function of it) times the guard's scale (1 until a rollback asks for less);
 2. count the tokens that count in *all* of the step's micro-batches (on every rank), once;
    then for each micro-batch run forward, divide the sum of its token losses by that
    count, and run backward: the gradients add up;
@@ -104,12 +105,16 @@ def accumulate_gradients(model, micro_batches: list[Batch], count: int | torch.T
 
 
 @dataclass
-class StepParts:
+class StepSetup:
     """What one optimizer step works with, built once per run (``nanolm.train.build_run``).
 
-    ``schedule(step)`` is the learning rate of step ``step`` (1 for the first). ``step_model``
-    is what runs forward (the model itself, or its DDP or compiled wrapper); ``model`` is the
-    module whose parameters are clipped and updated. ``guard`` None takes every step.
+    ``schedule(step)`` is the learning rate of step ``step`` (1 for the first), a pure function
+    of the step number; the guard's ``lr_scale`` multiplies it where the step sets the rate.
+    ``step_model`` is what runs forward (the model itself, or its DDP or compiled wrapper);
+    ``model`` is the module whose parameters are clipped and updated. ``guard`` None takes
+    every step. ``watch(step, micro_batches)``, when given, returns the
+    :class:`~nanolm.observer.GradientWatch` that reads this step's gradients (None: nothing to
+    read this step); the observer owns it and reads it back from the step's result.
     """
 
     model: torch.nn.Module
@@ -122,6 +127,7 @@ class StepParts:
     dist: Distributed = field(default_factory=Distributed)
     guard: object | None = None
     loss_fn: Callable = summed_token_loss
+    watch: Callable | None = None
 
     def __post_init__(self):
         self.step_model = self.step_model if self.step_model is not None else self.model
@@ -132,7 +138,9 @@ class StepResult:
     """What a step did. ``loss`` (the mean over every counted token of the step, all ranks)
     and ``grad_norm`` (the global norm before clipping) are device tensors, or floats when
     the guard read them. ``updated`` is False when the guard did not take the step or an fp16
-    gradient overflowed. ``action``/``event``: the guard's decision and its evidence."""
+    gradient overflowed. ``action``/``event``: the guard's decision and its evidence;
+    ``rollback_to``: the checkpoint a rollback returns to. ``watch``: what was read of the
+    gradients (None when nothing was)."""
 
     step: int
     lr: float
@@ -142,40 +150,42 @@ class StepResult:
     action: str = "take"
     event: dict | None = None
     rollback_to: object = None
+    watch: object = None
 
 
-def train_step(parts: StepParts, step: int, micro_batches: list[Batch], probe=None) -> StepResult:
+def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepResult:
     """Optimizer step number ``step`` (1 for the first) on ``micro_batches``.
 
-    ``probe``, when the observer wants this step's per-layer figures, captures the
+    ``setup.watch``, when the observer wants this step's gradient figures, captures the
     gradients after they are unscaled and before they are clipped.
     """
-    # 1. the learning rate of this step
-    lr = parts.schedule(step)
-    set_learning_rate(parts.optimizer, lr)  # every group; Muon's at its own peak ratio
+    # 1. the learning rate of this step: the schedule's, times the guard's scale
+    lr = setup.schedule(step) * (setup.guard.lr_scale if setup.guard is not None else 1.0)
+    set_learning_rate(setup.optimizer, lr)  # every group; Muon's at its own peak ratio
 
     # 2. forward and backward, every token's loss divided by the step's count of counted tokens
-    count = parts.dist.sum_async(counted_tokens(micro_batches))  # every micro-batch of every rank, counted once
-    loss_sum = accumulate_gradients(parts.step_model, micro_batches, count, parts.autocast,
-                                    parts.scaler.loss_scale, parts.loss_fn)
-    loss = parts.dist.global_mean(loss_sum, count.value())
+    watch = setup.watch(step, micro_batches) if setup.watch is not None else None
+    count = setup.dist.sum_async(counted_tokens(micro_batches))  # every micro-batch of every rank, counted once
+    loss_sum = accumulate_gradients(setup.step_model, micro_batches, count, setup.autocast,
+                                    setup.scaler.loss_scale, setup.loss_fn)
+    loss = setup.dist.global_mean(loss_sum, count.value())
 
     # 3. fp16: undo the loss scale; clip the global gradient norm once, after every backward pass
-    parts.scaler.unscale_(parts.model.parameters())
-    if probe is not None:
-        probe.capture()
-    grad_norm = parts.dist.clip_grad_norm_(parts.model, parts.clip if parts.clip > 0 else math.inf)
+    setup.scaler.unscale_(setup.model.parameters())
+    if watch is not None:
+        watch.capture()
+    grad_norm = setup.dist.clip_grad_norm_(setup.model, setup.clip if setup.clip > 0 else math.inf)
 
     # 4. the guard decides on the step's global numbers (every rank alike)
-    action, event, target = "take", None, None
-    if parts.guard is not None and parts.guard.reads_every_step:
+    action, event, rollback_to = "take", None, None
+    if setup.guard is not None and setup.guard.reads_every_step:
         loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()  # the one read
-        if not (parts.scaler.enabled and not math.isfinite(grad_norm)):  # an fp16 overflow is the scaler's to skip
-            action, event, target = parts.guard.decide(step, loss, grad_norm, lr)
+        if not (setup.scaler.enabled and not math.isfinite(grad_norm)):  # an fp16 overflow is the scaler's to skip
+            action, event, rollback_to = setup.guard.decide(step, loss, grad_norm, lr)
 
     # 5. update (unless the guard said otherwise, or an fp16 gradient overflowed) and zero
-    updated = action == "take" and parts.scaler.update(grad_norm)
+    updated = action == "take" and setup.scaler.update(grad_norm)
     if updated:
-        parts.optimizer.step()
-    parts.optimizer.zero_grad(set_to_none=True)
-    return StepResult(step, lr, loss, grad_norm, updated, action, event, target)
+        setup.optimizer.step()
+    setup.optimizer.zero_grad(set_to_none=True)
+    return StepResult(step, lr, loss, grad_norm, updated, action, event, rollback_to, watch)

@@ -136,3 +136,23 @@ class ThreadTuner:
         for p in self.model.parameters():
             p.grad = None
         return elapsed
+
+
+class TunedBatches:
+    """The training stream under ``--threads auto``: before handing over a step's micro-batches,
+    the tuner may time a trial on the first of them (:meth:`ThreadTuner.before_step`). The
+    loop draws batches as always; the stream's state is the wrapped stream's."""
+
+    def __init__(self, batches, tuner: ThreadTuner):
+        self.batches, self.tuner = batches, tuner
+
+    def next(self, step: int) -> list[Batch]:
+        micro_batches = self.batches.next(step)
+        self.tuner.before_step(micro_batches)
+        return micro_batches
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches.load_state_dict(state)

@@ -2,11 +2,13 @@
 
 For every optimizer step, in order:
 
-1. draw the step's micro-batches: ``grad_accum`` packed batches of windows per process;
-2. take one optimizer step (:func:`nanolm.step.train_step`): set the learning rate, run
-   forward and backward over every micro-batch with each token's loss divided by the
-   step's count of counted tokens, unscale (fp16) and clip the gradients once, let the
-   guard decide, update the weights;
+1. draw the step's micro-batches: ``grad_accum`` packed batches of windows per process
+   (under ``--threads auto`` the stream may first time the step's pass at a few thread
+   counts and keep the fastest: ``nanolm.threads``);
+2. take one optimizer step (:func:`nanolm.step.train_step`): set the learning rate (the
+   schedule's, times the guard's scale after a rollback), run forward and backward over
+   every micro-batch with each token's loss divided by the step's count of counted tokens,
+   unscale (fp16) and clip the gradients once, let the guard decide, update the weights;
 3. settle the guard's event, if any: record it with its evidence, roll back to the last
    checkpoint (keeping the data position, so the bad batches are not replayed), or stop;
 4. log the step when due (``metrics.jsonl``, the terminal, wandb/TensorBoard), with per-layer
@@ -32,32 +34,32 @@ import contextlib
 import math
 import signal
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .checkpoint import Checkpointer, clear_final, save_final_weights
+from .checkpoint import Checkpointer, clear_final, rollback_checkpoint, save_final_weights
 from .config import RunConfig
 from .data import TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: for the course)
 from .distributed import Distributed, Muted, launch
 from .errors import NanolmError
 from .evaluate import estimate_loss, sample_text  # noqa: F401 (estimate_loss: where the course imports it from)
-from .guards import Guard, nan_origin
+from .guards import Guard, nan_origin, reads_every_step
 from .lock import RunLock
 from .model import GPT
 from .monitor import missing_sink_packages, parse_sinks
 from .observer import Observer
 from .optim import get_param_groups, learning_rate, optimizer_for
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
-from .rundir import locate_run, set_up_run_directory, use_prepared_tokenizer
+from .rundir import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
 from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads, configure_tf32,
-                      is_out_of_memory, keep_freed_memory_for_reuse, refuse_what_the_device_cannot_do,
-                      resolve_device, seed_everything, settings_restored)
+                      is_out_of_memory, refuse_what_the_device_cannot_do, resolve_device, seed_everything,
+                      settings_restored)
 from .stats import peak_flops
-from .threads import ThreadTuner
-from .step import StepParts, summed_token_loss, train_step
+from .step import StepSetup, summed_token_loss, train_step
+from .threads import ThreadTuner, TunedBatches
 
 
 @dataclass
@@ -89,8 +91,8 @@ class Progress:
 
 @dataclass
 class Components:
-    """The parts of a run that the lab (``nanolm.instruments.faults``) swaps for broken ones,
-    to break a run the way real bugs do; the defaults are nanolm's own."""
+    """The components of a run that the lab (``nanolm.instruments.faults``) swaps for broken
+    ones, to break a run the way real bugs do; the defaults are nanolm's own."""
 
     model: Callable = GPT
     optimizer: Callable = optimizer_for
@@ -108,23 +110,23 @@ class Run:
     dist: Distributed
     out_dir: Path
     model: torch.nn.Module
-    parts: StepParts
-    batches: TrainBatches
+    step_setup: StepSetup
+    batches: TrainBatches | TunedBatches
     progress: Progress
     guard: Guard
     observer: Observer
     checkpointer: Checkpointer
     tokenizer: object
     tokens_per_step: int
-    finishing: bool  # a resumed run that had already ended: only its final weights are left to write
-    threads: ThreadTuner = field(default_factory=ThreadTuner.fixed)
+    finishing: bool  # the run had already trained its steps: only its final weights are left to write
 
 
 def train(cfg: RunConfig, log=print, components: Components | None = None) -> dict:
     """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
 
-    Running the same command again continues the run (``nanolm.rundir``). Under torchrun
-    every process calls this; they train one model together (``--dist``).
+    Running the same command again continues the run (``nanolm.rundir``); a run that had
+    already finished returns ``{"out_dir": ..., "finished": True}`` and trains nothing.
+    Under torchrun every process calls this; they train one model together (``--dist``).
     """
     cfg = cfg.resolved()
     device = resolve_device(cfg.train.device)
@@ -141,8 +143,11 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
     try:
         with settings_restored(), launch(cfg.train.dist, device) as dist, RunLock() as lock:  # one writer per run directory
             log = log if dist.is_main else Muted()
-            run = build_run(cfg, dist, log, components or Components(), lock)
-            return run if isinstance(run, dict) else run_loop(run, log)
+            plan = dist.from_main(lambda: locate_run(cfg, lock, dist.world_size, log))  # rank 0 locks the directory
+            if plan.finished:
+                log(plan.message)
+                return {"out_dir": str(plan.out_dir), "finished": True}
+            return run_loop(build_run(cfg, dist, plan, log=log, components=components or Components()), log)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
@@ -162,10 +167,8 @@ def run_loop(run: Run, log=print) -> dict:
             step = progress.step + 1
             # 1. the step's micro-batches
             batches = run.batches.next(step)
-            run.threads.before_step(batches)  # --threads auto: on a busy CPU, the thread count that is fastest now
             # 2. one optimizer step: LR, forward/backward normalised by the step's token count, clip, guard, update
-            probe = observer.probe(step, batches)
-            result = train_step(run.parts, step, batches, probe)
+            result = train_step(run.step_setup, step, batches)
             # 3. the guard's event: recorded with its evidence; a rollback keeps the data position
             if result.event is not None:
                 guard.settle(result, batches)  # raises on "stop"
@@ -176,7 +179,7 @@ def run_loop(run: Run, log=print) -> dict:
                 continue
             progress.advance(step, run.tokens_per_step)
             # 4. log when due (per-layer statistics on statistics steps), evaluate when due
-            row = observer.observe(result, probe)
+            row = observer.observe(result)
             # 5. save when due, and on SIGINT/SIGTERM: then stop, resumable
             reached = observer.target_reached(row)
             stop_signal = dist.first_signal(stop.requested)  # every rank stops after the same step
@@ -191,34 +194,68 @@ def run_loop(run: Run, log=print) -> dict:
     return finish(run, row, log)
 
 
-def build_run(cfg: RunConfig, dist: Distributed, log, components: Components, lock: RunLock) -> Run | dict:
-    """Decide where the run lives and what it does (``nanolm.rundir``; rank 0 locks it with
-    ``lock``, which the caller holds until the run ends), check everything, write
-    the run directory, build the model, optimizer, data stream and components, and resume
-    from a checkpoint when there is one. A run that had already finished returns a dict."""
-    t, o, d, g = cfg.train, cfg.optim, cfg.data, cfg.guard
+def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
+              components: Components | None = None) -> Run:
+    """Everything the loop needs, for the run ``plan`` locates (``nanolm.rundir.locate_run``;
+    its directory is locked by the caller until the run ends): PyTorch's settings for the run
+    (threads, determinism, TF32, seeds; ``train()`` restores them when it returns), the run
+    directory and its data, the model and optimizer (:func:`build_model`), the batches
+    (:func:`build_batches`), the components that watch, guard and save the run
+    (:func:`build_components`), and the resume from a checkpoint when there is one."""
+    t, components = cfg.train, components or Components()
     device = dist.device
     precision = resolve_precision(t.precision, device)
     log(f"precision: {precision.describe()}")
     auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active and not t.deterministic
     configure_threads(t.threads, device, log, auto=auto_threads)
-    keep_freed_memory_for_reuse(device)  # a CPU step reuses its freed buffers instead of re-faulting fresh pages
     if dist.active:
         log(f"distributed: {dist.describe()}")
-    plan = dist.from_main(lambda: locate_run(cfg, lock, dist.world_size, log))
-    if plan.finished:
-        log(plan.message)
-        return {"out_dir": str(plan.out_dir), "finished": True}
     configure_determinism(t.deterministic)
     tf32 = configure_tf32(device, precision.name, t.tf32)
     if tf32:
         log(f"precision: {tf32}")
     seed_everything(t.seed)
     data = set_up_run_directory(cfg, dist, plan, precision.name, log)
-    tokenizer = data.tokenizer
+    model, step_model, optimizer, scaler = build_model(cfg, dist, precision=precision,
+                                                       vocab_size=data.tokenizer.vocab_size,
+                                                       components=components, log=log)
+    batches, val_batches = build_batches(cfg, dist, data=data, components=components)
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
+    peak, peak_source = peak_flops(device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
+    progress = Progress()
+    observer, guard, step_setup, checkpointer = build_components(
+        cfg, dist, out_dir=plan.out_dir, data=data, precision=precision, model=model, step_model=step_model,
+        optimizer=optimizer, scaler=scaler, batches=batches, val_batches=val_batches, progress=progress,
+        tokens_per_step=tokens_per_step, peak=peak * dist.world_size if peak else None, components=components,
+        log=log)
 
-    # the model, sharded or wrapped for data parallelism before the optimizer sees it
-    model = components.model(cfg.model.gpt_config(tokenizer.vocab_size)).to(device)
+    # resume, or start
+    if plan.checkpoint is not None:
+        progress.step = checkpointer.restore(plan.checkpoint)
+        log(f"resumed from {plan.checkpoint} at step {progress.step}")
+        guard.note("resume", progress.step)
+    target_met = 0 < t.target_val_bpb and progress.val_bpb is not None and progress.val_bpb <= t.target_val_bpb
+    finishing = progress.step >= t.steps or target_met
+    if dist.is_main and not finishing:
+        clear_final(plan.out_dir)  # this run trains on: its old final weights no longer describe it
+    log(f"model: {model.num_params() / 1e6:.2f}M parameters | {data.tokenizer.kind} vocabulary of "
+        f"{data.tokenizer.vocab_size} | {tokens_per_step} tokens per step | device {device} | run dir {plan.out_dir}")
+    if not val_batches:
+        log("warning: the validation split is shorter than one window; no validation loss will be reported")
+    log(f"MFU: {model.flops_per_token() / 1e6:.2f} MFLOP per token, against "
+        f"{f'{peak / 1e12:.3g} TFLOP/s' if peak else 'no peak'} ({peak_source})")
+    if auto_threads:  # --threads auto: on a busy CPU, the thread count that is fastest now
+        batches = TunedBatches(batches, ThreadTuner(step_model, precision.autocast, observer.write))
+    return Run(cfg=cfg, dist=dist, out_dir=plan.out_dir, model=model, step_setup=step_setup, batches=batches,
+               progress=progress, guard=guard, observer=observer, checkpointer=checkpointer,
+               tokenizer=data.tokenizer, tokens_per_step=tokens_per_step, finishing=finishing)
+
+
+def build_model(cfg: RunConfig, dist: Distributed, *, precision, vocab_size: int, components: Components, log=print):
+    """The model (sharded or wrapped for data parallelism before the optimizer sees it), the
+    module the step runs forward (wrapped, maybe compiled), the optimizer and the loss scaler."""
+    t, o = cfg.train, cfg.optim
+    model = components.model(cfg.model.gpt_config(vocab_size)).to(dist.device)
     if precision.pure_bf16:
         cast_weights_(model, torch.bfloat16)
     step_model = dist.wrap(model)
@@ -232,53 +269,49 @@ def build_run(cfg: RunConfig, dist: Distributed, log, components: Components, lo
             log(optimizer.describe(model))
     scaler = components.scaler(enabled=precision.name == "fp16")
     step_model = torch.compile(step_model) if t.compile else step_model
+    return model, step_model, optimizer, scaler
 
-    # the data: the training stream and the fixed validation set
+
+def build_batches(cfg: RunConfig, dist: Distributed, *, data, components: Components):
+    """The training stream (this rank's share of each step's windows) and the fixed validation set."""
+    t, d, seq_len, eos = cfg.train, cfg.data, cfg.model.seq_len, data.tokenizer.eos_id
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
-    sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset,
+    sampler = WindowSampler(len(data.train), seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset,
                             rank=dist.rank, world_size=dist.world_size)
-    batches = components.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum, **pack)
-    val_batches = eval_batches(data.val, cfg.model.seq_len, t.batch_size, tokenizer.eos_id,
+    batches = components.batches(data.train.tokens, sampler, seq_len, eos, t.grad_accum, **pack)
+    val_batches = eval_batches(data.val, seq_len, t.batch_size, eos,
                                max_windows=t.eval_batches * t.batch_size * dist.world_size, **pack)
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
+    return batches, val_batches
 
-    # the components: progress, guard, the step's parts, the observer, the checkpointer
-    progress = Progress()
-    guard = Guard(plan.out_dir if dist.is_main else None, g.on_nan, g.on_spike, g.spike_window, g.spike_threshold,
-                  g.max_rollbacks, log, g.rollback_lr_scale,
+
+def build_components(cfg: RunConfig, dist: Distributed, *, out_dir: Path, data, precision, model, step_model,
+                     optimizer, scaler, batches, val_batches, progress: Progress, tokens_per_step: int,
+                     peak: float | None, components: Components, log=print):
+    """The observer, the guard, the step's setup and the checkpointer, each given what it
+    needs when it is built: the observer first (the others write their lines through it,
+    above the progress bar), then the guard (it rolls back to the checkpointer's latest
+    checkpoint, found by :func:`~nanolm.checkpoint.rollback_checkpoint`), then the step, then
+    the checkpointer (it saves the state of every other component)."""
+    t, o, g, tokenizer = cfg.train, cfg.optim, cfg.guard, data.tokenizer
+    observer = Observer(cfg=cfg, dist=dist, out_dir=out_dir, model=model, precision=precision, scaler=scaler,
+                        progress=progress, val_batches=val_batches,
+                        token_bytes=torch.from_numpy(tokenizer.token_bytes()), floor=data.meta.get("floor"), tokens_per_step=tokens_per_step,
+                        peak=peak,
+                        loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer)
+    guard = Guard(out_dir=out_dir if dist.is_main else None, on_nan=g.on_nan, on_spike=g.on_spike,
+                  window=g.spike_window, threshold=g.spike_threshold, max_rollbacks=g.max_rollbacks,
+                  rollback_lr_scale=g.rollback_lr_scale, log=observer.write,
+                  rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
                   explain_nan=lambda batch: nan_origin(model, batch, precision.autocast, tokenizer.vocab_size))
-    parts = StepParts(model, optimizer, schedule=lambda step: learning_rate(step - 1, o, t.steps)
-                      * guard.lr_scale, clip=o.clip, step_model=step_model, scaler=scaler,
-                      autocast=precision.autocast, dist=dist, guard=guard, loss_fn=components.loss_fn)
-    peak, peak_source = peak_flops(device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
-    observer = Observer(cfg, dist, plan.out_dir, model, precision, scaler, guard, progress, val_batches,
-                        torch.from_numpy(tokenizer.token_bytes()), data.meta.get("floor"), tokens_per_step,
-                        peak * dist.world_size if peak else None, log, optimizer)
+    step_setup = StepSetup(model, optimizer, schedule=lambda step: learning_rate(step - 1, o, t.steps), clip=o.clip,
+                           step_model=step_model, scaler=scaler, autocast=precision.autocast, dist=dist, guard=guard,
+                           loss_fn=components.loss_fn, watch=observer.gradient_watch)
     checkpointer = components.checkpointer(
-        dist, plan.out_dir, model, optimizer, {"sampler": batches, "scaler": scaler, "progress": progress,
-                                                "guard": guard, "observer": observer},
-        cfg.to_toml(), tokenizer, data.digest, every=t.ckpt_every, last_step=t.steps, keep=t.keep, log=log)
-    guard.find_checkpoint = checkpointer.latest
-    guard.log = checkpointer.log = observer.write  # their lines go above the progress bar
-
-    # resume, or start
-    if plan.checkpoint is not None:
-        progress.step = checkpointer.restore(plan.checkpoint)
-        log(f"resumed from {plan.checkpoint} at step {progress.step}")
-        guard.note("resume", progress.step)
-    target_met = 0 < t.target_val_bpb and progress.val_bpb is not None and progress.val_bpb <= t.target_val_bpb
-    finishing = progress.step >= t.steps or target_met
-    if dist.is_main and not finishing:
-        clear_final(plan.out_dir)  # this run trains on: its old final weights no longer describe it
-    log(f"model: {model.num_params() / 1e6:.2f}M parameters | {tokenizer.kind} vocabulary of {tokenizer.vocab_size} | "
-        f"{tokens_per_step} tokens per step | device {device} | run dir {plan.out_dir}")
-    if not val_batches:
-        log("warning: the validation split is shorter than one window; no validation loss will be reported")
-    log(f"MFU: {model.flops_per_token() / 1e6:.2f} MFLOP per token, against "
-        f"{f'{peak / 1e12:.3g} TFLOP/s' if peak else 'no peak'} ({peak_source})")
-    threads = ThreadTuner(step_model, precision.autocast, observer.write) if auto_threads else ThreadTuner.fixed()
-    return Run(cfg, dist, plan.out_dir, model, parts, batches, progress, guard, observer, checkpointer, tokenizer,
-               tokens_per_step, finishing, threads)
+        dist=dist, run_dir=out_dir, model=model, optimizer=optimizer,
+        stateful={"sampler": batches, "scaler": scaler, "progress": progress, "guard": guard, "observer": observer},
+        config_toml=cfg.to_toml(), tokenizer=tokenizer, data_digest=data.digest, every=t.ckpt_every,
+        last_step=t.steps, keep=t.keep, log=observer.write)
+    return observer, guard, step_setup, checkpointer
 
 
 def finish(run: Run, row: dict, log=print) -> dict:
@@ -292,7 +325,7 @@ def finish(run: Run, row: dict, log=print) -> dict:
                                {"val_loss": progress.val_loss, "val_bpb": progress.val_bpb})
     result = {"out_dir": str(out_dir), "elapsed_s": run.observer.elapsed(), **row}
     if t.sample_tokens and dist.is_main and not dist.sharded:
-        with run.parts.autocast():
+        with run.step_setup.autocast():
             result["sample"] = sample_text(whole, run.tokenizer, dist.device, t.sample_tokens, seed=t.seed)
         log("sample:\n" + result["sample"])
     elif t.sample_tokens and dist.sharded:
@@ -301,7 +334,7 @@ def finish(run: Run, row: dict, log=print) -> dict:
     return result
 
 
-if __name__ == "__main__":  # ``python -m nanolm.train ...`` is ``nanolm train ...``
-    from nanolm.instruments.cli import main
+if __name__ == "__main__":  # ``python -m nanolm.train ...`` is ``nanolm train ...``, through the same entry
+    from nanolm.instruments.cli import entry
 
-    sys.exit(main(["train", *sys.argv[1:]]))
+    entry(["train", *sys.argv[1:]])

@@ -341,63 +341,6 @@ def test_a_training_run_skips_the_compressor_bounds_that_prepare_and_doctor_repo
     assert json.loads((tmp_path / "run" / "data" / "meta.json").read_text())["compressor_bpb"] is None
 
 
-PREPARE_IMPORTS_PROBE = """
-import sys
-import nanolm.data as data
-before = set(sys.modules)
-data.prepare(sys.argv[1], sys.argv[2] + "/bpe", "bpe", 300, progress=False, log=lambda *_: None)
-data.prepare(sys.argv[1], sys.argv[2] + "/char", "char", progress=False, log=lambda *_: None)
-print(sorted(m for m in set(sys.modules) - before if m.split(".")[0] == "torch"))
-"""
-
-
-def test_preparing_data_imports_no_pytorch_module(tmp_path, stories_file):
-    """A run prepares its raw text while a second thread imports ``torch._dynamo``
-    (``nanolm.runtime.importing_alongside``). That is safe only while preparation imports nothing
-    of PyTorch itself: two threads importing parts of one package can wait on each other's
-    import locks, and Python then hands one of them a half-initialised module."""
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-c", PREPARE_IMPORTS_PROBE, str(stories_file), str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]"
-
-
-IMPORT_ALONGSIDE_PROBE = """
-import sys, threading
-from pathlib import Path
-from nanolm.config import RunConfig
-from nanolm.rundir import load_training_data
-cfg = RunConfig()
-cfg.data.data, cfg.data.tokenizer = sys.argv[1], "char"
-imported_before = "torch._dynamo" in sys.modules
-load_training_data(cfg, Path(sys.argv[2]), log=lambda *_: None)
-print(imported_before, "torch._dynamo" in sys.modules, [t.name for t in threading.enumerate() if t.name.startswith("import")])
-"""
-
-
-def test_the_optimizers_import_runs_beside_data_preparation_and_is_done_by_its_end(tmp_path, stories_file):
-    """PyTorch's optimizers import ``torch._dynamo`` on first use (~1.7 s of one core): a run
-    imports it on a second thread while its raw text is prepared, and waits for it there, so
-    that nothing after preparation runs beside an import. ``NANOLM_IMPORT_ALONGSIDE=0`` leaves
-    the import to the optimizer."""
-    import os
-    import subprocess
-    import sys
-
-    def probe(**env):
-        scratch = tmp_path / f"scratch{len(list(tmp_path.iterdir()))}"
-        r = subprocess.run([sys.executable, "-c", IMPORT_ALONGSIDE_PROBE, str(stories_file), str(scratch)],
-                           capture_output=True, text=True, timeout=300, env={**os.environ, **env})
-        assert r.returncode == 0, r.stderr
-        return r.stdout.strip()
-
-    assert probe() == "False True []"
-    assert probe(NANOLM_IMPORT_ALONGSIDE="0") == "False False []"
-
-
 def test_a_changed_token_inside_the_vocabulary_is_refused(tmp_path):
     """An in-range id trains silently on different data; only the checksum can tell."""
     src = _write_txt(tmp_path / "d.txt", DOCS * 4)

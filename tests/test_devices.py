@@ -29,7 +29,7 @@ from nanolm.optim import build_optimizer
 from nanolm.precision import resolve_precision
 from nanolm.runtime import configure_tf32, refuse_what_the_device_cannot_do, settings_restored
 from nanolm.stats import LayerStats, probe
-from nanolm.step import StepParts, train_step
+from nanolm.step import StepSetup, train_step
 
 V = 64
 
@@ -75,8 +75,8 @@ def test_rotary_step_hands_attention_q_k_and_v_in_one_dtype_under_autocast():
 
 
 # ----------------------------------------------------------------------------- the model on a simulated GPU
-def step_parts(model, **kw):
-    return StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, **kw)
+def step_setup(model, **kw):
+    return StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, **kw)
 
 
 @pytest.mark.parametrize("device", ["cuda:0", "mps:0"])
@@ -85,7 +85,7 @@ def test_a_training_step_keeps_every_tensor_on_the_model_device(device):
     batches = [packed_batch(4), packed_batch(5)]  # on the host, as the loop holds them
     with SimulatedDevice(device) as gpu:
         gpu.move(model)
-        result = train_step(step_parts(model), 1, batches)
+        result = train_step(step_setup(model), 1, batches)
         assert result.updated and result.loss.device == torch.device(device)
         assert all(gpu.holds(p) and gpu.holds(p.grad) is False or p.grad is None for p in model.parameters())
 
@@ -106,14 +106,13 @@ def test_layer_statistics_run_on_the_device():
     batch = packed_batch(8)
     with SimulatedDevice("cuda:0") as gpu:
         gpu.move(model)
-        parts = step_parts(model)
         stats = LayerStats(model, batch)
-        train_step(parts, 1, [batch], _Probe(stats))
+        train_step(step_setup(model, watch=lambda step, micro_batches: _Watch(stats)), 1, [batch])
         row = stats.after_update()
     assert row["attn_logit_max/0"] > 0 and 0 <= row["mlp_dead_frac/1"] <= 1
 
 
-class _Probe:
+class _Watch:
     def __init__(self, stats):
         self.stats = stats
 
@@ -282,15 +281,29 @@ def test_tf32_is_used_for_fp32_products_on_ampere_and_put_back_after_the_run(mon
     assert configure_tf32(torch.device("cuda:0"), "fp32", allowed=True) is None
 
 
-def test_a_run_called_from_python_leaves_determinism_and_threads_as_it_found_them(tmp_path, stories_file):
+def test_a_run_called_from_python_leaves_determinism_threads_and_random_generators_as_it_found_them(
+        tmp_path, stories_file):
+    """A notebook's own random draws after ``train()`` continue as if the run had not seeded and
+    drawn from the generators."""
+    import random
+
+    import numpy as np
+
     from nanolm.train import train
+
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
 
     threads = torch.get_num_threads()
     assert not torch.are_deterministic_algorithms_enabled()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    expected = draws()
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
     train(tiny_run_config(stories_file, tmp_path / "run", steps=2, deterministic=True, threads=1, eval_every=2),
           log=lambda *_: None)
     assert not torch.are_deterministic_algorithms_enabled()
     assert torch.get_num_threads() == threads
+    assert draws() == expected
 
 
 def test_batches_are_pinned_for_cuda_only():

@@ -32,7 +32,7 @@ from nanolm.lock import LOCK_FILE, RunLock
 from nanolm.tokenizer import train_char
 from nanolm.monitor import read_metrics
 from nanolm.optim import build_optimizer, muon_available
-from nanolm.step import StepParts, accumulate_gradients, counted_tokens, train_step
+from nanolm.step import StepSetup, accumulate_gradients, counted_tokens, train_step
 
 from conftest import REPO, HostReads, tiny_model
 
@@ -399,11 +399,11 @@ def _worker(rank, world_size, port, result_dir):
             ctx = Distributed(mode, torch.device("cpu"), rank, world_size)
             model = tiny_model(seed=0)
             wrapped = ctx.wrap(model)
-            parts = StepParts(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, step_model=wrapped,
+            setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, step_model=wrapped,
                               dist=ctx)
             with HostReads() as counter:
                 counter.at(1)
-                train_step(parts, 1, mine)
+                train_step(setup, 1, mine)
             result[mode]["step_reads"] = counter.reads
             ctx = Distributed(mode, torch.device("cpu"), rank, world_size)
             model = tiny_model(seed=0)

@@ -92,7 +92,7 @@ def test_spike_detector_flat_history_has_a_floor_and_skips_non_finite_values():
 
 
 def test_guard_decides_per_step_and_keeps_warned_spikes_in_its_history(tmp_path):
-    g = Guard(tmp_path, on_nan="skip", on_spike="warn", window=30, threshold=6.0, log=lambda *_: None)
+    g = Guard(out_dir=tmp_path, on_nan="skip", on_spike="warn", window=30, threshold=6.0, log=lambda *_: None)
     for step in range(1, 26):
         assert g.check(step, 2.0 + 0.01 * (step % 3), 1.0 + 0.01 * (step % 2), 1e-3) == ("take", None)
     action, event = g.check(26, float("nan"), 1.0, 1e-3)
@@ -277,6 +277,25 @@ def test_a_rollback_does_not_replay_the_batches_since_its_checkpoint(tmp_path, s
     assert len(drawn) == 8 + 2  # steps 5 and 6 were drawn, discarded, and not drawn again
     windows = [(epoch, start) for epoch, *starts in drawn for start in starts]
     assert len(windows) == len(set(windows))
+
+
+def test_after_a_rollback_the_learning_rate_is_the_schedules_times_the_guards_scale(tmp_path, stories_file):
+    """``--rollback-lr-scale 0.5``: the steps after a rollback run at half the schedule's rate
+    (the step multiplies the schedule's rate by the guard's scale where it sets it), the steps
+    before it at the schedule's own."""
+    from nanolm.optim import learning_rate
+
+    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=8, eval_every=8, ckpt_every=4, batch_size=BATCH,
+                          log_every=1, stats_every=0)
+    cfg.debug.inject_nan_at, cfg.guard.rollback_lr_scale = 6, 0.5
+    train(cfg, log=lambda *_: None, components=components(cfg))
+    [event] = read_events(tmp_path / "run")
+    assert (event["action"], event["to_step"], event["lr_scale"]) == ("rollback", 4, 0.5)
+    optim = cfg.resolved().optim
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "lr" in r}
+    assert sorted(lrs) == list(range(1, 9))
+    assert all(lrs[s] == learning_rate(s - 1, optim, 8) for s in range(1, 5))
+    assert all(lrs[s] == learning_rate(s - 1, optim, 8) * 0.5 for s in range(5, 9))
 
 
 def test_a_run_cannot_roll_back_more_than_max_rollbacks_whatever_restores_it(tmp_path, stories_file, monkeypatch):

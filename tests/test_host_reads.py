@@ -49,9 +49,9 @@ def _reads_per_step(tmp_path, stories_file, monkeypatch, precision="fp32", readi
         cfg.guard.on_nan, cfg.guard.on_spike = "stop", "off"
     real_step = train_module.train_step
     with HostReads() as counter:
-        def counted_step(parts, step, batches, probe=None):
+        def counted_step(setup, step, batches):
             counter.at(step)
-            return real_step(parts, step, batches, probe)
+            return real_step(setup, step, batches)
 
         monkeypatch.setattr(train_module, "train_step", counted_step)
         train(cfg, log=lambda *_: None)

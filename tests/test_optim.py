@@ -7,7 +7,7 @@ from nanolm.data import Batch
 from nanolm.muon import GroupedMuon
 from nanolm.optim import (MuonWithAdamW, build_optimizer, cosine_lr, get_param_groups, muon_available,
                           set_learning_rate, wsd_lr)
-from nanolm.step import StepParts, train_step
+from nanolm.step import StepSetup, train_step
 
 from conftest import tiny_model
 
@@ -247,9 +247,9 @@ def test_each_group_runs_at_its_own_peak_on_the_shared_schedule():
     AdamW's groups at --lr's; the ratio is the current run's even after loading an older state."""
     model = tiny_model()
     opt = MuonWithAdamW(model, lr=1e-3, weight_decay=0.1, muon_lr=3e-3)
-    parts = StepParts(model=model, optimizer=opt, schedule=lambda step: 5e-4)
+    setup = StepSetup(model=model, optimizer=opt, schedule=lambda step: 5e-4)
     batch = Batch(torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32)), torch.ones(2, 32, dtype=torch.bool))
-    train_step(parts, 1, [batch])
+    train_step(setup, 1, [batch])
     assert [g["lr"] for g in opt.muon.param_groups] == [pytest.approx(1.5e-3)]
     assert [g["lr"] for g in opt.adamw.param_groups] == [5e-4, 5e-4]
     resumed = MuonWithAdamW(tiny_model(), lr=1e-3, weight_decay=0.1, muon_lr=2e-3)  # --muon-lr changed on resume

@@ -7,7 +7,7 @@ import torch
 
 from nanolm.data import Batch
 from nanolm.optim import build_optimizer
-from nanolm.step import StepParts, train_step
+from nanolm.step import StepSetup, train_step
 from nanolm.threads import FIRST_WAIT_S, ThreadTuner, candidate_counts
 
 from conftest import tiny_model
@@ -117,11 +117,11 @@ def test_environment_a_step_gives_the_same_bits_at_one_and_two_threads():
     for threads in (2, 1):
         torch.set_num_threads(threads)
         model = tiny_model(n_embd=128, n_head=4, seq_len=128, vocab_size=512)
-        parts = StepParts(model, build_optimizer(model, 1e-2, 0.1), schedule=lambda step: 1e-2)
+        setup = StepSetup(model, build_optimizer(model, 1e-2, 0.1), schedule=lambda step: 1e-2)
         for step in range(1, 4):
             g = torch.Generator().manual_seed(step)
             idx = torch.randint(0, 512, (8, 128), generator=g)
-            train_step(parts, step, [Batch(idx, torch.roll(idx, -1, 1), torch.ones(8, 128, dtype=torch.bool))])
+            train_step(setup, step, [Batch(idx, torch.roll(idx, -1, 1), torch.ones(8, 128, dtype=torch.bool))])
         weights[threads] = torch.cat([p.detach().flatten() for p in model.parameters()])
     if not torch.equal(weights[1], weights[2]):
         pytest.skip("environment: this CPU's kernels give other bits at 1 and 2 threads, so a --threads auto "

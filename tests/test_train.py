@@ -1,7 +1,4 @@
-import ctypes
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -193,48 +190,6 @@ def test_threads_are_set_and_a_busy_cpu_gets_a_hint_only_when_our_threads_would_
         torch.set_num_threads(before)
 
 
-ALLOCATION_PROBE = """
-import ctypes, sys, torch
-from nanolm.runtime import keep_freed_memory_for_reuse
-libc = ctypes.CDLL("libc.so.6")
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                                               "uordblks", "fordblks", "keepcost")]
-libc.mallinfo2.restype = MallInfo2
-applied = keep_freed_memory_for_reuse(torch.device(sys.argv[1]))
-before = libc.mallinfo2().hblkhd
-buffer = torch.empty(64 << 20, dtype=torch.uint8)  # a step's worth of activations
-print(applied, libc.mallinfo2().hblkhd - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL(None), "mallinfo2"),
-                    reason="glibc >= 2.33 only (mallinfo2)")
-def test_a_cpu_run_keeps_freed_buffers_in_the_process_instead_of_mapping_fresh_pages(tmp_path, stories_file,
-                                                                                         monkeypatch):
-    """glibc gives large freed blocks back to the kernel, and every step then faults the same
-    buffers in again as fresh zeroed pages (6-10 % of a step measured on 2 cores). A CPU run
-    raises the allocator's thresholds so a 64 MiB buffer comes from the heap, not a new
-    mapping; a GPU run, or NANOLM_KEEP_FREED_MEMORY=0, leaves the allocator alone."""
-    import subprocess
-
-    def probe(device, **env):
-        out = subprocess.run([sys.executable, "-c", ALLOCATION_PROBE, device], capture_output=True, text=True,
-                             env={**os.environ, **env}, check=True).stdout.split()
-        return out[0] == "True", int(out[1])
-
-    assert probe("cpu") == (True, 0)  # from the heap, and kept there when freed
-    applied, mapped = probe("cpu", NANOLM_KEEP_FREED_MEMORY="0")
-    assert not applied and mapped >= 64 << 20  # glibc's default: a fresh mapping, unmapped again when freed
-    assert probe("meta")[0] is False
-
-    calls = []
-    import nanolm.train as train_module
-    monkeypatch.setattr(train_module, "keep_freed_memory_for_reuse", lambda device: calls.append(device.type))
-    train(_tiny_cfg(stories_file, tmp_path / "run", steps=1, eval_every=1), log=lambda *_: None)
-    assert calls == ["cpu"]  # training asks for it
-
-
 def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file, monkeypatch):
     """The gradients the optimizer sees at a step are exactly those of that step's micro-batches
     at the weights before the update, with nothing of the previous steps added in: a forgotten
@@ -344,7 +299,7 @@ def test_a_compiled_step_follows_the_eager_step():
     gradient element near zero may change sign when the sums are reordered). On CPU too,
     where the compile is the slow part."""
     from nanolm.data import pack_windows
-    from nanolm.step import StepParts, train_step
+    from nanolm.step import StepSetup, train_step
 
     tokens = np.random.default_rng(0).integers(1, 64, size=2000)
     tokens[::37] = 0  # documents, so the mask path is compiled too
@@ -352,9 +307,9 @@ def test_a_compiled_step_follows_the_eager_step():
     results = []
     for compile in (False, True):
         model = tiny_model(n_layer=1)
-        parts = StepParts(model, torch.optim.SGD(model.parameters(), lr=1.0), schedule=lambda step: 1.0,
+        setup = StepSetup(model, torch.optim.SGD(model.parameters(), lr=1.0), schedule=lambda step: 1.0,
                           step_model=torch.compile(model) if compile else model)
-        results.append((train_step(parts, 1, [batch]).loss.item(), [p.detach().clone() for p in model.parameters()]))
+        results.append((train_step(setup, 1, [batch]).loss.item(), [p.detach().clone() for p in model.parameters()]))
     (eager_loss, eager_weights), (compiled_loss, compiled_weights) = results
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(eager_weights, compiled_weights))

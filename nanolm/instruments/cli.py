@@ -14,10 +14,13 @@ from ..errors import NanolmError
 
 def _train(args) -> None:
     from ..config import config_from_args
+    from ..runtime import resolve_device
     from .faults import components
     from ..train import train
 
     cfg = config_from_args(args)
+    if args.process_tuning_of_entry is not None:  # only the command's own process: never main() called in-process
+        args.process_tuning_of_entry.before_training(cfg.train.process_tuning, resolve_device(cfg.train.device))
     train(cfg, components=components(cfg))  # the hidden --debug-* options: the lab's faults
 
 
@@ -411,9 +414,13 @@ def _add_other_commands(sub) -> None:
     q.set_defaults(func=_data_download)
 
 
-def main(argv=None) -> int:
+def main(argv=None, process_tuning=None) -> int:
+    """The ``nanolm`` command line, in this process. ``process_tuning`` (a
+    :class:`~nanolm.instruments.process.ProcessTuning`, from :func:`entry` only) lets a training
+    run tune the process as ``--process-tuning`` says; without it the process is left alone."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.process_tuning_of_entry = process_tuning
     try:
         code = args.func(args)
     except NanolmError as e:
@@ -445,15 +452,17 @@ def _one_line(message: str) -> str:
     return " ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
-def entry() -> None:
-    """The ``nanolm`` command and ``python -m nanolm``: :func:`main` in a process that spares the
-    garbage collector the objects it need not walk, during the run and at exit (~0.8 s of a
-    10 s speedrun; ``nanolm.runtime``). Tests call :func:`main` in-process instead."""
-    from ..runtime import exempt_existing_objects_from_collection, prepare_to_exit_quickly
+def entry(argv: list[str] | None = None) -> None:
+    """The one entry of every nanolm command: ``nanolm``, ``python -m nanolm``, and ``python -m
+    nanolm.train`` / ``python -m nanolm.sample`` (which pass their subcommand). It runs
+    :func:`main` in a process it may tune for a training run (``--process-tuning``,
+    ``nanolm.instruments.process``) and exits with its status. Tests call :func:`main`
+    in-process instead, and leave their process alone."""
+    from .process import ProcessTuning
 
-    exempt_existing_objects_from_collection()  # PyTorch's modules, imported with this one
-    code = main()
-    prepare_to_exit_quickly()
+    tuning = ProcessTuning()
+    code = main(argv, process_tuning=tuning)
+    tuning.before_exit()
     sys.exit(code)
 
 

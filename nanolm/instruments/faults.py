@@ -143,31 +143,31 @@ def components(cfg: RunConfig):
     debug = cfg.debug
     if debug == type(debug)():
         return None
-    parts = Components()
+    chosen = Components()
     if debug.non_causal:
-        parts.model = NonCausalGPT
+        chosen.model = NonCausalGPT
     if debug.unshifted_targets:
-        parts.batches = UnshiftedTargets
+        chosen.batches = UnshiftedTargets
     if debug.corrupt_data:
         share, seed = debug.corrupt_data, cfg.train.seed
-        parts.batches = _with_corrupt_tokens(parts.batches, share, seed)
+        chosen.batches = _with_corrupt_tokens(chosen.batches, share, seed)
     if debug.random_targets:
-        parts.batches = RandomTargets
+        chosen.batches = RandomTargets
     if debug.decay_everything:
-        parts.optimizer = decay_everything
+        chosen.optimizer = decay_everything
     if debug.loss_not_averaged:
-        parts.loss_fn = loss_not_averaged(cfg.train.grad_accum)
+        chosen.loss_fn = loss_not_averaged(cfg.train.grad_accum)
     if debug.no_loss_scaling:
-        parts.scaler = lambda enabled: DynamicLossScaler(enabled=False)
+        chosen.scaler = lambda enabled: DynamicLossScaler(enabled=False)
     for at, factor in ((debug.inject_nan_at, float("nan")), (debug.inject_spike_at, 100.0)):
         if at:
             bad = OneOffBadBatch(at, factor)
-            parts.batches, parts.loss_fn = bad.batches, bad.loss_fn
+            chosen.batches, chosen.loss_fn = bad.batches, bad.loss_fn
     if debug.drop_optimizer_state:
-        parts.checkpointer = ForgetfulCheckpointer
+        chosen.checkpointer = ForgetfulCheckpointer
     if debug.kill_after_checkpoint:
-        parts.checkpointer = killing_checkpointer(debug.kill_after_checkpoint)
-    return parts
+        chosen.checkpointer = killing_checkpointer(debug.kill_after_checkpoint)
+    return chosen
 
 
 def _with_corrupt_tokens(batches, share: float, seed: int):

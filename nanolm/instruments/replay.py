@@ -14,6 +14,7 @@ faults of a lab run (``[debug]`` in its config) are replayed too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -33,19 +34,19 @@ from ..distributed import Distributed
 from ..errors import NanolmError
 from ..guards import Guard, nan_origin, read_events
 from ..monitor import read_metrics
-from ..observer import StepProbe
+from ..observer import GradientWatch
 from ..optim import get_param_groups, learning_rate
 from ..precision import BF16AdamW, cast_weights_, resolve_precision
 from ..runtime import configure_determinism, resolve_device, settings_restored
 from ..stats import LayerStats
-from ..step import StepParts, counted_tokens, train_step
+from ..step import StepSetup, counted_tokens, train_step
 from ..tokenizer import Tokenizer
 from ..train import Components, Progress
 from .faults import components as fault_components
 
 
 class _Ignored:
-    """Stands in for the parts of a run that a replay does not need (its observer)."""
+    """Stands in for the components of a run that a replay does not need (its observer)."""
 
     def state_dict(self) -> dict:
         return {}
@@ -95,47 +96,51 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
     dev = resolve_device(device or t.device)
     precision = resolve_precision(t.precision, dev)
     configure_determinism(t.deterministic)
-    parts = fault_components(cfg) or Components()
+    components = fault_components(cfg) or Components()
 
     world = int(meta["world_size"])  # a multi-process run is replayed as one process on its global batch
-    model = parts.model(cfg.model.gpt_config(tokenizer.vocab_size)).to(dev)
+    model = components.model(cfg.model.gpt_config(tokenizer.vocab_size)).to(dev)
     if precision.pure_bf16:
         cast_weights_(model, torch.bfloat16)
         optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
                               master_weights=t.fp32_master, seed=t.seed)
     else:
-        optimizer = parts.optimizer(model, o)
-    scaler = parts.scaler(enabled=precision.name == "fp16")
+        optimizer = components.optimizer(model, o)
+    scaler = components.scaler(enabled=precision.name == "fp16")
     sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size * world, seed=t.seed,
                             random_offset=d.random_offset)
-    batches = parts.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum,
+    batches = components.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum,
                             doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
-    guard = Guard(None, g.on_nan, g.on_spike, g.spike_window, g.spike_threshold, g.max_rollbacks, log,
-                  g.rollback_lr_scale)
-    checkpointer = Checkpointer(Distributed("none", dev), run_dir, model, optimizer,
-                                {"sampler": batches, "scaler": scaler, "progress": Progress(), "guard": guard,
-                                 "observer": _Ignored()}, "", tokenizer, data.digest, every=t.ckpt_every,
+    guard = Guard(out_dir=None, on_nan=g.on_nan, on_spike=g.on_spike, window=g.spike_window,
+                  threshold=g.spike_threshold, max_rollbacks=g.max_rollbacks, rollback_lr_scale=g.rollback_lr_scale,
+                  log=log)
+    checkpointer = Checkpointer(dist=Distributed("none", dev), run_dir=run_dir, model=model, optimizer=optimizer,
+                                stateful={"sampler": batches, "scaler": scaler, "progress": Progress(), "guard": guard,
+                                          "observer": _Ignored()},
+                                config_toml="", tokenizer=tokenizer, data_digest=data.digest, every=t.ckpt_every,
                                 last_step=t.steps, log=log)
     start = checkpointer.restore(checkpoint)
-    step_parts = StepParts(model, optimizer, schedule=lambda s: learning_rate(s - 1, o, t.steps)
-                           * guard.lr_scale, clip=o.clip, scaler=scaler, autocast=precision.autocast, guard=guard,
-                           loss_fn=parts.loss_fn)
+    step_setup = StepSetup(model, optimizer, schedule=lambda s: learning_rate(s - 1, o, t.steps), clip=o.clip,
+                           scaler=scaler, autocast=precision.autocast, guard=guard, loss_fn=components.loss_fn)
     log(f"replay: from {checkpoint.name}, re-training steps {start + 1}..{step - 1}, then step {step}")
     for s in range(start + 1, step):
-        result = train_step(step_parts, s, batches.next(s))
+        result = train_step(step_setup, s, batches.next(s))
         if result.action in ("rollback", "stop"):
             raise NanolmError(f"the run's guard acted at step {s} ({result.action}; see events.jsonl): a replay "
                               f"can go up to step {s}, not past it")
 
     micro_batches = batches.next(step)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    probe = StepProbe(model, LayerStats(model, micro_batches[0], precision.autocast), precision.name == "fp16")
-    step_parts.guard = None  # step N is examined, whatever the guard would have decided
-    result = train_step(step_parts, step, micro_batches, probe)
+    watch = GradientWatch(model, LayerStats(model, micro_batches[0], precision.autocast), precision.name == "fp16")
+    # step N is examined, whatever the guard would have decided, at the rate the run used (its guard's scale)
+    lr_scale = guard.lr_scale
+    examined = dataclasses.replace(step_setup, guard=None, watch=lambda s, batches: watch,
+                                   schedule=lambda s: learning_rate(s - 1, o, t.steps) * lr_scale)
+    result = train_step(examined, step, micro_batches)
     loss, grad_norm = float(result.loss), float(result.grad_norm)
     report = {"run": str(run_dir), "step": step, "from_checkpoint": checkpoint.name, "replayed_steps": step - 1 - start,
               "loss": loss, "grad_norm": grad_norm, "lr": result.lr, "clipped": o.clip > 0 and grad_norm > o.clip,
-              "counted_tokens": counted_tokens(micro_batches), "layers": probe.after_update(),
+              "counted_tokens": counted_tokens(micro_batches), "layers": watch.after_update(),
               "first_window": tokenizer.decode(micro_batches[0].idx[0].tolist())[:300]}
     logged = next((r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == step and "loss" in r), None) \
         if (run_dir / "metrics.jsonl").is_file() else None
