@@ -168,7 +168,7 @@ def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bou
 def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exemption(monkeypatch, capsys,
                                                                                      stories_file):
     """The figures behind the quick exit (docs/benchmarks.md): a real ``python -m nanolm`` in fresh
-    processes, exempting objects from collection by default and not under NANOLM_FREEZE_GC=0."""
+    processes, exempting objects from collection by default and not under --process-tuning off."""
     out = benchmark_json(monkeypatch, capsys, "garbage_collector.py", "--rounds", "1", "--", "train", "--data",
                                               str(stories_file), "--steps", "1", "--tokenizer", "char", "--n-layer",
                                               "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16",
