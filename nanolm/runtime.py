@@ -213,10 +213,10 @@ def configure_threads(threads: int, device: torch.device, log=print, auto: bool 
 
     PyTorch splits each CPU kernel across one thread per core, and every thread waits for
     the slowest at the end of each kernel. When another process holds a core, the thread on
-    it runs late on every one of the thousands of small kernels of a step: measured at
-    nanoGPT's shape on 2 cores with one of them busy, 2 threads ran 3.6k tokens/s against
-    9.5k for 1 thread. The 1-minute load average is the only cheap sign of such a neighbour
-    (it lags, so a job that just ended can trigger the hint).
+    it runs late on every one of the thousands of small kernels of a step (docs/benchmarks.md,
+    "A busy machine", has the measured slowdowns). The 1-minute load average is
+    the only cheap sign of such a neighbour (it lags, so a job that just ended can trigger the
+    hint).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -226,8 +226,8 @@ def configure_threads(threads: int, device: torch.device, log=print, auto: bool 
     busy = os.getloadavg()[0]
     if used > 1 and busy + used > cores + 0.75:
         log(f"cpu: {used} threads on {cores} cores while the load average says other processes keep ~{busy:.1f} "
-            f"busy; PyTorch's threads wait on each other then (measured 2.6x slower steps on 2 cores with one "
-            f"busy). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}.")
+            f"busy; PyTorch's threads then wait on each other, and the steps can run several times slower "
+            f"(docs/benchmarks.md). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}.")
 
 
 class TrainingInterrupted(Exception):
