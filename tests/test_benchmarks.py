@@ -44,7 +44,11 @@ def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablat
     for name in ("nanolm", "nanolm_mask_off", "reference", "nanolm_twin", "nanolm_again", "before_fused_adamw",
                  "before_rope_roll", "before_qkv_split", "before_all", "nanolm_model_in_plain_loop", "without_rope",
                  "layer_norm_for_rms_norm"):
-        assert shape[name]["tokens_per_sec"] > 0 and shape[name]["gflops_per_sec"] > 0
+        row = shape[name]  # the figures hang together: a step's tokens, and the model's FLOPs per token
+        assert row["tokens_per_sec"] * row["ms_per_step"] / 1e3 == pytest.approx(
+            shape["shape"]["batch_size"] * shape["shape"]["seq_len"], rel=2e-3)
+        assert row["gflops_per_sec"] == pytest.approx(shape["flops_per_token"] * row["tokens_per_sec"] / 1e9,
+                                                      rel=0.02, abs=0.1)
     assert "speedup nanolm over reference" in shape["time_ratios"]["wall"]
     assert 0 < shape["loader_share_of_step"] < 1 and result["peak_rss_mb"] > 0
     # 4 layers x (qkv, proj, gate, up, down) + the head, each forward once and backward twice
@@ -137,7 +141,8 @@ def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(m
     results = benchmark_json(monkeypatch, capsys, "head_and_loss.py", "--vocab", "300,600", "--tokens", "96",
                                                   "--width", "16", "--rows", "32", "--rounds", "2")["results"]
     assert [r["vocab"] for r in results] == [300, 600]
-    assert all(r["same_gradients"] and r["whole_ms"] > 0 and r["fused_ms"] > 0 for r in results)
+    assert all(r["same_gradients"] and r["speedup_fused"] == pytest.approx(r["whole_ms"] / r["fused_ms"], rel=0.02,
+                                                                            abs=0.01) for r in results)
     assert all(r["step_whole_ms"] > 0 and r["step_fused_ms"] > 0 for r in results)
 
 
