@@ -374,3 +374,23 @@ def test_the_cpu_bf16_peak_behind_mfu_is_timed_on_products_large_enough_to_reach
     finally:
         measure_matmul_flops.cache_clear()
     assert min(shapes[0]) >= 512
+
+
+def test_doctor_says_what_this_machine_would_pick_and_refuses_what_it_cannot_do(monkeypatch):
+    from nanolm.runtime import device_choices
+
+    lines = device_choices("cpu", "auto", "auto", tf32=True, deterministic=False, compile=False)
+    assert [line.split()[0] for line in lines] == ["device", "precision", "attention", "batches"]
+    assert "auto:" in lines[1] and "SDPA" in lines[2]
+    for name, answer in (("is_available", lambda: True), ("device_count", lambda: 1),
+                         ("get_device_capability", lambda device=None: (8, 0)),
+                         ("get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB"),
+                         ("is_bf16_supported", lambda including_emulation=True: True)):
+        monkeypatch.setattr(torch.cuda, name, answer)
+    monkeypatch.setattr("nanolm.runtime.has_triton", lambda: True)
+    lines = device_choices("cuda:0", "fp32", "auto", tf32=True, deterministic=False, compile=False)
+    assert "A100" in lines[0] and "FlexAttention" in lines[2] and lines[3].startswith("tf32       on")
+    assert "pinned" in lines[4]
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    with pytest.raises(NanolmError, match="--deterministic"):
+        device_choices("mps", "auto", "auto", tf32=True, deterministic=True, compile=False)
