@@ -262,7 +262,7 @@ BUGS = [
 
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
-              "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads").split()
+              "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:
