@@ -340,8 +340,9 @@ class BF16AdamW(torch.optim.Optimizer):
     ~300 MB."""
     cpu_bucket_elements = 1 << 16
     """On a CPU, where a ``_foreach_*`` call is a loop over its tensors anyway, a bucket small
-    enough to stay in cache through its ~17 operations: one bucket for a whole 4M-parameter
-    model made the step ~1.5x slower than updating one tensor at a time (docs/benchmarks.md)."""
+    enough to stay in cache through its ~17 operations: one bucket for a whole model sweeps
+    every parameter through memory once per operation, slower than updating one tensor at a
+    time (measured in docs/benchmarks.md)."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  master_weights: bool = False, seed: int = 0):
