@@ -60,7 +60,7 @@ class ModelOptions:
     rope_theta: float = option(10000.0, "RoPE base: larger means slower-turning positions")
     tie_embeddings: bool = option(True, "share the input embedding and the output head")
     dropout: float = option(0.0, "dropout probability (0 is right for single-epoch pretraining)")
-    attention: str = option("auto", "attention kernel for the document mask: auto (FlexAttention on CUDA, "
+    attention: str = option("auto", "attention kernel for the document mask: auto (FlexAttention on CUDA with Triton, "
                             "SDPA with a boolean mask elsewhere), sdpa, or flex (CUDA only for training)",
                             choices=ATTENTION_BACKENDS)
     loss_chunk: int = option(0, "positions whose logits the output head and the loss compute at once in training and "
@@ -131,7 +131,8 @@ class TrainOptions:
     compile: bool = option(False, "torch.compile the model: ~25 s of compiling at start-up, then faster steps "
                            "(1.18x at the default model on 2 CPU cores, so it pays after ~1,600 steps; more on a "
                            "GPU); leave it off while debugging (docs/benchmarks.md)")
-    precision: str = option("auto", "number format: auto (bf16 on a GPU or CPU that multiplies it natively, else fp32), fp32, bf16 or fp16 "
+    precision: str = option("auto", "number format: auto (bf16 on a GPU or CPU that multiplies it natively, fp16 with loss scaling on a GPU "
+                            "without bf16 tensor cores such as a T4 or V100, else fp32), fp32, bf16 or fp16 "
                             "(autocast over fp32 weights; fp16 adds loss scaling), bf16-pure (bf16 weights, "
                             "stochastic rounding); see docs/precision.md", choices=PRECISIONS)
     fp32_master: bool = option(False, "with --precision bf16-pure: keep an fp32 master copy of the weights in the "
