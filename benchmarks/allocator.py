@@ -35,10 +35,10 @@ def one_process(args) -> None:
     """Inside the child: set up as training does, time the passes, print the median in ms."""
     import torch
 
-    from nanolm.data import Batch
+    from nanolm.batches import Batch
+    from nanolm.instruments.process import keep_freed_memory_for_reuse
     from nanolm.model import GPT, GPTConfig
     from nanolm.precision import resolve_precision
-    from nanolm.instruments.process import keep_freed_memory_for_reuse
     from nanolm.step import accumulate_gradients
 
     torch.set_num_threads(args.threads)

@@ -180,7 +180,7 @@ def toy_tokens(ctx: Context):
     """The toy corpus prepared as a run would (BPE 512 on a GPU, char on a CPU): (tokens, vocab, eos)."""
     import numpy as np
 
-    from nanolm.data import prepare
+    from nanolm.prepare import prepare
 
     data = prepare(TOY, ctx.work / "prepared", ctx.sized("bpe", "char"), 512, progress=False, log=lambda *_: None)
     return np.array(data.train.tokens), data.tokenizer.vocab_size, data.tokenizer.eos_id
@@ -246,7 +246,7 @@ def part_bf16_vs_fp32(ctx: Context) -> str:
     with TF32 tensor cores, a third time in fp32 with TF32 products, as an fp32 run uses them."""
     import torch
 
-    from nanolm.data import pack_windows
+    from nanolm.batches import pack_windows
     from nanolm.errors import NanolmError
     from nanolm.precision import resolve_precision
     from nanolm.runtime import configure_tf32, settings_restored
@@ -301,7 +301,7 @@ def part_fp16_overflow(ctx: Context) -> str:
     ``growth_interval`` clean steps doubled again."""
     import torch
 
-    from nanolm.data import WindowSampler
+    from nanolm.batches import WindowSampler
     from nanolm.errors import NanolmError
     from nanolm.instruments.faults import OneOffBadBatch
     from nanolm.optim import build_optimizer
@@ -499,8 +499,13 @@ def part_flex(ctx: Context) -> str:
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from nanolm.data import WindowSampler, pack_windows
-    from nanolm.model import document_causal_mask, flex_attention, flex_document_mask, reference_attention
+    from nanolm.batches import WindowSampler, pack_windows
+    from nanolm.model import (
+        document_causal_mask,
+        flex_attention,
+        flex_document_mask,
+        reference_attention,
+    )
 
     device = torch.device(ctx.device)
     backward = device.type == "cuda"  # FlexAttention has no backward pass on a CPU

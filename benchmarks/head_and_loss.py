@@ -31,8 +31,12 @@ import time
 
 import torch
 
-from nanolm.data import Batch
-from nanolm.loss import head_cross_entropy_sum, loss_chunk_positions, masked_cross_entropy_sum
+from nanolm.batches import Batch
+from nanolm.loss import (
+    head_cross_entropy_sum,
+    loss_chunk_positions,
+    masked_cross_entropy_sum,
+)
 from nanolm.model import GPT, GPTConfig
 from nanolm.step import accumulate_gradients, summed_token_loss
 

@@ -52,12 +52,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # beside throughput.py, also when run by runpy
 from throughput import SHAPES, RefGPT  # the plain loop's model, written once
 
+from nanolm.batches import TrainBatches, WindowSampler, get_batch
 from nanolm.corpus import write_stories
-from nanolm.data import TrainBatches, WindowSampler, get_batch, prepare
 from nanolm.errors import NanolmError
+from nanolm.instruments.process import keep_freed_memory_for_reuse
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, cosine_lr
-from nanolm.instruments.process import keep_freed_memory_for_reuse
+from nanolm.prepare import prepare
 from nanolm.step import StepSetup, train_step
 
 MODELS = ("reference", "nanolm_model", "nanolm")

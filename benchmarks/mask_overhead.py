@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from nanolm.batches import WindowSampler, pack_windows
 from nanolm.corpus import write_stories
-from nanolm.data import WindowSampler, boundary_crossing_windows, pack_windows, prepare
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer
+from nanolm.prepare import boundary_crossing_windows, prepare
 from nanolm.step import StepSetup, train_step
 
 

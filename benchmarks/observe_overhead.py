@@ -33,13 +33,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from nanolm.batches import TrainBatches, WindowSampler  # noqa: E402
 from nanolm.config import RunConfig, TrainOptions  # noqa: E402
 from nanolm.corpus import write_stories  # noqa: E402
-from nanolm.data import TrainBatches, WindowSampler, prepare  # noqa: E402
 from nanolm.model import GPT  # noqa: E402
 from nanolm.monitor import read_metrics  # noqa: E402
 from nanolm.observer import GradientWatch  # noqa: E402
 from nanolm.optim import build_optimizer  # noqa: E402
+from nanolm.prepare import prepare
 from nanolm.stats import LayerStats  # noqa: E402
 from nanolm.step import StepSetup, train_step  # noqa: E402
 from nanolm.train import train  # noqa: E402

@@ -99,12 +99,13 @@ def full_validation_bpb(run_dir: Path, threads: int | None) -> dict:
     if threads:
         torch.set_num_threads(threads)
     sys.path.insert(0, str(REPO))
+    from nanolm.batches import eval_batches, eval_window_starts
     from nanolm.checkpoint import load_weights
     from nanolm.config import load_run_config
-    from nanolm.data import PreparedData, eval_batches, eval_window_starts
+    from nanolm.evaluate import estimate_loss
     from nanolm.model import GPT
     from nanolm.precision import resolve_precision
-    from nanolm.evaluate import estimate_loss
+    from nanolm.prepare import PreparedData
 
     cfg = load_run_config(run_dir / "config.toml")
     data = PreparedData(run_dir / "data")

@@ -64,11 +64,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanolm.model
+from nanolm.batches import TrainBatches, WindowSampler, get_batch, pack_windows
 from nanolm.corpus import write_stories
-from nanolm.data import TrainBatches, WindowSampler, get_batch, pack_windows, prepare
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, get_param_groups
 from nanolm.precision import cpu_has_native_bf16, resolve_precision
+from nanolm.prepare import prepare
 from nanolm.step import StepSetup, train_step
 
 SHAPES = {

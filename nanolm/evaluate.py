@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .data import Batch
+from .batches import Batch
 from .model import GPT
 
 

@@ -4,7 +4,7 @@ The layout follows Llama (and Qwen3 when ``qk_norm`` is on) closely enough that 
 model can be exported to Hugging Face ``transformers`` without changing any number:
 pre-norm blocks, no biases, rotary embeddings applied to the two halves of each head.
 
-Two optional inputs make the model document-aware (see ``nanolm.data``):
+Two optional inputs make the model document-aware (see ``nanolm.batches``):
 
 * ``doc_ids`` (B, T): which document each position belongs to. Attention is then
   block-diagonal causal: a token sees earlier tokens *of its own document* only, so the

@@ -56,12 +56,12 @@ from .checkpoint import (
 )
 from .config import RunConfig, load_run_config, resume_differences
 from .corpus import write_stories
-from .data import COMPRESSOR_SAMPLE_BYTES, PreparedData, prepare
 from .distributed import Distributed
 from .download import resolve_data_path
 from .errors import NanolmError
 from .files import atomic_write_text, probe_writable, read_json
 from .lock import DirectoryBusy, RunLock
+from .prepare import COMPRESSOR_SAMPLE_BYTES, PreparedData, prepare
 from .tokenizer import Tokenizer
 
 RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "events.jsonl", "model.safetensors", "final.json",
@@ -247,7 +247,7 @@ def load_training_data(cfg: RunConfig, scratch: Path, log=print, compressor_boun
     entropy. A directory made by ``nanolm prepare`` is used as it is, tokenizer included.
     A known corpus name (``shakespeare``, ``tinystories``) that is not a local path is
     downloaded once, verified and cached. ``compressor_bounds`` False skips the zlib and xz
-    bounds of raw text (``nanolm.data.prepare``): training does, ``nanolm doctor`` does not.
+    bounds of raw text (``nanolm.prepare.prepare``): training does, ``nanolm doctor`` does not.
     """
     d = cfg.data
     if not d.data:

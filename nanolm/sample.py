@@ -12,11 +12,13 @@ import sys
 import numpy as np
 import torch
 
+from .batches import Split, eval_batches
 from .checkpoint import load_run
-from .data import DocumentSource, Split, eval_batches, join_documents
 from .errors import NanolmError
 from .evaluate import estimate_loss, sample_text
+from .prepare import join_documents
 from .runtime import resolve_device
+from .sources import DocumentSource
 
 
 def generate(run_dir, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from .data import Batch
+from .batches import Batch
 from .distributed import Distributed, PendingSum, at_least_one, gradient_sync
 from .optim import set_learning_rate
 from .precision import DynamicLossScaler

@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from .data import Batch
+from .batches import Batch
 from .step import accumulate_gradients
 
 SWITCH_GAIN = 0.10  # switch only for at least this much faster

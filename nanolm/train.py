@@ -40,12 +40,17 @@ from typing import Callable
 
 import torch
 
-from .checkpoint import Checkpointer, clear_final, rollback_checkpoint, save_final_weights
+from .batches import TrainBatches, WindowSampler, eval_batches
+from .checkpoint import (
+    Checkpointer,
+    clear_final,
+    rollback_checkpoint,
+    save_final_weights,
+)
 from .config import RunConfig
-from .data import TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: for the course)
 from .distributed import Distributed, Muted, launch
 from .errors import NanolmError
-from .evaluate import estimate_loss, sample_text  # noqa: F401 (estimate_loss: where the course imports it from)
+from .evaluate import sample_text
 from .guards import Guard, nan_origin, reads_every_step
 from .lock import RunLock
 from .model import GPT
@@ -54,9 +59,18 @@ from .observer import Observer
 from .optim import get_param_groups, learning_rate, optimizer_for
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
 from .rundir import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
-from .runtime import (StopOnSignal, TrainingInterrupted, configure_determinism, configure_threads, configure_tf32,
-                      is_out_of_memory, refuse_what_the_device_cannot_do, resolve_device, seed_everything,
-                      settings_restored)
+from .runtime import (
+    StopOnSignal,
+    TrainingInterrupted,
+    configure_determinism,
+    configure_tf32,
+    configure_threads,
+    is_out_of_memory,
+    refuse_what_the_device_cannot_do,
+    resolve_device,
+    seed_everything,
+    settings_restored,
+)
 from .stats import peak_flops
 from .step import StepSetup, summed_token_loss, train_step
 from .threads import ThreadTuner, TunedBatches

@@ -92,7 +92,7 @@ class HostReads:
         self.reads, self.step, self._host, self._depth, self._saved = [], None, [], 0, {}
 
     def __enter__(self):
-        from nanolm.data import Batch
+        from nanolm.batches import Batch
 
         for name in self.NAMES:
             self._saved[(torch.Tensor, name)] = torch.Tensor.__dict__.get(name)

@@ -5,7 +5,7 @@ import pytest
 
 from nanolm import corpus
 from nanolm.corpus import generate_stories, parse, write_stories
-from nanolm.data import prepare
+from nanolm.prepare import prepare
 
 
 def test_parsing_a_story_recovers_exactly_its_choices():

@@ -3,22 +3,21 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model, tiny_run_config
 
-import nanolm.data as data_mod
-from nanolm.data import (
-    DocumentSource,
-    PreparedData,
+import nanolm.prepare as prepare_mod
+import nanolm.sources as sources_mod
+from nanolm.batches import (
+    Split,
     WindowSampler,
-    boundary_crossing_windows,
     eval_batches,
     eval_window_starts,
     pack_windows,
-    prepare,
 )
 from nanolm.errors import NanolmError
+from nanolm.prepare import PreparedData, boundary_crossing_windows, prepare
+from nanolm.sources import DocumentSource
 from nanolm.tokenizer import EOS
-
-from conftest import tiny_model, tiny_run_config
 
 E = 0  # EOS id
 
@@ -161,7 +160,7 @@ def test_evaluation_windows_count_every_target_exactly_once():
     for n, T in [(101, 10), (107, 10), (11, 10), (50, 7)]:
         tokens = np.arange(n) + 1
         counted = []
-        for batch in eval_batches(data_mod.Split(tokens, np.zeros(0), 0), T, 3, eos_id=0, doc_mask=False):
+        for batch in eval_batches(Split(tokens, np.zeros(0), 0), T, 3, eos_id=0, doc_mask=False):
             counted += batch.targets[batch.loss_mask].tolist()
         assert sorted(counted) == list(range(2, n + 1))
     starts, _ = eval_window_starts(10_000, 10, max_windows=7)
@@ -236,7 +235,7 @@ def test_empty_documents_are_skipped_and_counted(tmp_path):
 
 
 def test_over_long_documents_are_split_at_line_ends(tmp_path, monkeypatch):
-    monkeypatch.setattr(data_mod, "MAX_DOC_CHARS", 20)
+    monkeypatch.setattr(sources_mod, "MAX_DOC_CHARS", 20)
     long_doc = "".join(f"line number {i}\n" for i in range(6))  # 6 lines of 14-15 chars
     src = _write_txt(tmp_path / "d.txt", ["short", long_doc.rstrip("\n")])
     docs = list(DocumentSource(src))
@@ -385,7 +384,8 @@ def test_the_bpe_tokenizer_learns_from_training_documents_only():
     """Merges learnt from validation text would let the held-out documents compress better than
     unseen text does: a validation loss flattered by the tokenizer. The char vocabulary sees
     every document, since a character only in validation must still be encodable."""
-    from nanolm.data import _tokenizer_texts, split_documents
+    from nanolm.prepare import _tokenizer_texts
+    from nanolm.sources import split_documents
 
     docs = [f"story {i} " + ("zyzzyva " * 20 if i % 10 == 9 else "plain words ") for i in range(40)]
     val = {text for split, text in split_documents(iter(docs), 0.1) if split == "val"}
@@ -404,15 +404,15 @@ def progress_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("progress")
     write_stories(tmp / "stories.txt", 4000, seed=0)
     lines = []
-    threshold, data_mod.PROGRESS_MIN_BYTES = data_mod.PROGRESS_MIN_BYTES, 0
-    gap, data_mod.PROGRESS_GAP_S = data_mod.PROGRESS_GAP_S, 0.0
+    threshold, prepare_mod.PROGRESS_MIN_BYTES = prepare_mod.PROGRESS_MIN_BYTES, 0
+    gap, prepare_mod.PROGRESS_GAP_S = prepare_mod.PROGRESS_GAP_S, 0.0
     try:
         quiet = prepare(tmp / "stories.txt", tmp / "quiet", "bpe", 512, progress=False, compressor_sample_bytes=0,
                         log=lambda *_: None)
         shown = prepare(tmp / "stories.txt", tmp / "shown", "bpe", 512, progress="lines", compressor_sample_bytes=0,
                         log=lines.append)
     finally:
-        data_mod.PROGRESS_MIN_BYTES, data_mod.PROGRESS_GAP_S = threshold, gap
+        prepare_mod.PROGRESS_MIN_BYTES, prepare_mod.PROGRESS_GAP_S = threshold, gap
     return quiet, shown, lines
 
 
@@ -442,7 +442,7 @@ def test_progress_stays_out_of_the_way(stories_file, tmp_path, monkeypatch, why)
     """A source under the threshold prepares in seconds: no progress. Under torchrun only rank 0
     shows it (every rank would print the same lines)."""
     if why == "rank 1":
-        monkeypatch.setattr(data_mod, "PROGRESS_MIN_BYTES", 0)
+        monkeypatch.setattr(prepare_mod, "PROGRESS_MIN_BYTES", 0)
         monkeypatch.setenv("RANK", "1")
     lines = []
     prepare(stories_file, tmp_path / "out", "char", progress="lines", compressor_sample_bytes=0, log=lines.append)
@@ -460,9 +460,9 @@ def test_plain_progress_lines_come_at_a_modest_cadence(monkeypatch, seconds_per_
     """A line per tenth, but none within 5 s of the last (a phase of seconds needs none) and at
     least one every 30 s (a slow tenth still shows life); 100 % is the phase's end line."""
     clock = [0.0]
-    monkeypatch.setattr(data_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(prepare_mod.time, "monotonic", lambda: clock[0])
     lines = []
-    shown = data_mod.PrepareProgress("lines", log=lines.append)
+    shown = prepare_mod.PrepareProgress("lines", log=lines.append)
     shown.begin("encoding", 100)
     for _ in range(100):
         clock[0] += seconds_per_percent

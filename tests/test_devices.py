@@ -16,18 +16,21 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-
 from conftest import tiny_model, tiny_run_config
 from simulated_device import SimulatedDevice
 
 import nanolm.checkpoint as ckpt
-from nanolm.data import Batch, pack_windows
+from nanolm.batches import Batch, pack_windows
 from nanolm.errors import NanolmError
 from nanolm.evaluate import estimate_loss
 from nanolm.guards import nan_origin
 from nanolm.optim import build_optimizer
 from nanolm.precision import resolve_precision
-from nanolm.runtime import configure_tf32, refuse_what_the_device_cannot_do, settings_restored
+from nanolm.runtime import (
+    configure_tf32,
+    refuse_what_the_device_cannot_do,
+    settings_restored,
+)
 from nanolm.stats import LayerStats, probe
 from nanolm.step import StepSetup, train_step
 
@@ -317,8 +320,8 @@ def test_batches_are_pinned_for_cuda_only():
 
 
 def test_out_of_memory_on_mps_is_one_line_not_a_traceback(tmp_path, stories_file):
-    from nanolm.train import Components, train
     from nanolm.step import summed_token_loss
+    from nanolm.train import Components, train
 
     def runs_out_of_memory(model, batch):
         raise RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.2 GB)")

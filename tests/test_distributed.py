@@ -20,21 +20,26 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import REPO, HostReads, tiny_model
 from safetensors.torch import load_file
 
-from nanolm.checkpoint import load_run, load_run_checkpoint, load_state, save_run_checkpoint
-from nanolm.instruments.cli import main
+from nanolm.batches import Batch, WindowSampler, pack_windows
+from nanolm.checkpoint import (
+    load_run,
+    load_run_checkpoint,
+    load_state,
+    save_run_checkpoint,
+)
 from nanolm.config import RunConfig
-from nanolm.data import Batch, PreparedData, WindowSampler, pack_windows
 from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
+from nanolm.instruments.cli import main
 from nanolm.lock import LOCK_FILE, RunLock
-from nanolm.tokenizer import train_char
 from nanolm.monitor import read_metrics
 from nanolm.optim import build_optimizer, muon_available
+from nanolm.prepare import PreparedData
 from nanolm.step import StepSetup, accumulate_gradients, counted_tokens, train_step
-
-from conftest import REPO, HostReads, tiny_model
+from nanolm.tokenizer import train_char
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from nanolm.data import pack_windows
+from nanolm.batches import pack_windows
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, get_param_groups
 from nanolm.precision import resolve_precision

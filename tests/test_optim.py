@@ -2,14 +2,20 @@
 import pytest
 import torch
 import torch.nn as nn
-
-from nanolm.data import Batch
-from nanolm.muon import GroupedMuon
-from nanolm.optim import (MuonWithAdamW, build_optimizer, cosine_lr, get_param_groups, muon_available,
-                          set_learning_rate, wsd_lr)
-from nanolm.step import StepSetup, train_step
-
 from conftest import tiny_model
+
+from nanolm.batches import Batch
+from nanolm.muon import GroupedMuon
+from nanolm.optim import (
+    MuonWithAdamW,
+    build_optimizer,
+    cosine_lr,
+    get_param_groups,
+    muon_available,
+    set_learning_rate,
+    wsd_lr,
+)
+from nanolm.step import StepSetup, train_step
 
 
 def _names(model, params):

@@ -4,15 +4,21 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model, tiny_run_config
 
-from nanolm.data import Batch
-from nanolm.stats import (LayerStats, StepMeter, gpu_peak_flops, layer_groups, max_attention_logit,
-                                peak_flops, probe)
+from nanolm.batches import Batch
 from nanolm.model import Attention, GPTConfig, apply_rope, document_causal_mask
 from nanolm.monitor import read_metrics
+from nanolm.stats import (
+    LayerStats,
+    StepMeter,
+    gpu_peak_flops,
+    layer_groups,
+    max_attention_logit,
+    peak_flops,
+    probe,
+)
 from nanolm.train import train
-
-from conftest import tiny_model, tiny_run_config
 
 
 def _random_batch(B=3, T=16, V=64, seed=0):

@@ -4,13 +4,12 @@ import contextlib
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from nanolm.data import Batch
+from nanolm.batches import Batch
 from nanolm.optim import build_optimizer
 from nanolm.step import StepSetup, train_step
 from nanolm.threads import FIRST_WAIT_S, ThreadTuner, candidate_counts
-
-from conftest import tiny_model
 
 
 @pytest.fixture(autouse=True)

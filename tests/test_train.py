@@ -3,18 +3,18 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from nanolm.batches import Batch, Split, eval_batches, get_batch
 from nanolm.config import RunConfig
-from nanolm.data import Batch, Split, eval_batches
+from nanolm.evaluate import estimate_loss
 from nanolm.loss import masked_cross_entropy_sum
 from nanolm.monitor import read_metrics
 from nanolm.optim import cosine_lr, wsd_lr
 from nanolm.runtime import configure_threads
 from nanolm.step import accumulate_gradients, counted_tokens
-from nanolm.train import estimate_loss, get_batch, train
-
-from conftest import tiny_model
+from nanolm.train import train
 
 
 def _grads(model):
@@ -298,7 +298,7 @@ def test_a_compiled_step_follows_the_eager_step():
     weights (to float32 reordering; SGD, because Adam's first update is lr·sign(g) and a
     gradient element near zero may change sign when the sums are reordered). On CPU too,
     where the compile is the slow part."""
-    from nanolm.data import pack_windows
+    from nanolm.batches import pack_windows
     from nanolm.step import StepSetup, train_step
 
     tokens = np.random.default_rng(0).integers(1, 64, size=2000)

@@ -15,8 +15,8 @@ from ..errors import NanolmError
 def _train(args) -> None:
     from ..config import config_from_args
     from ..runtime import resolve_device
-    from .faults import components
     from ..train import train
+    from .faults import components
 
     cfg = config_from_args(args)
     if args.process_tuning_of_entry is not None:  # only the command's own process: never main() called in-process
@@ -42,8 +42,8 @@ def _eval(args) -> None:
 
 
 def _prepare(args) -> None:
-    from ..data import prepare
     from ..lock import RunLock
+    from ..prepare import prepare
 
     if not 0 <= args.val_fraction < 1:
         raise NanolmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")

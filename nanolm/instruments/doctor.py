@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..batches import Batch, WindowSampler, pack_windows
 from ..config import RunConfig
-from ..data import Batch, WindowSampler, pack_windows
 from ..errors import NanolmError
 from ..model import GPT, GPTConfig
 from ..optim import get_param_groups, learning_rate, wsd_decay_start

@@ -21,12 +21,12 @@ import signal
 import numpy as np
 import torch
 
+from ..batches import TrainBatches
 from ..checkpoint import Checkpointer
 from ..config import RunConfig
-from ..data import TrainBatches
-from ..step import summed_token_loss
 from ..model import GPT
 from ..precision import DynamicLossScaler
+from ..step import summed_token_loss
 
 
 class NonCausalGPT(GPT):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..batches import WindowSampler
 from ..checkpoint import (
     Checkpointer,
     check_training_state,
@@ -29,7 +30,6 @@ from ..checkpoint import (
     verify_checkpoint,
 )
 from ..config import load_run_config
-from ..data import PreparedData, WindowSampler
 from ..distributed import Distributed
 from ..errors import NanolmError
 from ..guards import Guard, nan_origin, read_events
@@ -37,6 +37,7 @@ from ..monitor import read_metrics
 from ..observer import GradientWatch
 from ..optim import get_param_groups, learning_rate
 from ..precision import BF16AdamW, cast_weights_, resolve_precision
+from ..prepare import PreparedData
 from ..runtime import configure_determinism, resolve_device, settings_restored
 from ..stats import LayerStats
 from ..step import StepSetup, counted_tokens, train_step

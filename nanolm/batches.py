@@ -1,0 +1,241 @@
+"""Batches: packed windows of a token stream, the sampler that picks them, and the validation set.
+
+A window is ``seq_len + 1`` consecutive tokens of a split's stream (``EOS doc EOS doc ...``,
+written by ``nanolm.prepare``), cut with no regard for where documents start: no padding, no
+waste. A window can therefore start with the end of a recipe and continue with a news story.
+Three things make that honest:
+
+* ``doc_ids``: with the document mask on, attention is block-diagonal, so the news story
+  cannot read the recipe.
+* ``positions``: optionally restart RoPE positions at each document.
+* the boundary rule. Each EOS *opens* the document after it (it is that document's
+  first token, like a BOS): the last token of the recipe predicts EOS from the recipe,
+  and EOS predicts the news story's first token from nothing else. Every position is
+  counted and nothing crosses a boundary. The other choice (``--mask-boundary``)
+  leaves the token after EOS unpredicted (not counted) and lets EOS close the
+  document it ends instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import NanolmError
+
+
+@dataclass
+class Split:
+    """One split of a prepared corpus: a flat token stream and where its documents start."""
+
+    tokens: np.ndarray  # memmap, uint16 or uint32
+    doc_starts: np.ndarray  # int64, offset of each document's first token
+    n_bytes: int  # UTF-8 bytes of the text (EOS excluded)
+
+    def __len__(self):
+        return len(self.tokens)
+
+
+@dataclass
+class Batch:
+    """One micro-batch. ``idx``/``targets``/``loss_mask``/``doc_ids``/``positions`` are (B, T).
+
+    ``doc_ids`` is None when the document mask is off (plain causal attention), and
+    ``positions`` is None when positions simply run 0..T-1.
+    """
+
+    idx: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def to(self, device) -> "Batch":
+        """The batch on ``device``. For CUDA through pinned (page-locked) host memory, so the copy
+        can overlap the GPU's work; MPS shares memory with the CPU and gains nothing from pinning."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self
+        if device.type == "cuda":
+            move = lambda t: None if t is None else t.pin_memory().to(device, non_blocking=True)
+        else:
+            move = lambda t: None if t is None else t.to(device)
+        return Batch(move(self.idx), move(self.targets), move(self.loss_mask), move(self.doc_ids), move(self.positions))
+
+    @property
+    def counted(self) -> torch.Tensor:
+        return self.loss_mask.sum()
+
+
+def pack_windows(
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    seq_len: int,
+    eos_id: int,
+    doc_mask: bool = True,
+    reset_positions: bool = False,
+    mask_boundary: bool = False,
+) -> Batch:
+    """Cut windows of ``seq_len + 1`` tokens at ``starts`` and describe their documents.
+
+    Default boundary rule: an EOS starts a new document (it is that document's first
+    token). With ``mask_boundary`` the EOS ends the document before it and the token after
+    it is not counted.
+    """
+    offsets = np.arange(seq_len + 1)
+    window = torch.from_numpy(tokens[np.asarray(starts)[:, None] + offsets].astype(np.int64))
+    idx, targets = window[:, :-1], window[:, 1:]
+    is_eos = idx == eos_id
+    loss_mask = ~is_eos if mask_boundary else torch.ones_like(idx, dtype=torch.bool)
+    doc_ids = positions = None
+    if doc_mask or reset_positions:
+        if mask_boundary:
+            new_doc = torch.zeros_like(is_eos)
+            new_doc[:, 1:] = is_eos[:, :-1]
+        else:
+            new_doc = is_eos
+        ar = torch.arange(seq_len).expand_as(idx)
+        if doc_mask:
+            doc_ids = new_doc.cumsum(1, dtype=torch.int32)
+        if reset_positions:
+            doc_start = torch.where(new_doc, ar, 0).cummax(1).values
+            positions = ar - doc_start
+    return Batch(idx, targets, loss_mask, doc_ids, positions)
+
+
+class WindowSampler:
+    """Seeded, epoch-based, without replacement: every window once per epoch.
+
+    Window i covers tokens [o + i·T, o + i·T + T] (T + 1 tokens, consecutive windows
+    overlapping by the one token that is a target in the first and an input in the next).
+    Each epoch visits the windows in a fresh permutation drawn from (seed, epoch); with
+    ``random_offset`` the grid itself shifts by a random o in [0, T) each epoch, so
+    different cuts of the same text are seen over the epochs.
+
+    The whole state is (epoch, cursor): a checkpoint can hold it and a resumed run draws
+    exactly the windows the uninterrupted run would have. Under torchrun each rank takes
+    its own disjoint slice of every global batch.
+    """
+
+    def __init__(self, n_tokens: int, seq_len: int, batch_size: int, seed: int = 0,
+                 random_offset: bool = False, rank: int = 0, world_size: int = 1):
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.random_offset, self.rank, self.world_size = random_offset, rank, world_size
+        self.n_windows = (n_tokens - 1 - (seq_len if random_offset else 0)) // seq_len
+        if self.n_windows < 1:
+            raise NanolmError(
+                f"the training split holds {n_tokens} tokens, fewer than one window of "
+                f"seq_len + 1 = {seq_len + 1}; use more text or a smaller --seq-len"
+            )
+        self.epoch, self.cursor = 0, 0
+        self._order = None
+
+    def _epoch_order(self):
+        if self._order is None or self._order[0] != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            perm = torch.randperm(self.n_windows, generator=g).numpy()
+            offset = int(torch.randint(self.seq_len, (1,), generator=g)) if self.random_offset else 0
+            self._order = (self.epoch, perm * self.seq_len + offset)
+        return self._order[1]
+
+    def next_starts(self) -> np.ndarray:
+        """Start offsets of this rank's windows for the next micro-batch."""
+        need = self.batch_size * self.world_size
+        taken = []
+        while need:
+            order = self._epoch_order()
+            take = order[self.cursor : self.cursor + need]
+            taken.append(take)
+            self.cursor += len(take)
+            need -= len(take)
+            if self.cursor >= self.n_windows:
+                self.epoch, self.cursor = self.epoch + 1, 0
+        starts = np.concatenate(taken)
+        return starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor, self.seed = int(state["epoch"]), int(state["cursor"]), int(state["seed"])
+        self._order = None
+
+
+class TrainBatches:
+    """The training stream: each optimizer step's micro-batches, ``grad_accum`` packed batches
+    of windows drawn by the sampler. Its state is the sampler's position (a few integers),
+    which a checkpoint saves and a rollback leaves where it is."""
+
+    def __init__(self, tokens: np.ndarray, sampler: "WindowSampler", seq_len: int, eos_id: int, grad_accum: int = 1,
+                 doc_mask: bool = True, reset_positions: bool = False, mask_boundary: bool = False):
+        self.tokens, self.sampler, self.seq_len, self.eos_id, self.grad_accum = tokens, sampler, seq_len, eos_id, \
+            grad_accum
+        self.pack = dict(doc_mask=doc_mask, reset_positions=reset_positions, mask_boundary=mask_boundary)
+
+    def next(self, step: int) -> list[Batch]:
+        """The micro-batches of optimizer step ``step``."""
+        return [pack_windows(self.tokens, self.sampler.next_starts(), self.seq_len, self.eos_id, **self.pack)
+                for _ in range(self.grad_accum)]
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, generator: torch.Generator | None = None):
+    """The simplest batcher: ``batch_size`` windows at uniformly random offsets.
+
+    This is "packing without regard to boundaries": a window can start in the middle of
+    one document and run into the next, and the model, attending causally over the whole
+    window, conditions the second document on the first. It learns that an unrelated text
+    predicts the next story's opening, which is noise at best and a leak at worst, and
+    positions restart nowhere. Random offsets also revisit some tokens and skip others
+    within an "epoch". nanolm's own pipeline (:class:`TrainBatches`) masks attention at
+    document boundaries and visits every window once per epoch; this function stays as the
+    baseline to compare against.
+
+    Returns ``(x, y)``: inputs and the same windows shifted by one token.
+    """
+    starts = torch.randint(len(tokens) - seq_len - 1, (batch_size,), generator=generator).numpy()
+    window = torch.from_numpy(tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64))
+    return window[:, :-1], window[:, 1:]
+
+
+def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = None) -> tuple[np.ndarray, int]:
+    """Fixed evaluation windows: (starts, first counted position of the last window).
+
+    The windows tile the split back to back, so every target token is counted exactly once;
+    the last one is moved back to end on the final token and only its new targets count.
+    With ``max_windows``, an evenly spaced subset (always the same one) is used instead.
+    """
+    if n_tokens < seq_len + 1:
+        return np.zeros(0, dtype=np.int64), 0
+    full = (n_tokens - 1) // seq_len
+    starts = np.arange(full, dtype=np.int64) * seq_len
+    tail_from = 0
+    covered = full * seq_len
+    if covered < n_tokens - 1:
+        last = n_tokens - 1 - seq_len
+        tail_from = covered - last
+        starts = np.append(starts, last)
+    if max_windows is not None and len(starts) > max_windows:
+        pick = np.linspace(0, full - 1, max_windows).round().astype(np.int64)
+        return starts[np.unique(pick)], 0
+    return starts, tail_from
+
+
+def eval_batches(split: Split, seq_len: int, batch_size: int, eos_id: int, max_windows: int | None = None,
+                 **pack_options) -> list[Batch]:
+    """The validation set as a list of batches, identical at every evaluation."""
+    starts, tail_from = eval_window_starts(len(split.tokens), seq_len, max_windows)
+    batches = []
+    for i in range(0, len(starts), batch_size):
+        batch = pack_windows(split.tokens, starts[i : i + batch_size], seq_len, eos_id, **pack_options)
+        if tail_from and i + batch_size >= len(starts):
+            batch.loss_mask[-1, :tail_from] = False
+        batches.append(batch)
+    return batches
