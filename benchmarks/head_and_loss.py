@@ -32,12 +32,13 @@ import time
 import torch
 
 from nanolm.batches import Batch
-from nanolm.loss import (
+from nanolm.model import (
+    GPT,
+    GPTConfig,
     head_cross_entropy_sum,
     loss_chunk_positions,
     masked_cross_entropy_sum,
 )
-from nanolm.model import GPT, GPTConfig
 from nanolm.step import accumulate_gradients, summed_token_loss
 
 

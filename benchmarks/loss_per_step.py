@@ -57,9 +57,9 @@ from nanolm.corpus import write_stories
 from nanolm.errors import NanolmError
 from nanolm.instruments.process import keep_freed_memory_for_reuse
 from nanolm.model import GPT, GPTConfig
-from nanolm.optim import build_optimizer, cosine_lr
+from nanolm.optim import build_optimizer
 from nanolm.prepare import prepare
-from nanolm.step import StepSetup, train_step
+from nanolm.step import StepSetup, cosine_lr, train_step
 
 MODELS = ("reference", "nanolm_model", "nanolm")
 OPTIONAL = ("nanolm_model_gelu",)
@@ -81,7 +81,7 @@ class Trainee:
     def __init__(self, name: str, args, vocab: int, train_tokens: np.ndarray, eos: int, seed: int):
         shape = SHAPES["nanogpt"]
         self.name, self.shape, self.tokens = name, shape, train_tokens
-        self.lr = lambda step: cosine_lr(step - 1, args.lr, args.warmup, args.steps, args.lr / 10)
+        self.lr = lambda step: cosine_lr(step, args.lr, args.warmup, args.steps, args.lr / 10)
         betas = (0.9, args.beta2)
         torch.manual_seed(seed)
         if name == "reference":

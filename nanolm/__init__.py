@@ -3,9 +3,15 @@
 __version__ = "0.1.0"
 
 from .errors import NanolmError
-from .loss import head_cross_entropy_sum, masked_cross_entropy, masked_cross_entropy_sum
-from .model import GPT, GPTConfig
-from .optim import cosine_lr, get_param_groups, wsd_lr
+from .model import (
+    GPT,
+    GPTConfig,
+    head_cross_entropy_sum,
+    masked_cross_entropy,
+    masked_cross_entropy_sum,
+)
+from .optim import get_param_groups
+from .step import cosine_lr, wsd_lr
 
 __all__ = [
     "GPT",

@@ -26,9 +26,11 @@ from .errors import NanolmError
 from .guards import NAN_ACTIONS, SPIKE_ACTIONS
 from .model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from .monitor import LOG_SINKS, PROGRESS_MODES, parse_sinks
-from .optim import OPTIMIZERS, SCHEDULES, default_min_lr, muon_available
+from .optim import OPTIMIZERS, muon_available
 from .precision import PRECISIONS
-from .tokenizer import EOS, KINDS as TOKENIZER_KINDS
+from .step import SCHEDULES, default_min_lr
+from .tokenizer import EOS
+from .tokenizer import KINDS as TOKENIZER_KINDS
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -183,20 +183,17 @@ class Distributed:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    active: bool = field(init=False)  # a process group exists (torchrun, --dist ddp or fsdp)
+    sharded: bool = field(init=False)  # FSDP: each rank holds a shard of every parameter
+
+    def __post_init__(self):
+        # plain attributes, not properties: the step reads them, and reads nothing else of this file on one process
+        self.active, self.sharded = self.mode != "none", self.mode == "fsdp"
 
     @property
     def is_main(self) -> bool:
         """Rank 0 logs, writes the run directory and decides; the others follow."""
         return self.rank == 0
-
-    @property
-    def sharded(self) -> bool:
-        return self.mode == "fsdp"
-
-    @property
-    def active(self) -> bool:
-        """Whether a process group exists (torchrun, --dist ddp or fsdp)."""
-        return self.mode != "none"
 
     def describe(self) -> str:
         if not self.active:
@@ -233,10 +230,10 @@ class Distributed:
         the global count (not the mean of the ranks' means: a rank with few counted tokens
         must weigh less). ``global_count`` is a number or a device tensor (no host read)."""
         if not self.active:
-            return local_sum / at_least_one(global_count)
+            return local_sum / max(1, global_count)
         total = local_sum.detach().double()
         dist.all_reduce(total)
-        return (total / at_least_one(global_count)).float()
+        return (total / global_count.clamp(min=1)).float()
 
     def first_signal(self, requested: int | None) -> int | None:
         """A stop signal seen by any rank, so that every rank stops after the same step."""

@@ -101,6 +101,7 @@ class Guard:
                  threshold: float = 6.0, max_rollbacks: int = 3, rollback_lr_scale: float = 1.0, log=print,
                  rollback_to=None, explain_nan=None):
         self.on_nan, self.on_spike, self.max_rollbacks = on_nan, on_spike, max_rollbacks
+        self.reads_every_step = reads_every_step(on_nan, on_spike)
         self.loss = SpikeDetector(window, threshold)
         self.grad = SpikeDetector(window, threshold, log_scale=True)
         self.history: deque[dict] = deque(maxlen=window)
@@ -151,10 +152,6 @@ class Guard:
 
     def load_state_dict(self, state: dict) -> None:
         self.rollbacks, self.lr_scale = int(state["rollbacks"]), float(state["lr_scale"])
-
-    @property
-    def reads_every_step(self) -> bool:
-        return reads_every_step(self.on_nan, self.on_spike)
 
     def check(self, step: int, loss: float, grad_norm: float, lr: float) -> tuple[str, dict | None]:
         """The action for this step (``take``, ``skip``, ``rollback`` or ``stop``) and its event."""
@@ -244,7 +241,7 @@ def nan_origin(model: torch.nn.Module, batch, autocast, vocab_size: int) -> dict
         model.zero_grad(set_to_none=True)
         with autocast():
             logits, _ = model(batch.idx.clamp(0, vocab_size - 1), doc_ids=batch.doc_ids, positions=batch.positions)
-        from .loss import masked_cross_entropy
+        from .model import masked_cross_entropy
 
         loss = masked_cross_entropy(logits, batch.targets.clamp(0, vocab_size - 1), batch.loss_mask)
     finally:

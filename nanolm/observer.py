@@ -27,9 +27,9 @@ import torch
 from .errors import NanolmError
 from .evaluate import estimate_loss
 from .monitor import Monitor, parse_sinks, perplexity
-from .optim import wsd_decay_start
 from .precision import grad_zero_fraction
 from .stats import LayerStats, StepMeter, is_stats_step
+from .step import wsd_decay_start
 
 
 class GradientWatch:

@@ -1,10 +1,7 @@
-"""The optimizers (AdamW, or Muon for the hidden matrices beside AdamW for the rest), the
-parameters each one updates, and the learning-rate schedules (warmup + cosine, or
-warmup-stable-decay)."""
+"""The optimizers (AdamW, or Muon for the hidden matrices beside AdamW for the rest) and the
+parameters each one updates. The learning rate each step sets is ``nanolm.step``'s schedule."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn as nn
@@ -168,85 +165,3 @@ def optimizer_for(model: nn.Module, o) -> torch.optim.Optimizer | MuonWithAdamW:
     if o.optimizer == "muon":
         return MuonWithAdamW(model, o.lr, o.weight_decay, betas, muon_lr=o.muon_lr, momentum=o.muon_momentum)
     return build_optimizer(model, o.lr, o.weight_decay, betas=betas)
-
-
-def set_learning_rate(optimizer, lr: float) -> None:
-    """Every group at the schedule's rate for this step, times its own peak ratio (1 for
-    AdamW's groups, ``muon_lr / lr`` for Muon's)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_ratio", 1.0)
-
-
-def default_min_lr(max_lr: float) -> float:
-    """Where the cosine ends unless told otherwise: a tenth of the peak (the one place this
-    default lives; ``--min-lr`` is resolved with it)."""
-    return max_lr / 10
-
-
-def _warmup_peak_decay(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None,
-                       decay_start: int, decay) -> float:
-    """The frame every schedule shares, at optimizer step ``step`` (0-based): the linear
-    warmup, the peak held until ``decay_start``, ``decay(progress, max_lr, min_lr)`` from there
-    (progress 0 -> 1 at ``total_steps``), then the floor ``min_lr`` (10 % of max_lr by default).
-
-    * Warmup: the rate climbs linearly from max_lr/warmup_steps at step 0 to max_lr at step
-      ``warmup_steps``. Adam's second-moment estimate is noisy in the first steps; full-size
-      updates from it can throw a fresh model into a bad region.
-    * Decay: lowering the rate at the end lets the weights settle into the minimum the noisy
-      high-rate phase found.
-
-    A pure function of the step, so resuming a run needs nothing but the step count.
-    """
-    if min_lr is None:
-        min_lr = default_min_lr(max_lr)
-    if step < warmup_steps:
-        return max_lr * (step + 1) / warmup_steps
-    if step >= total_steps:
-        return min_lr
-    if step < decay_start:
-        return max_lr
-    return decay((step - decay_start) / max(1, total_steps - decay_start), max_lr, min_lr)
-
-
-def cosine_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None) -> float:
-    """Learning rate at optimizer step ``step`` (0-based): linear warmup, then half a cosine
-    from max_lr down to ``min_lr`` at ``total_steps``, then flat."""
-    return _warmup_peak_decay(step, max_lr, warmup_steps, total_steps, min_lr, warmup_steps,
-                              lambda p, top, floor: floor + 0.5 * (top - floor) * (1.0 + math.cos(math.pi * p)))
-
-
-def wsd_decay_start(warmup_steps: int, total_steps: int, decay_fraction: float) -> int:
-    """The 0-based step where a WSD schedule leaves its peak: ``decay_fraction`` of the steps
-    before the end (at least two, so that some trained step is below the peak whatever the
-    fraction), never inside the warmup."""
-    return max(warmup_steps, total_steps - max(2, round(decay_fraction * total_steps)))
-
-
-def wsd_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None,
-           decay_fraction: float = 0.2) -> float:
-    """Learning rate at optimizer step ``step`` (0-based): warmup, stable, decay (WSD).
-
-    The same linear warmup as :func:`cosine_lr`, then the peak rate held flat, then a straight
-    line down to ``min_lr`` over the last ``decay_fraction`` of ``total_steps``.
-
-    Why it can beat the cosine in a short run: a cosine starts lowering the rate right after
-    warmup, so most of the run trains below its peak, and the loss only drops steeply once the
-    rate is low. WSD keeps the fast, noisy high-rate phase as long as possible and spends a
-    short, steep decay at the end, where the loss falls most. Runs of different lengths can
-    also share the stable phase: a checkpoint from it can be resumed with more ``--steps``.
-    """
-    return _warmup_peak_decay(step, max_lr, warmup_steps, total_steps, min_lr,
-                              wsd_decay_start(warmup_steps, total_steps, decay_fraction),
-                              lambda p, top, floor: top - (top - floor) * p)
-
-
-SCHEDULES = ("cosine", "wsd")
-
-
-def learning_rate(step: int, o, total_steps: int) -> float:
-    """The rate of optimizer step ``step`` (0-based) under the run's optimizer options ``o``
-    (``--schedule``, ``--lr``, ``--warmup``, ``--min-lr``, ``--decay-fraction``): the one place
-    training, replay and the doctor read the schedule from."""
-    if o.schedule == "wsd":
-        return wsd_lr(step, o.lr, o.warmup, total_steps, o.min_lr, o.decay_fraction)
-    return cosine_lr(step, o.lr, o.warmup, total_steps, o.min_lr)

@@ -48,9 +48,7 @@ from pathlib import Path
 
 from .errors import NanolmError
 from .hardware import BY_KEY as GPUS
-from .loss import loss_chunk_positions
-from .model import GPTConfig
-
+from .model import GPTConfig, loss_chunk_positions
 
 # Shapes in nanolm's architecture (RoPE, RMSNorm, no biases). The GPT-2/3 sizes use GELU and
 # a tied head; "7b"/"13b" follow Llama 2 (SwiGLU, untied), with nanolm's SwiGLU width rule

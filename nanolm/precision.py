@@ -44,6 +44,7 @@ it (docs/precision.md). docs/gpu.md has the choices per GPU class.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 import warnings
@@ -73,16 +74,18 @@ class Precision:
     def pure_bf16(self) -> bool:
         return self.name == "bf16-pure"
 
+    @property
     def autocast(self):
-        """The context the forward pass runs in: autocast to 16 bits, or nothing for fp32.
+        """What makes the context the forward pass runs in (``with precision.autocast():``):
+        autocast to 16 bits, or nothing for fp32.
 
         bf16-pure runs under bf16 autocast as well: its weights are bf16 already, and autocast
         lines up the places where fp32 tensors (the RoPE tables, kept fp32) meet bf16 ones
         before attention.
         """
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
+            return contextlib.nullcontext
+        return functools.partial(torch.autocast, self.device_type, dtype=self.autocast_dtype)
 
     def describe(self) -> str:
         return f"{self.name} ({self.reason})"

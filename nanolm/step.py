@@ -4,7 +4,8 @@ benchmark can time.
 In order (:func:`train_step`):
 
 1. set the learning rate for this step: the schedule's rate for the step number (a pure
-   function of it) times the guard's scale (1 until a rollback asks for less);
+   function of it: :func:`learning_rate`, warmup then a cosine or WSD, the first part of this
+   file) times the guard's scale (1 until a rollback asks for less);
 2. count the tokens that count in *all* of the step's micro-batches (on every rank), once;
    then for each micro-batch run forward, divide the sum of its token losses by that
    count, and run backward: the gradients add up;
@@ -19,7 +20,8 @@ one big batch. Averaging per-micro-batch means instead would weigh a token in a 
 micro-batch more than one in a long micro-batch, and change the effective learning rate
 with ``--grad-accum``. Under torchrun the count is summed over every rank and gradients are
 summed across ranks after the last micro-batch only (``nanolm.distributed``): the same step,
-split over processes.
+split over processes. The ``if dist.active`` and ``if dist.sharded`` lines of
+:func:`train_step` are all that changes; on one process they are skipped.
 
 **One host read per step.** Reading a number from a GPU makes the host wait until the GPU has
 computed it, and leaves the GPU idle while the host then prepares the next kernels. The step
@@ -41,11 +43,96 @@ from typing import Callable
 import torch
 
 from .batches import Batch
-from .distributed import Distributed, PendingSum, at_least_one, gradient_sync
-from .optim import set_learning_rate
+from .distributed import Distributed, PendingSum, gradient_sync
 from .precision import DynamicLossScaler
 
 
+# --------------------------------------------------------------------------- the learning rate of a step
+def set_learning_rate(optimizer, lr: float) -> None:
+    """Every group at the schedule's rate for this step, times its own peak ratio (1 for
+    AdamW's groups, ``muon_lr / lr`` for Muon's)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_ratio", 1.0)
+
+
+def default_min_lr(max_lr: float) -> float:
+    """Where the cosine ends unless told otherwise: a tenth of the peak (the one place this
+    default lives; ``--min-lr`` is resolved with it)."""
+    return max_lr / 10
+
+
+def _warmup_peak_decay(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None,
+                       decay_start: int, decay) -> float:
+    """The frame every schedule shares, at optimizer step ``step`` (1 for the first, as the
+    loop counts): the linear warmup over steps 1..``warmup_steps``, the peak held through step
+    ``decay_start``, then ``decay(progress, max_lr, min_lr)``, where progress is the share of
+    the decay's steps (``decay_start`` + 1 .. ``total_steps``) done before this one, then the
+    floor ``min_lr`` (10 % of max_lr by default) after the last step.
+
+    * Warmup: the rate climbs linearly from max_lr/warmup_steps at step 1 to max_lr at step
+      ``warmup_steps``. Adam's second-moment estimate is noisy in the first steps; full-size
+      updates from it can throw a fresh model into a bad region.
+    * Decay: lowering the rate at the end lets the weights settle into the minimum the noisy
+      high-rate phase found.
+
+    A pure function of the step, so resuming a run needs nothing but the step count.
+    """
+    if min_lr is None:
+        min_lr = default_min_lr(max_lr)
+    if step <= warmup_steps:
+        return max_lr * step / warmup_steps
+    if step > total_steps:
+        return min_lr
+    if step <= decay_start:
+        return max_lr
+    return decay((step - 1 - decay_start) / max(1, total_steps - decay_start), max_lr, min_lr)
+
+
+def cosine_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None) -> float:
+    """Learning rate at optimizer step ``step`` (1 for the first): linear warmup, then half a
+    cosine from max_lr down toward ``min_lr``, which it reaches after step ``total_steps``."""
+    return _warmup_peak_decay(step, max_lr, warmup_steps, total_steps, min_lr, warmup_steps,
+                              lambda p, top, floor: floor + 0.5 * (top - floor) * (1.0 + math.cos(math.pi * p)))
+
+
+def wsd_decay_start(warmup_steps: int, total_steps: int, decay_fraction: float) -> int:
+    """The last step a WSD schedule holds at its peak (the decay is the steps after it):
+    ``decay_fraction`` of the steps before the end (at least two, so that some trained step
+    is below the peak whatever the fraction), never inside the warmup."""
+    return max(warmup_steps, total_steps - max(2, round(decay_fraction * total_steps)))
+
+
+def wsd_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None,
+           decay_fraction: float = 0.2) -> float:
+    """Learning rate at optimizer step ``step`` (1 for the first): warmup, stable, decay (WSD).
+
+    The same linear warmup as :func:`cosine_lr`, then the peak rate held flat, then a straight
+    line down to ``min_lr`` over the last ``decay_fraction`` of ``total_steps``.
+
+    Why it can beat the cosine in a short run: a cosine starts lowering the rate right after
+    warmup, so most of the run trains below its peak, and the loss only drops steeply once the
+    rate is low. WSD keeps the fast, noisy high-rate phase as long as possible and spends a
+    short, steep decay at the end, where the loss falls most. Runs of different lengths can
+    also share the stable phase: a checkpoint from it can be resumed with more ``--steps``.
+    """
+    return _warmup_peak_decay(step, max_lr, warmup_steps, total_steps, min_lr,
+                              wsd_decay_start(warmup_steps, total_steps, decay_fraction),
+                              lambda p, top, floor: top - (top - floor) * p)
+
+
+SCHEDULES = ("cosine", "wsd")
+
+
+def learning_rate(step: int, o, total_steps: int) -> float:
+    """The rate of optimizer step ``step`` (1 for the first) under the run's optimizer options ``o``
+    (``--schedule``, ``--lr``, ``--warmup``, ``--min-lr``, ``--decay-fraction``): the one place
+    training, replay and the doctor read the schedule from."""
+    if o.schedule == "wsd":
+        return wsd_lr(step, o.lr, o.warmup, total_steps, o.min_lr, o.decay_fraction)
+    return cosine_lr(step, o.lr, o.warmup, total_steps, o.min_lr)
+
+
+# --------------------------------------------------------------------------- forward and backward
 def counted_tokens(micro_batches: list[Batch]) -> int:
     """Targets that count in these micro-batches (the loss mask's True entries).
 
@@ -66,9 +153,15 @@ def summed_token_loss(model, batch: Batch) -> torch.Tensor:
     return total
 
 
+def at_least_one(count: int | torch.Tensor) -> int | torch.Tensor:
+    """``count``, or 1 when it is 0 (a step with nothing to count divides by 1, adding zero),
+    as a number for a number and a tensor for a tensor."""
+    return count.clamp(min=1) if torch.is_tensor(count) else max(1, count)
+
+
 def accumulate_gradients(model, micro_batches: list[Batch], count: int | torch.Tensor | PendingSum,
                          autocast=contextlib.nullcontext, loss_scale: float = 1.0,
-                         loss_fn=summed_token_loss) -> torch.Tensor:
+                         loss_fn=summed_token_loss, across_ranks: bool = False) -> torch.Tensor:
     """Forward and backward over every micro-batch of one optimizer step.
 
     Each micro-batch backpropagates (sum of its token losses) ÷ ``count``, the counted
@@ -77,8 +170,9 @@ def accumulate_gradients(model, micro_batches: list[Batch], count: int | torch.T
     with nothing to count adds zero. ``loss_fn(model, batch)`` is the forward pass and that
     sum (:func:`summed_token_loss`; the lab plants bugs here). It runs under ``autocast()``
     (see ``nanolm.precision``); the loss, in fp32, is multiplied by ``loss_scale`` before backward
-    (fp16; the scaler divides it out of the gradients again). A distributed model reduces
-    gradients across ranks in the last micro-batch's backward pass only.
+    (fp16; the scaler divides it out of the gradients again). ``across_ranks``: the model is
+    wrapped for torchrun (DDP or FSDP), and only the last micro-batch's backward pass reduces
+    gradients across ranks (``nanolm.distributed.gradient_sync``).
 
     ``count`` is a number, a device tensor, or a :class:`~nanolm.distributed.PendingSum`
     whose all-reduce is waited for only before the first backward pass (it runs during the
@@ -94,7 +188,8 @@ def accumulate_gradients(model, micro_batches: list[Batch], count: int | torch.T
     loss_sum = torch.zeros((), device=device)
     for i, batch in enumerate(micro_batches):
         batch = batch.to(device)
-        with gradient_sync(model, enabled=i == len(micro_batches) - 1):
+        last = i == len(micro_batches) - 1
+        with gradient_sync(model, enabled=last) if across_ranks else contextlib.nullcontext():
             with autocast():
                 micro_sum = loss_fn(model, batch)  # forward: the micro-batch's summed token loss, in fp32
             if denominator is None:
@@ -109,7 +204,8 @@ class StepSetup:
     """What one optimizer step works with, built once per run (``nanolm.train.build_run``).
 
     ``schedule(step)`` is the learning rate of step ``step`` (1 for the first), a pure function
-    of the step number; the guard's ``lr_scale`` multiplies it where the step sets the rate.
+    of the step number (:func:`learning_rate`); the guard's ``lr_scale`` multiplies it where
+    the step sets the rate.
     ``step_model`` is what runs forward (the model itself, or its DDP or compiled wrapper);
     ``model`` is the module whose parameters are clipped and updated. ``guard`` None takes
     every step. ``watch(step, micro_batches)``, when given, returns the
@@ -165,16 +261,22 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
 
     # 2. forward and backward, every token's loss divided by the step's count of counted tokens
     watch = setup.watch(step, micro_batches) if setup.watch is not None else None
-    count = setup.dist.sum_async(counted_tokens(micro_batches))  # every micro-batch of every rank, counted once
+    dist = setup.dist
+    count = counted_tokens(micro_batches)  # every micro-batch, counted once
+    if dist.active:  # torchrun: every rank's count, summed on the device while the first forward pass runs
+        count = dist.sum_async(count)
     loss_sum = accumulate_gradients(setup.step_model, micro_batches, count, setup.autocast,
-                                    setup.scaler.loss_scale, setup.loss_fn)
-    loss = setup.dist.global_mean(loss_sum, count.value())
+                                    setup.scaler.loss_scale, setup.loss_fn, across_ranks=dist.active)
+    loss = dist.global_mean(loss_sum, count.value()) if dist.active else loss_sum / at_least_one(count)
 
     # 3. fp16: undo the loss scale; clip the global gradient norm once, after every backward pass
-    setup.scaler.unscale_(setup.model.parameters())
+    if setup.scaler.enabled:
+        setup.scaler.unscale_(setup.model.parameters())
     if watch is not None:
         watch.capture()
-    grad_norm = setup.dist.clip_grad_norm_(setup.model, setup.clip if setup.clip > 0 else math.inf)
+    max_norm = setup.clip if setup.clip > 0 else math.inf
+    grad_norm = (dist.clip_grad_norm_(setup.model, max_norm) if dist.sharded  # FSDP: each rank holds a shard
+                 else torch.nn.utils.clip_grad_norm_(setup.model.parameters(), max_norm))
 
     # 4. the guard decides on the step's global numbers (every rank alike)
     action, event, rollback_to = "take", None, None
@@ -184,7 +286,7 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
             action, event, rollback_to = setup.guard.decide(step, loss, grad_norm, lr)
 
     # 5. update (unless the guard said otherwise, or an fp16 gradient overflowed) and zero
-    updated = action == "take" and setup.scaler.update(grad_norm)
+    updated = action == "take" and (not setup.scaler.enabled or setup.scaler.update(grad_norm))
     if updated:
         setup.optimizer.step()
     setup.optimizer.zero_grad(set_to_none=True)

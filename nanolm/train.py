@@ -35,6 +35,7 @@ import math
 import signal
 import sys
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -56,7 +57,7 @@ from .lock import RunLock
 from .model import GPT
 from .monitor import missing_sink_packages, parse_sinks
 from .observer import Observer
-from .optim import get_param_groups, learning_rate, optimizer_for
+from .optim import get_param_groups, optimizer_for
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
 from .rundir import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
 from .runtime import (
@@ -72,7 +73,7 @@ from .runtime import (
     settings_restored,
 )
 from .stats import peak_flops
-from .step import StepSetup, summed_token_loss, train_step
+from .step import StepSetup, learning_rate, summed_token_loss, train_step
 from .threads import ThreadTuner, TunedBatches
 
 
@@ -316,7 +317,7 @@ def build_components(cfg: RunConfig, dist: Distributed, *, out_dir: Path, data, 
                   rollback_lr_scale=g.rollback_lr_scale, log=observer.write,
                   rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
                   explain_nan=lambda batch: nan_origin(model, batch, precision.autocast, tokenizer.vocab_size))
-    step_setup = StepSetup(model, optimizer, schedule=lambda step: learning_rate(step - 1, o, t.steps), clip=o.clip,
+    step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
                            step_model=step_model, scaler=scaler, autocast=precision.autocast, dist=dist, guard=guard,
                            loss_fn=components.loss_fn, watch=observer.gradient_watch)
     checkpointer = components.checkpointer(

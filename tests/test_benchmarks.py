@@ -229,7 +229,7 @@ def test_every_loop_of_the_loss_per_step_benchmark_runs_the_same_recipe():
     constants; the two plain loops draw the same windows; and the reference is nanoGPT's model as
     its train.py trains it: no biases, the residual projections initialised smaller."""
     from nanolm.config import OptimOptions
-    from nanolm.optim import learning_rate
+    from nanolm.step import learning_rate
 
     script = runpy.run_path(str(BENCHMARKS / "loss_per_step.py"))
     args = argparse.Namespace(lr=1e-3, warmup=3, steps=8, beta2=0.99, weight_decay=0.1)
@@ -240,7 +240,7 @@ def test_every_loop_of_the_loss_per_step_benchmark_runs_the_same_recipe():
     for step in range(1, 9):
         for loop in loops.values():
             loop.step(step)
-        expected = learning_rate(step - 1, schedule, 8)
+        expected = learning_rate(step, schedule, 8)
         for name, optimizer in optimizers.items():
             assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([expected] * len(optimizer.param_groups))
     for optimizer in optimizers.values():

@@ -389,7 +389,7 @@ def _worker(rank, world_size, port, result_dir):
             model = tiny_model(seed=rank)  # different on each rank: the wrapper must start all from rank 0's
             wrapped = ctx.wrap(model)
             count = ctx.sum_async(local)  # an all-reduce under way; accumulate_gradients waits for it
-            loss = ctx.global_mean(accumulate_gradients(wrapped, mine, count), count.value())
+            loss = ctx.global_mean(accumulate_gradients(wrapped, mine, count, across_ranks=True), count.value())
             grads = _full_grads(model)
             norm = ctx.clip_grad_norm_(model, 0.1 * ref_norm)  # clipped to a tenth
             clipped = _full_grads(model)

@@ -10,7 +10,7 @@ import nanolm.instruments.doctor as doctor
 import nanolm.step as step_mod
 from nanolm.config import RunConfig
 from nanolm.instruments.cli import main
-from nanolm.loss import masked_cross_entropy_sum
+from nanolm.model import masked_cross_entropy_sum
 from nanolm.prepare import prepare
 
 STUDENT = textwrap.dedent('''

@@ -283,7 +283,7 @@ def test_after_a_rollback_the_learning_rate_is_the_schedules_times_the_guards_sc
     """``--rollback-lr-scale 0.5``: the steps after a rollback run at half the schedule's rate
     (the step multiplies the schedule's rate by the guard's scale where it sets it), the steps
     before it at the schedule's own."""
-    from nanolm.optim import learning_rate
+    from nanolm.step import learning_rate
 
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=8, eval_every=8, ckpt_every=4, batch_size=BATCH,
                           log_every=1, stats_every=0)
@@ -294,8 +294,8 @@ def test_after_a_rollback_the_learning_rate_is_the_schedules_times_the_guards_sc
     optim = cfg.resolved().optim
     lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "lr" in r}
     assert sorted(lrs) == list(range(1, 9))
-    assert all(lrs[s] == learning_rate(s - 1, optim, 8) for s in range(1, 5))
-    assert all(lrs[s] == learning_rate(s - 1, optim, 8) * 0.5 for s in range(5, 9))
+    assert all(lrs[s] == learning_rate(s, optim, 8) for s in range(1, 5))
+    assert all(lrs[s] == learning_rate(s, optim, 8) * 0.5 for s in range(5, 9))
 
 
 def test_a_run_cannot_roll_back_more_than_max_rollbacks_whatever_restores_it(tmp_path, stories_file, monkeypatch):

@@ -5,7 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanolm.loss import head_cross_entropy_sum, loss_chunk_positions, masked_cross_entropy, masked_cross_entropy_sum
+from nanolm.model import (
+    head_cross_entropy_sum,
+    loss_chunk_positions,
+    masked_cross_entropy,
+    masked_cross_entropy_sum,
+)
 
 
 def test_masked_cross_entropy_ignores_masked_positions():

@@ -2,13 +2,20 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from nanolm.errors import NanolmError
-from nanolm.loss import masked_cross_entropy_sum
-from nanolm.model import (GPT, GPTConfig, apply_rope, attention, document_causal_mask, reference_attention, rope_tables,
-                          sample_next_token)
-
-from conftest import tiny_model
+from nanolm.model import (
+    GPT,
+    GPTConfig,
+    apply_rope,
+    attention,
+    document_causal_mask,
+    masked_cross_entropy_sum,
+    reference_attention,
+    rope_tables,
+    sample_next_token,
+)
 
 
 def test_model_is_causal():

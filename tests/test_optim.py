@@ -9,13 +9,10 @@ from nanolm.muon import GroupedMuon
 from nanolm.optim import (
     MuonWithAdamW,
     build_optimizer,
-    cosine_lr,
     get_param_groups,
     muon_available,
-    set_learning_rate,
-    wsd_lr,
 )
-from nanolm.step import StepSetup, train_step
+from nanolm.step import StepSetup, cosine_lr, set_learning_rate, train_step, wsd_lr
 
 
 def _names(model, params):
@@ -65,7 +62,7 @@ def test_bias_correction_makes_first_step_full_size():
 
 
 def test_cosine_lr_warms_up_linearly_then_decays_to_min_lr():
-    lrs = [cosine_lr(s, max_lr=1.0, warmup_steps=10, total_steps=110) for s in range(130)]
+    lrs = [cosine_lr(s, max_lr=1.0, warmup_steps=10, total_steps=110) for s in range(1, 131)]  # lrs[i]: step i + 1
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(b > a for a, b in zip(lrs[:10], lrs[1:10]))  # strictly rising warmup
     assert lrs[10] == pytest.approx(1.0)
@@ -73,20 +70,21 @@ def test_cosine_lr_warms_up_linearly_then_decays_to_min_lr():
     assert lrs[60] == pytest.approx(0.55)  # half-way through the cosine: midpoint of 1.0 and 0.1
     assert lrs[110] == pytest.approx(0.1) and lrs[129] == pytest.approx(0.1)  # the floor
     assert cosine_lr(200, 1.0, 10, 110, min_lr=0.0) == 0.0
-    assert cosine_lr(0, 3e-3, 0, 100) == pytest.approx(3e-3)  # no warmup: full rate at once
+    assert cosine_lr(1, 3e-3, 0, 100) == pytest.approx(3e-3)  # no warmup: full rate at once
 
 
 def test_wsd_lr_holds_the_peak_then_decays_in_a_straight_line_to_min_lr_over_the_last_fraction():
-    lrs = [wsd_lr(s, max_lr=1.0, warmup_steps=10, total_steps=100, min_lr=0.1, decay_fraction=0.3) for s in range(120)]
-    assert lrs[:10] == [cosine_lr(s, 1.0, 10, 100, 0.1) for s in range(10)]  # the same warmup as the cosine
+    lrs = [wsd_lr(s, max_lr=1.0, warmup_steps=10, total_steps=100, min_lr=0.1, decay_fraction=0.3)
+           for s in range(1, 121)]  # lrs[i]: step i + 1
+    assert lrs[:10] == [cosine_lr(s, 1.0, 10, 100, 0.1) for s in range(1, 11)]  # the same warmup as the cosine
     assert lrs[10:71] == [1.0] * 61  # stable: the peak until the decay starts at step 100 - 30
     assert lrs[85] == pytest.approx(0.55)  # half-way down the line: the midpoint of 1.0 and 0.1
     steps_down = [a - b for a, b in zip(lrs[70:100], lrs[71:101])]
     assert steps_down == pytest.approx([0.9 / 30] * 30)  # a straight line, equal steps
     assert lrs[100] == pytest.approx(0.1) and lrs[119] == pytest.approx(0.1)  # the floor, and it stays
-    assert wsd_lr(50, 1.0, 10, 100, min_lr=0.0, decay_fraction=1.0) == pytest.approx(5 / 9)  # all decay: linear
-    assert wsd_lr(10, 1.0, 10, 100, min_lr=0.0, decay_fraction=0.99) == 1.0  # a decay longer than the rest starts
-    assert wsd_lr(55, 1.0, 10, 100, min_lr=0.0, decay_fraction=0.99) == pytest.approx(0.5)  # at the peak, after warmup
+    assert wsd_lr(51, 1.0, 10, 100, min_lr=0.0, decay_fraction=1.0) == pytest.approx(5 / 9)  # all decay: linear
+    assert wsd_lr(11, 1.0, 10, 100, min_lr=0.0, decay_fraction=0.99) == 1.0  # a decay longer than the rest starts
+    assert wsd_lr(56, 1.0, 10, 100, min_lr=0.0, decay_fraction=0.99) == pytest.approx(0.5)  # at the peak, after warmup
 
 
 def test_the_fused_adamw_nanolm_builds_on_cpu_follows_the_textbook_update():

@@ -9,11 +9,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from nanolm.batches import Batch, Split, eval_batches, get_batch
 from nanolm.config import RunConfig
 from nanolm.evaluate import estimate_loss
-from nanolm.loss import masked_cross_entropy_sum
+from nanolm.model import masked_cross_entropy_sum
 from nanolm.monitor import read_metrics
-from nanolm.optim import cosine_lr, wsd_lr
 from nanolm.runtime import configure_threads
-from nanolm.step import accumulate_gradients, counted_tokens
+from nanolm.step import accumulate_gradients, cosine_lr, counted_tokens, wsd_lr
 from nanolm.train import train
 
 
@@ -241,8 +240,8 @@ def test_every_step_runs_at_its_scheduled_lr_with_the_configured_optimizer_setti
     cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup = 2e-3, 2e-4, 3
     cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay = 0.8, 0.9, 0.05
     cfg.optim.schedule, cfg.optim.decay_fraction = schedule, 0.5
-    expected = ([cosine_lr(step, 2e-3, 3, 8, 2e-4) for step in range(8)] if schedule == "cosine" else
-                [wsd_lr(step, 2e-3, 3, 8, 2e-4, decay_fraction=0.5) for step in range(8)])
+    expected = ([cosine_lr(step, 2e-3, 3, 8, 2e-4) for step in range(1, 9)] if schedule == "cosine" else
+                [wsd_lr(step, 2e-3, 3, 8, 2e-4, decay_fraction=0.5) for step in range(1, 9)])
     handle = register_optimizer_step_pre_hook(record)
     try:
         train(cfg, log=lambda *_: None)

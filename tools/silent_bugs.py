@@ -91,32 +91,32 @@ BUGS = [
         "nanolm/model.py", "residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)", "residual_std = 0.02 / 1.0"),
     # loss
     Bug("loss_over_all_positions", "masked positions dilute the mean: the loss reads low",
-        "nanolm/loss.py", "    return total, mask.sum()", "    return total, torch.ones_like(mask).sum()"),
+        "nanolm/model.py", "    return total, mask.sum()", "    return total, torch.ones_like(mask).sum()"),
     Bug("loss_in_low_precision", "under bf16 the cross-entropy is computed in bf16: noisy loss and gradients",
-        "nanolm/loss.py", "        logits.reshape(-1, logits.shape[-1]).float(),", "        logits.reshape(-1, logits.shape[-1]),"),
+        "nanolm/model.py", "        logits.reshape(-1, logits.shape[-1]).float(),", "        logits.reshape(-1, logits.shape[-1]),"),
     Bug("loss_chunk_tail_dropped", "the fused head and loss skip the positions of a short last chunk: fewer tokens train",
-        "nanolm/loss.py", "for start in range(0, hidden.shape[0], chunk):", "for start in range(0, hidden.shape[0] - chunk + 1, chunk):"),
+        "nanolm/model.py", "for start in range(0, hidden.shape[0], chunk):", "for start in range(0, hidden.shape[0] - chunk + 1, chunk):"),
     Bug("masked_positions_get_gradient", "padding and prompt positions still push the weights though their loss is not counted",
-        "nanolm/loss.py", "h_counted = torch.where(counted, h, torch.zeros_like(h))", "h_counted = h"),
+        "nanolm/model.py", "h_counted = torch.where(counted, h, torch.zeros_like(h))", "h_counted = h"),
     Bug("fused_loss_in_low_precision", "under bf16 the fused loss takes its log-softmax in bf16: noisy loss and gradients",
-        "nanolm/loss.py", "torch.log_softmax(logits.float(), dim=-1)", "torch.log_softmax(logits, dim=-1)"),
+        "nanolm/model.py", "torch.log_softmax(logits.float(), dim=-1)", "torch.log_softmax(logits, dim=-1)"),
     Bug("fused_loss_ignores_the_backward_factor", "the step's 1/token count never reaches the gradients: all are count times too large, clipping hides it",
-        "nanolm/loss.py", "return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),",
+        "nanolm/model.py", "return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),",
         "return (grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype),"),
     Bug("fused_loss_fp16_gradients_unscaled", "under fp16 the head's weight gradient overflows before the loss scale can help: the scaler shrinks until the run stops",
-        "nanolm/loss.py", "token_scale = _fp16_scale((probs.t() @ largest).index_add_(0, safe_t[:, 0], largest))",
+        "nanolm/model.py", "token_scale = _fp16_scale((probs.t() @ largest).index_add_(0, safe_t[:, 0], largest))",
         "token_scale = torch.ones(probs.shape[1], device=probs.device)"),
     Bug("fused_loss_fp16_one_scale_for_every_token", "under fp16 the head's gradient rows of rare tokens lose their digits below fp16's normal range: those rows train on rounding noise",
-        "nanolm/loss.py", ".index_add_(0, safe_t[:, 0], largest))", ".index_add_(0, safe_t[:, 0], largest).amax().expand(probs.shape[1]))"),
+        "nanolm/model.py", ".index_add_(0, safe_t[:, 0], largest))", ".index_add_(0, safe_t[:, 0], largest).amax().expand(probs.shape[1]))"),
     # optimizer and schedule
     Bug("decay_on_everything", "norm gains and embeddings are pulled toward zero",
         "nanolm/optim.py", "if p.dim() >= 2 and id(p) not in embedding_params:", "if True:"),
     Bug("weight_decay_ignored", "--weight-decay has no effect",
         "nanolm/optim.py", "get_param_groups(model, weight_decay), lr=lr", "get_param_groups(model, 0.0), lr=lr"),
     Bug("warmup_starts_at_zero", "the first step is wasted at LR 0",
-        "nanolm/optim.py", "return max_lr * (step + 1) / warmup_steps", "return max_lr * step / warmup_steps"),
+        "nanolm/step.py", "return max_lr * step / warmup_steps", "return max_lr * (step - 1) / warmup_steps"),
     Bug("lr_one_step_late", "every step runs at the previous step's learning rate",
-        "nanolm/train.py", "learning_rate(step - 1, o,", "learning_rate(max(0, step - 2), o,"),
+        "nanolm/step.py", "lr = setup.schedule(step) *", "lr = setup.schedule(max(1, step - 1)) *"),
     Bug("freed_buffers_given_back", "a CPU run lets glibc unmap each step's freed buffers: 6-10 % slower steps, same numbers",
         "nanolm/instruments/process.py", "        self.kept_freed_memory = keep_freed_memory_for_reuse(device)",
         "        self.kept_freed_memory = device.type == 'never'"),
@@ -129,17 +129,15 @@ BUGS = [
     Bug("qk_norm_on_the_slow_path", "QK-norm under bf16 autocast falls back to PyTorch's composite norm: 4-5 % slower steps",
         "nanolm/model.py", "        if x.dtype != self.weight.dtype:\n", "        if False:\n"),
     Bug("wsd_schedule_ignored", "--schedule wsd is accepted and the run follows the cosine anyway",
-        "nanolm/optim.py", '    if o.schedule == "wsd":', "    if False:"),
+        "nanolm/step.py", '    if o.schedule == "wsd":\n        return wsd_lr(', "    if False:\n        return wsd_lr("),
     Bug("betas_swapped", "AdamW with beta1 = 0.95, beta2 = 0.9: trains, differently",
         "nanolm/optim.py", "    betas = (o.beta1, o.beta2)\n", "    betas = (o.beta2, o.beta1)\n"),
     Bug("missing_zero_grad", "old gradients keep adding up: a heavy, unwanted momentum",
         "nanolm/step.py", "    setup.optimizer.zero_grad(set_to_none=True)\n", "    pass\n"),
     Bug("clipping_ignored", "--clip has no effect",
-        "nanolm/step.py", "clip_grad_norm_(setup.model, setup.clip if setup.clip > 0 else math.inf)",
-        "clip_grad_norm_(setup.model, math.inf)"),
+        "nanolm/step.py", "max_norm = setup.clip if setup.clip > 0 else math.inf", "max_norm = math.inf"),
     Bug("local_token_count", "under torchrun each rank averages over its own tokens: short documents weigh more",
-        "nanolm/step.py", "count = setup.dist.sum_async(counted_tokens(micro_batches))",
-        "count = PendingSum(counted_tokens(micro_batches))"),
+        "nanolm/step.py", "        count = dist.sum_async(count)\n", "        count = PendingSum(count)\n"),
     Bug("host_read_per_micro_batch", "the loss is summed on the host: a GPU waits for every micro-batch's forward pass, same numbers",
         "nanolm/step.py", "        loss_sum += micro_sum.detach()", "        loss_sum += micro_sum.item()"),
     # evaluation and metrics
@@ -209,9 +207,12 @@ BUGS = [
     Bug("skipped_check_shown_as_pass", "nanolm doctor prints PASS for a check that never ran",
         "nanolm/instruments/doctor.py", 'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids", skipped=True)',
         'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids")'),
+    Bug("step_unscales_every_precision", "an fp32 or bf16 step calls the fp16 scaler to divide by a scale of 1: the same "
+        "numbers, and one more file on the path a reader follows through one step",
+        "nanolm/step.py", "    if setup.scaler.enabled:\n        setup.scaler.unscale_(", "    if True:\n        setup.scaler.unscale_("),
     Bug("skipped_step_still_updates", "a NaN or spike the guard skipped is trained on anyway",
-        "nanolm/step.py", 'updated = action == "take" and setup.scaler.update(grad_norm)',
-        "updated = setup.scaler.update(grad_norm)"),
+        "nanolm/step.py", 'updated = action == "take" and (not setup.scaler.enabled or setup.scaler.update(grad_norm))',
+        "updated = not setup.scaler.enabled or setup.scaler.update(grad_norm)"),
     Bug("rollback_lr_scale_ignored", "--rollback-lr-scale does nothing: after a rollback the run meets the same "
         "instability at the same rate",
         "nanolm/step.py", "lr = setup.schedule(step) * (setup.guard.lr_scale if setup.guard is not None else 1.0)",
@@ -230,7 +231,7 @@ BUGS = [
         "nanolm/optim.py", "if p.requires_grad and p.dim() == 2 and id(p) not in excluded]",
         "if p.requires_grad and p.dim() == 2]"),
     Bug("muon_at_adamws_rate", "--muon-lr is ignored: the matrices run at --lr",
-        "nanolm/optim.py", 'group["lr"] = lr * group.get("lr_ratio", 1.0)', 'group["lr"] = lr * 1.0'),
+        "nanolm/step.py", 'group["lr"] = lr * group.get("lr_ratio", 1.0)', 'group["lr"] = lr * 1.0'),
     Bug("muon_momentum_ignored", "--muon-momentum is ignored: Muon keeps PyTorch's 0.95 (the speedruns need 0.9)",
         "nanolm/optim.py", "muon_lr=o.muon_lr, momentum=o.muon_momentum)", "muon_lr=o.muon_lr)"),
     Bug("muon_state_counted_as_adamws", "the memory check refuses a Muon run that fits: it counts AdamW's two moments",
@@ -262,7 +263,8 @@ BUGS = [
 
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
-              "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning").split()
+              "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
+              "test_layout").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:

@@ -29,8 +29,9 @@ from ..batches import Batch, WindowSampler, pack_windows
 from ..config import RunConfig
 from ..errors import NanolmError
 from ..model import GPT, GPTConfig
-from ..optim import get_param_groups, learning_rate, wsd_decay_start
+from ..optim import get_param_groups
 from ..runtime import device_choices
+from ..step import learning_rate, wsd_decay_start
 
 
 @dataclass
@@ -204,7 +205,7 @@ def check_param_groups(model, weight_decay: float) -> Check:
 def check_lr_schedule(cfg: RunConfig) -> Check:
     """Warmup first, then a decay that ends on the floor and never goes under it."""
     o, t = cfg.optim, cfg.train
-    lrs = [learning_rate(s, o, t.steps) for s in range(t.steps + 1)]
+    lrs = [learning_rate(s, o, t.steps) for s in range(1, t.steps + 2)]  # every step, and one after the last
     after_warmup = lrs[o.warmup:]
     problems, meanings = [], []
     if o.warmup <= 0 or lrs[0] >= o.lr:

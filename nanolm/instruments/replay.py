@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,12 +36,12 @@ from ..errors import NanolmError
 from ..guards import Guard, nan_origin, read_events
 from ..monitor import read_metrics
 from ..observer import GradientWatch
-from ..optim import get_param_groups, learning_rate
+from ..optim import get_param_groups
 from ..precision import BF16AdamW, cast_weights_, resolve_precision
 from ..prepare import PreparedData
 from ..runtime import configure_determinism, resolve_device, settings_restored
 from ..stats import LayerStats
-from ..step import StepSetup, counted_tokens, train_step
+from ..step import StepSetup, counted_tokens, learning_rate, train_step
 from ..tokenizer import Tokenizer
 from ..train import Components, Progress
 from .faults import components as fault_components
@@ -121,7 +122,7 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
                                 config_toml="", tokenizer=tokenizer, data_digest=data.digest, every=t.ckpt_every,
                                 last_step=t.steps, log=log)
     start = checkpointer.restore(checkpoint)
-    step_setup = StepSetup(model, optimizer, schedule=lambda s: learning_rate(s - 1, o, t.steps), clip=o.clip,
+    step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
                            scaler=scaler, autocast=precision.autocast, guard=guard, loss_fn=components.loss_fn)
     log(f"replay: from {checkpoint.name}, re-training steps {start + 1}..{step - 1}, then step {step}")
     for s in range(start + 1, step):
@@ -136,7 +137,7 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
     # step N is examined, whatever the guard would have decided, at the rate the run used (its guard's scale)
     lr_scale = guard.lr_scale
     examined = dataclasses.replace(step_setup, guard=None, watch=lambda s, batches: watch,
-                                   schedule=lambda s: learning_rate(s - 1, o, t.steps) * lr_scale)
+                                   schedule=lambda s: learning_rate(s, o, t.steps) * lr_scale)
     result = train_step(examined, step, micro_batches)
     loss, grad_norm = float(result.loss), float(result.grad_norm)
     report = {"run": str(run_dir), "step": step, "from_checkpoint": checkpoint.name, "replayed_steps": step - 1 - start,
