@@ -604,8 +604,8 @@ def part_throughput(ctx: Context) -> str:
     time, the mask's cost, peak memory."""
     import torch
 
+    from nanolm.hardware import gpu_peak_flops
     from nanolm.precision import resolve_precision
-    from nanolm.stats import gpu_peak_flops
 
     args = ["--device", ctx.device, "--no-reference", "--rounds", ctx.sized("3", "1"), "--steps", ctx.sized("5", "1"),
             "--warmup", ctx.sized("2", "1")]
@@ -621,7 +621,7 @@ def part_throughput(ctx: Context) -> str:
         if peak:
             args += ["--peak-tflops", f"{peak / 1e12:g}"]
         else:
-            ctx.notes.append(f"MFU against throughput.py's 989 TFLOP/s: {name} is not in nanolm.stats' table; "
+            ctx.notes.append(f"MFU against throughput.py's 989 TFLOP/s: {name} is not in nanolm.hardware's table; "
                              f"set PEAK_TFLOPS")
         ctx.figures["peak_tflops"] = peak / 1e12 if peak else None
     shape = ctx.sized("gpt2", "nanogpt")

@@ -42,11 +42,15 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.fsdp import fully_shard
 
-    from nanolm.checkpoint import _untied, load_sharded, save_sharded
     from nanolm.model import GPT, GPTConfig
+    from nanolm.sharded import _untied, load_sharded, save_sharded
 
     dist.init_process_group("gloo")
     torch.manual_seed(0 if args.action == "save" else 1)  # a load starts from other weights
@@ -100,8 +104,8 @@ def plain_load(args) -> None:
     """One plain process (what ``nanolm sample`` does with a sharded checkpoint)."""
     import torch
 
-    from nanolm.checkpoint import load_sharded
     from nanolm.model import GPT, GPTConfig
+    from nanolm.sharded import load_sharded
 
     model = GPT(GPTConfig(**_shape(args.big)))
     start = time.perf_counter()

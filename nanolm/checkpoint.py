@@ -18,15 +18,8 @@ state; counters (tokens seen, best validation loss); the resolved config and the
   layout and world size that wrote it, a digest of the training data, and the *manifest*:
   the SHA-256 of every other file.
 
-Under ``--dist fsdp`` every rank holds only a shard of the weights and of the optimizer
-state, so those go to ``sharded/`` instead: one safetensors file per rank, written by
-``torch.distributed.checkpoint`` with its safetensors storage. DCP's default format keeps
-its index in a pickle (``.metadata``) and unpickles it on load, so a crafted checkpoint
-could run code; the safetensors storage rebuilds the index from the files' JSON headers, so
-nothing in ``sharded/`` can. (Measured on 14M parameters over 2 ranks: saving 2.3-3.7x
-slower than the pickle format, about 0.2 s more; loading 0.8-1x, faster; resharding to
-another world size works the same; docs/checkpoints.md.) The optimizer's non-tensor
-settings (its param groups) go to ``state.pt``.
+Under ``--dist fsdp`` the weights and the optimizer state go to ``sharded/`` instead, one file
+per rank (``nanolm.sharded``).
 
 **A checkpoint is valid** only when ``meta.json`` parses, every field has its type, its step
 agrees with the directory's name, its layout is known, and the files in the directory are
@@ -40,16 +33,13 @@ one-line file naming the newest checkpoint) replaced, itself atomically. A crash
 moment leaves the previous checkpoint and pointer intact. Weights that are not finite are
 never saved.
 
-**Final weights** — a finished run's ``model.safetensors`` comes with ``final.json``, the
-manifest of the weights, config and tokenizer that ``nanolm sample``/``eval``/``export``
-load; it is written last, so its presence means the run finished.
+A finished run's final weights, and loading a run, are ``nanolm.final``'s.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import random
 import re
@@ -63,7 +53,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import RunConfig, load_run_config
 from .errors import NanolmError
 from .files import (
     ENVIRONMENT_ERRNOS,
@@ -72,20 +61,17 @@ from .files import (
     check_seal,
     describe_os_error,
     fsync_dir,
-    is_sha256,
     manifest,
     read_json,
     sealed,
-    sha256_file,
 )
 from .model import GPT
 from .runtime import derived_seed, seed_everything
+from .sharded import SHARDS, load_sharded, save_sharded
 from .tokenizer import Tokenizer
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-SHARDS = "sharded"
-FINAL = "final.json"
 FORMAT = 1
 LAYOUTS = ("single", "sharded")
 STANDALONE_FILES = ("state.pt", "config.toml", "tokenizer.json")
@@ -438,108 +424,6 @@ def valid_resume_checkpoint(run_dir, log) -> Path | None:
     return latest_valid_checkpoint(run_dir, log, check=loadable)
 
 
-# --------------------------------------------------------------------------- sharded (FSDP)
-def _storage():
-    """DCP's safetensors reader and writer; one line when this PyTorch lacks them (each rank
-    writing its own shard, ``save_distributed``, arrived in PyTorch 2.9)."""
-    import inspect
-
-    try:
-        from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-    except ImportError:
-        HuggingFaceStorageWriter = None
-    if HuggingFaceStorageWriter is None or "save_distributed" not in inspect.signature(HuggingFaceStorageWriter).parameters:
-        raise NanolmError(f"--dist fsdp checkpoints need torch.distributed.checkpoint's safetensors storage with "
-                          f"per-rank shards (PyTorch >= 2.9); this is PyTorch {torch.__version__}: upgrade it, "
-                          f"or use --dist ddp")
-    return HuggingFaceStorageReader, HuggingFaceStorageWriter
-
-
-def require_sharded_storage() -> None:
-    """Refuse ``--dist fsdp`` before anything is written when its checkpoints could not be saved."""
-    _storage()
-
-
-def _checkpoint_exception() -> type:
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return CheckpointException
-
-
-def _first_cause(error: BaseException) -> str:
-    """The innermost message of a (possibly multi-rank) DCP error, on one line."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    causes = [line for line in lines if ":" in line and not line.startswith(("File ", "Traceback", "^"))]
-    return (causes[-1] if causes else type(error).__name__)[:300]
-
-
-def _untied(model_state: dict, model) -> dict:
-    """A tied head shares the embedding's tensor; it is stored once, as ``embed.weight``."""
-    tied = getattr(getattr(model, "config", None), "tie_embeddings", False)
-    return {k: v for k, v in model_state.items() if not (tied and k == "lm_head.weight")}
-
-
-def save_sharded(directory: Path, model, optimizer) -> dict:
-    """Every rank writes its shard of the weights and Adam's moments into ``directory``
-    (collective: every rank calls it). Returns what ``state.pt`` must hold besides: the
-    optimizer's param groups (plain numbers, rank-independent)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    _, writer = _storage()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": _untied(model_state, model), "optim": {"state": optim_state["state"]}},
-             storage_writer=writer(str(directory), save_distributed=True))
-    return {"param_groups": optim_state["param_groups"]}
-
-
-def load_sharded(checkpoint: Path, model: torch.nn.Module, optimizer=None, optimizer_state: dict | None = None) -> None:
-    """Load a sharded checkpoint into ``model`` (and ``optimizer``), whatever the world size.
-
-    Each rank reads its part of every tensor, resharding when the world size changed; a
-    plain (unsharded) model reads whole tensors, in one process too. ``optimizer_state``
-    is ``state.pt``'s optimizer entry (the param groups).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    reader, _ = _storage()
-    path = Path(checkpoint) / SHARDS
-    with warnings.catch_warnings():  # one process reading shards is intended, not a mistake to warn about
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        if optimizer is None:
-            model_state, optim_state = get_model_state_dict(model), None
-        else:
-            model_state, optim_state = get_state_dict(model, optimizer)
-        tensors = {"model": _untied(model_state, model)}
-        if optimizer is not None:
-            tensors["optim"] = {"state": optim_state["state"]}
-        logging.disable(logging.ERROR)  # DCP logs a failed read with a traceback of its own; we say it in one line
-        try:
-            dcp.load(tensors, storage_reader=reader(str(path)))
-        except (Exception, _checkpoint_exception()) as e:  # DCP's CheckpointException is a BaseException
-            raise NanolmError(f"checkpoint {checkpoint}: its shards cannot be read into this model "
-                              f"({_first_cause(e)})") from None
-        finally:
-            logging.disable(logging.NOTSET)
-        loaded = dict(tensors["model"])
-        if "lm_head.weight" in model_state and "lm_head.weight" not in loaded:
-            loaded["lm_head.weight"] = loaded["embed.weight"]
-        if optimizer is None:
-            set_model_state_dict(model, loaded)
-            return
-        groups = (optimizer_state or {}).get("param_groups")
-        if not isinstance(groups, list):
-            raise NanolmError(f"checkpoint {checkpoint}: state.pt has no optimizer param groups")
-        set_state_dict(model, optimizer, model_state_dict=loaded,
-                       optim_state_dict={"state": tensors["optim"]["state"], "param_groups": groups})
-
-
 # --------------------------------------------------------------------------- a run's checkpoints
 def save_run_checkpoint(dist, run_dir, step: int, model, optimizer, state: dict, config_toml: str, tokenizer,
                         val_loss: float | None = None, keep: int = 3, meta_extra: dict | None = None) -> Path:
@@ -657,121 +541,3 @@ def rollback_checkpoint(dist, run_dir, log=print) -> Path | None:
     """The newest checkpoint a rollback can return to (every rank gets rank 0's answer): the
     guard's ``rollback_to``."""
     return dist.from_main(lambda: valid_resume_checkpoint(Path(run_dir), log))
-
-
-def save_final_weights(dist, model, run_dir, step: int, summary: dict) -> torch.nn.Module | None:
-    """Write the whole model to one ``model.safetensors`` (gathered from the shards under
-    FSDP), then ``final.json``. Returns, on rank 0, a plain GPT holding the weights (None on
-    the others)."""
-    if not dist.sharded:
-        dist.from_main(lambda: write_final(run_dir, model, step, summary))
-        return model if dist.is_main else None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    gathered = []
-
-    def write():
-        with torch.device("meta"):
-            plain = GPT(model.config)
-        plain.load_state_dict(full, assign=True)
-        if model.config.tie_embeddings:
-            plain.lm_head.weight = plain.embed.weight
-        write_final(run_dir, plain, step, summary)
-        gathered.append(plain)
-
-    dist.from_main(write)
-    return gathered[0] if gathered else None
-
-
-# --------------------------------------------------------------------------- final weights
-def write_final(run_dir, model: torch.nn.Module, step: int, summary: dict | None = None) -> None:
-    """Write ``model.safetensors``, then ``final.json``: the finished run's manifest.
-
-    ``final.json`` comes last, so a kill at any moment leaves either no claim of a finished
-    run or a true one; a rerun of the same command writes whatever is missing.
-    """
-    run_dir = Path(run_dir)
-    (run_dir / FINAL).unlink(missing_ok=True)
-    save_weights(model, run_dir / "model.safetensors")
-    summary = summary or {}
-    meta = {"format": FORMAT, "step": step, "val_loss": _json_float(summary.get("val_loss")),
-            "val_bpb": _json_float(summary.get("val_bpb")),
-            "files": manifest(run_dir, ("model.safetensors", "config.toml", "tokenizer.json"))}
-    atomic_write_text(run_dir / FINAL, json.dumps(sealed(meta), indent=2))
-
-
-def read_final(run_dir) -> dict | None:
-    """``final.json`` of a finished run after checking its files, None for an unfinished run;
-    a damaged one is a :class:`NanolmError`."""
-    run_dir = Path(run_dir)
-    if not (run_dir / FINAL).exists():
-        return None
-    what = f"{run_dir}'s final weights"
-    meta = read_json(run_dir / FINAL, f"{run_dir / FINAL}")
-    if isinstance(meta, dict):
-        check_seal(meta, f"{run_dir / FINAL}")
-    if not (isinstance(meta, dict) and meta.get("format") == FORMAT and _is_int(meta.get("step"))
-            and all(meta.get(k) is None or _is_number(meta.get(k)) for k in ("val_loss", "val_bpb"))
-            and isinstance(meta.get("files"), dict) and set(meta["files"]) == {"model.safetensors", "config.toml",
-                                                                              "tokenizer.json"}):
-        raise NanolmError(f"{run_dir / FINAL} is malformed")
-    for name, expected in meta["files"].items():
-        path = run_dir / name
-        if not is_sha256(expected) or not path.is_file() or path.is_symlink() or sha256_file(path) != expected:
-            raise NanolmError(f"{what}: {name} is missing or corrupt (its checksum does not match)")
-    return meta
-
-
-def clear_final(run_dir) -> None:
-    """The run is about to train on: it is no longer finished."""
-    (Path(run_dir) / FINAL).unlink(missing_ok=True)
-
-
-# --------------------------------------------------------------------------- runs
-def load_run(run_dir, device="cpu", log=_warn) -> tuple[GPT, Tokenizer, RunConfig]:
-    """Model (in eval mode), tokenizer and configuration of a run (or of one checkpoint).
-
-    Uses the final weights of a finished run when they verify, else the newest valid
-    checkpoint, with a warning (on stderr: stdout may be the generated text).
-    """
-    run_dir = Path(run_dir)
-    if step_of(run_dir) is not None and (run_dir / "meta.json").is_file():
-        return _load_checkpoint_model(run_dir, device)
-    if not run_dir.is_dir() or not (run_dir / "config.toml").is_file():
-        raise NanolmError(f"{run_dir} is not a run directory (no config.toml)")
-    try:
-        final = read_final(run_dir)
-    except NanolmError as e:
-        final = None
-        log(f"warning: {e}; using the newest valid checkpoint instead")
-    if final is not None:
-        config = load_run_config(run_dir / "config.toml")
-        tokenizer = Tokenizer.load(run_dir / "tokenizer.json")
-        model = GPT(config.model.gpt_config(tokenizer.vocab_size))
-        load_weights(model, run_dir / "model.safetensors")
-        return model.to(device).eval(), tokenizer, config
-    for _ in range(100):  # a live run may discard the checkpoint being loaded: load the newest again
-        checkpoint = latest_valid_checkpoint(run_dir, log)
-        if checkpoint is None:
-            raise NanolmError(f"{run_dir} has neither verified final weights nor a valid checkpoint")
-        try:
-            return _load_checkpoint_model(checkpoint, device)
-        except (NanolmError, FileNotFoundError):
-            if checkpoint.is_dir():
-                raise
-    raise NanolmError(f"{run_dir}: its checkpoints were discarded faster than they could be read; try again")
-
-
-def _load_checkpoint_model(checkpoint: Path, device) -> tuple[GPT, Tokenizer, RunConfig]:
-    meta = verify_checkpoint(checkpoint)
-    config = load_run_config(checkpoint / "config.toml")
-    tokenizer = Tokenizer.load(checkpoint / "tokenizer.json")
-    model = GPT(config.model.gpt_config(tokenizer.vocab_size))
-    if meta["layout"] == "single":
-        load_weights(model, checkpoint / "model.safetensors")
-    else:  # an FSDP checkpoint: gather its shards into the whole model
-        load_sharded(checkpoint, model)
-    if not weights_are_finite(model):
-        raise NanolmError(f"checkpoint {checkpoint} holds non-finite weights")
-    return model.to(device).eval(), tokenizer, config

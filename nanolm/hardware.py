@@ -1,4 +1,5 @@
-"""What each GPU can do, from the vendors' data sheets: one table for MFU and for ``nanolm plan``.
+"""What the hardware can do: each GPU's data sheet (one table for MFU and for ``nanolm plan``),
+and a CPU's matmul rate, measured; MFU is a run's throughput against this peak.
 
 MFU is only comparable when the peak matches the arithmetic in use: bf16 work against the
 bf16 tensor-core peak, fp16 against fp16's, fp32 against the TF32 peak when TF32 products
@@ -9,8 +10,15 @@ bf16 or TF32 ones, so a "bf16" run there is emulated and slow).
 
 from __future__ import annotations
 
+import math
 import re
+import time
 from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .precision import cpu_has_native_bf16
 
 
 @dataclass(frozen=True)
@@ -67,3 +75,60 @@ def find_gpu(device_name: str) -> GPU | None:
     """The table's entry for a device called ``device_name`` (as CUDA reports it), or None."""
     tokens = set(re.findall(r"[A-Za-z0-9]+", device_name.upper()))
     return next((gpu for gpu in GPUS if all(k.upper() in tokens for k in gpu.match)), None)
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """Peak FLOP/s of the GPU called ``name`` for matmuls in ``dtype``; None if unknown
+    (``nanolm.hardware`` says which peak goes with which arithmetic)."""
+    gpu = find_gpu(name)
+    if gpu is None:
+        return None
+    return gpu.peak({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"), tf32)
+
+
+@lru_cache(maxsize=None)
+def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.1) -> float:
+    """FLOP/s of a square matmul on this machine: the best of repeated tries for ``seconds``.
+
+    A CPU has no data-sheet figure we can look up, so MFU on CPU is measured against what a
+    large matrix multiply achieves here, the most a transformer's matmuls could hope for.
+    Measured once per process, keeping the fastest of many tries. On a machine shared with
+    other jobs both this figure and the training throughput fluctuate: a peak measured while
+    another process held a core reads low, so :class:`StepMeter` raises it to any throughput
+    the run itself achieves above it (an MFU never reads above 100 %).
+    """
+    # 512 x 512 reaches a CPU's peak; a CPU that emulates bf16 (~1 GFLOP/s) gets 128 x 128, which
+    # measures its (slow) rate as well in 1/64 of the time. Native bf16 timed on 128 x 128 reads far
+    # below its peak (docs/benchmarks.md, "MFU's CPU peak"), and MFU too high.
+    n = 512 if dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16()) else 128
+    g = torch.Generator(device=device_type).manual_seed(0)  # never touch the run's random stream
+    a = torch.randn(n, n, dtype=dtype, device=device_type, generator=g)
+    b = torch.randn(n, n, dtype=dtype, device=device_type, generator=g)
+    a @ b
+    best = math.inf
+    deadline = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > deadline:
+            return 2 * n**3 / max(best, 1e-9)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, declared: float = 0.0) -> tuple[float | None, str]:
+    """The peak FLOP/s that MFU is measured against, and where the figure comes from.
+
+    Order: a declared value (``--peak-flops``) wins; a CUDA GPU is looked up in
+    :data:`GPUS`; a CPU is measured (:func:`measure_matmul_flops`). Anything else
+    (an unknown GPU, MPS) has no peak, and rows carry no ``mfu``.
+    """
+    if declared > 0:
+        return declared, "declared (--peak-flops)"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
+        peak = gpu_peak_flops(name, dtype, tf32)
+        return peak, (f"data sheet of {name}" if peak else f"unknown GPU {name!r}: declare --peak-flops for MFU")
+    if device.type == "cpu":
+        return measure_matmul_flops("cpu", dtype), f"measured {str(dtype).removeprefix('torch.')} matmul on this CPU"
+    return None, f"no peak known for {device.type}: declare --peak-flops for MFU"

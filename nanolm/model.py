@@ -48,8 +48,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .device import has_triton
 from .errors import NanolmError
-from .runtime import has_triton
 
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")

@@ -26,9 +26,10 @@ import torch
 
 from .errors import NanolmError
 from .evaluate import estimate_loss
+from .meter import StepMeter
 from .monitor import Monitor, parse_sinks, perplexity
 from .precision import grad_zero_fraction
-from .stats import LayerStats, StepMeter, is_stats_step
+from .stats import LayerStats, is_stats_step
 from .step import wsd_decay_start
 
 

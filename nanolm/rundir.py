@@ -50,7 +50,6 @@ from .checkpoint import (
     list_checkpoints,
     load_state,
     read_checkpoint_meta,
-    read_final,
     valid_resume_checkpoint,
     verify_checkpoint,
 )
@@ -60,6 +59,7 @@ from .distributed import Distributed
 from .download import resolve_data_path
 from .errors import NanolmError
 from .files import atomic_write_text, probe_writable, read_json
+from .final import read_final
 from .lock import DirectoryBusy, RunLock
 from .prepare import COMPRESSOR_SAMPLE_BYTES, PreparedData, prepare
 from .tokenizer import Tokenizer

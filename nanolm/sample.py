@@ -13,11 +13,11 @@ import numpy as np
 import torch
 
 from .batches import Split, eval_batches
-from .checkpoint import load_run
+from .device import resolve_device
 from .errors import NanolmError
 from .evaluate import estimate_loss, sample_text
+from .final import load_run
 from .prepare import join_documents
-from .runtime import resolve_device
 from .sources import DocumentSource
 
 

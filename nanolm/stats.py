@@ -1,4 +1,4 @@
-"""The numbers to watch while a model trains: per step, and per layer every few steps.
+"""The numbers to watch per layer, every few steps: where a model goes wrong before its loss shows it.
 
 A loss curve tells you something went wrong after it went wrong. The numbers here tend to
 move first: a gradient norm that is clipped on most steps, an update that is large next to
@@ -6,187 +6,24 @@ the weight it changes, attention logits that keep growing until the softmax satu
 units that stopped firing for good. ``docs/observability.md`` shows what each looks like
 when it is healthy and when it is not.
 
-Two rhythms, two costs:
+Every logged step has its figures from ``nanolm.meter``; this file is the other rhythm:
 
-* **Every logged step** (:class:`StepMeter`): loss, learning rate, gradient norm, whether
-  the step was clipped, throughput, MFU, elapsed time and ETA, memory. The loss and the
-  gradient norm live on the accelerator; reading them waits for it to finish its queued
-  work (a host sync). The meter reads everything it needs in *one* transfer, on logged
-  steps only; between logs it only adds to a counter that stays on the device.
 * **Every K steps** (:class:`LayerStats`, ``--stats-every K``): per-layer weight norm,
   gradient norm and update-to-weight ratio, and a probe forward pass (no gradients, eval
   mode, one micro-batch) that records the largest attention logit, the fraction of dead
-  MLP units and the RMS of the residual stream after each block. This costs roughly a
-  third of a step once every K steps; ``benchmarks/observe_overhead.py`` measures it.
+  MLP units and the RMS of the residual stream after each block. Its cost, once every K
+  steps, is measured by ``benchmarks/observe_overhead.py`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
-import resource
-import sys
-import time
-from functools import lru_cache
 
 import torch
 import torch.nn as nn
 
-from .hardware import find_gpu
 from .model import document_causal_mask
-from .precision import cpu_has_native_bf16
-
-def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
-    """Peak FLOP/s of the GPU called ``name`` for matmuls in ``dtype``; None if unknown
-    (``nanolm.hardware`` says which peak goes with which arithmetic)."""
-    gpu = find_gpu(name)
-    if gpu is None:
-        return None
-    return gpu.peak({torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"), tf32)
-
-
-@lru_cache(maxsize=None)
-def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.float32, seconds: float = 0.1) -> float:
-    """FLOP/s of a square matmul on this machine: the best of repeated tries for ``seconds``.
-
-    A CPU has no data-sheet figure we can look up, so MFU on CPU is measured against what a
-    large matrix multiply achieves here, the most a transformer's matmuls could hope for.
-    Measured once per process, keeping the fastest of many tries. On a machine shared with
-    other jobs both this figure and the training throughput fluctuate: a peak measured while
-    another process held a core reads low, so :class:`StepMeter` raises it to any throughput
-    the run itself achieves above it (an MFU never reads above 100 %).
-    """
-    # 512 x 512 reaches a CPU's peak; a CPU that emulates bf16 (~1 GFLOP/s) gets 128 x 128, which
-    # measures its (slow) rate as well in 1/64 of the time. Native bf16 timed on 128 x 128 read
-    # ~6x below its peak, and MFU figures above 70 % for a tiny model.
-    n = 512 if dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16()) else 128
-    g = torch.Generator(device=device_type).manual_seed(0)  # never touch the run's random stream
-    a = torch.randn(n, n, dtype=dtype, device=device_type, generator=g)
-    b = torch.randn(n, n, dtype=dtype, device=device_type, generator=g)
-    a @ b
-    best = math.inf
-    deadline = time.perf_counter() + seconds
-    while True:
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > deadline:
-            return 2 * n**3 / max(best, 1e-9)
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, declared: float = 0.0) -> tuple[float | None, str]:
-    """The peak FLOP/s that MFU is measured against, and where the figure comes from.
-
-    Order: a declared value (``--peak-flops``) wins; a CUDA GPU is looked up in
-    :data:`nanolm.hardware.GPUS`; a CPU is measured (:func:`measure_matmul_flops`). Anything else
-    (an unknown GPU, MPS) has no peak, and rows carry no ``mfu``.
-    """
-    if declared > 0:
-        return declared, "declared (--peak-flops)"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
-        peak = gpu_peak_flops(name, dtype, tf32)
-        return peak, (f"data sheet of {name}" if peak else f"unknown GPU {name!r}: declare --peak-flops for MFU")
-    if device.type == "cpu":
-        return measure_matmul_flops("cpu", dtype), f"measured {str(dtype).removeprefix('torch.')} matmul on this CPU"
-    return None, f"no peak known for {device.type}: declare --peak-flops for MFU"
-
-
-def process_rss_mb() -> float:
-    """Resident memory of this process in MiB (current on Linux; the peak elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
-
-
-class StepMeter:
-    """The figures of every logged step, read from the device in one transfer.
-
-    ``count_clipped`` runs every step and stays on the device; ``row`` runs on logged
-    steps: one ``tolist()`` brings back the loss, the gradient norm and the number of clipped
-    steps together. Throughput is measured over the window since the previous :meth:`lap`,
-    which the loop calls after logging (and evaluating), so evaluation time is not counted
-    as training time. Elapsed time and ETA include everything.
-    """
-
-    def __init__(self, total_steps: int, tokens_per_step: int, flops_per_token: int, peak: float | None,
-                 clip: float, device: torch.device, start_step: int = 0, clipped_steps: int = 0,
-                 elapsed_s: float = 0.0, host_values: bool = False):
-        self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
-        self.flops_per_token, self.peak, self.clip = flops_per_token, peak, clip
-        self.device = torch.device(device)
-        # With a guard that reads every step's loss and norm (``host_values``), the count lives
-        # on the host; otherwise on the device, so that counting needs no read.
-        self.host_values = host_values
-        self.set_clipped_steps(clipped_steps)
-        self.started = time.perf_counter()
-        self.elapsed_before = elapsed_s  # time spent by the processes this run resumed from
-        self.start_step = start_step
-        self.last_time, self.last_step = self.started, start_step
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def set_clipped_steps(self, count: int) -> None:
-        """Start counting from ``count`` clipped steps (a resume, or a rollback to a checkpoint)."""
-        self.clipped_steps = float(count) if self.host_values else torch.tensor(float(count), device=self.device)
-
-    def count_clipped(self, grad_norm: torch.Tensor) -> None:
-        """Add this step to the count of clipped steps (no host sync)."""
-        if self.clip > 0 and self.host_values:
-            self.clipped_steps += float(grad_norm > self.clip)
-        elif self.clip > 0:
-            self.clipped_steps += (grad_norm > self.clip).to(self.clipped_steps.dtype)
-
-    def row(self, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> dict:
-        if self.host_values:
-            loss_v, norm_v, clipped_v = float(loss), float(grad_norm), self.clipped_steps
-        else:
-            loss_v, norm_v, clipped_v = torch.stack(
-                [loss.detach().float(), grad_norm.detach().float().to(loss.device), self.clipped_steps.to(loss.device)]
-            ).tolist()
-        now = time.perf_counter()
-        tokens_per_sec = (step - self.last_step) * self.tokens_per_step / max(now - self.last_time, 1e-9)
-        this_process = now - self.started
-        row = {
-            "step": step,
-            "loss": loss_v,
-            "lr": lr,
-            "grad_norm": norm_v,
-            "clipped": self.clip > 0 and norm_v > self.clip,
-            "clipped_steps": int(clipped_v),
-            "clipped_frac": clipped_v / max(step, 1),
-            "tokens_per_sec": tokens_per_sec,
-        }
-        if self.peak:
-            achieved = tokens_per_sec * self.flops_per_token
-            if achieved > self.peak:  # the peak was measured low (a busy CPU at start-up): it is the
-                self.peak = achieved  # most this machine has been seen to do, so it rises to this
-                row["peak_flops"] = achieved
-            row["mfu"] = achieved / self.peak
-        row["elapsed_s"] = self.elapsed_before + this_process
-        row["eta_s"] = this_process / max(step - self.start_step, 1) * (self.total_steps - step)
-        row["rss_mb"] = process_rss_mb()
-        if self.device.type == "cuda":
-            row["cuda_max_alloc_mb"] = torch.cuda.max_memory_allocated(self.device) / 2**20
-        return row
-
-    def elapsed(self) -> float:
-        """Seconds of training so far, over every process of a resumed run."""
-        return self.elapsed_before + time.perf_counter() - self.started
-
-    def lap(self, step: int) -> None:
-        """Start the next throughput window here."""
-        self.last_time, self.last_step = time.perf_counter(), step
-
-    def constants(self) -> dict:
-        """The run's fixed figures, recorded once in the step-0 row."""
-        return {"tokens_per_step": self.tokens_per_step, "flops_per_token": self.flops_per_token,
-                "peak_flops": self.peak}
 
 
 def is_stats_step(step: int, every: int) -> bool:

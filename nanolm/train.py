@@ -42,17 +42,15 @@ from typing import Callable
 import torch
 
 from .batches import TrainBatches, WindowSampler, eval_batches
-from .checkpoint import (
-    Checkpointer,
-    clear_final,
-    rollback_checkpoint,
-    save_final_weights,
-)
+from .checkpoint import Checkpointer, rollback_checkpoint
 from .config import RunConfig
+from .device import is_out_of_memory, refuse_what_the_device_cannot_do, resolve_device
 from .distributed import Distributed, Muted, launch
 from .errors import NanolmError
 from .evaluate import sample_text
+from .final import clear_final, save_final_weights
 from .guards import Guard, nan_origin, reads_every_step
+from .hardware import peak_flops
 from .lock import RunLock
 from .model import GPT
 from .monitor import missing_sink_packages, parse_sinks
@@ -66,13 +64,9 @@ from .runtime import (
     configure_determinism,
     configure_tf32,
     configure_threads,
-    is_out_of_memory,
-    refuse_what_the_device_cannot_do,
-    resolve_device,
     seed_everything,
     settings_restored,
 )
-from .stats import peak_flops
 from .step import StepSetup, learning_rate, summed_token_loss, train_step
 from .threads import ThreadTuner, TunedBatches
 
@@ -151,7 +145,7 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
     if missing:
         raise NanolmError(f"--log {missing[0]} needs the {missing[0]} package: pip install 'nanolm[{missing[0]}]'")
     if cfg.train.dist == "fsdp":
-        from .checkpoint import require_sharded_storage
+        from .sharded import require_sharded_storage
 
         require_sharded_storage()
     use_prepared_tokenizer(cfg)

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from conftest import run_cli, tiny_model
 from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
@@ -21,13 +22,13 @@ from nanolm.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from nanolm.instruments.cli import main
 from nanolm.errors import NanolmError
+from nanolm.files import sha256_file
+from nanolm.final import load_run
+from nanolm.instruments.cli import main
 from nanolm.monitor import read_metrics
 from nanolm.optim import muon_available
 from nanolm.tokenizer import train_char
-
-from conftest import run_cli, tiny_model
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--dropout", "0.1", "--log-every", "1"]
@@ -336,10 +337,10 @@ def test_the_layout_is_read_from_the_validated_meta_never_from_the_files_present
     path = _two_checkpoints(tmp_path)
     (path / "sharded").mkdir()
     (path / "sharded" / ".metadata").write_bytes(pickle.dumps(_Exploit()))
-    _reseal(path, lambda m: m["files"].update({"sharded/.metadata": ckpt.sha256_file(path / "sharded" / ".metadata")}))
+    _reseal(path, lambda m: m["files"].update({"sharded/.metadata": sha256_file(path / "sharded" / ".metadata")}))
     assert "layout single" in _fallback_warning(tmp_path)
     with pytest.raises(NanolmError):
-        ckpt.load_run(path)
+        load_run(path)
     assert not _Exploit.marker.exists()
 
 

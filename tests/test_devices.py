@@ -21,16 +21,13 @@ from simulated_device import SimulatedDevice
 
 import nanolm.checkpoint as ckpt
 from nanolm.batches import Batch, pack_windows
+from nanolm.device import refuse_what_the_device_cannot_do
 from nanolm.errors import NanolmError
 from nanolm.evaluate import estimate_loss
 from nanolm.guards import nan_origin
 from nanolm.optim import build_optimizer
 from nanolm.precision import resolve_precision
-from nanolm.runtime import (
-    configure_tf32,
-    refuse_what_the_device_cannot_do,
-    settings_restored,
-)
+from nanolm.runtime import configure_tf32, settings_restored
 from nanolm.stats import LayerStats, probe
 from nanolm.step import StepSetup, train_step
 
@@ -251,12 +248,12 @@ def test_auto_precision_is_fp16_with_loss_scaling_on_a_gpu_without_bf16(monkeypa
 def test_what_a_device_cannot_do_is_refused_in_one_line(monkeypatch):
     with pytest.raises(NanolmError, match="--deterministic.*MPS"):
         refuse_what_the_device_cannot_do(torch.device("mps"), deterministic=True, compile=False, attention="auto")
-    monkeypatch.setattr("nanolm.runtime.has_triton", lambda: False)
+    monkeypatch.setattr("nanolm.device.has_triton", lambda: False)
     with pytest.raises(NanolmError, match="--compile.*Triton"):
         refuse_what_the_device_cannot_do(torch.device("cuda:0"), deterministic=False, compile=True, attention="auto")
     with pytest.raises(NanolmError, match="flex.*Triton"):
         refuse_what_the_device_cannot_do(torch.device("cuda:0"), deterministic=False, compile=False, attention="flex")
-    monkeypatch.setattr("nanolm.runtime.has_cpp_compiler", lambda: False)
+    monkeypatch.setattr("nanolm.device.has_cpp_compiler", lambda: False)
     with pytest.raises(NanolmError, match="C\\+\\+ compiler"):
         refuse_what_the_device_cannot_do(torch.device("cpu"), deterministic=False, compile=True, attention="auto")
 
@@ -366,11 +363,11 @@ def test_under_torchrun_a_named_gpu_other_than_local_rank_is_refused(monkeypatch
 def test_the_cpu_bf16_peak_behind_mfu_is_timed_on_products_large_enough_to_reach_it(monkeypatch):
     """Native bf16 timed on 128 x 128 products reads ~6x below its peak (docs/benchmarks.md), and a
     tiny model then logs an MFU of 70-94 %. A CPU that emulates bf16 may keep small products."""
-    from nanolm.stats import measure_matmul_flops
+    from nanolm.hardware import measure_matmul_flops
 
     shapes, real_randn = [], torch.randn
     monkeypatch.setattr(torch, "randn", lambda *shape, **kw: shapes.append(shape) or real_randn(*shape, **kw))
-    monkeypatch.setattr("nanolm.stats.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("nanolm.hardware.cpu_has_native_bf16", lambda: True)
     measure_matmul_flops.cache_clear()
     try:
         measure_matmul_flops("cpu", torch.bfloat16, seconds=0.01)
@@ -380,7 +377,7 @@ def test_the_cpu_bf16_peak_behind_mfu_is_timed_on_products_large_enough_to_reach
 
 
 def test_doctor_says_what_this_machine_would_pick_and_refuses_what_it_cannot_do(monkeypatch):
-    from nanolm.runtime import device_choices
+    from nanolm.device import device_choices
 
     lines = device_choices("cpu", "auto", "auto", tf32=True, deterministic=False, compile=False)
     assert [line.split()[0] for line in lines] == ["device", "precision", "attention", "batches"]
@@ -390,7 +387,7 @@ def test_doctor_says_what_this_machine_would_pick_and_refuses_what_it_cannot_do(
                          ("get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB"),
                          ("is_bf16_supported", lambda including_emulation=True: True)):
         monkeypatch.setattr(torch.cuda, name, answer)
-    monkeypatch.setattr("nanolm.runtime.has_triton", lambda: True)
+    monkeypatch.setattr("nanolm.device.has_triton", lambda: True)
     lines = device_choices("cuda:0", "fp32", "auto", tf32=True, deterministic=False, compile=False)
     assert "A100" in lines[0] and "FlexAttention" in lines[2] and lines[3].startswith("tf32       on")
     assert "pinned" in lines[4]

@@ -24,15 +24,11 @@ from conftest import REPO, HostReads, tiny_model
 from safetensors.torch import load_file
 
 from nanolm.batches import Batch, WindowSampler, pack_windows
-from nanolm.checkpoint import (
-    load_run,
-    load_run_checkpoint,
-    load_state,
-    save_run_checkpoint,
-)
+from nanolm.checkpoint import load_run_checkpoint, load_state, save_run_checkpoint
 from nanolm.config import RunConfig
 from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
+from nanolm.final import load_run
 from nanolm.instruments.cli import main
 from nanolm.lock import LOCK_FILE, RunLock
 from nanolm.monitor import read_metrics

@@ -3,14 +3,13 @@ the dev extra installs it, so CI runs it)."""
 
 import pytest
 import torch
+from conftest import tiny_model
 
-from nanolm.checkpoint import write_final
-from nanolm.instruments.cli import main
 from nanolm.config import RunConfig
+from nanolm.final import write_final
+from nanolm.instruments.cli import main
 from nanolm.instruments.export import export_run
 from nanolm.tokenizer import train_char
-
-from conftest import tiny_model
 
 transformers = pytest.importorskip("transformers")
 

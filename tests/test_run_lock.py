@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
+import nanolm.final as final
 import nanolm.lock
-from nanolm.checkpoint import load_run, read_final
 from nanolm.errors import NanolmError
+from nanolm.final import load_run, read_final
 from nanolm.instruments.cli import main
 from nanolm.lock import LOCK_FILE, NO_LOCK, DirectoryBusy, RunLock
 from nanolm.monitor import read_metrics
@@ -218,7 +219,7 @@ def test_a_reader_during_a_save_loads_a_whole_checkpoint(tmp_path, stories_file,
             read.append(path.parent.name)
             return real(model, path)
 
-        monkeypatch.setattr(ckpt, "load_weights", save_meanwhile)
+        monkeypatch.setattr(final, "load_weights", save_meanwhile)  # where load_run looks it up
         model, _, _ = load_run(out)
         assert len(read) == 2 and read[0] != read[1] and ckpt.weights_are_finite(model)
         rows = read_metrics(out / "metrics.jsonl")

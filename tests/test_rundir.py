@@ -12,15 +12,15 @@ import signal
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
-from nanolm.checkpoint import list_checkpoints, read_final
+from nanolm.checkpoint import list_checkpoints
+from nanolm.final import read_final
 from nanolm.instruments.cli import main
 from nanolm.lock import LOCK_FILE
 from nanolm.monitor import read_metrics
-
-from conftest import run_cli
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--log-every", "1",

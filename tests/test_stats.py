@@ -7,17 +7,11 @@ import torch
 from conftest import tiny_model, tiny_run_config
 
 from nanolm.batches import Batch
+from nanolm.hardware import gpu_peak_flops, peak_flops
+from nanolm.meter import StepMeter
 from nanolm.model import Attention, GPTConfig, apply_rope, document_causal_mask
 from nanolm.monitor import read_metrics
-from nanolm.stats import (
-    LayerStats,
-    StepMeter,
-    gpu_peak_flops,
-    layer_groups,
-    max_attention_logit,
-    peak_flops,
-    probe,
-)
+from nanolm.stats import LayerStats, layer_groups, max_attention_logit, probe
 from nanolm.train import train
 
 

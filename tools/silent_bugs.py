@@ -203,7 +203,7 @@ BUGS = [
     Bug("nan_model_exits_0", "a run whose final model outputs NaN is reported as a success",
         "nanolm/train.py", "    if progress.val_loss is not None and not math.isfinite(progress.val_loss):", "    if False:"),
     Bug("mfu_above_100", "a peak measured on a busy CPU makes MFU read above 100 %",
-        "nanolm/stats.py", "            if achieved > self.peak:", "            if False:"),
+        "nanolm/meter.py", "            if achieved > self.peak:", "            if False:"),
     Bug("skipped_check_shown_as_pass", "nanolm doctor prints PASS for a check that never ran",
         "nanolm/instruments/doctor.py", 'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids", skipped=True)',
         'return Check("no cross-document leak", True, "not run: forward() takes no doc_ids")'),

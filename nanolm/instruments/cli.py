@@ -14,7 +14,7 @@ from ..errors import NanolmError
 
 def _train(args) -> None:
     from ..config import config_from_args
-    from ..runtime import resolve_device
+    from ..device import resolve_device
     from ..train import train
     from .faults import components
 

@@ -27,10 +27,10 @@ import torch
 
 from ..batches import Batch, WindowSampler, pack_windows
 from ..config import RunConfig
+from ..device import device_choices
 from ..errors import NanolmError
 from ..model import GPT, GPTConfig
 from ..optim import get_param_groups
-from ..runtime import device_choices
 from ..step import learning_rate, wsd_decay_start
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_run
 from ..errors import NanolmError
+from ..final import load_run
 from ..tokenizer import EOS
 
 

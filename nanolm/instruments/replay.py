@@ -31,6 +31,7 @@ from ..checkpoint import (
     verify_checkpoint,
 )
 from ..config import load_run_config
+from ..device import resolve_device
 from ..distributed import Distributed
 from ..errors import NanolmError
 from ..guards import Guard, nan_origin, read_events
@@ -39,7 +40,7 @@ from ..observer import GradientWatch
 from ..optim import get_param_groups
 from ..precision import BF16AdamW, cast_weights_, resolve_precision
 from ..prepare import PreparedData
-from ..runtime import configure_determinism, resolve_device, settings_restored
+from ..runtime import configure_determinism, settings_restored
 from ..stats import LayerStats
 from ..step import StepSetup, counted_tokens, learning_rate, train_step
 from ..tokenizer import Tokenizer
