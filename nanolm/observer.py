@@ -6,7 +6,7 @@ one call per step (:meth:`Observer.observe`) and reads no schedule of its own:
 * **when to log**: every ``--log-every`` steps, the first step, every step right after a
   (re)start, statistics steps, evaluation steps and the last one;
 * **what a logged step shows**: the step meter's figures (loss, LR, gradient norm, clipping,
-  tokens/s, MFU, memory: ``nanolm.stats``), the loss scaler's under fp16, and on statistics
+  tokens/s, MFU, memory: ``nanolm.meter``), the loss scaler's under fp16, and on statistics
   steps the per-layer figures, taken by a :class:`GradientWatch` inside the step (the gradients
   before clipping) and after the update (how far each layer moved);
 * **when to evaluate**: every ``--eval-every`` steps and at the end, on the fixed validation

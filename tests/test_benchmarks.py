@@ -9,6 +9,7 @@ import argparse
 import json
 import math
 import runpy
+import statistics
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 import nanolm.model
 from nanolm.instruments.cli import main
 from nanolm.optim import muon_available
+from nanolm.prepare import prepare
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -153,7 +155,11 @@ def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processe
                                                   "--precision", "fp32", "--vocab", "300", "--seq-len", "16",
                                                   "--batch", "2", "--layers", "1", "--width", "16")["results"]
     assert [r["qk_norm"] for r in results] == ["off", "on"]
-    assert all(r["kept_ms"] > 0 and r["given_back_ms"] > 0 for r in results)
+    for r in results:  # each figure is the median of its own processes, and the ratio is of those two
+        assert len(r["kept_ms_each"]) == len(r["given_back_ms_each"]) == 1
+        assert r["kept_ms"] == statistics.median(r["kept_ms_each"]) > 0
+        assert r["given_back_ms"] == statistics.median(r["given_back_ms_each"]) > 0
+        assert r["speedup_kept"] == pytest.approx(r["given_back_ms"] / r["kept_ms"], abs=0.006)
     import platform
 
     if platform.libc_ver()[0] == "glibc":
@@ -161,12 +167,19 @@ def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processe
 
 
 def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bounds(monkeypatch, capsys,
-                                                                                  stories_file):
+                                                                                  stories_file, tmp_path):
     """The figures behind a training run skipping the compressors (docs/data.md): both ways, the
     bounds reported only by the way that computes them."""
-    char = benchmark_json(monkeypatch, capsys, "prepare_throughput.py", "--data", str(stories_file), "--tokenizers",
-                                               "char", "--rounds", "1")["char"]
-    assert char["seconds"] > 0 and char["seconds_as_a_training_run_prepares"] > 0 and char["tokens"] > 0
+    out = benchmark_json(monkeypatch, capsys, "prepare_throughput.py", "--data", str(stories_file), "--tokenizers",
+                                              "char", "--rounds", "1")
+    char = out["char"]
+    assert out["mb"] == round(stories_file.stat().st_size / 1e6, 2)
+    for seconds, rate in (("seconds", "mb_per_s"), ("seconds_as_a_training_run_prepares",
+                                                     "mb_per_s_as_a_training_run_prepares")):
+        rounding = char[rate] * (0.005 / char[seconds] + 0.005 / out["mb"]) + 0.005  # each figure to 2 decimals
+        assert char[rate] == pytest.approx(out["mb"] / char[seconds], abs=rounding)
+    prepared = prepare(stories_file, tmp_path / "shards", "char", 4096, progress=False, log=lambda *_: None)
+    assert char["tokens"] == len(prepared.train) + len(prepared.val)  # the tokens of this very file
     assert 0 < char["compressor_bpb"]["xz"] < 8
 
 
@@ -181,6 +194,10 @@ def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exem
     assert out["exempted"]["frozen_objects"] > 10_000 and out["collector_alone"]["frozen_objects"] == 0
     for name in ("exempted", "collector_alone"):
         assert out[name]["exit_s"] > 0 and out[name]["gc_s"] >= 0 and out[name]["wall_s"] > out[name]["exit_s"]
+        for key in ("gc_s", "exit_s", "wall_s"):  # one round: the median is that round's own figure
+            assert out[name][key] == out[name]["each"][0][key]
+    for key in ("gc_s", "exit_s", "wall_s"):  # what is saved is the collector's figure less the exempted one's
+        assert out["saved_s"][key] == pytest.approx(out["collector_alone"][key] - out["exempted"][key], abs=2e-3)
 
 
 @pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
@@ -190,7 +207,10 @@ def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(monkeypatch,
     result = benchmark_json(monkeypatch, capsys, "muon_step.py", "--layers", "2", "--width", "32", "--vocab", "64",
                                                  "--threads", "1", "--steps", "2")
     assert result["matrices"] == 10 and len(result["shapes"]) == 3  # qkv and the MLP's gate, up are all 96 x 32
-    assert all(ms > 0 for ms in result["step_ms"].values())
+    ms = result["step_ms"]
+    assert set(ms) == {"torch_muon", "grouped_muon", "adamw"} and all(v > 0 for v in ms.values())
+    assert result["grouped_over_torch"] == pytest.approx(ms["torch_muon"] / ms["grouped_muon"], abs=0.006)
+    assert result["grouped_over_adamw"] == pytest.approx(ms["grouped_muon"] / ms["adamw"], abs=0.006)
     assert result["largest_weight_difference"] < 1e-4  # weights ~0.02, each step moves them ~1e-3
 
 
