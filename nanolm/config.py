@@ -130,9 +130,9 @@ class TrainOptions:
                                  "garbage collector skips the objects that live until exit; off: neither. train() "
                                  "called from Python never tunes the process (docs/benchmarks.md)",
                                  choices=("auto", "off"))
-    compile: bool = option(False, "torch.compile the model: ~25 s of compiling at start-up, then faster steps "
-                           "(1.18x at the default model on 2 CPU cores, so it pays after ~1,600 steps; more on a "
-                           "GPU); leave it off while debugging (docs/benchmarks.md)")
+    compile: bool = option(False, "torch.compile the model: tens of seconds of compiling at start-up, then faster steps, "
+                           "so it pays only on long runs (docs/benchmarks.md has the break-even on a CPU); "
+                           "leave it off while debugging")
     precision: str = option("auto", "number format: auto (bf16 on a GPU or CPU that multiplies it natively, fp16 with loss scaling on a GPU "
                             "without bf16 tensor cores such as a T4 or V100, else fp32), fp32, bf16 or fp16 "
                             "(autocast over fp32 weights; fp16 adds loss scaling), bf16-pure (bf16 weights, "
@@ -163,7 +163,7 @@ class TrainOptions:
                          "or restart an attempt that never saved one; never: only start a new run (a directory "
                          "with checkpoints is refused); or the path of a checkpoint (or run) directory to continue from")
     tf32: bool = option(True, "with --precision fp32 on an Ampere or later NVIDIA GPU: matrix products on TF32 tensor "
-                        "cores (fp32 range, 10-bit mantissa, fp32 accumulation; ~8x faster); --no-tf32 keeps full fp32 "
+                        "cores (fp32 range, 10-bit mantissa, fp32 accumulation; several times fp32's peak); --no-tf32 keeps full fp32 "
                         "products (docs/gpu.md)")
     deterministic: bool = option(False, "make every kernel deterministic (torch.use_deterministic_algorithms); "
                                  "free on CPU, slower on GPU")

@@ -214,9 +214,10 @@ def flex_attention(q, k, v, block_mask):
 def attention(q, k, v, **kwargs):
     """``F.scaled_dot_product_attention``, in fp32 when a CPU runs under autocast.
 
-    On CPU, PyTorch's flash-attention kernel is ~4x slower in bf16 than in fp32 for the
-    backward pass (benchmarks/throughput.py --ablations), while the Linear layers' matrix
-    multiplies are ~2x faster in bf16 on a CPU with native bf16 dot products. So under CPU
+    On CPU, PyTorch's flash-attention kernel is several times slower in bf16 than in fp32
+    for the backward pass, while the Linear layers' matrix multiplies are faster in bf16 on a
+    CPU with native bf16 dot products (``benchmarks/throughput.py --ablations``; the figures are
+    in docs/benchmarks.md). So under CPU
     autocast only the Linear layers use bf16 and attention keeps fp32 inputs. Elsewhere
     (CUDA, plain fp32) this is SDPA itself.
     """
@@ -551,8 +552,8 @@ def loss_chunk_positions(vocab_size: int, device) -> int:
     """Positions per chunk of :func:`head_cross_entropy_sum` when none is chosen.
 
     On a CPU, ~2**20 logits (4 MB in fp32), at least 64 and at most 1,024 positions: chunks of
-    that size stayed in cache and ran 2–2.5× faster than the whole at vocabularies of
-    2,048–8,192 (``benchmarks/head_and_loss.py``), smaller ones wasted the matrix units. On a
+    that size stayed in cache and ran fastest at vocabularies of 2,048–8,192
+    (``benchmarks/head_and_loss.py``; docs/benchmarks.md), smaller ones wasted the matrix units. On a
     GPU, whose caches are no larger but whose kernels want big products, ~2**25 logits (at
     least 256 positions): chunking there saves memory (the fp32 logits of a GPT-2-sized batch
     are gigabytes) rather than time.
@@ -603,7 +604,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 total += torch.where(counted, token_loss, 0.0).sum()
                 if not wants_grad:
                     continue
-                # softmax minus one-hot; exp(x) as 2**(x·log2 e), ~4x faster than exp on CPU
+                # softmax minus one-hot; exp(x) as 2**(x·log2 e): PyTorch's CPU exp2 is the faster kernel
                 probs = log_probs.mul_(LOG2E).exp2_()
                 # a position that is not counted gives the head nothing: its row of d_logits meets zeros
                 h_counted = torch.where(counted, h, torch.zeros_like(h))

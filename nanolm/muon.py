@@ -70,8 +70,8 @@ class GroupedMuon(_MUON):
     gigabytes that PyTorch's one-at-a-time loop never holds.
 
     One difference, on a CPU without native bf16 (no AVX512-BF16 or AMX): there bf16 matrix
-    products run at ~1 GFLOP/s, and the iteration (~2 GFLOP per step for a 3-layer, 128-wide
-    model) would take seconds per step, so it runs in fp32, which is also the more exact.
+    products are emulated, orders of magnitude slower than fp32, and the iteration would take
+    seconds per step (docs/speedrun.md, "Muon"), so it runs in fp32, which is also the more exact.
     """
 
     BATCH_ELEMENTS = 2**24

@@ -121,7 +121,7 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
                                            "--precision fp16 or bf16 to try it")
         if kind == "cpu" and cpu_has_native_bf16():
             return Precision("bf16", kind, "auto: this CPU multiplies bf16 natively, where bf16 reached both speedrun "
-                                           "targets 1.13-1.66x sooner than fp32 with the same final loss "
+                                           "targets sooner than fp32 with the same final loss "
                                            "(docs/precision.md); weights stay fp32; --precision fp32 to override")
         return Precision("fp32", kind, f"auto: on {kind} bf16 is usually slower than fp32; "
                                        "ask --precision bf16 to override")
@@ -141,7 +141,7 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
                           f"({str(caught[0].message).strip()}); use --precision fp32")
     reason = "requested"
     if kind == "cpu" and "bf16" in name and cpu_has_native_bf16():
-        reason += ("; this CPU has native bf16 dot products: the Linear layers' matrix multiplies run ~2x "
+        reason += ("; this CPU has native bf16 dot products: the Linear layers' matrix multiplies run "
                    "faster than in fp32 (attention stays fp32, see docs/benchmarks.md)")
     elif kind == "cpu":
         reason += "; a CPU without native 16-bit units emulates it, slower than fp32 (fine to check numerics)"

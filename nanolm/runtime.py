@@ -63,7 +63,7 @@ def configure_tf32(device: torch.device, precision_name: str, allowed: bool) -> 
     """fp32 matrix products on TF32 tensor cores, where the GPU has them and ``--tf32`` allows.
 
     TF32 keeps fp32's range with a 10-bit mantissa (bf16 has 7) inside the product and
-    accumulates in fp32: the data sheets' TF32 peak is ~8x their fp32 one (``nanolm.hardware``),
+    accumulates in fp32: the data sheets' TF32 peak is several times their fp32 one (``nanolm.hardware``'s table),
     and training curves match fp32 (NVIDIA's and PyTorch's own guidance for deep learning). Only an fp32
     run's products change (autocast runs in 16 bits already). Returns the sentence that says
     so, or None when nothing was switched on.

@@ -5,9 +5,8 @@ state, so those go to ``sharded/`` instead: one safetensors file per rank, writt
 ``torch.distributed.checkpoint`` with its safetensors storage. DCP's default format keeps
 its index in a pickle (``.metadata``) and unpickles it on load, so a crafted checkpoint
 could run code; the safetensors storage rebuilds the index from the files' JSON headers, so
-nothing in ``sharded/`` can. (Measured on 14M parameters over 2 ranks: saving 2.3-3.7x
-slower than the pickle format, about 0.2 s more; loading 0.8-1x, faster; resharding to
-another world size works the same; docs/checkpoints.md.) The optimizer's non-tensor
+nothing in ``sharded/`` can. What that costs against the pickle format, saving and loading,
+is measured in docs/checkpoints.md (``benchmarks/sharded_checkpoint.py``). The optimizer's non-tensor
 settings (its param groups) go to ``state.pt``.
 """
 

@@ -20,7 +20,8 @@ How, without changing the run's arithmetic:
   average moved by a core or more, or a waiting time has passed (1 minute, doubling up to 16
   after each trial that confirms the choice).
 
-A trial costs about four forward/backward passes, once a minute at most: under 1 % of a run.
+A trial costs about four forward/backward passes, once a minute at most: a small share of a
+run (docs/benchmarks.md, "A busy machine").
 What it cannot promise: that the thread count never changes the numbers. PyTorch does not
 guarantee that a kernel gives the same bits at 1 and 2 threads (a reduction may be split
 differently); on the development CPU, nanolm's step gives the same bits at both
