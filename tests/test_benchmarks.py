@@ -272,3 +272,22 @@ def test_every_loop_of_the_loss_per_step_benchmark_runs_the_same_recipe():
     weights = dict(reference.named_parameters())
     assert weights["blocks.0.c_proj.weight"].std() < 0.5 * weights["blocks.0.c_attn.weight"].std()
     assert weights["blocks.0.mlp_proj.weight"].std() < 0.5 * weights["blocks.0.c_fc.weight"].std()
+
+
+def test_the_speedrun_counts_training_time_from_the_first_step_to_the_target_evaluation(monkeypatch, capsys,
+                                                                                         stories_file):
+    """A row's time is training time (docs/speedrun.md): the process's start and data preparation
+    are reported beside it, and the three parts add up to the process from launch to exit."""
+    out = benchmark_json(monkeypatch, capsys, "speedrun.py", "--data", str(stories_file), "--config",
+                         "configs/shakespeare_char.toml", "--target", "100", "--threads", "1", "--", "--steps", "4",
+                         "--eval-every", "2", "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32", "--n-head",
+                         "2", "--seq-len", "32", "--batch-size", "4", "--sample-tokens", "0", "--warmup", "1",
+                         "--no-eval-at-start")
+    run = out["runs"][0]
+    assert out["reached"] == "1/1" and run["reached_target"]
+    assert run["curve"][0]["step"] == 2  # the target (any loss) is met by the first evaluation
+    parts = run["before_training_s"] + run["training_time_to_target_s"] + run["after_target_s"]
+    assert parts == pytest.approx(run["launch_to_exit_s"], abs=0.02)
+    assert 0 < run["training_time_to_target_s"] < run["launch_to_exit_s"] - run["before_training_s"] + 0.01
+    assert run["before_training_s"] > 0.5  # Python and PyTorch start, at least, are not training
+    assert out["median_training_time_to_target_s"] == run["training_time_to_target_s"]
