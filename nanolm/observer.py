@@ -29,8 +29,13 @@ from .evaluate import estimate_loss
 from .meter import StepMeter
 from .monitor import Monitor, parse_sinks, perplexity
 from .precision import grad_zero_fraction
-from .stats import LayerStats, is_stats_step
+from .stats import LayerStats
 from .step import wsd_decay_start
+
+
+def is_stats_step(step: int, every: int) -> bool:
+    """Per-layer statistics after step 1 (the first update is telling) and every ``every``."""
+    return every > 0 and (step == 1 or step % every == 0)
 
 
 class GradientWatch:

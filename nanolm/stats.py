@@ -26,11 +26,6 @@ import torch.nn as nn
 from .model import document_causal_mask
 
 
-def is_stats_step(step: int, every: int) -> bool:
-    """Per-layer statistics after step 1 (the first update is telling) and every ``every``."""
-    return every > 0 and (step == 1 or step % every == 0)
-
-
 def layer_groups(model: nn.Module) -> dict[str, list[nn.Parameter]]:
     """Parameters grouped the way one reads a transformer: embedding, block 0…n-1, the rest.
 

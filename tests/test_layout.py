@@ -19,7 +19,7 @@ WEEKS_FILES = {"train.py", "step.py", "model.py", "batches.py"}
 # The components the step consults, one call each, whose contract StepSetup states: the guard's
 # decision (take, skip, roll back, stop) and the observer's choice of what to read of the gradients.
 COMPONENTS = {"guards.py": {"decide", "check", "is_spike", "zscore", "add", "_scaled"},
-              "observer.py": {"gradient_watch", "logs"}, "stats.py": {"is_stats_step"}}
+              "observer.py": {"gradient_watch", "logs", "is_stats_step"}}
 
 
 def _files_one_step_runs(tmp_path, monkeypatch, stories_file, **train) -> dict[str, set[str]]:
