@@ -174,8 +174,10 @@ class _RemoteFailure(Exception):
 class Distributed:
     """This process's place in the run: its rank, the world size, the mode and its device.
 
-    A single process (no torchrun) is ``Distributed("none", device)``: rank 0 of 1, and every
-    collective below returns its input untouched, so the training loop has one code path.
+    A single process (no torchrun) is ``Distributed("none", device)``: rank 0 of 1, and the
+    collectives the loop calls return their input untouched, so the loop has one code path.
+    The step's own (:meth:`sum_async`, :meth:`global_mean`, the sharded clip) run only under
+    torchrun: ``train_step`` says so with ``if dist.active``.
     """
 
     mode: str = "none"
@@ -216,11 +218,9 @@ class Distributed:
 
         The step's token count is needed at its first backward pass, not before: its
         all-reduce (of an int64 on the device, exact) runs while the first forward pass is
-        computed. On one process the count is already the sum and stays a Python int, so
-        the arithmetic is exactly what it was before this existed.
+        computed. Under torchrun only: on one process the count is already the sum, and the
+        step keeps it a Python int.
         """
-        if not self.active:
-            return PendingSum(count)
         local = torch.tensor(count, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         local = local.to(self.device, non_blocking=True)  # from pinned memory: no wait for the device's queue
         return PendingSum(local, dist.all_reduce(local, async_op=True))
@@ -228,9 +228,8 @@ class Distributed:
     def global_mean(self, local_sum: torch.Tensor, global_count: int | torch.Tensor) -> torch.Tensor:
         """The mean over every rank's counted tokens: the ranks' sums added, then divided by
         the global count (not the mean of the ranks' means: a rank with few counted tokens
-        must weigh less). ``global_count`` is a number or a device tensor (no host read)."""
-        if not self.active:
-            return local_sum / max(1, global_count)
+        must weigh less). ``global_count`` is the device tensor :meth:`sum_async` gave (no host
+        read). Under torchrun only: on one process the step divides by its own count."""
         total = local_sum.detach().double()
         dist.all_reduce(total)
         return (total / global_count.clamp(min=1)).float()

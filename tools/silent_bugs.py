@@ -137,7 +137,8 @@ BUGS = [
     Bug("clipping_ignored", "--clip has no effect",
         "nanolm/step.py", "max_norm = setup.clip if setup.clip > 0 else math.inf", "max_norm = math.inf"),
     Bug("local_token_count", "under torchrun each rank averages over its own tokens: short documents weigh more",
-        "nanolm/step.py", "        count = dist.sum_async(count)\n", "        count = PendingSum(count)\n"),
+        "nanolm/step.py", "        count = dist.sum_async(count)\n",
+        "        count = PendingSum(torch.tensor(count, device=dist.device))\n"),
     Bug("host_read_per_micro_batch", "the loss is summed on the host: a GPU waits for every micro-batch's forward pass, same numbers",
         "nanolm/step.py", "        loss_sum += micro_sum.detach()", "        loss_sum += micro_sum.item()"),
     # evaluation and metrics
