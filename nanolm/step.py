@@ -75,8 +75,12 @@ def _warmup_peak_decay(step: int, max_lr: float, warmup_steps: int, total_steps:
     * Decay: lowering the rate at the end lets the weights settle into the minimum the noisy
       high-rate phase found.
 
-    A pure function of the step, so resuming a run needs nothing but the step count.
+    A pure function of the step, so resuming a run needs nothing but the step count. Steps
+    count from 1 (until 2026-12-03 the schedule counted from 0): a step 0 is refused rather
+    than trained at a rate of 0.
     """
+    if step < 1:
+        raise ValueError(f"optimizer steps count from 1, as the training loop does; got step {step}")
     if min_lr is None:
         min_lr = default_min_lr(max_lr)
     if step <= warmup_steps:

@@ -260,3 +260,11 @@ def test_each_group_runs_at_its_own_peak_on_the_shared_schedule():
     resumed.load_state_dict(opt.state_dict())
     set_learning_rate(resumed, 5e-4)
     assert [g["lr"] for g in resumed.muon.param_groups] == [pytest.approx(1e-3)]
+
+
+def test_the_schedule_counts_steps_from_one_like_the_loop_and_refuses_step_zero():
+    """The loop's first step is step 1 and the schedule's too: its rate is the first of the
+    warmup, not 0. A caller still counting from 0 gets an error, not a silent step at rate 0."""
+    assert cosine_lr(1, 1.0, 10, 100) == pytest.approx(0.1) and wsd_lr(1, 1.0, 10, 100) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="count from 1"):
+        cosine_lr(0, 1.0, 10, 100)
