@@ -8,7 +8,6 @@ load; it is written last, so its presence means the run finished.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from .checkpoint import (
     _is_int,
     _is_number,
     _json_float,
+    _warn,
     latest_valid_checkpoint,
     load_weights,
     save_weights,
@@ -41,10 +41,6 @@ from .sharded import load_sharded
 from .tokenizer import Tokenizer
 
 FINAL = "final.json"
-
-
-def _warn(message: str) -> None:
-    print(message, file=sys.stderr)
 
 
 def save_final_weights(dist, model, run_dir, step: int, summary: dict) -> torch.nn.Module | None:

@@ -15,7 +15,7 @@ Two optional inputs make the model document-aware (see ``nanolm.batches``):
 * ``positions`` (B, T): the rotary position of each token. Restarting them at every
   document makes a document look the same wherever it lands in a window.
 
-**The loss** (the last part of this file): cross-entropy over the positions that count, and
+**The loss** (the section before sampling, near the end of this file): cross-entropy over the positions that count, and
 only those. Not every position of a batch should count: padding, a prompt we condition on, the
 token after a document boundary when that option is on. The loss is
 
