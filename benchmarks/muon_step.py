@@ -3,7 +3,10 @@ nanolm's ``GroupedMuon`` (the matrices of one shape together), and AdamW's step 
 
 Each optimizer updates its own copy of the same model's parameters from the same gradients,
 alternated step by step in one process, so that the machine's noise hits all of them alike;
-the figures are medians. The last lines compare the weights both Muons leave.
+the figures are medians. The last lines compare the weights both Muons leave, against what the
+two may differ by: PyTorch's Muon orthogonalises in bf16 everywhere, GroupedMuon in fp32 on a CPU
+without bf16 units (``GroupedMuon.newton_schulz_dtype``), so there the two updates differ by bf16's
+rounding, and on any other machine only by the order of the sums inside a batched product.
 By default: the TinyStories speedrun's model (3 layers of width 128: 15 hidden matrices of
 4 shapes).
 
@@ -24,6 +27,24 @@ import torch
 from nanolm.model import GPT, GPTConfig
 from nanolm.muon import GroupedMuon
 from nanolm.optim import build_optimizer, muon_available, split_for_muon
+
+
+def rounding_bound(formats: tuple[torch.dtype, torch.dtype], ns_steps: int) -> float:
+    """How far apart the two Muons' weights may be, relative to the path the weights travelled.
+
+    Both start from the same momentum (fp32 in both), so the updates differ only in the
+    Newton-Schulz iteration. In two formats: each iteration rounds its three products and the
+    input is rounded once, each rounding at most the format's unit roundoff relative (bf16:
+    2^-8), and the iteration pulls the singular values back to its fixed interval instead of
+    amplifying what came before; so each step's update differs by at most (1 + 3 * steps) *
+    (u_a + u_b) of its size, and the weights by that share of the sum of the steps' sizes
+    (weight decay only shrinks a difference). In one format the same products run on the same
+    numbers, batched or one at a time: only the order of fp32 sums inside a product may differ,
+    and the bound is the one ``tests/test_optim.py`` holds the two to step by step.
+    """
+    if formats[0] == formats[1]:
+        return 1e-3
+    return (1 + 3 * ns_steps) * sum(torch.finfo(f).eps / 2 for f in formats)
 
 
 def main() -> None:
@@ -48,10 +69,13 @@ def main() -> None:
                   "grouped_muon": GroupedMuon(split_for_muon(models["grouped_muon"]), **options),
                   "adamw": build_optimizer(models["adamw"], 3e-3, 0.1)}
     generator = torch.Generator().manual_seed(1)
+    muon_params = {name: split_for_muon(models[name]) for name in ("torch_muon", "grouped_muon")}
+    travelled = [0.0] * len(muon_params["torch_muon"])  # the sum of each matrix's step sizes
     times: dict[str, list[float]] = {name: [] for name in optimizers}
     for step in range(args.steps + 3):
         grads = [torch.randn(p.shape, generator=generator) * 1e-2 for p in models["adamw"].parameters()]
         order = list(optimizers) if step % 2 == 0 else list(reversed(optimizers))
+        before = [p.detach().clone() for p in muon_params["torch_muon"]]
         for name in order:
             for p, g in zip(models[name].parameters(), grads):
                 p.grad = g.clone()
@@ -59,17 +83,26 @@ def main() -> None:
             optimizers[name].step()
             if step >= 3:
                 times[name].append(time.perf_counter() - start)
+        for i, (b, p) in enumerate(zip(before, muon_params["torch_muon"])):
+            travelled[i] += (p - b).norm().item()
     ms = {name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()}
     pairs = list(zip(models["torch_muon"].parameters(), models["grouped_muon"].parameters()))
     same = all(torch.equal(a, b) for a, b in pairs)
     largest_difference = max((a - b).abs().max().item() for a, b in pairs)
-    shapes = sorted({tuple(p.shape) for p in split_for_muon(models["grouped_muon"])})
+    relative = max((a - b).norm().item() / path for a, b, path in zip(*muon_params.values(), travelled))
+    grouped_format = optimizers["grouped_muon"].newton_schulz_dtype(torch.device("cpu"))
+    formats = (torch.bfloat16, grouped_format)  # torch.optim.Muon: bf16 on every device
+    ns_steps = optimizers["grouped_muon"].param_groups[0]["ns_steps"]
+    shapes = sorted({tuple(p.shape) for p in muon_params["grouped_muon"]})
     print(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpus": os.cpu_count(), "threads": args.threads,
         "matrices": len(split_for_muon(models["grouped_muon"])), "shapes": shapes,
         "step_ms": ms, "grouped_over_torch": round(ms["torch_muon"] / ms["grouped_muon"], 2),
         "grouped_over_adamw": round(ms["grouped_muon"] / ms["adamw"], 2),
-        "same_weights_to_the_bit": same, "largest_weight_difference": largest_difference}, indent=2))
+        "same_weights_to_the_bit": same, "largest_weight_difference": largest_difference,
+        "orthogonalisation_format": {"torch_muon": str(formats[0]).removeprefix("torch."),
+                                     "grouped_muon": str(formats[1]).removeprefix("torch.")},
+        "relative_weight_difference": relative, "rounding_bound": rounding_bound(formats, ns_steps)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ every ratio is of medians from the same process:
   shared CPU, from where their buffers sit) is the noise floor of those;
 * with ``--threads 1,2``: every variant at each thread count (``name@1``, ``name@2``).
 
-Also reported: ``matmuls_alone``, the step's own matrix multiplies (shapes recorded by the
-profiler over one nanolm step) run back to back with nothing else, the compute limit of the step;
+Also reported: ``matmuls_alone``, the step's own matrix multiplies (their shapes recorded over
+one nanolm step) run back to back with nothing else, the compute limit of the step;
 the loader's share of nanolm's step (``pack_windows`` alone vs the whole step),
 achieved GFLOP/s (``GPT.flops_per_token``; MFU on CUDA against ``--peak-tflops``), peak RSS and,
 on CUDA, peak VRAM. Data: the built-in story corpus with a char tokenizer (documents of ~600
@@ -325,36 +325,42 @@ def loader_seconds(tokens, eos, shape, calls: int = 200) -> float:
     return statistics.median(times)
 
 
-MATMUL_OPS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # which inputs are the two matrices
-PROFILER_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16,
-                   "double": torch.float64}
+MATMUL_OPS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1)}  # which arguments are the two matrices
 
 
 def matmul_floor_seconds(runner: Runner, repeats: int = 7) -> tuple[float, int]:
     """(seconds, count) of the matrix multiplies of one ``runner`` step, timed alone.
 
-    The profiler records the shapes and dtypes of every ``mm``/``addmm``/``bmm`` that one step
-    calls (forward, backward, output head; not attention's own kernel, which multiplies inside
-    SDPA; under autocast only the innermost call, the one in the low-precision dtype); the same
-    products are then run back to back on fixed random inputs (one pair per distinct shape and
-    dtype), outside the profiler, and the median of ``repeats`` passes is returned. It is the
-    compute limit of the step on this machine: what it would cost were everything else free
-    (and the inputs warm in cache, so a slightly optimistic one).
+    A dispatch mode records the shapes and dtypes of every ``mm``/``addmm``/``bmm`` that one
+    step calls (forward, backward, output head; not attention's own kernel, which multiplies
+    inside SDPA; under autocast the call as it reaches the kernel, in the low-precision dtype);
+    the same products are then run back to back on fixed random inputs (one pair per distinct
+    shape and dtype), outside the recording, and the median of ``repeats`` passes is returned.
+    It is the compute limit of the step on this machine: what it would cost were everything
+    else free (and the inputs warm in cache, so a slightly optimistic one). A dispatch mode
+    rather than the profiler: the profiler's record of dtypes differs between PyTorch versions
+    (2.11's has none).
     """
-    from torch.profiler import profile
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    with profile(record_shapes=True) as prof:
+    class RecordProducts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            which = MATMUL_OPS.get(func.overloadpacket.__name__)
+            if which is not None:
+                self.seen.append((tuple(args[which[0]].shape), tuple(args[which[1]].shape), args[which[0]].dtype))
+            return func(*args, **(kwargs or {}))
+
+    with RecordProducts() as recorded:
         runner.step()
     inputs, products = {}, []
-    for event in prof.events():
-        if event.name not in MATMUL_OPS or any(child.name in MATMUL_OPS for child in event.cpu_children):
-            continue
-        i, j = MATMUL_OPS[event.name]
-        key = (tuple(event.input_shapes[i]), tuple(event.input_shapes[j]), event.input_dtypes[i])
+    for key in recorded.seen:
         if key not in inputs:
-            dtype = PROFILER_DTYPES.get(key[2], torch.float32)
-            inputs[key] = (torch.randn(key[0], device=runner.device, dtype=dtype),
-                           torch.randn(key[1], device=runner.device, dtype=dtype))
+            inputs[key] = (torch.randn(key[0], device=runner.device, dtype=key[2]),
+                           torch.randn(key[1], device=runner.device, dtype=key[2]))
         products.append(inputs[key])
     mm = lambda a, b: torch.bmm(a, b) if a.dim() == 3 else torch.mm(a, b)
     times = []

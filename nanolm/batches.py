@@ -53,15 +53,19 @@ class Batch:
     positions: torch.Tensor | None = None
 
     def to(self, device) -> "Batch":
-        """The batch on ``device``. For CUDA through pinned (page-locked) host memory, so the copy
-        can overlap the GPU's work; MPS shares memory with the CPU and gains nothing from pinning."""
+        """The batch on ``device``. From the host to CUDA through pinned (page-locked) memory, so
+        the copy can overlap the GPU's work; a tensor already on a GPU cannot be pinned and needs
+        no staging. MPS shares memory with the CPU and gains nothing from pinning."""
         device = torch.device(device)
         if device.type == "cpu":
             return self
-        if device.type == "cuda":
-            move = lambda t: None if t is None else t.pin_memory().to(device, non_blocking=True)
-        else:
-            move = lambda t: None if t is None else t.to(device)
+
+        def move(t):
+            if t is None:
+                return None
+            if device.type == "cuda" and not t.is_cuda:
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device, non_blocking=t.is_cuda)
         return Batch(move(self.idx), move(self.targets), move(self.loss_mask), move(self.doc_ids), move(self.positions))
 
     @property

@@ -63,6 +63,7 @@ from .files import (
     fsync_dir,
     manifest,
     read_json,
+    replace,
     sealed,
 )
 from .model import GPT
@@ -93,7 +94,7 @@ def save_weights(model: GPT, path) -> None:
         save_model(model, str(tmp))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -228,7 +229,7 @@ def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: di
         fsync_dir(tmp)
         if final.exists():  # a checkpoint of the same step from an abandoned attempt
             _discard(final)
-        os.replace(tmp, final)
+        replace(tmp, final)
         fsync_dir(root)
         atomic_write_text(root / LATEST, final.name + "\n")
     except BaseException as e:
@@ -280,7 +281,7 @@ def _discard(path: Path) -> None:
     that loses it mid-read reads the newest one again (:func:`latest_valid_checkpoint`)."""
     try:
         aside = tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-discarded-{path.name}-")
-        os.replace(path, aside)
+        replace(path, aside)
     except OSError:
         return
     shutil.rmtree(aside, ignore_errors=True)

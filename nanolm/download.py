@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NanolmError
-from .files import sha256_file
+from .files import replace, sha256_file
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def fetch(name: str, directory: Path | None = None, log=print, progress: bool = 
             f"{corpus.size} bytes" + (f", sha256 {corpus.sha256[:16]}…" if corpus.sha256 else "")
             + "; nothing was kept. Try again, or download it yourself and pass --data PATH"
         )
-    os.replace(partial, path)
+    replace(partial, path)
     if corpus.sha256 is None:
         recorded.write_text(sha + "\n")
         log(f"no published checksum to compare with; recorded sha256 {sha} for later checks")

@@ -6,7 +6,10 @@ badly, someone hands you a checkpoint. Two rules make that safe.
 **Writes are atomic.** A file is written under a temporary name in the same directory,
 flushed to disk (``fsync``) and renamed over the old one; the rename is atomic, so a reader
 (or the next process after a crash) sees the old file or the new one, never half of each.
-The directory is fsynced too, or the rename itself could be lost in a power cut.
+The directory is fsynced too, or the rename itself could be lost in a power cut. On Windows a
+directory cannot be opened to fsync it (NTFS journals the rename itself), and a file that another
+process holds open (a reader's memory map of the weights) refuses to be replaced for as long as
+it is open: :func:`replace` waits for the reader, a few seconds at most, then names the file.
 
 **Reads are checked.** Every JSON file is parsed with errors that name it; a directory
 that nanolm wrote carries a *manifest*, the SHA-256 of each of its files, and is accepted
@@ -23,6 +26,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from .errors import NanolmError
@@ -44,7 +48,27 @@ def describe_os_error(e: OSError) -> str:
     return f"cannot write {where}: {e.strerror or e}" + (f" ({hint})" if hint else "")
 
 
+WINDOWS = os.name == "nt"
+REPLACE_WAIT_S = 5.0
+"""How long a replacement on Windows waits for a reader to close the file it replaces."""
+
+
+def replace(source, target) -> None:
+    """``os.replace``: atomic, and on Windows patient with a reader that has ``target`` open."""
+    deadline = time.monotonic() + REPLACE_WAIT_S
+    while True:
+        try:
+            os.replace(source, target)
+            return
+        except PermissionError:
+            if not WINDOWS or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def fsync_dir(path) -> None:
+    if WINDOWS:  # a directory cannot be opened for fsync there; NTFS journals the rename
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -61,7 +85,7 @@ def atomic_write_text(path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -24,15 +24,26 @@ only by the machine that took it. Where the file system has no locks at all (flo
 with ENOLCK, EOPNOTSUPP or ENOSYS: NFS without lockd, Lustre without ``-o flock``, some FUSE
 mounts), nanolm refuses to write there rather than silently drop the promise: one line says
 so, and ``NANOLM_NO_LOCK=1`` writes without a lock, for whoever makes sure of one writer.
+
+**On Windows** there is no flock: the lock is ``msvcrt.locking`` on one byte of the same file,
+far past the holder's line (Windows locks are mandatory, and a lock on the line itself would
+stop a refused writer from reading who holds it). Windows, too, lets go of it when its holder
+ends however it ends. A file that is open cannot be removed there, so the lock file is closed
+before it is removed; another writer that locked it in between keeps it.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import socket
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+    import msvcrt
 
 from .errors import NanolmError
 
@@ -40,6 +51,24 @@ LOCK_FILE = ".lock"
 NO_LOCK = "NANOLM_NO_LOCK"
 NO_LOCKS_HERE = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS}
 """What flock fails with on a file system that has no working locks."""
+HELD = {errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, getattr(errno, "EDEADLOCK", errno.EDEADLK)}
+"""What taking a lock that another process holds fails with (flock; Windows' locking)."""
+HOLDER_BYTES = 256
+"""The holder's line is read from the file's first bytes; on Windows the byte locked lies past them."""
+
+
+def _lock(fd: int) -> None:
+    """Take the lock held on ``fd``, without waiting: OSError if another process holds it."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:
+        os.lseek(fd, HOLDER_BYTES, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+
+
+def _read_holder(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, HOLDER_BYTES).decode("utf-8", "replace").strip()
 
 
 class DirectoryBusy(NanolmError):
@@ -78,13 +107,13 @@ class RunLock:
         for _ in range(100):  # each turn is lost to a writer that let go at that very moment
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
             except FileNotFoundError:  # a refused writer removed the empty directory it had made
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock(fd)
             except OSError as e:
-                holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+                holder = _read_holder(fd)
                 if not holder and e.errno in NO_LOCKS_HERE:  # the file this very call made
                     path.unlink(missing_ok=True)
                 os.close(fd)
@@ -96,6 +125,7 @@ class RunLock:
         else:
             raise NanolmError(f"cannot lock {path}: it keeps being replaced; is another program removing it?")
         os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
         os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
         self._fd, self.directory = fd, directory
 
@@ -103,10 +133,16 @@ class RunLock:
         """Let go: the lock file is removed while still held (so that no one can lock it
         after us and believe they hold the directory), then the directories :meth:`take`
         made, if nothing was written into them."""
-        if self._fd is not None:
+        if self._fd is not None and fcntl is not None:
             (self.directory / LOCK_FILE).unlink(missing_ok=True)
             os.close(self._fd)
-            self._fd = None
+        elif self._fd is not None:  # Windows: an open file cannot be removed
+            os.close(self._fd)
+            try:
+                (self.directory / LOCK_FILE).unlink(missing_ok=True)
+            except PermissionError:  # another writer opened it at that moment: now it is theirs
+                pass
+        self._fd = None
         for made in reversed(self._made):
             try:
                 made.rmdir()
@@ -123,7 +159,7 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 def _refusal(error: OSError, directory: Path, holder: str, flag: str) -> NanolmError:
-    if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+    if error.errno in HELD:
         pid, _, host = holder.partition("@")
         who = f"process {pid} on {host}" if pid.isdigit() and host else "another process"
         return DirectoryBusy(f"{directory} is being written by {who}; wait for it to end, or choose another {flag}")

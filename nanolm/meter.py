@@ -10,7 +10,6 @@ MFU is measured against ``nanolm.hardware``'s peak for the device and the arithm
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 
@@ -18,13 +17,20 @@ import torch
 
 
 def process_rss_mb() -> float:
-    """Resident memory of this process in MiB (current on Linux; the peak elsewhere)."""
+    """Resident memory of this process in MiB (current on Linux and Windows; the peak on a Mac)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+        pass
+    try:
+        import resource  # POSIX only
+    except ImportError:  # Windows: psutil, a dependency there only
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
 
 
 class StepMeter:

@@ -172,8 +172,28 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
-_compiled_flex_attention = None
-_compiled_create_block_mask = None
+def fused_on(t: torch.Tensor) -> bool:
+    """FlexAttention and its block mask are compiled into fused Triton kernels on CUDA; elsewhere
+    they run eagerly (forward only on a CPU), which is fine at CPU sizes."""
+    return t.is_cuda
+
+
+_compiled: dict[str, object] = {}
+
+
+def compiled_once(fn):
+    """``torch.compile(fn)``, made once per process, and never while ``torch.compile`` traces.
+
+    Why the second half matters: with ``--compile`` the first call usually comes from inside
+    the traced model, where the enclosing compilation fuses FlexAttention itself and a wrapper
+    made there would be the raw function (compilations do not nest). Kept for later, it would
+    leave every eager call unfused: the whole B x H x T x T score matrix and a dense block mask,
+    the same numbers, silently slower and larger."""
+    if torch.compiler.is_compiling():
+        return fn
+    if fn.__name__ not in _compiled:
+        _compiled[fn.__name__] = torch.compile(fn, dynamic=False)
+    return _compiled[fn.__name__]
 
 
 def flex_document_mask(doc_ids: torch.Tensor):
@@ -182,9 +202,9 @@ def flex_document_mask(doc_ids: torch.Tensor):
     FlexAttention skips every (query block, key block) tile that the mask empties, so a
     window packed with many short documents costs less than full causal attention, where
     a dense boolean mask would cost more. The block mask is computed once per forward and
-    shared by all layers.
+    shared by all layers. Compiled, it never materialises the (B, T, T) mask; eager (off
+    CUDA) builds it densely once.
     """
-    global _compiled_create_block_mask
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, T = doc_ids.shape
@@ -192,23 +212,15 @@ def flex_document_mask(doc_ids: torch.Tensor):
     def same_document_and_causal(b, h, q_idx, kv_idx):
         return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx >= kv_idx)
 
-    if not doc_ids.is_cuda:  # eager: builds the (B, T, T) mask densely once; fine at CPU sizes
-        return create_block_mask(same_document_and_causal, B, None, T, T, device=doc_ids.device)
-    if _compiled_create_block_mask is None:  # compiled once per process: never materialises (B, T, T)
-        _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
-    return _compiled_create_block_mask(same_document_and_causal, B, None, T, T, device=doc_ids.device)
+    build = compiled_once(create_block_mask) if fused_on(doc_ids) else create_block_mask
+    return build(same_document_and_causal, B, None, T, T, device=doc_ids.device)
 
 
 def flex_attention(q, k, v, block_mask):
     """FlexAttention, compiled into a fused kernel on GPU (eager elsewhere: forward only)."""
-    global _compiled_flex_attention
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    if not q.is_cuda:
-        return flex(q, k, v, block_mask=block_mask)
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex, dynamic=False)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask)
+    return (compiled_once(flex) if fused_on(q) else flex)(q, k, v, block_mask=block_mask)
 
 
 def attention(q, k, v, **kwargs):

@@ -36,7 +36,7 @@ import os
 import sys
 from pathlib import Path
 
-from .files import read_jsonl
+from .files import read_jsonl, replace
 
 LOG_SINKS = ("wandb", "tensorboard")
 PROGRESS_MODES = ("auto", "bar", "lines")
@@ -64,7 +64,7 @@ class MetricsFile:
                 log(f"warning: {self.path}: {damaged} damaged line(s) dropped while resuming")
             tmp = self.path.with_name(f".{self.path.name}.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
-            os.replace(tmp, self.path)
+            replace(tmp, self.path)
         self.last_step = self.rows[-1]["step"] if self.rows else -1
         self.file = open(self.path, "w" if resume_step is None else "a", encoding="utf-8")
 

@@ -12,7 +12,7 @@ the tests use real CPU tensors that *claim* the device instead:
   :class:`DeviceMix`, as the real device would (a 0-dim CPU tensor is a scalar PyTorch
   moves for you); moving to the CPU (``.to("cpu")``, ``.cpu()``) is allowed;
 * ``refuse_float64`` (MPS) raises on any float64 result on the device, and ``pin_memory``
-  is refused off CUDA (nothing else pins).
+  is refused off CUDA (nothing else pins) and for a tensor already on the device, as CUDA does.
 
 What it cannot show: the device's kernels, numerics, autocast and speed (autocast keys on
 the tensors' real device, the CPU), its random generators, ``torch.cuda.*`` calls (tests
@@ -102,6 +102,8 @@ class _Functions(TorchFunctionMode):
         if _is(func, "pin_memory"):
             if sim.device.type != "cuda":
                 raise DeviceMix(f"pin_memory() for a {sim.device.type} device: only CUDA copies gain from pinning")
+            if sim.holds(args[0]):
+                raise DeviceMix("cannot pin a tensor on the device: only dense CPU tensors can be pinned")
             sim.pinned += 1
             return args[0]
         if _is(func, "to", "cuda", "cpu"):

@@ -307,10 +307,15 @@ def test_a_run_called_from_python_leaves_determinism_threads_and_random_generato
 
 
 def test_batches_are_pinned_for_cuda_only():
+    """Host batches go to CUDA through pinned memory; a batch already on the GPU (a benchmark's,
+    or a user's who calls ``train_step`` with device batches) moves without pinning, which CUDA
+    refuses for a device tensor."""
     batch = packed_batch(10)  # idx, targets, loss_mask, doc_ids (no positions)
     with SimulatedDevice("cuda:0") as gpu:
         moved = batch.to("cuda:0")
         assert gpu.pinned == 4 and gpu.holds(moved.idx) and gpu.holds(moved.doc_ids)
+        again = moved.to("cuda:0")
+        assert gpu.pinned == 4 and gpu.holds(again.idx) and torch.equal(again.targets.cpu(), batch.targets)
     with SimulatedDevice("mps:0") as mac:  # refuses pin_memory: Apple GPUs share memory with the CPU
         moved = batch.to("mps:0")
         assert mac.pinned == 0 and mac.holds(moved.idx)

@@ -1,31 +1,44 @@
 """The CUDA paths: bf16 autocast, fused AdamW, FlexAttention's document mask, torch.compile.
 
-Each test skips without a CUDA GPU; ``benchmarks/gpu_check.sh`` runs them on a GPU machine
-(its ``gpu_tests`` part: ``pytest -m gpu``; docs/gpu.md). They compare every fast path with the plain one it replaces, the way the
-CPU tests compare SDPA with ``reference_attention``.
+They compare every fast path with the plain one it replaces, the way the CPU tests compare SDPA
+with ``reference_attention``. Each test runs twice: on a CUDA GPU (marked ``gpu``, skipped
+without one; ``benchmarks/gpu_check.sh`` runs them, docs/gpu.md) and on the CPU as the GPU's
+stand-in. A GPU is lent rarely and briefly; a test that only ever ran there would rot unseen
+(a changed signature, a renamed option) and waste the first minutes of the next GPU. On the CPU
+the same body runs, minus what the CPU cannot do, each named where it is left out: FlexAttention's
+backward (forward only on a CPU) and Inductor's code generation (the compiled model is traced
+by ``aot_eager`` instead, the same graphs without the kernels).
 """
 
+import ast
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
+from conftest import REPO
+
 from nanolm.batches import pack_windows
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, get_param_groups
-from nanolm.precision import resolve_precision
+from nanolm.precision import cpu_has_native_bf16, resolve_precision
 from nanolm.step import accumulate_gradients, counted_tokens
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-CUDA = torch.device("cuda")
+ON_A_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _model(seed=0, **overrides) -> GPT:
+@pytest.fixture(params=[pytest.param("cuda", marks=ON_A_GPU), "cpu"], ids=["gpu", "cpu_stand_in"])
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+def _model(device, seed=0, **overrides) -> GPT:
     torch.manual_seed(seed)
     cfg = dict(vocab_size=256, seq_len=256, n_layer=2, n_head=4, n_embd=128)
     cfg.update(overrides)
-    return GPT(GPTConfig(**cfg)).to(CUDA)
+    return GPT(GPTConfig(**cfg)).to(device)
 
 
 def _documents(B=4, T=256, V=256, seed=0):
@@ -38,51 +51,62 @@ def _documents(B=4, T=256, V=256, seed=0):
     return batch
 
 
-def test_auto_precision_is_bf16_on_a_gpu_with_native_bf16():
-    p = resolve_precision("auto", CUDA)
-    assert p.name == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp32")
+def test_auto_precision_is_the_devices_fast_format(device):
+    """bf16 where the device multiplies it natively; otherwise fp16 with loss scaling on a GPU
+    (T4/V100 class) and fp32 on a CPU."""
+    p = resolve_precision("auto", device)
+    if device.type == "cuda":
+        assert p.name == ("bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16")
+    else:
+        assert p.name == ("bf16" if cpu_has_native_bf16() else "fp32")
 
 
-def test_flex_attention_document_mask_equals_the_sdpa_reference_forward_and_backward():
+def test_flex_attention_document_mask_equals_the_sdpa_reference_forward_and_backward(device):
     """FlexAttention's block mask (the CUDA default for the document mask) gives the logits and
     the gradients of SDPA with the boolean block-diagonal mask, in fp32."""
     batch = _documents()
     assert (batch.doc_ids[:, -1] > 0).all()  # every window holds several documents
+    backward = device.type == "cuda"  # FlexAttention has no backward on a CPU
     results = {}
     for backend in ("flex", "sdpa"):
-        model = _model(attention=backend)
-        assert model.uses_flex_attention(CUDA) == (backend == "flex")
-        b = batch.to(CUDA)
-        logits, _ = model(b.idx, doc_ids=b.doc_ids)
-        _, loss = model(b.idx, targets=b.targets, doc_ids=b.doc_ids)
-        loss.backward()
-        results[backend] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+        model = _model(device, attention=backend)
+        assert model.uses_flex_attention(device) == (backend == "flex")
+        b = batch.to(device)
+        with torch.set_grad_enabled(backward), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # on a CPU: "flex_attention called without torch.compile"
+            logits, _ = model(b.idx, doc_ids=b.doc_ids)
+            _, loss = model(b.idx, targets=b.targets, doc_ids=b.doc_ids)
+        if backward:
+            loss.backward()
+        results[backend] = (logits.detach(), {n: p.grad for n, p in model.named_parameters() if backward})
     torch.testing.assert_close(results["flex"][0], results["sdpa"][0], rtol=1e-3, atol=1e-4)
+    assert len(results["flex"][1]) == (len(list(model.parameters())) if backward else 0)
     for name, grad in results["flex"][1].items():  # a wrong mask is off by O(1), not by rounding
         torch.testing.assert_close(grad, results["sdpa"][1][name], rtol=5e-3, atol=5e-5, msg=name)
 
 
-def test_no_cross_document_leak_with_flex_attention_on_cuda():
+def test_no_cross_document_leak_with_flex_attention(device):
     """Changing a token of the first document leaves every logit of the later ones unchanged."""
-    model = _model().eval()
-    batch = _documents(B=2).to(CUDA)
+    model = _model(device, attention="flex").eval()
+    batch = _documents(B=2).to(device)
     first_end = int((batch.doc_ids[0] == 0).sum())
     changed = batch.idx.clone()
     changed[0, : first_end - 1] = (changed[0, : first_end - 1] + 1) % 256
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         a, _ = model(batch.idx, doc_ids=batch.doc_ids)
         b, _ = model(changed, doc_ids=batch.doc_ids)
     torch.testing.assert_close(a[0, first_end:], b[0, first_end:], rtol=1e-6, atol=1e-6)
     assert not torch.allclose(a[0, 1:first_end - 1], b[0, 1:first_end - 1])
 
 
-def test_fused_adamw_on_cuda_follows_the_textbook_update():
-    fused_model, loop_model = _model(), _model()
+def test_fused_adamw_follows_the_textbook_update(device):
+    fused_model, loop_model = _model(device), _model(device)
     fused = build_optimizer(fused_model, lr=1e-2, weight_decay=0.1)
     assert all(group["fused"] for group in fused.param_groups)
     loop = torch.optim.AdamW(get_param_groups(loop_model, 0.1), lr=1e-2, betas=(0.9, 0.95), foreach=False)
     for step in range(3):
-        batch = _documents(seed=step).to(CUDA)
+        batch = _documents(seed=step).to(device)
         for model, opt in ((fused_model, fused), (loop_model, loop)):
             model(batch.idx, targets=batch.targets)[1].backward()
             opt.step()
@@ -91,13 +115,13 @@ def test_fused_adamw_on_cuda_follows_the_textbook_update():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_autocast_step_follows_the_fp32_step():
+def test_bf16_autocast_step_follows_the_fp32_step(device):
     """The training step under bf16 autocast: fp32 weights and gradients, a loss within bf16's
     precision of the fp32 loss, gradients pointing the same way."""
-    batch = _documents()
-    bf16, fp32 = _model(), _model()
+    batch = _documents().to(device)
+    bf16, fp32 = _model(device), _model(device)
     count = counted_tokens([batch])
-    loss_bf16 = accumulate_gradients(bf16, [batch], count, resolve_precision("bf16", CUDA).autocast) / count
+    loss_bf16 = accumulate_gradients(bf16, [batch], count, resolve_precision("bf16", device).autocast) / count
     loss_fp32 = accumulate_gradients(fp32, [batch], count) / count
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in bf16.parameters())
     assert abs(loss_bf16.item() - loss_fp32.item()) < 0.02 * loss_fp32.item()
@@ -106,12 +130,13 @@ def test_bf16_autocast_step_follows_the_fp32_step():
     assert torch.nn.functional.cosine_similarity(g_bf16, g_fp32, dim=0) > 0.99
 
 
-def test_compiled_model_matches_eager_with_and_without_the_document_mask():
+def test_compiled_model_matches_eager_with_and_without_the_document_mask(device):
     """torch.compile (the --compile path, FlexAttention inside) gives eager's loss and gradients."""
-    batch = _documents().to(CUDA)
+    batch = _documents().to(device)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"  # a CPU: the graphs, not the kernels
     for doc_ids in (batch.doc_ids, None):
-        eager, compiled = _model(), _model()
-        step_model = torch.compile(compiled)
+        eager, compiled = _model(device), _model(device)
+        step_model = torch.compile(compiled, backend=backend)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _, loss_c = step_model(batch.idx, targets=batch.targets, doc_ids=doc_ids)
@@ -121,3 +146,39 @@ def test_compiled_model_matches_eager_with_and_without_the_document_mask():
         torch.testing.assert_close(loss_c, loss_e, rtol=1e-4, atol=1e-4)
         for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=5e-3, atol=5e-5, msg=name)
+
+
+# Tests that run only on a GPU, each with the CPU tests that run its code on every machine.
+GPU_ONLY = {
+    "test_a_quiet_step_on_a_gpu_synchronises_once": ("tests/test_host_reads.py", "_train_marking_each_step"),
+    "test_nccl_ranks_on_gpus_equal_one_process": ("tests/test_distributed.py", "_assert_same_run"),
+}
+
+
+def _collected(*marker: str) -> set[str]:
+    """The test functions pytest collects from tests/ (with ``-m`` when given), without parameters."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           *(["-m", *marker] if marker else []), "tests"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return {line.split("::")[-1].split("[")[0] for line in done.stdout.splitlines() if "::" in line}
+
+
+def test_every_gpu_test_runs_its_code_on_the_cpu_too():
+    """A GPU-only test that nothing runs on the CPU rots unseen until the next (rare, short)
+    GPU: every test marked ``gpu`` has a CPU stand-in of its own, or is listed in ``GPU_ONLY``
+    with a helper that it and at least one CPU test of its file call."""
+    on_gpu, on_cpu = _collected("gpu"), _collected("not gpu")
+    assert on_gpu, "no test marked gpu was collected"
+    without_stand_in = on_gpu - on_cpu
+    assert without_stand_in == set(GPU_ONLY), "a GPU-only test with no CPU counterpart: give it a CPU stand-in"
+    for name, (path, helper) in GPU_ONLY.items():
+        functions = [f for f in ast.parse((REPO / path).read_text(encoding="utf-8")).body
+                     if isinstance(f, ast.FunctionDef)]
+        callers, grown = {helper}, True
+        while grown:  # what calls the helper, directly or through the file's other helpers
+            before = len(callers)
+            callers |= {f.name for f in functions
+                        if any(isinstance(n, ast.Name) and n.id in callers for n in ast.walk(f))}
+            grown = len(callers) > before
+        assert name in callers and callers & on_cpu, f"{name}: {helper} is not shared with a CPU test of {path}"

@@ -47,15 +47,23 @@ def _reads_per_step(tmp_path, stories_file, monkeypatch, precision="fp32", readi
                           grad_accum=2, precision=precision, ckpt_every=100)
     if not reading_guard:
         cfg.guard.on_nan, cfg.guard.on_spike = "stop", "off"
-    real_step = train_module.train_step
     with HostReads() as counter:
-        def counted_step(setup, step, batches):
-            counter.at(step)
-            return real_step(setup, step, batches)
-
-        monkeypatch.setattr(train_module, "train_step", counted_step)
-        train(cfg, log=lambda *_: None)
+        _train_marking_each_step(cfg, monkeypatch, counter.at)
     return counter
+
+
+def _train_marking_each_step(cfg, monkeypatch, mark):
+    """Train ``cfg``, calling ``mark(step)`` as each step starts. The one place these tests wrap
+    the loop's ``train_step``, the GPU test's included: a change of its signature fails here on
+    every CPU run, not first on a rare GPU."""
+    real_step = train_module.train_step
+
+    def marked_step(setup, step, batches):
+        mark(step)
+        return real_step(setup, step, batches)
+
+    monkeypatch.setattr(train_module, "train_step", marked_step)
+    train(cfg, log=lambda *_: None)
 
 
 def test_the_default_loop_reads_the_device_once_per_step(tmp_path, stories_file, monkeypatch):
@@ -104,18 +112,12 @@ def test_a_quiet_step_on_a_gpu_synchronises_once(tmp_path, stories_file, monkeyp
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=STEPS, log_every=4, eval_every=100, stats_every=0,
                           grad_accum=2, precision=precision, ckpt_every=100, device="cuda")
     cfg.model.attention = "sdpa"
-    real_step, starts = train_module.train_step, {}
+    starts = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-
-        def counted_step(parts, step, batches, probe=None):
-            starts[step] = len(caught)
-            return real_step(parts, step, batches, probe)
-
-        monkeypatch.setattr(train_module, "train_step", counted_step)
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            train(cfg, log=lambda *_: None)
+            _train_marking_each_step(cfg, monkeypatch, lambda step: starts.__setitem__(step, len(caught)))
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [[str(w.message) for w in caught[starts[step] : starts[step + 1]] if "synchroniz" in str(w.message)]

@@ -199,6 +199,33 @@ def test_flex_attention_document_mask_matches_the_sdpa_reference():
         assert not tiny_model().uses_flex_attention("cuda")
 
 
+def test_a_first_flex_call_inside_torch_compile_leaves_later_eager_calls_fused(monkeypatch):
+    """With ``--compile`` (or a benchmark that warms its compiled runner first) the first use of
+    FlexAttention and its block mask comes from inside the traced model. A compiled wrapper
+    made there is the raw function; kept, every later eager call would run FlexAttention
+    unfused (the whole B x H x T x T score matrix) with the same numbers. Played on the CPU
+    with CUDA's path forced, up to the wrappers themselves (their kernels need a GPU)."""
+    import nanolm.model
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    monkeypatch.setattr(nanolm.model, "fused_on", lambda t: True)
+    monkeypatch.setattr(nanolm.model, "_compiled", {})
+
+    def attend(q, doc_ids):
+        return nanolm.model.flex_attention(q, q, q, nanolm.model.flex_document_mask(doc_ids))
+
+    q, doc_ids = torch.randn(1, 2, 128, 16), torch.tensor([[0] * 50 + [1] * 78])
+    try:
+        torch.compile(attend, backend="eager")(q, doc_ids)
+    finally:
+        torch._dynamo.reset()
+    for fn in (flex, create_block_mask):
+        wrapper = nanolm.model.compiled_once(fn)
+        assert wrapper is not fn and getattr(wrapper, "_torchdynamo_orig_callable", None) is fn, fn.__name__
+        assert nanolm.model.compiled_once(fn) is wrapper  # made once per process
+
+
 def test_rope_equals_the_textbook_rotate_half_formula_bit_for_bit():
     """apply_rope rolls x and keeps the sign in the sin table; the numbers must be exactly
     those of x·cos + rotate_half(x)·sin with the plain tables (what Llama and HF compute)."""

@@ -63,6 +63,9 @@ BUGS = [
     Bug("ranks_share_windows", "under torchrun every rank trains on the same batch: N GPUs, one GPU's data",
         "nanolm/batches.py", "return starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]",
         "return starts[: self.batch_size]"),
+    Bug("device_batch_pinned", "a batch already on the GPU is pinned again on its way there: CUDA refuses, and a "
+        "benchmark or a user calling train_step with device batches crashes", "nanolm/batches.py",
+        'if device.type == "cuda" and not t.is_cuda:', 'if device.type == "cuda":'),
     Bug("eval_tail_counted_twice", "validation counts some tokens twice: a slightly wrong val loss",
         "nanolm/batches.py", "        tail_from = covered - last", "        tail_from = 0"),
     Bug("bpe_cut_at_any_newline", "a long document encodes to slightly different tokens than the tokenizer's own",
@@ -74,6 +77,10 @@ BUGS = [
     Bug("tokenizer_sees_validation", "BPE merges learnt from the held-out text: validation compresses better than unseen text, a flattered loss",
         "nanolm/prepare.py", 'if kind == "char" or split == "train":', "if True:"),
     # model
+    Bug("flex_compiled_while_tracing", "FlexAttention's compiled wrapper is made inside a --compile trace: the raw "
+        "function is kept, and every later eager call attends unfused, same numbers, slower and larger",
+        "nanolm/model.py", "    if torch.compiler.is_compiling():\n        return fn\n",
+        "    if False:  # made even while traced\n        return fn\n"),
     Bug("rope_off", "the model loses word order beyond what the causal mask gives; trains, worse",
         "nanolm/model.py", "return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v", "return q, k, v"),
     Bug("final_norm_skipped", "the head reads an unnormalised residual stream; trains, less stably",
@@ -242,6 +249,12 @@ BUGS = [
         "nanolm/optim.py", '        self.muon.load_state_dict(state["muon"])\n', "        pass\n"),
     Bug("grouped_muon_one_norm_for_all", "Muon's batched iteration scales all matrices of a shape by one norm: each update is mis-sized",
         "nanolm/muon.py", "torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)", "torch.linalg.vector_norm(x)"),
+    Bug("grouped_muon_newton_schulz_step_short", "GroupedMuon's iteration stops one step early: updates less orthogonal than "
+        "PyTorch's Muon, a run that trains a little worse", "nanolm/muon.py", "    for _ in range(steps):\n",
+        "    for _ in range(steps - 1):\n"),
+    Bug("posix_only_import_in_the_meter", "nanolm cannot even be imported on Windows: the step meter imports "
+        "``resource`` at module level, which only POSIX has; nothing on Linux notices",
+        "nanolm/meter.py", "import os\nimport sys\n", "import os\nimport resource  # noqa: F401\nimport sys\n"),
     Bug("muon_in_bf16_without_bf16_units", "Muon's iteration runs in bf16 on a CPU that emulates it: seconds per step",
         "nanolm/muon.py", 'return torch.float32 if device.type == "cpu" and not cpu_has_native_bf16() else torch.bfloat16',
         "return torch.bfloat16"),
@@ -265,7 +278,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout").split()
+              "test_layout test_platforms").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:
