@@ -613,7 +613,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 logits = h @ w.t()
                 log_probs = torch.log_softmax(logits.float(), dim=-1)
                 token_loss = -log_probs.gather(1, safe_t)
-                total += torch.where(counted, token_loss, 0.0).sum()
+                # not in place: PyTorch 2.11's torch.compile drops the gradient of a Function
+                # whose forward mutates its output in place (every gradient 0, the loss right)
+                total = total + torch.where(counted, token_loss, 0.0).sum()
                 if not wants_grad:
                     continue
                 # softmax minus one-hot; exp(x) as 2**(x·log2 e): PyTorch's CPU exp2 is the faster kernel

@@ -171,7 +171,9 @@ def simulated_machine(kind: str, monkeypatch) -> str:
                          ("max_memory_allocated", lambda device=None: 0),
                          ("mem_get_info", lambda device=None: (16 << 30, 16 << 30)),
                          ("get_rng_state", lambda device=None: torch.zeros(16, dtype=torch.uint8)),
-                         ("set_rng_state", lambda state, device=None: None)):
+                         ("set_rng_state", lambda state, device=None: None),
+                         # the optimizers' check for a CUDA graph being captured (on a CUDA build of torch)
+                         ("is_current_stream_capturing", lambda: False)):
         monkeypatch.setattr(torch.cuda, name, answer)
     return "cuda:0"
 

@@ -311,4 +311,8 @@ def test_a_compiled_step_follows_the_eager_step():
         results.append((train_step(setup, 1, [batch]).loss.item(), [p.detach().clone() for p in model.parameters()]))
     (eager_loss, eager_weights), (compiled_loss, compiled_weights) = results
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(eager_weights, compiled_weights))
+    start = [p.detach() for p in tiny_model(n_layer=1).parameters()]
+    for a, b, s in zip(eager_weights, compiled_weights, start):
+        # the step moved the weights (PyTorch 2.11 compiled a step with the right loss and no gradient at
+        # all), and the compiled step's update is eager's up to float32 reordering (measured ~1e-6 of it)
+        assert (b - a).norm() <= 1e-5 * (a - s).norm() + 1e-12 and not torch.equal(b, s)
