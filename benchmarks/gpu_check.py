@@ -1,28 +1,38 @@
 """Prove nanolm on a CUDA GPU with one command: every part prints PASS or FAIL with its figure.
 
-A GPU is lent rarely and briefly, so one run of this script has to show everything the CPU
-cannot: the real ``nanolm train`` loop with its defaults on the device, end to end; each number
-format (bf16 autocast against fp32 on the same batch, fp16 with the loss scaler through an
-overflow, bf16-pure with stochastic rounding), Muon and ``--compile``; a ``kill -9`` in the
-middle of a ``--deterministic`` run whose rerun ends bit-identical to an uninterrupted one; a
-planted NaN rolled back; FlexAttention's document mask against SDPA's boolean mask, forward and
-backward, and what it costs against plain causal attention; tokens/s and MFU at GPT-2 small's
-shape (124M parameters, context 1024), eager and compiled, with the mask and without; the
-output head and the loss at GPT-2's vocabulary; the GPU-marked tests.
+A GPU is lent rarely and briefly (think of one short rental, start-up included), so the first
+run must prove what matters most and fit the time there is. The parts come in three groups,
+each one run of this script:
+
+* ``first`` (the default, ~6 minutes cold by the parts' estimates): the real ``nanolm train``
+  loop with its defaults on the device, end to end (evaluation, statistics, checkpoints, the
+  sample, ``eval`` and ``export``); a ``kill -9`` in the middle of a ``--deterministic`` run
+  whose rerun ends bit-identical to an uninterrupted one; FlexAttention's document mask against
+  SDPA's boolean mask and the hand-written reference, forward and backward, fp32 and bf16; one
+  batch under bf16 autocast against fp32.
+* ``second``: fp16 with the loss scaler through an overflow, bf16-pure with stochastic rounding,
+  a planted NaN rolled back, Muon, ``--compile`` against eager, the GPU-marked tests.
+* ``timing``, each part alone on a quiet device: what FlexAttention's document mask costs
+  against plain causal attention; tokens/s and MFU at GPT-2 small's shape (124M parameters,
+  context 1024), eager and compiled, with the mask and without; the output head and the loss
+  at GPT-2's vocabulary.
 
 Each part runs in a process of its own with its own time limit, so a crash or a hung kernel
-costs that part and not the report: it is killed with its children and says ``timed out``.
-The parts that only check numbers run a few at a time (``--jobs``); the ones that time the
-GPU run alone, at the end, on a quiet machine. The whole run must fit ``--budget`` seconds
-(480: the issue's 8 minutes, with cold compile caches: each run compiles into a fresh
-``TORCHINDUCTOR_CACHE_DIR`` unless the environment sets one); a part that cannot start before
-the budget ends fails and says so. Figures go to ``OUT/<part>.json`` and ``OUT/summary.json``,
-each part's output to ``OUT/logs/<part>.log``; the last line is the verdict, and the exit status
-is 0 only when every part passed (2 when no GPU is visible: then nothing runs).
+costs that part and not the report: it is killed with its children and says ``timed out``. The
+parts that only check numbers run a few at a time (``--jobs``); the ones that time the device run
+alone, after them. Each part has an estimate of its time on a cold H200 (printed at the start,
+summed; docs/gpu.md), and the run must fit ``--budget`` seconds (360 by default, with cold
+compile caches: each run compiles into a fresh ``TORCHINDUCTOR_CACHE_DIR`` unless the
+environment sets one); a part that cannot start before the budget ends fails and says so.
+Everything lands in the one directory ``--out``: ``<part>.json``, ``summary.json``, and each
+part's output in ``logs/<part>.log``, written as it comes (a part stopped at its limit leaves
+what it said); the last line is the verdict, and the exit status is 0 only when every part
+passed (2 when no GPU is visible: then nothing runs).
 
-    bash benchmarks/gpu_check.sh --out /tmp/gpu_check            # on a CUDA machine (docs/gpu.md)
-    python3 benchmarks/gpu_check.py --out DIR --parts train,kill9 --jobs 2
-    python3 benchmarks/gpu_check.py --device cpu --tiny --threads 1 --out DIR   # the harness itself, on a CPU
+    bash benchmarks/gpu_check.sh --out /tmp/gpu_check                        # the first contact
+    bash benchmarks/gpu_check.sh --out /tmp/gpu_check2 --parts second --budget 420
+    bash benchmarks/gpu_check.sh --out /tmp/gpu_check3 --parts timing --budget 480
+    python3 benchmarks/gpu_check.py --device cpu --tiny --threads 1 --parts all --out DIR   # the harness itself
 
 ``--device cpu --tiny`` runs every part at toy sizes on the CPU, leaving out only what a CPU
 cannot do (FlexAttention's backward pass): that is how tests/test_gpu_check.py proves the
@@ -50,7 +60,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "data" / "toy.txt"
-BUDGET_S = 480
+BUDGET_S = 360
 
 
 class Failed(Exception):
@@ -487,36 +497,36 @@ def part_nan_rollback(ctx: Context) -> str:
             f"val bpb {last['val_bpb']:.3f}, weights finite")
 
 
+def flex_windows(ctx: Context):
+    """(device, whether to go backward, the document ids of windows of the toy corpus, B, H, T, D):
+    GPT-2 small's attention (12 heads of 64, context 1024) at half its batch, windows holding
+    several stories each."""
+    import torch
+
+    from nanolm.batches import WindowSampler, pack_windows
+
+    device = torch.device(ctx.device)
+    tokens, _, eos = toy_tokens(ctx)
+    B, H, T, D = ctx.sized((8, 12, 1024, 64), (4, 2, 256, 16))
+    doc_ids = pack_windows(tokens, WindowSampler(len(tokens), T, B, seed=0).next_starts(), T, eos).doc_ids.to(device)
+    check(bool((doc_ids[:, -1] > 0).float().mean() >= 0.5), "fewer than half the windows hold two documents: "
+                                                             "too little for the mask to separate")
+    return device, device.type == "cuda", doc_ids, (B, H, T, D)  # FlexAttention has no backward pass on a CPU
+
+
 def part_flex(ctx: Context) -> str:
     """FlexAttention's block mask (the CUDA path of the document mask) against SDPA with the
     boolean block-diagonal mask and the hand-written reference, on windows of the toy corpus
-    (several stories each): outputs and the gradients of q, k and v, in fp32 and bf16. Then
-    what it costs, forward and backward in bf16 at the same shape (GPT-2 small's attention: 12 heads of 64,
-    context 1024; batch 8), against
-    plain causal attention (SDPA's own kernel and a causal block mask), the block mask's
-    construction (once per forward pass, shared by every layer) timed apart."""
+    (several stories each): outputs and the gradients of q, k and v, in fp32 and bf16."""
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention.flex_attention import create_block_mask
 
-    from nanolm.batches import WindowSampler, pack_windows
-    from nanolm.model import (
-        document_causal_mask,
-        flex_attention,
-        flex_document_mask,
-        reference_attention,
-    )
+    from nanolm.model import document_causal_mask, flex_attention, flex_document_mask, reference_attention
 
-    device = torch.device(ctx.device)
-    backward = device.type == "cuda"  # FlexAttention has no backward pass on a CPU
+    device, backward, doc_ids, (B, H, T, D) = flex_windows(ctx)
     if not backward:
         ctx.notes.append("backward not checked: FlexAttention has no backward pass on a CPU")
-    tokens, _, eos = toy_tokens(ctx)
-    B, H, T, D = ctx.sized((8, 12, 1024, 64), (4, 2, 256, 16))  # GPT-2 small's attention, half its batch
-    doc_ids = pack_windows(tokens, WindowSampler(len(tokens), T, B, seed=0).next_starts(), T, eos).doc_ids.to(device)
     docs = (doc_ids[:, -1] + 1).float().mean().item()
-    check(bool((doc_ids[:, -1] > 0).float().mean() >= 0.5), "fewer than half the windows hold two documents: "
-                                                             "too little for the mask to separate")
     errors = {}
     for dtype, tolerance in ((torch.float32, 5e-3), (torch.bfloat16, 3e-2)):
         g = torch.Generator(device=device).manual_seed(0)
@@ -543,8 +553,23 @@ def part_flex(ctx: Context) -> str:
                 check(err < tolerance, f"{label}: FlexAttention's {tensor} differs from {other}'s by {err:.2e} "
                                        f"of its largest value (tolerance {tolerance})")
     ctx.figures.update(shape=[B, H, T, D], documents_per_window=docs, relative_max_errors=errors)
+    worst = max(errors, key=errors.get)
+    return f"largest difference {errors[worst]:.1e} ({worst}), {docs:.1f} documents per window"
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the cost at the same shape: no recompiling
+
+def part_flex_cost(ctx: Context) -> str:
+    """What FlexAttention's document mask costs, forward and backward in bf16 at GPT-2 small's
+    attention (12 heads of 64, context 1024; batch 8), against plain causal attention (SDPA's
+    own kernel and a causal block mask), the block mask's construction (once per forward
+    pass, shared by every layer) timed apart."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from nanolm.model import document_causal_mask, flex_attention, flex_document_mask
+
+    device, backward, doc_ids, (B, H, T, D) = flex_windows(ctx)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device=device).manual_seed(1)
     q, k, v, grad = (torch.randn(B, H, T, D, device=device, dtype=dtype, generator=g) for _ in range(4))
     doc_mask = flex_document_mask(doc_ids)
@@ -564,8 +589,7 @@ def part_flex(ctx: Context) -> str:
     ctx.figures.update(cost_dtype=str(dtype), ms=ms, timed="forward and backward" if backward
                        else "forward", share_of_causal_pairs_kept=kept, flex_document_over_sdpa_causal=ratio,
                        flex_document_over_flex_causal=ms["flex_document"] / ms["flex_causal"])
-    worst = max(errors, key=errors.get)
-    return (f"largest difference {errors[worst]:.1e} ({worst}); cost {ms['flex_document']:.2f} ms vs "
+    return (f"document mask {ms['flex_document']:.2f} ms vs "
             f"{ms['sdpa_causal']:.2f} ms plain causal ({ratio:.2f}x, keeping {kept:.0%} of the causal pairs), "
             f"block mask {ms['block_mask_build']:.2f} ms")
 
@@ -644,16 +668,15 @@ def part_throughput(ctx: Context) -> str:
 
 
 def run_benchmark(ctx: Context, script: str, args: list[str]) -> dict:
-    """Run ``benchmarks/SCRIPT ARGS``; returns the JSON it prints."""
-    argv = [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)]
-    print("$ " + shlex.join(["python", *argv[1:]]), flush=True)
-    with tempfile.TemporaryFile("w+") as err:
-        done = subprocess.run(argv, cwd=ctx.work, stdout=subprocess.PIPE, stderr=err, text=True)
-        err.seek(0)
-        said = err.read()
-    print(said + done.stdout + f"(exit {done.returncode})", flush=True)
-    check(done.returncode == 0, f"{script} exited {done.returncode}: {last_line(said)}")
-    return json.loads(done.stdout)
+    """Run ``benchmarks/SCRIPT ARGS``; returns the JSON it prints last. What it says goes to this
+    part's log as it comes, so a benchmark stopped at the part's time limit still shows how far
+    it got."""
+    code, output = streamed([sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)], ctx.work)
+    check(code == 0, f"{script} exited {code}: {last_line(output)}")
+    lines = output.splitlines()
+    start = max((i for i, line in enumerate(lines) if line == "{"), default=None)
+    check(start is not None, f"{script} printed no JSON: {last_line(output)}")
+    return json.loads("\n".join(lines[start:]))
 
 
 def part_head_and_loss(ctx: Context) -> str:
@@ -691,24 +714,60 @@ class Part:
     name: str
     run: Callable[[Context], str]
     limit_s: int  # its own time limit on a GPU (toy sizes on a CPU get the same)
+    estimate_s: int  # what it should take on a cold H200 (empty compile caches), by its steps: docs/gpu.md
+    group: str  # first, second or timing: which run of the script it belongs to
     alone: bool = False  # times the device: runs by itself, after the others
 
 
-PARTS = [  # started in this order: the longest first, so that the short ones fill the gaps
-    Part("train", part_train, 200),
-    Part("gpu_tests", part_gpu_tests, 300),
-    Part("compile", part_compile, 240),
-    Part("kill9", part_kill9, 240),
-    Part("bf16_vs_fp32", part_bf16_vs_fp32, 120),
-    Part("fp16_overflow", part_fp16_overflow, 120),
-    Part("bf16_pure", part_bf16_pure, 150),
-    Part("muon", part_muon, 150),
-    Part("nan_rollback", part_nan_rollback, 150),
-    Part("flex", part_flex, 180, alone=True),
-    Part("throughput", part_throughput, 300, alone=True),
-    Part("head_and_loss", part_head_and_loss, 90, alone=True),
+# In the order of what a first contact must prove, most important first. Each estimate counts a
+# process's start (~10 s: Python, PyTorch, CUDA's context), Triton compiling FlexAttention's
+# kernels cold (~30 s forward and backward, per process: parts that start together do not share
+# a cache yet) and the work itself; docs/gpu.md has the table.
+PARTS = [
+    Part("train", part_train, 240, 100, "first"),  # 3 processes: train (300 steps), eval, export
+    Part("kill9", part_kill9, 240, 110, "first"),  # 3 runs of 120 steps, the first compiling cold
+    Part("flex", part_flex, 180, 80, "first"),  # forward and backward in 2 dtypes: 2 cold compiles
+    Part("bf16_vs_fp32", part_bf16_vs_fp32, 120, 45, "first"),  # one batch, twice
+    Part("fp16_overflow", part_fp16_overflow, 120, 45, "second"),
+    Part("nan_rollback", part_nan_rollback, 150, 60, "second"),
+    Part("bf16_pure", part_bf16_pure, 150, 60, "second"),
+    Part("muon", part_muon, 150, 60, "second"),
+    Part("compile", part_compile, 240, 150, "second"),  # a whole-model compile, cold
+    Part("gpu_tests", part_gpu_tests, 300, 180, "second"),  # pytest -m gpu: two compiled models
+    Part("flex_cost", part_flex_cost, 180, 60, "timing", alone=True),
+    Part("throughput", part_throughput, 330, 300, "timing", alone=True),  # two cold compiles of GPT-2 small
+    Part("head_and_loss", part_head_and_loss, 120, 60, "timing", alone=True),
 ]
+GROUPS = {
+    "first": "the first contact: the default training loop end to end, kill -9 and a bit-identical resume, "
+             "FlexAttention against SDPA, bf16 against fp32",
+    "second": "the other number formats, the NaN guard, Muon, --compile, the GPU-marked tests",
+    "timing": "what the device does per second, each part alone: FlexAttention's cost, tokens/s and MFU, "
+              "the head and the loss",
+}
 BY_NAME = {p.name: p for p in PARTS}
+
+
+def planned_seconds(parts: list[Part], jobs: int) -> float:
+    """When the last part would end by the estimates: the parts that check numbers ``jobs`` at a
+    time, in order, each starting as a slot frees; then the timing parts, one after another."""
+    slots = [0.0] * max(1, jobs)
+    for part in (p for p in parts if not p.alone):
+        slots[slots.index(min(slots))] += part.estimate_s
+    return max(slots) + sum(p.estimate_s for p in parts if p.alone)
+
+
+def chosen_parts(spec: str) -> list[str]:
+    """``--parts``: group names (first, second, timing, all) and part names, comma-separated."""
+    names = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        if item == "all":
+            names += [p.name for p in PARTS]
+        elif item in GROUPS:
+            names += [p.name for p in PARTS if p.group == item]
+        else:
+            names.append(item)
+    return list(dict.fromkeys(names))
 
 
 # --------------------------------------------------------------------------- one part, in its own process
@@ -800,10 +859,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "or relative to the current one (default: %(default)s)")
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (with --tiny: the harness's own test)")
     p.add_argument("--tiny", action="store_true", help="toy sizes, for running the parts on a CPU")
-    p.add_argument("--parts", default=",".join(BY_NAME), help=f"comma-separated, of: {', '.join(BY_NAME)}")
+    p.add_argument("--parts", default="first", help="comma-separated groups or parts (default: %(default)s). Groups: "
+                   + "; ".join(f"{g}: {', '.join(p.name for p in PARTS if p.group == g)}" for g in GROUPS)
+                   + "; all: every part")
     p.add_argument("--jobs", type=int, default=None, help="parts that only check numbers run this many at a time "
                                                           "(default: 4 on a GPU, 1 on a CPU)")
-    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run (default: %(default)s)")
+    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run: a part that cannot start "
+                   "before it ends is not run (default: %(default)s; the estimates of the parts chosen are printed "
+                   "at the start)")
     p.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS",
                    help="a part's own time limit instead of its default")
     p.add_argument("--append", action="append", default=[], metavar="PART=ARGS",
@@ -827,10 +890,11 @@ def main(argv=None) -> int:
         print(f"gpu_check: no CUDA GPU is visible to PyTorch {torch.__version__} (torch.cuda.is_available() is False); "
               f"nothing was run", file=sys.stderr)
         return 2
-    names = [n.strip() for n in args.parts.split(",") if n.strip()]
+    names = chosen_parts(args.parts)
     unknown = [n for n in names if n not in BY_NAME]
     if unknown or not names:
-        print(f"gpu_check: unknown part(s) {unknown}; known: {', '.join(BY_NAME)}", file=sys.stderr)
+        print(f"gpu_check: unknown part(s) {unknown}; known: {', '.join(BY_NAME)}, or the groups "
+              f"{', '.join(GROUPS)}, all", file=sys.stderr)
         return 2
     limits = {p.name: p.limit_s for p in PARTS} | dict(parse_pairs(args.timeout, "timeout", float))
     jobs = args.jobs or (4 if args.device.startswith("cuda") else 1)
@@ -847,6 +911,12 @@ def main(argv=None) -> int:
              f"torch {info['torch']}, CUDA {info['cuda']}, Triton {info['triton']}" if "gpu" in info
              else f"cpu, {info['cpus']} cores{', toy sizes' if args.tiny else ''} | torch {info['torch']}")
     print(f"gpu_check: {where} | {len(names)} parts, {args.budget:.0f} s budget | {info['date']}", flush=True)
+    estimates = {n: BY_NAME[n].estimate_s for n in names}
+    planned = planned_seconds([BY_NAME[n] for n in names], jobs)
+    print(f"gpu_check: estimated seconds on a cold H200: " + ", ".join(f"{n} {e}" for n, e in estimates.items())
+          + f"; {sum(estimates.values())} s one after another, ~{planned:.0f} s {jobs} at a time"
+          + ("" if planned <= args.budget else
+             f": more than the {args.budget:.0f} s budget, raise --budget or choose fewer --parts"), flush=True)
 
     start = time.perf_counter()
     deadline = start + args.budget
@@ -919,7 +989,8 @@ def main(argv=None) -> int:
     skipped = sum(r["status"] == "SKIP" for r in results.values())
     failed = [name for name, r in results.items() if r["status"] == "FAIL"]
     summary = {"passed": passed, "skipped": skipped, "failed": failed, "parts": len(names),
-               "seconds": round(seconds, 1), "budget_s": args.budget, "machine": info, "argv": sys.argv[1:] if argv is None else argv,
+               "seconds": round(seconds, 1), "budget_s": args.budget, "estimates_s": estimates,
+               "planned_s": planned, "machine": info, "argv": sys.argv[1:] if argv is None else argv,
                "results": {n: results[n] for n in names}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"gpu_check: {passed}/{len(names)} parts passed" + (f", {skipped} skipped" if skipped else "")

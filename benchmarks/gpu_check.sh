@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Prove nanolm on one CUDA GPU, in one command and under 8 minutes: the real `nanolm train` loop
-# end to end, bf16 / fp16 with loss scaling / bf16-pure, Muon, --compile, kill -9 and a
-# bit-identical resume, a planted NaN rolled back, FlexAttention's document mask against SDPA,
-# tokens/s and MFU at GPT-2 small's shape, the GPU-marked tests. Each part prints PASS or FAIL
-# with its figure; the last line is the verdict; the exit status is 1 if any part failed.
+# Prove nanolm on one CUDA GPU, in one command. By default the first contact, ~6 minutes on a
+# cold H200 by the parts' estimates: the real `nanolm train` loop end to end, kill -9 and a
+# bit-identical resume, FlexAttention's document mask against SDPA forward and backward, bf16
+# against fp32. `--parts second` and `--parts timing` are the rest (number formats, the NaN
+# guard, Muon, --compile, the GPU-marked tests; then FlexAttention's cost, tokens/s and MFU at
+# GPT-2 small's shape, the head and the loss). Each part prints PASS or FAIL with its figure;
+# the last line is the verdict; the exit status is 1 if any part failed.
 #
 # Needs only what a GPU machine has: the machine's python3 with PyTorch (and Triton), pytest,
 # safetensors, tokenizers, numpy and tqdm. Installs nothing, no network. Run from anywhere:
 #
-#   bash benchmarks/gpu_check.sh --out /tmp/gpu_check          # figures: /tmp/gpu_check/*.json
-#   PYTHON=/opt/venv/bin/python bash benchmarks/gpu_check.sh   # another interpreter
-#   PEAK_TFLOPS=312 bash benchmarks/gpu_check.sh               # MFU against a GPU nanolm does not know
+#   timeout 420 bash benchmarks/gpu_check.sh --out /tmp/gpu_check   # figures, logs: one directory
+#   PYTHON=/opt/venv/bin/python bash benchmarks/gpu_check.sh         # another interpreter
+#   PEAK_TFLOPS=312 bash benchmarks/gpu_check.sh --parts timing      # MFU against a GPU nanolm does not know
 #
 # Every option goes to benchmarks/gpu_check.py (--parts, --jobs, --budget, --timeout; see its
 # --help and docs/gpu.md). Without a CUDA GPU it stops at once, with one line and exit status 2.

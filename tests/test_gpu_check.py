@@ -20,7 +20,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "benchmarks" / "gpu_check.py"
-FAST_PARTS = ["train", "bf16_vs_fp32", "fp16_overflow", "bf16_pure", "muon", "nan_rollback", "flex", "throughput"]
+FAST_PARTS = ["train", "bf16_vs_fp32", "fp16_overflow", "bf16_pure", "muon", "nan_rollback", "flex", "flex_cost",
+              "throughput"]
 SLOW_PARTS = ["kill9", "compile", "gpu_tests", "head_and_loss"]  # kill9 fails on purpose below; compile takes ~50 s
 
 
@@ -74,6 +75,8 @@ def test_every_part_passes_at_toy_sizes_and_writes_its_figures_under_the_directo
     assert figures["flex"]["relative_max_errors"]["float32 out vs sdpa"] < 1e-5
     assert figures["bf16_pure"]["saved_dtypes"] == ["torch.bfloat16"]
     assert "nanolm_mask_off" in figures["throughput"]["variants"]
+    assert set(figures["flex_cost"]["ms"]) == {"flex_document", "flex_causal", "sdpa_causal", "sdpa_boolean_document",
+                                               "block_mask_build"}
 
 
 def test_a_part_whose_check_breaks_fails_and_the_run_exits_1(tmp_path):
@@ -95,15 +98,21 @@ def test_a_part_whose_check_breaks_fails_and_the_run_exits_1(tmp_path):
 
 def test_a_part_past_its_time_limit_is_stopped_and_one_past_the_budget_is_not_started(tmp_path):
     """A part past its limit is killed with what it started (the `nanolm train` it waits for):
-    nothing of it runs on, nothing finishes behind the verdict's back; a part that cannot start
-    before the budget ends is not started, and says so."""
+    nothing of it runs on, nothing finishes behind the verdict's back, and its log keeps what it
+    had said (written as it came); a part that cannot start before the budget ends is not
+    started, and says so. The estimates of the parts chosen are printed first."""
     out, work = tmp_path / "out", tmp_path / "work"
-    r = gpu_check("--out", out, "--work", work, "--parts", "train,muon", "--timeout", "train=1", "--budget", "6")
+    r = gpu_check("--out", out, "--work", work, "--parts", "train,muon", "--timeout", "train=8", "--budget", "12",
+                  "--append", "train=--steps 100000")  # a run that cannot end within its limit
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
-    assert any(line.startswith("FAIL train (") and "timed out after 1 s (the part's time limit)" in line
+    assert lines[1].startswith("gpu_check: estimated seconds on a cold H200: train 100, muon 60; 160 s one after "
+                               "another, ~160 s 1 at a time: more than the 12 s budget"), lines[1]
+    assert any(line.startswith("FAIL train (") and "timed out after 8 s (the part's time limit)" in line
                for line in lines), r.stdout
-    assert any(line.startswith("FAIL muon (0.0 s): not run: the 6 s budget was spent") for line in lines), r.stdout
+    assert any(line.startswith("FAIL muon (0.0 s): not run: the 12 s budget was spent") for line in lines), r.stdout
+    partial = (out / "logs" / "train.log").read_text()
+    assert partial.startswith("== train on cpu (toy sizes)") and "$ python -m nanolm train" in partial, partial
     assert json.loads((out / "train.json").read_text())["status"] == "FAIL"
     assert json.loads((out / "summary.json").read_text())["passed"] == 0
     still_running = []
@@ -114,6 +123,26 @@ def test_a_part_past_its_time_limit_is_stopped_and_one_past_the_budget_is_not_st
         except OSError:
             pass  # a process that ended while we looked
     assert not still_running and not (work / "train" / "run" / "final.json").exists()
+
+
+def test_the_first_contact_proves_what_matters_first_and_fits_six_minutes_by_its_estimates():
+    """The default: the training loop end to end, kill -9 and resume, FlexAttention against
+    SDPA, bf16 against fp32, whose estimates on a cold H200 add up to the default budget of 6
+    minutes; the rest are opt-in groups; every part belongs to exactly one group, and the parts
+    that time the device come last."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check as driver
+    finally:
+        sys.path.pop(0)
+    first = driver.chosen_parts(driver.build_parser().parse_args([]).parts)
+    assert first == ["train", "kill9", "flex", "bf16_vs_fp32"]
+    assert sum(driver.BY_NAME[n].estimate_s for n in first) <= driver.BUDGET_S == 360
+    groups = [driver.chosen_parts(g) for g in driver.GROUPS]
+    assert sorted(n for g in groups for n in g) == sorted(driver.BY_NAME) == sorted(driver.chosen_parts("all"))
+    assert all(p.alone == (p.group == "timing") for p in driver.PARTS)
+    assert all(p.estimate_s < p.limit_s for p in driver.PARTS)
+    assert driver.chosen_parts("first,kill9,flex_cost") == first + ["flex_cost"]
 
 
 @pytest.mark.slow

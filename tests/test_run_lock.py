@@ -277,3 +277,85 @@ def test_resuming_with_steps_below_the_checkpoint_says_so_in_one_line(tmp_path, 
     (out / "model.safetensors").unlink()
     assert main(_command(stories_file, "--out-dir", out, "--steps", 5)) == 0
     assert said in capsys.readouterr().out and read_final(out)["step"] == 10
+
+
+# ------------------------------------------------------------------ odd lock files, side doors (issue 34)
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
+@pytest.mark.parametrize("command", ["train", "prepare"])
+def test_a_lock_file_that_is_not_a_plain_file_is_refused_in_one_line_and_left_alone(kind, command, tmp_path,
+                                                                                   stories_file, capsys):
+    """A ``.lock`` that is a symbolic link (which could point anywhere), a FIFO (which would
+    block or refuse the holder's line) or a directory is not nanolm's: one line names it and
+    the fix, exit 2, nothing written; the thing itself is untouched."""
+    out = tmp_path / "run"
+    out.mkdir()
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not yours\n")
+    {"symlink": lambda p: p.symlink_to(target), "fifo": os.mkfifo, "directory": os.mkdir}[kind](out / LOCK_FILE)
+    argv = (_command(stories_file, "--out-dir", out) if command == "train"
+            else ["prepare", "--data", str(stories_file), "--out", str(out), "--tokenizer", "char"])
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert f"{out / LOCK_FILE} is a" in line and "not the lock file nanolm writes there; remove it" in line, line
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE] and target.read_text() == "not yours\n"
+    (out / LOCK_FILE).rmdir() if kind == "directory" else (out / LOCK_FILE).unlink()
+    assert main(argv) == 0  # the cause removed, the same command runs
+
+
+def test_deleting_the_lock_file_of_a_live_run_lets_no_second_writer_in(tmp_path, stories_file, alone, capsys):
+    """The lock is held on the run directory itself: deleting ``.lock`` (a leftover-looking
+    file) only loses the holder's name. The second command is still refused, and the first
+    ends bit-identical to the command run alone."""
+    out = tmp_path / "run"
+    first = _start(*_command(stories_file, "--out-dir", out))
+    try:
+        _when(first, lambda: (out / "checkpoints" / "latest").exists() and _holds_lock(first, out)())
+        first.send_signal(signal.SIGSTOP)
+        (out / LOCK_FILE).unlink()
+        before = _files(out)
+        assert main(_command(stories_file, "--out-dir", out, "--lr", "1e-2")) == 2
+        assert f"{out} is being written by another process; wait" in _one_error_line(capsys)
+        assert _files(out) == before
+    finally:
+        first.send_signal(signal.SIGCONT)
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    assert _same_run(out, alone)
+
+
+def test_prepare_into_a_live_runs_data_directory_is_refused(tmp_path, stories_file, alone, capsys):
+    """``nanolm prepare --out RUN/data`` while RUN trains would rewrite the shards under it: the
+    run would end having trained on other data than it recorded. Refused, naming the run."""
+    out = tmp_path / "run"
+    first = _start(*_command(stories_file, "--out-dir", out))
+    try:
+        _when(first, lambda: (out / "checkpoints" / "latest").exists() and _holds_lock(first, out)())
+        first.send_signal(signal.SIGSTOP)
+        before = _files(out)
+        other = tmp_path / "other.txt"
+        other.write_text("Another text altogether, with other letters: zqxj.\n" * 50)
+        assert main(["prepare", "--data", str(other), "--out", str(out / "data"), "--tokenizer", "char"]) == 2
+        line = _one_error_line(capsys)
+        assert f"{out / 'data'} is inside {out}, which is being written by process {first.pid}" in line, line
+        assert _files(out) == before
+    finally:
+        first.send_signal(signal.SIGCONT)
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    assert _same_run(out, alone)
+
+
+def test_the_locks_cleanup_never_hides_the_error_that_stopped_the_run(tmp_path, monkeypatch):
+    """A run directory that turns read-only mid-run: the lock file cannot be removed either,
+    and that failure must not replace the error that stopped the run (a failed save)."""
+    def read_only(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    with pytest.raises(NanolmError, match="could not save the checkpoint of step 20"):
+        with RunLock() as lock:
+            lock.take(tmp_path / "run")
+            monkeypatch.setattr(type(tmp_path), "unlink", read_only)
+            raise NanolmError("could not save the checkpoint of step 20: the file system is read-only")
+    monkeypatch.undo()
+    with RunLock() as lock:  # the lock died with its descriptor
+        lock.take(tmp_path / "run")

@@ -235,6 +235,13 @@ BUGS = [
         "nanolm/observer.py", 'if group.get("weight_decay", 0) > 0', 'if group.get("weight_decay", 0) < 0'),
     Bug("replay_skips_the_steps_between", "a replayed step starts from the checkpoint's weights: not the step the run took",
         "nanolm/instruments/replay.py", "    for s in range(start + 1, step):", "    for s in range(start + 1, start + 1):"),
+    Bug("lock_on_the_file_only", "the run's lock is held on RUN/.lock: deleting that leftover-looking file lets a "
+        "second writer train beside the first, both exit 0", "nanolm/lock.py",
+        "    if fcntl is None:\n        return None\n    return os.open(directory",
+        "    if True:\n        return None\n    return os.open(directory"),
+    Bug("prepare_into_a_live_run", "nanolm prepare --out RUN/data rewrites the shards under a training run: it ends "
+        "having trained on other data than it recorded", "nanolm/lock.py",
+        "if holder is not None and holder != _this_process():", "if False:"),
     Bug("muon_takes_the_embedding", "Muon orthogonalises the embedding table's (and tied head's) update too",
         "nanolm/optim.py", "if p.requires_grad and p.dim() == 2 and id(p) not in excluded]",
         "if p.requires_grad and p.dim() == 2]"),
