@@ -56,12 +56,14 @@ import torch
 from .errors import NanolmError
 from .files import (
     ENVIRONMENT_ERRNOS,
+    WholeWrites,
     atomic_write_text,
     check_manifest,
     check_seal,
     describe_os_error,
     fsync_dir,
     manifest,
+    naming_the_file,
     read_json,
     replace,
     sealed,
@@ -91,9 +93,10 @@ def save_weights(model: GPT, path) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        save_model(model, str(tmp))
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        with naming_the_file(path):
+            save_model(model, str(tmp))
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -248,9 +251,8 @@ def _json_float(x):
 
 
 def _torch_save_synced(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
+    with naming_the_file(path), open(path, "wb", buffering=0) as f:
+        torch.save(obj, WholeWrites(f))
         os.fsync(f.fileno())
 
 

@@ -25,8 +25,11 @@ import errno
 import hashlib
 import json
 import os
+import io
+import re
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import NanolmError
@@ -46,6 +49,55 @@ def describe_os_error(e: OSError) -> str:
             errno.EPERM: "you may not write there; choose another --out-dir",
             errno.EFBIG: "the file is larger than this system allows"}.get(e.errno, "")
     return f"cannot write {where}: {e.strerror or e}" + (f" ({hint})" if hint else "")
+
+
+_OS_ERROR_IN_WORDS = re.compile(r"\(os error (\d+)\)")
+
+
+@contextmanager
+def naming_the_file(path):
+    """Let an error raised while writing ``path`` reach the user as the one-line OSError it is.
+
+    Two kinds of writer hide it: Python's own file methods raise ``OSError`` without the file's
+    name ("cannot write a file: No space left on device" helps nobody find what filled up), and
+    libraries written in Rust (safetensors) raise their own exception type with the OS error
+    in words ("... No space left on device (os error 28)"), which a handler waiting for
+    ``OSError`` never sees: a full disk became a traceback. Both become ``OSError(errno, ...,
+    path)``; anything else passes unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+    except Exception as e:
+        found = _OS_ERROR_IN_WORDS.search(str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
+class WholeWrites(io.RawIOBase):
+    """A file for ``torch.save`` that writes every byte it is given or raises.
+
+    ``torch.save`` to a real file writes through its descriptor and checks the position after
+    each record: on a full disk the write comes up short, and all the user sees is
+    ``RuntimeError: ... unexpected pos``. Through this object the short write is retried,
+    and the disk's refusal surfaces as the ``OSError`` it is."""
+
+    def __init__(self, raw):
+        super().__init__()
+        self.raw = raw
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[self.raw.write(view):]
+        return len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
 
 
 WINDOWS = os.name == "nt"
@@ -81,7 +133,7 @@ def atomic_write_text(path, text: str) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with naming_the_file(path), os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

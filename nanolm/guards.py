@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from .errors import NanolmError
-from .files import read_jsonl
+from .files import naming_the_file, read_jsonl
 
 NAN_ACTIONS = ("stop", "skip", "rollback")
 SPIKE_ACTIONS = ("off", "warn", "skip", "rollback")
@@ -190,7 +190,7 @@ class Guard:
 
     def _append(self, event: dict) -> None:
         if self.events_path is not None:
-            with open(self.events_path, "a", encoding="utf-8") as f:
+            with naming_the_file(self.events_path), open(self.events_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(event) + "\n")
 
     def reset_history(self) -> None:

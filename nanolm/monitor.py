@@ -36,7 +36,7 @@ import os
 import sys
 from pathlib import Path
 
-from .files import read_jsonl, replace
+from .files import naming_the_file, read_jsonl, replace
 
 LOG_SINKS = ("wandb", "tensorboard")
 PROGRESS_MODES = ("auto", "bar", "lines")
@@ -71,8 +71,9 @@ class MetricsFile:
     def write(self, row: dict) -> None:
         if row["step"] <= self.last_step:
             raise ValueError(f"metrics step {row['step']} written after step {self.last_step}: steps must increase")
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        with naming_the_file(self.path):
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
         self.last_step = row["step"]
 
     def rewind(self, step: int) -> None:

@@ -52,6 +52,8 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("out-dir nobody may write", ["train", "--data", text, "--out-dir", "/sys/nanolm-run", *TINY]),
         ("out-dir holds another run", ["train", "--data", text, "--out-dir", run, *TINY, "--n-embd", "64"]),
         ("--resume never on a run", ["train", "--data", text, "--out-dir", run, *TINY, "--resume", "never"]),
+        (".lock is a symbolic link", ["train", "--data", text, "--out-dir", str(d / "lock_symlink"), *TINY]),
+        (".lock is a FIFO", ["train", "--data", text, "--out-dir", str(d / "lock_fifo"), *TINY]),
         ("--resume of a missing path", train("--resume", str(d / "nothing"))),
         ("batch too large for memory", ["train", "--data", text, "--out-dir", new, "--batch-size", "100000"]),
         ("flex attention on CPU", train("--attention", "flex", "--device", "cpu")),
@@ -92,6 +94,7 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("export: not a run", ["export", str(d / "empty_dir"), "--out", str(d / "hf")]),
         ("prepare: into a directory with other files", ["prepare", "--data", text, "--out", str(d)]),
         ("prepare: --out is a file", ["prepare", "--data", text, "--out", text]),
+        ("prepare: .lock is a FIFO", ["prepare", "--data", text, "--out", str(d / "lock_fifo")]),
         ("prepare: --val-fraction 1", ["prepare", "--data", text, "--out", str(d / "p2"), "--val-fraction", "1"]),
         ("prepare: --vocab-size 10 for BPE", ["prepare", "--data", text, "--out", str(d / "p3"), "--vocab-size", "10"]),
         ("prepare: --seq-len 0", ["prepare", "--data", text, "--out", str(d / "p4"), "--seq-len", "0"]),
@@ -136,6 +139,10 @@ def setup(d: Path) -> None:
     (d / "unknown.toml").write_text("[train]\nstepz = 3\n")
     (d / "wrongtype.toml").write_text("[train]\nsteps = \"many\"\n")
     (d / "empty_dir").mkdir()
+    (d / "lock_symlink").mkdir()
+    (d / "lock_symlink" / ".lock").symlink_to(d / "text.txt")  # nanolm must neither follow nor remove it
+    (d / "lock_fifo").mkdir()
+    os.mkfifo(d / "lock_fifo" / ".lock")
     r = _nanolm(["train", "--data", str(d / "text.txt"), "--out-dir", str(d / "run"), *TINY], d)
     if r.returncode:
         raise SystemExit(f"setup: the reference run failed:\n{r.stderr}")

@@ -235,6 +235,13 @@ BUGS = [
         "nanolm/observer.py", 'if group.get("weight_decay", 0) > 0', 'if group.get("weight_decay", 0) < 0'),
     Bug("replay_skips_the_steps_between", "a replayed step starts from the checkpoint's weights: not the step the run took",
         "nanolm/instruments/replay.py", "    for s in range(start + 1, step):", "    for s in range(start + 1, start + 1):"),
+    Bug("full_disk_in_safetensors_words", "a full disk while saving weights ends in a traceback (safetensors' own "
+        "error type) instead of one line naming the file", "nanolm/files.py",
+        "found = _OS_ERROR_IN_WORDS.search(str(e))", "found = None"),
+    Bug("full_disk_at_the_state_names_no_file", "a full disk while saving the optimizer state says 'cannot write a "
+        "file' without naming it (or, when the disk fills mid-write, torch's 'unexpected pos' traceback)", "nanolm/checkpoint.py",
+        'with naming_the_file(path), open(path, "wb", buffering=0) as f:\n        torch.save(obj, WholeWrites(f))',
+        'with open(path, "wb") as f:\n        torch.save(obj, f)'),
     Bug("lock_on_the_file_only", "the run's lock is held on RUN/.lock: deleting that leftover-looking file lets a "
         "second writer train beside the first, both exit 0", "nanolm/lock.py",
         "    if fcntl is None:\n        return None\n    return os.open(directory",
@@ -285,7 +292,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout test_platforms").split()
+              "test_layout test_platforms test_full_disk").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:

@@ -1,0 +1,132 @@
+"""A disk that fills up during a run: one line naming the file, nothing lost, and the same
+command, once there is room, ends bit-identical to a run that never met a full disk.
+
+Disks fill up in real training runs, most often at a save, the largest write. The writers
+there do not say so in Python's terms: safetensors raises its own exception with the OS error
+in words, ``torch.save`` to a real file a ``RuntimeError`` about an "unexpected pos". Here the
+disk really fills: the run directory is a small RAM file system (tmpfs, mounted by root; the
+tests skip where mounting is not allowed) with a filler file leaving exactly the room under
+test, and "freeing some space" is deleting the filler.
+"""
+
+import math
+import os
+import subprocess
+import uuid
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nanolm.instruments.cli import main
+from nanolm.monitor import read_metrics
+
+PAGE = 4096
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
+        "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--log-every", "1",
+        "--steps", "20", "--eval-every", "10", "--ckpt-every", "10", "--threads", "1"]
+SAME = ("step", "loss", "lr", "grad_norm", "val_loss")
+
+
+def _command(data, out):
+    return ["train", "--data", str(data), "--out-dir", str(out), *TINY]
+
+
+def _pages(path) -> int:
+    return math.ceil(path.stat().st_size / PAGE)
+
+
+def _same_run(a, b) -> bool:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    rows = [[{k: r.get(k) for k in SAME} for r in read_metrics(d / "metrics.jsonl")] for d in (a, b)]
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa) and rows[0] == rows[1]
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory, stories_file):
+    out = tmp_path_factory.mktemp("alone") / "run"
+    assert main(_command(stories_file, out)) == 0
+    return out
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(free_bytes)``: a 16 MiB tmpfs at ``tmp_path / "disk"`` with only
+    ``free_bytes`` free (the rest a filler file); returns the filler, to delete for room."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", f"nanolm-test-{uuid.uuid4().hex[:8]}",
+                           str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here ({done.stderr.strip() or 'not root'})")
+
+    def leave(free_bytes: int):
+        filler = mount / "filler"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (16 * 2**20 - free_bytes))
+        return filler
+
+    try:
+        yield mount, leave
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def _room(alone, *, without: tuple[str, ...] = ()) -> int:
+    """The bytes the run's files take in pages, but for the files named in ``without`` (paths
+    relative to the run), plus two pages for the temporary copies of atomic writes."""
+    files = [p for p in alone.rglob("*") if p.is_file() and str(p.relative_to(alone)) not in without]
+    return (sum(_pages(p) for p in files) + 2) * PAGE
+
+
+@pytest.mark.parametrize("fails_at", ["final weights", "checkpoint weights", "checkpoint state"])
+def test_a_full_disk_is_one_line_naming_the_file_and_the_rerun_ends_bit_identical(fails_at, small_disk, alone,
+                                                                                   stories_file, capsys):
+    """The disk fills at the final weights (safetensors' own error), at the last checkpoint's
+    weights, or at its optimizer state (``torch.save``'s short write): one line naming the file
+    and the fix, exit 2; the previous checkpoint intact; the same command, once the space is
+    freed, finishes the run bit-identical to one that never met a full disk."""
+    mount, leave = small_disk
+    out = mount / "run"
+    last = alone / "checkpoints" / "step_000020"
+    without = {"final weights": ("model.safetensors", "final.json"),
+               "checkpoint weights": tuple(str(p.relative_to(alone)) for p in last.iterdir())
+               + ("model.safetensors", "final.json", "checkpoints/latest"),
+               "checkpoint state": tuple(str(p.relative_to(alone)) for p in last.iterdir() if p.name != "model.safetensors")
+               + ("model.safetensors", "final.json", "checkpoints/latest")}[fails_at]
+    filler = leave(_room(alone, without=without))
+    assert main(_command(stories_file, out)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    named = {"final weights": f"cannot write {out / 'model.safetensors'}: No space left on device (free some space)",
+             "checkpoint weights": "could not save the checkpoint of step 20: cannot write ",
+             "checkpoint state": "could not save the checkpoint of step 20: cannot write "}[fails_at]
+    assert named in err[0], err[0]
+    if fails_at != "final weights":
+        file = "model.safetensors" if fails_at == "checkpoint weights" else "state.pt"
+        assert f"/{file}: No space left on device (free some space); the previous checkpoint is intact" in err[0]
+        assert (out / "checkpoints" / "latest").read_text().strip() == "step_000010"
+    assert "Traceback" not in err[0] and not list(out.rglob(".*.tmp")) and not list(out.rglob(".tmp-*"))
+    filler.unlink()  # room again
+    assert main(_command(stories_file, out)) == 0
+    assert _same_run(out, alone)
+
+
+def test_a_write_error_without_a_file_name_gets_the_name_of_the_file_written():
+    """Python's own writes raise OSError without the file's name, and safetensors raises its own
+    exception type with the OS error in words: both become an OSError naming the file."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from nanolm.files import naming_the_file
+
+    with pytest.raises(OSError) as caught, naming_the_file("runs/x/metrics.jsonl"):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert caught.value.filename == "runs/x/metrics.jsonl" and caught.value.errno == errno.ENOSPC
+    with pytest.raises(OSError) as caught, naming_the_file("runs/x/model.safetensors"):
+        raise SafetensorError("Error while serializing: I/O error: Disk quota exceeded (os error 122)")
+    assert (caught.value.errno, caught.value.filename) == (122, "runs/x/model.safetensors")
+    with pytest.raises(ValueError), naming_the_file("x"):  # anything else passes unchanged
+        raise ValueError("not a disk")
+    assert os.strerror(122) == caught.value.strerror
