@@ -212,6 +212,11 @@ class RunLock:
                 self._dir_fd = dir_fd
             if self._dir_fd is not None:
                 self._fd = _open_lock_file(path)
+                try:  # the file too, as nanolm did before the directory: an older nanolm on this run is refused
+                    _lock(self._fd)
+                except OSError as e:
+                    if e.errno in HELD:
+                        raise _refusal(e, directory, _holder(path), flag) from None
                 _write_holder(self._fd)
                 return
             try:
