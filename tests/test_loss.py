@@ -235,3 +235,34 @@ def test_a_loss_chunk_keeps_a_cpus_logits_in_cache_and_a_gpus_products_large():
     assert loss_chunk_positions(4096, "cpu") == 256  # 1 M logits, 4 MB in fp32
     assert loss_chunk_positions(64, "cpu") == 1024 and loss_chunk_positions(200_000, "cpu") == 64
     assert loss_chunk_positions(50_304, "cuda") == 667 and loss_chunk_positions(512, "cuda") == 65_536
+
+
+@pytest.mark.parametrize("mask_boundary", [False, True])
+def test_bits_per_byte_count_the_utf8_bytes_of_the_predicted_tokens_only(mask_boundary):
+    """bpb divides the information by the bytes the *predicted* tokens spell: the targets that
+    count (not the inputs, not the positions the mask leaves out, EOS spelling none), over the
+    windows evaluated (a subset of a validation set counts only its own). Characters of 1, 2 and
+    3 UTF-8 bytes make each of those mistakes a different number."""
+    import numpy as np
+
+    from nanolm.batches import pack_windows
+    from nanolm.evaluate import estimate_loss
+    from nanolm.model import GPT, GPTConfig
+    from nanolm.tokenizer import train_char
+
+    docs = ["a café at noon", "€5 for a crêpe", "naïve ünïcödé text", "plain ascii story here"] * 6
+    tok = train_char(docs)
+    ids = np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in docs])
+    windows = [pack_windows(ids, np.array([s, s + 40]), 32, tok.eos_id, mask_boundary=mask_boundary)
+               for s in (0, 90, 180)]
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, seq_len=32, n_layer=1, n_head=2, n_embd=32))
+    token_bytes = torch.from_numpy(tok.token_bytes())
+    for subset in (windows, windows[1:]):
+        expected = sum(len(tok.decode([int(t)]).encode("utf-8"))
+                       for b in subset for t, m in zip(b.targets.flatten(), b.loss_mask.flatten())
+                       if m and int(t) != tok.eos_id)
+        result = estimate_loss(model, subset, token_bytes)
+        assert result["bytes"] == expected
+        assert result["bpb"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / expected)
+    assert any(not m for b in windows for m in b.loss_mask.flatten()) == mask_boundary

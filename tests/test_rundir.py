@@ -9,6 +9,7 @@ nothing over a finished run, and deletes nothing a user made.
 import errno
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,61 @@ def test_damaged_run_data_whose_source_changed_stops_the_resume(tmp_path, storie
     assert main(_command(source, "--out-dir", out, "--ckpt-every", 2)) == 2
     assert "no longer gives the data the run was trained on" in _one_error_line(capsys)
     assert _files(out) == before
+
+
+# ------------------------------------------------------------------ what a run's numbers may not depend on
+def test_the_built_in_corpus_and_its_validation_set_are_the_same_whatever_the_seed(tmp_path):
+    """``--seed`` changes initialisation, data order and sampling; never the data. Were the
+    built-in corpus drawn from the run's seed, two seeds would be scored on different
+    validation sets and their curves could not be compared."""
+    runs = {}
+    for seed in (1, 2):
+        out = tmp_path / f"seed{seed}"
+        assert main(["train", "--out-dir", str(out), "--stories", "40", "--tokenizer", "char", "--n-layer", "1",
+                     "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "2",
+                     "--sample-tokens", "0", "--steps", "1", "--threads", "1", "--seed", str(seed)]) == 0
+        runs[seed] = {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.suffix in (".bin", ".npy")}
+    assert set(runs[1]) >= {"train.bin", "val.bin"} and runs[1] == runs[2]
+
+
+def test_every_option_outside_the_documented_set_is_refused_on_resume_with_its_diff_line():
+    """What may change between a run and its resumption is the list docs/checkpoints.md gives
+    (how long, how often, where, the optimizer's knobs...), and the code's
+    ``COMPATIBLE_ON_RESUME`` must be exactly that list; every other option shapes the model or
+    the data stream, and a change would continue the run as a mix of two. Each option is changed
+    alone here, and each outside the list must be refused with its own line."""
+    import dataclasses
+    import re
+
+    from nanolm.config import COMPATIBLE_ON_RESUME, HIDDEN_SECTIONS, SECTIONS, RunConfig, resume_differences
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text(encoding="utf-8")
+    paragraph = doc[doc.index("Some settings may change between a run and its resumption"):
+                    doc.index("Every other setting shapes the model")]
+    documented = {flag.replace("-", "_") for flag in re.findall(r"`--([a-z0-9-]+)`", paragraph)}
+    in_code = {name for names in COMPATIBLE_ON_RESUME.values() for name in names}
+    assert in_code == documented - {"batch_size", "grad_accum"}  # those two: while the global batch stays
+
+    def changed(value):
+        if isinstance(value, bool):
+            return not value
+        if isinstance(value, (int, float)):
+            return value + 1
+        return f"{value}-other" if value is not None else "other"
+
+    checked = 0
+    for section in SECTIONS:
+        if section in HIDDEN_SECTIONS:
+            continue
+        for f in dataclasses.fields(SECTIONS[section]):
+            saved, new = RunConfig(), RunConfig()
+            before = getattr(getattr(saved, section), f.name)
+            setattr(getattr(new, section), f.name, changed(before))
+            allowed, refused = resume_differences(saved, new)
+            line = f"{f.name}: "
+            if f.name in COMPATIBLE_ON_RESUME.get(section, set()):
+                assert [a for a in allowed if a.startswith(line)] and not refused, f.name
+            else:
+                assert [r for r in refused if r.startswith(line)] and not allowed, f.name
+                checked += 1
+    assert checked >= 20  # the model's shape, the data, the tokenizer, the seed...

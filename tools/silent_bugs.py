@@ -154,6 +154,14 @@ BUGS = [
     Bug("bpb_counts_eos_as_a_byte", "bits per byte read low: EOS spells no text",
         "nanolm/evaluate.py", "n_bytes += (token_bytes[batch.targets] * batch.loss_mask).sum()",
         "n_bytes += (token_bytes[batch.targets].clamp(min=1) * batch.loss_mask).sum()"),
+    Bug("bpb_counts_the_input_tokens", "bits per byte divide by the bytes of the input tokens, not the predicted ones: "
+        "off wherever characters of several bytes or masked positions are", "nanolm/evaluate.py",
+        "n_bytes += (token_bytes[batch.targets] * batch.loss_mask)", "n_bytes += (token_bytes[batch.idx] * batch.loss_mask)"),
+    Bug("corpus_follows_the_seed", "the built-in corpus is drawn from --seed: two seeds are scored on different "
+        "validation sets, and their curves cannot be compared", "nanolm/rundir.py",
+        "write_stories(source, d.stories, seed=0)", "write_stories(source, d.stories, seed=cfg.train.seed)"),
+    Bug("dropout_may_change_on_resume", "a changed --dropout is accepted on resume: the run continues as a mix of two",
+        "nanolm/config.py", '"model": {"loss_chunk"},', '"model": {"loss_chunk", "dropout"},'),
     Bug("tokens_per_step_ignores_accumulation", "tokens/s and MFU read grad_accum times too low",
         "nanolm/train.py", "tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size",
         "tokens_per_step = t.batch_size * cfg.model.seq_len * dist.world_size"),
