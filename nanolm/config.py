@@ -256,6 +256,11 @@ class RunConfig:
         def finite(x) -> bool:
             return isinstance(x, (int, float)) and math.isfinite(x)
 
+        for section in SECTIONS:  # config.toml is UTF-8: a name that is not (a byte such as 0xE9) cannot be kept
+            for f in dataclasses.fields(getattr(self, section)):
+                value = getattr(getattr(self, section), f.name)
+                if isinstance(value, str):
+                    require_utf8(f"--{flag_name(f.name)}", value, "the run's config.toml must hold it")
         for name, value in (("steps", t.steps), ("batch_size", t.batch_size), ("grad_accum", t.grad_accum),
                             ("eval_every", t.eval_every), ("log_every", t.log_every),
                             ("eval_batches", t.eval_batches), ("stories", d.stories), ("n_layer", m.n_layer),
@@ -336,6 +341,17 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return {s: dataclasses.asdict(getattr(self, s)) for s in SECTIONS}
+
+
+def require_utf8(flag: str, value: str, why: str) -> None:
+    """Refuse a value that is not UTF-8 text (a file name with a byte such as 0xE9, which Python
+    keeps as a lone surrogate) before anything is written: the files that record it cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = value.encode("utf-8", "surrogateescape")
+        raise NanolmError(f"{flag} {raw!r} is not valid UTF-8 text, and {why}; rename it (or link to it) "
+                          f"with a UTF-8 name") from None
 
 
 def _toml_value(value) -> str:

@@ -111,6 +111,10 @@ class DocumentSource:
         self.empty = 0
         if not self.path.exists():
             raise NanolmError(f"data path {self.path} does not exist")
+        if not self.path.is_dir() and not self.path.is_file():  # a pipe: <(command), a FIFO, a terminal
+            raise NanolmError(f"data path {self.path} is a pipe or a device, which can be read only once, and nanolm "
+                              f"reads its data twice (the tokenizer, then the shards); save it to a file first "
+                              f"(command > data.txt) and pass that file")
         if self.path.is_dir():
             self.files = sorted(p for p in self.path.rglob("*.txt") if p.is_file())
             if not self.files:

@@ -9,6 +9,8 @@ nothing over a finished run, and deletes nothing a user made.
 import errno
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -307,3 +309,38 @@ def test_every_option_outside_the_documented_set_is_refused_on_resume_with_its_d
                 assert [r for r in refused if r.startswith(line)] and not allowed, f.name
                 checked += 1
     assert checked >= 20  # the model's shape, the data, the tokenizer, the seed...
+
+
+@pytest.mark.parametrize("flag", ["--data", "--out-dir", "prepare --out"])
+def test_a_path_that_is_not_utf8_is_refused_in_one_line_before_anything_is_written(flag, tmp_path, stories_file,
+                                                                                    capsys):
+    """A file name with a byte such as 0xE9 (Latin-1's é) is legal on Linux, but config.toml
+    (UTF-8 text) cannot hold it, nor can the tokenizer library open it: one line naming the
+    option, nothing written."""
+    odd = os.fsdecode(bytes(tmp_path) + b"/caf\xe9")
+    if flag == "--data":
+        with open(os.fsencode(odd) + b".txt", "wb") as f:
+            f.write(stories_file.read_bytes())
+        argv = ["train", "--data", odd + ".txt", "--out-dir", str(tmp_path / "run"), "--steps", "1"]
+    elif flag == "--out-dir":
+        argv = ["train", "--data", str(stories_file), "--out-dir", odd, "--steps", "1"]
+    else:
+        argv = ["prepare", "--data", str(stories_file), "--out", odd, "--tokenizer", "char"]
+    before = sorted(os.listdir(os.fsencode(tmp_path)))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "caf\\xe9" in err[0] and "is not valid UTF-8 text" in err[0], err
+    assert err[0].startswith(f"error: {flag.split()[-1]} b'") and "rename it" in err[0]
+    assert sorted(os.listdir(os.fsencode(tmp_path))) == before
+
+
+def test_a_pipe_as_data_is_refused_in_one_line_saying_why(tmp_path, stories_file):
+    """``--data <(cat stories.txt)`` is a pipe: the tokenizer's pass would read it all and the
+    shards' pass nothing, which used to end in "holds no document with text". Say what is wrong."""
+    done = subprocess.run(["bash", "-c", f'"$0" -m nanolm train --data <(cat "$1") --out-dir "$2" --steps 1',
+                           sys.executable, str(stories_file), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    assert "is a pipe or a device, which can be read only once" in err[0] and "save it to a file first" in err[0]
+    assert not (tmp_path / "run").exists()

@@ -42,6 +42,7 @@ def _eval(args) -> None:
 
 
 def _prepare(args) -> None:
+    from ..config import require_utf8
     from ..lock import RunLock
     from ..prepare import prepare
 
@@ -51,6 +52,7 @@ def _prepare(args) -> None:
         raise NanolmError(f"--seq-len must be at least 2, got {args.seq_len}")
     if args.vocab_size <= 0:
         raise NanolmError(f"--vocab-size must be positive, got {args.vocab_size}")
+    require_utf8("--out", str(args.out), "the tokenizer library can only open UTF-8 paths")
 
     with RunLock() as lock:  # one writer: two prepares into one directory would interleave their shards
         lock.take(args.out, flag="--out")
