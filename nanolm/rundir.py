@@ -60,7 +60,7 @@ from .download import resolve_data_path
 from .errors import NanolmError
 from .files import atomic_write_text, probe_writable, read_json
 from .final import read_final
-from .lock import DirectoryBusy, RunLock
+from .lock import DirectoryBusy, RunLock, held_by_another
 from .prepare import COMPRESSOR_SAMPLE_BYTES, PreparedData, prepare
 from .tokenizer import Tokenizer
 
@@ -228,15 +228,46 @@ def _live_differences(out_dir: Path, cfg: RunConfig, world_size: int) -> list[st
 
 
 def resume_checkpoint_at(path: Path, log) -> Path:
-    """``--resume PATH``: a checkpoint directory, or a run directory (its newest valid one)."""
-    if (path / CHECKPOINTS).is_dir() or not (path / "meta.json").is_file():
-        found = valid_resume_checkpoint(path, log)
+    """``--resume PATH``: a checkpoint directory, or a run directory (its newest valid one).
+
+    A checkpoint of a run that is training now can be pruned under this command at any moment
+    (the run keeps ``--keep`` of them): it is copied first, and this command continues from
+    the copy; a copy whose source vanished half-way is made again from the newest one."""
+    is_run = (path / CHECKPOINTS).is_dir() or not (path / "meta.json").is_file()
+    run_dir = path if is_run else path.parent.parent
+    holder = held_by_another(run_dir)
+    for _ in range(5 if holder is not None else 1):
+        found = valid_resume_checkpoint(path, log) if is_run else path
         if found is None:
             raise NanolmError(f"--resume {path}: no valid checkpoint there")
+        if holder is not None:
+            source = found
+            try:
+                found = _private_copy(source)
+                verify_checkpoint(found)
+            except (OSError, shutil.Error, NanolmError):
+                if source.exists():
+                    raise
+                if is_run:
+                    continue  # pruned while copied: the run has a newer one by now
+                raise NanolmError(f"--resume {path}: its run removed that checkpoint while it was read (a live run "
+                                  f"keeps --keep of them); pass the run directory to continue from its newest") from None
+            log(f"resume: {run_dir} is training now; continuing from a copy of {found.name} (it may be pruned there)")
+        verify_checkpoint(found)
+        check_training_state(found, load_state(found))
         return found
-    verify_checkpoint(path)
-    check_training_state(path, load_state(path))
-    return path
+    raise NanolmError(f"--resume {path}: its checkpoints were pruned faster than they could be copied; try again")
+
+
+def _private_copy(checkpoint: Path) -> Path:
+    """A copy of ``checkpoint`` in a temporary directory of this process, removed at its exit."""
+    import atexit
+
+    scratch = Path(tempfile.mkdtemp(prefix="nanolm-resume-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    copy = scratch / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    return copy
 
 
 # --------------------------------------------------------------------------- the run's data

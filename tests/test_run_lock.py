@@ -359,3 +359,38 @@ def test_the_locks_cleanup_never_hides_the_error_that_stopped_the_run(tmp_path, 
     monkeypatch.undo()
     with RunLock() as lock:  # the lock died with its descriptor
         lock.take(tmp_path / "run")
+
+
+def test_resuming_from_a_live_runs_checkpoint_survives_its_pruning(tmp_path, stories_file, capsys, monkeypatch):
+    """``--resume RUN`` while RUN trains: RUN keeps ``--keep`` checkpoints and may prune the
+    chosen one at any moment, which used to end in "config file .../config.toml does not
+    exist". The command continues from a copy: the checkpoint removed right after it was chosen
+    changes nothing, and the result is bit-identical to resuming from a quiet copy of it."""
+    import shutil
+
+    import nanolm.rundir
+
+    out = tmp_path / "run"
+    first = _start(*_command(stories_file, "--out-dir", out))
+    try:
+        _when(first, lambda: (out / "checkpoints" / "latest").exists() and _holds_lock(first, out)())
+        first.send_signal(signal.SIGSTOP)
+        newest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+        quiet = tmp_path / "quiet" / newest.name
+        shutil.copytree(newest, quiet)
+        real = nanolm.rundir.resume_checkpoint_at
+
+        def chosen_then_pruned(path, log):
+            chosen = real(path, log)
+            shutil.rmtree(newest)  # what the live run's pruning does at its next save
+            return chosen
+
+        monkeypatch.setattr(nanolm.rundir, "resume_checkpoint_at", chosen_then_pruned)
+        assert main(_command(stories_file, "--out-dir", tmp_path / "continued", "--resume", out)) == 0
+        assert f"continuing from a copy of {newest.name}" in capsys.readouterr().out
+    finally:
+        first.kill()
+        first.communicate()
+    monkeypatch.undo()
+    assert main(_command(stories_file, "--out-dir", tmp_path / "from_quiet", "--resume", quiet)) == 0
+    assert _same_run(tmp_path / "continued", tmp_path / "from_quiet")

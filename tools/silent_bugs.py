@@ -257,6 +257,9 @@ BUGS = [
     Bug("prepare_into_a_live_run", "nanolm prepare --out RUN/data rewrites the shards under a training run: it ends "
         "having trained on other data than it recorded", "nanolm/lock.py",
         "if holder is not None and holder != _this_process():", "if False:"),
+    Bug("resume_reads_a_live_checkpoint_in_place", "--resume of a live run reads its checkpoint in place: pruned "
+        "under it, the command fails half-way", "nanolm/rundir.py", "holder = held_by_another(run_dir)",
+        "holder = None"),
     Bug("muon_takes_the_embedding", "Muon orthogonalises the embedding table's (and tied head's) update too",
         "nanolm/optim.py", "if p.requires_grad and p.dim() == 2 and id(p) not in excluded]",
         "if p.requires_grad and p.dim() == 2]"),
