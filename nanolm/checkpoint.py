@@ -56,7 +56,6 @@ import torch
 from .errors import NanolmError
 from .files import (
     ENVIRONMENT_ERRNOS,
-    WholeWrites,
     atomic_write_text,
     check_manifest,
     check_seal,
@@ -66,6 +65,7 @@ from .files import (
     naming_the_file,
     read_json,
     replace,
+    save_torch,
     sealed,
 )
 from .model import GPT
@@ -220,7 +220,7 @@ def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: di
         tmp = Path(staged) if staged is not None else Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step_{step:06d}-"))
         if model is not None:
             save_weights(model, tmp / "model.safetensors")
-        _torch_save_synced(state, tmp / "state.pt")
+        save_torch(state, tmp / "state.pt")
         atomic_write_text(tmp / "config.toml", config_toml)
         tokenizer.save(tmp / "tokenizer.json")
         for sub in (p for p in tmp.rglob("*") if p.is_dir()):
@@ -248,12 +248,6 @@ def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: di
 
 def _json_float(x):
     return None if x is None else float(x)
-
-
-def _torch_save_synced(obj, path: Path) -> None:
-    with naming_the_file(path), open(path, "wb", buffering=0) as f:
-        torch.save(obj, WholeWrites(f))
-        os.fsync(f.fileno())
 
 
 def _prune(run_dir, keep: int) -> None:

@@ -79,25 +79,47 @@ def naming_the_file(path):
 
 
 class WholeWrites(io.RawIOBase):
-    """A file for ``torch.save`` that writes every byte it is given or raises.
+    """A file for ``torch.save`` that writes every byte it is given or keeps the reason why not.
 
-    ``torch.save`` to a real file writes through its descriptor and checks the position after
-    each record: on a full disk the write comes up short, and all the user sees is
-    ``RuntimeError: ... unexpected pos``. Through this object the short write is retried,
-    and the disk's refusal surfaces as the ``OSError`` it is."""
+    ``torch.save`` checks the file's position after each record, and on a full disk all the
+    user sees is ``RuntimeError: ... unexpected pos`` (a short write, or the disk's refusal
+    swallowed on the way through PyTorch's C++ writer). Through this object a short write is
+    retried, and the disk's refusal is kept in ``error``, for :func:`save_torch` to raise as
+    the ``OSError`` it is."""
 
     def __init__(self, raw):
         super().__init__()
         self.raw = raw
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        while view:
-            view = view[self.raw.write(view):]
-        return len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
+        size = view.nbytes
+        try:
+            while view:
+                view = view[self.raw.write(view):]
+        except OSError as e:
+            self.error = e
+            raise
+        return size
+
+
+def save_torch(obj, path) -> None:
+    """``torch.save(obj)`` to ``path``, synced to disk; a full disk is an ``OSError`` naming it."""
+    import torch
+
+    with naming_the_file(path), open(path, "wb", buffering=0) as f:
+        writer = WholeWrites(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+        os.fsync(f.fileno())
 
 
 WINDOWS = os.name == "nt"

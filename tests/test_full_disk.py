@@ -130,3 +130,29 @@ def test_a_write_error_without_a_file_name_gets_the_name_of_the_file_written():
     with pytest.raises(ValueError), naming_the_file("x"):  # anything else passes unchanged
         raise ValueError("not a disk")
     assert os.strerror(122) == caught.value.strerror
+
+
+def test_torch_save_on_a_disk_that_fills_at_any_point_is_an_oserror_naming_the_file(small_disk):
+    """``torch.save`` swallows the disk's refusal on some of its writes (the record's, the zip
+    directory's at the end) and reports only "unexpected pos": the file runs out of room at the
+    start, in the middle and at the very end here, and each time the error is ENOSPC, named."""
+    import errno
+    import io
+
+    from nanolm.files import save_torch
+
+    mount, leave = small_disk
+    state = {"moments": torch.arange(300_000, dtype=torch.float32), "step": 7}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    size = len(buffer.getvalue())
+    for room in (PAGE, size // 2 // PAGE * PAGE, (size // PAGE) * PAGE):
+        filler = leave(room)
+        path = mount / "state.pt"
+        with pytest.raises(OSError) as caught:
+            save_torch(state, path)
+        assert (caught.value.errno, caught.value.filename) == (errno.ENOSPC, str(path)), room
+        path.unlink()
+        filler.unlink()
+    save_torch(state, mount / "state.pt")  # with room, the same call writes a file that loads
+    assert torch.equal(torch.load(mount / "state.pt")["moments"], state["moments"])

@@ -8,8 +8,15 @@ checkpoint), during a later save, after the last checkpoint, and while the final
 written. Each trial then runs the *same command* until it exits 0 and compares every weight
 with the uninterrupted reference, bit for bit.
 
-    python tools/crash_test.py                 # 20 kills (~3 min on 2 cores)
-    python tools/crash_test.py --kills 50 --seed 1
+Then the disk fills up: each of ``--full-disks`` trials runs in a small RAM file system (tmpfs;
+mounting needs root, else these trials are skipped and say so) with a filler file leaving a
+random share of the room the run needs, so the disk fills at a different write each time
+(metrics, a checkpoint's weights or state, the final weights...). The command must stop with
+one line naming the file, exit 2; the filler deleted, the same command must finish
+bit-identical to the reference.
+
+    python tools/crash_test.py                 # 20 kills and 5 full disks (~4 min on 2 cores)
+    python tools/crash_test.py --kills 50 --full-disks 10 --seed 1
 
 Exit status 1 if any trial ends different from the reference or cannot be resumed.
 """
@@ -131,9 +138,55 @@ def _moments(kills: int, rng: random.Random, startup: float) -> list[dict]:
     return chosen
 
 
+PAGE = 4096
+
+
+def _footprint(run: Path) -> int:
+    """Bytes the run's files take on a tmpfs, which counts whole pages."""
+    return sum(-(-p.stat().st_size // PAGE) * PAGE for p in run.rglob("*") if p.is_file())
+
+
+def _full_disk_trial(cwd: Path, corpus: Path, room: int) -> tuple[str, int, str, dict]:
+    """Train in ``cwd`` (a fresh tmpfs) with ``room`` bytes free: (what the failing command said,
+    the exit status of the rerun once the filler is gone, what the rerun said, its final
+    weights). Raises PermissionError where no tmpfs can be mounted."""
+    cwd.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "nanolm-crash", str(cwd)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        raise PermissionError(mounted.stderr.strip() or "mount refused")
+    try:
+        filler = cwd / "filler"
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (64 * 2**20 - room))
+        full = _start(corpus, cwd)
+        _, err = full.communicate()
+        lines = err.strip().splitlines()
+        if full.returncode == 0:
+            said = "(enough room: finished)"
+        elif full.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err:
+            said = lines[0]
+        else:
+            said = f"NOT ONE LINE (exit {full.returncode}): {err.strip()[-300:]}"
+        filler.unlink()
+        code, reran = None, ""
+        for _ in range(3):
+            rerun = _start(corpus, cwd)
+            out, rerr = rerun.communicate()
+            code = rerun.returncode
+            reran = next((line for line in out.splitlines() if line.startswith("resumed from")), "") or rerr[-200:]
+            if code == 0:
+                break
+        weights = _weights(_run_dir(cwd, corpus)) if code == 0 else {}
+        return said, code, reran or "(started again)", weights
+    finally:
+        subprocess.run(["umount", "-l", str(cwd)], capture_output=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=20, help="trials, each killed once at its own moment")
+    p.add_argument("--full-disks", type=int, default=5, help="trials whose disk fills up at a random write")
     p.add_argument("--seed", type=int, default=0, help="seed of the random kill times")
     args = p.parse_args()
     rng = random.Random(args.seed)
@@ -185,12 +238,32 @@ def main() -> int:
                             "identical": identical})
             print(f"{i:2d}  killed {label:32s} found: {seen:45s} rerun: {said[:70]:70s} "
                   f"{'identical' if identical else 'DIFFERENT'}", flush=True)
+        need = _footprint(_run_dir(tmp / "reference", corpus))
+        disks, skipped = [], ""
+        for j in range(args.full_disks):
+            cwd = tmp / f"disk{j:02d}"
+            room = int(need * rng.uniform(0.05, 1.0)) // PAGE * PAGE
+            try:
+                said, code, reran, weights = _full_disk_trial(cwd, corpus, room)
+            except PermissionError as e:
+                skipped = f"full-disk trials skipped: cannot mount a small file system here ({e})"
+                print(skipped, flush=True)
+                break
+            one_line = not said.startswith("NOT ONE LINE")
+            identical = code == 0 and one_line and weights.keys() == reference.keys() and all(
+                bool((weights[k] == reference[k]).all()) for k in reference)
+            disks.append({"trial": j, "room_bytes": room, "said": said, "rerun_exit": code, "identical": identical})
+            print(f"{j:2d}  disk full with {room / 2**10:6.0f} KiB free of {need / 2**10:.0f}: {said[:150]}  "
+                  f"rerun: {reran[:60]}  {'identical' if identical else 'DIFFERENT'}", flush=True)
     failed = [r["trial"] for r in results if not r["identical"]]
+    failed_disks = [r["trial"] for r in disks if not r["identical"]]
     summary = {"kills": len(results), "identical": len(results) - len(failed), "failed": failed,
                "killed_mid_save": sum("mid-save" in r["found"] for r in results),
-               "killed_before_any_checkpoint": sum("no checkpoint" in r["found"] for r in results)}
+               "killed_before_any_checkpoint": sum("no checkpoint" in r["found"] for r in results),
+               "full_disks": len(disks), "full_disks_one_line_and_identical": len(disks) - len(failed_disks),
+               "full_disks_failed": failed_disks, **({"skipped": skipped} if skipped else {})}
     print(json.dumps(summary))
-    return 1 if failed else 0
+    return 1 if failed or failed_disks else 0
 
 
 if __name__ == "__main__":

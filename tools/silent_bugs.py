@@ -246,10 +246,10 @@ BUGS = [
     Bug("full_disk_in_safetensors_words", "a full disk while saving weights ends in a traceback (safetensors' own "
         "error type) instead of one line naming the file", "nanolm/files.py",
         "found = _OS_ERROR_IN_WORDS.search(str(e))", "found = None"),
-    Bug("full_disk_at_the_state_names_no_file", "a full disk while saving the optimizer state says 'cannot write a "
-        "file' without naming it (or, when the disk fills mid-write, torch's 'unexpected pos' traceback)", "nanolm/checkpoint.py",
-        'with naming_the_file(path), open(path, "wb", buffering=0) as f:\n        torch.save(obj, WholeWrites(f))',
-        'with open(path, "wb") as f:\n        torch.save(obj, f)'),
+    Bug("full_disk_at_the_state_is_a_traceback", "a disk that fills while the optimizer state is saved ends in torch's "
+        "'unexpected pos' traceback instead of one line naming the file", "nanolm/files.py",
+        "            if writer.error is not None:\n                raise writer.error from None\n",
+        "            if False:  # the disk's refusal forgotten\n                raise writer.error from None\n"),
     Bug("lock_on_the_file_only", "the run's lock is held on RUN/.lock: deleting that leftover-looking file lets a "
         "second writer train beside the first, both exit 0", "nanolm/lock.py",
         "    if fcntl is None:\n        return None\n    return os.open(directory",
