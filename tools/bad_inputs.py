@@ -7,7 +7,7 @@ directory with a finished run, a prepared corpus and a few odd files, runs each 
 below in a new process (as a user would), and checks all four, hashing every file before and
 after.
 
-    python tools/bad_inputs.py            # ~80 commands, ~3 minutes on 2 cores
+    python tools/bad_inputs.py            # ~100 commands, ~4 minutes on 2 cores
     python tools/bad_inputs.py --list
 
 Exit status 1 if any command breaks the promise.
@@ -42,6 +42,9 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("data file empty", ["train", "--data", str(d / "empty.txt"), "--out-dir", new]),
         ("data file binary", ["train", "--data", str(d / "binary.bin"), "--out-dir", new]),
         ("data file not UTF-8", ["train", "--data", str(d / "latin1.txt"), "--out-dir", new]),
+        ("data file name not UTF-8", ["train", "--data", os.fsdecode(bytes(d) + b"/caf\xe9.txt"), "--out-dir", new]),
+        ("data is a pipe (FIFO)", ["train", "--data", str(d / "pipe.txt"), "--out-dir", new, *TINY]),
+        ("out-dir name not UTF-8", ["train", "--data", text, "--out-dir", os.fsdecode(bytes(d) + b"/r\xe9"), *TINY]),
         ("text shorter than a window", ["train", "--data", str(d / "short.txt"), "--out-dir", new, *TINY]),
         ("config file missing", ["train", "--config", str(d / "nope.toml"), "--out-dir", new]),
         ("config file not TOML", ["train", "--config", str(d / "bad.toml"), "--out-dir", new]),
@@ -95,6 +98,7 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("prepare: into a directory with other files", ["prepare", "--data", text, "--out", str(d)]),
         ("prepare: --out is a file", ["prepare", "--data", text, "--out", text]),
         ("prepare: .lock is a FIFO", ["prepare", "--data", text, "--out", str(d / "lock_fifo")]),
+        ("prepare: --out name not UTF-8", ["prepare", "--data", text, "--out", os.fsdecode(bytes(d) + b"/p\xe9")]),
         ("prepare: --val-fraction 1", ["prepare", "--data", text, "--out", str(d / "p2"), "--val-fraction", "1"]),
         ("prepare: --vocab-size 10 for BPE", ["prepare", "--data", text, "--out", str(d / "p3"), "--vocab-size", "10"]),
         ("prepare: --seq-len 0", ["prepare", "--data", text, "--out", str(d / "p4"), "--seq-len", "0"]),
@@ -143,6 +147,9 @@ def setup(d: Path) -> None:
     (d / "lock_symlink" / ".lock").symlink_to(d / "text.txt")  # nanolm must neither follow nor remove it
     (d / "lock_fifo").mkdir()
     os.mkfifo(d / "lock_fifo" / ".lock")
+    os.mkfifo(d / "pipe.txt")  # read once, a pipe gives the shards' pass nothing
+    with open(bytes(d) + b"/caf\xe9.txt", "wb") as f:  # a Latin-1 file name
+        f.write((d / "text.txt").read_bytes())
     r = _nanolm(["train", "--data", str(d / "text.txt"), "--out-dir", str(d / "run"), *TINY], d)
     if r.returncode:
         raise SystemExit(f"setup: the reference run failed:\n{r.stderr}")
