@@ -32,6 +32,7 @@ from .files import (
     check_manifest,
     check_seal,
     manifest,
+    naming_the_file,
     read_json,
     sealed,
 )
@@ -164,6 +165,7 @@ def _load_doc_starts(path: Path, n_tokens: int) -> np.ndarray:
 
 class _SplitWriter:
     def __init__(self, path: Path, dtype):
+        self.path = path
         self.f = open(path, "wb")
         self.dtype = dtype
         self.n_tokens = 0
@@ -183,12 +185,15 @@ class _SplitWriter:
             self.n_bytes += len(text.encode("utf-8"))
         block = np.concatenate(parts)
         self.max_id = max(self.max_id, int(block.max()))
-        self.f.write(block.astype(self.dtype).tobytes())
+        with naming_the_file(self.path):
+            self.f.write(block.astype(self.dtype).tobytes())
         self.n_tokens += len(block)
 
     def close(self, directory: Path, name: str):
-        self.f.close()
-        np.save(directory / f"{name}_docs.npy", np.asarray(self.doc_starts, dtype=np.int64))
+        with naming_the_file(self.path):
+            self.f.close()
+        with naming_the_file(directory / f"{name}_docs.npy"):
+            np.save(directory / f"{name}_docs.npy", np.asarray(self.doc_starts, dtype=np.int64))
 
 
 def join_documents(ids_list: list[np.ndarray], eos_id: int) -> np.ndarray:

@@ -156,3 +156,21 @@ def test_torch_save_on_a_disk_that_fills_at_any_point_is_an_oserror_naming_the_f
         filler.unlink()
     save_torch(state, mount / "state.pt")  # with room, the same call writes a file that loads
     assert torch.equal(torch.load(mount / "state.pt")["moments"], state["moments"])
+
+
+def test_prepare_on_a_full_disk_is_one_line_naming_the_file_and_the_rerun_prepares_the_same(small_disk, stories_file,
+                                                                                            tmp_path, capsys):
+    """``nanolm prepare`` writes its shards as it tokenizes: a disk that fills there says which
+    file, and the same command, once there is room, prepares exactly what it would have."""
+    mount, leave = small_disk
+    argv = ["prepare", "--data", str(stories_file), "--tokenizer", "char", "--out"]
+    assert main([*argv, str(tmp_path / "roomy")]) == 0
+    capsys.readouterr()
+    filler = leave(2 * PAGE)
+    assert main([*argv, str(mount / "prepared")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot write {mount / 'prepared'}/" in err[0] and "No space left on device" in err[0], err
+    filler.unlink()
+    assert main([*argv, str(mount / "prepared")]) == 0
+    for name in ("train.bin", "val.bin", "train_docs.npy", "val_docs.npy", "tokenizer.json"):
+        assert (mount / "prepared" / name).read_bytes() == (tmp_path / "roomy" / name).read_bytes(), name
