@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,15 @@ from nanolm.corpus import write_stories
 from nanolm.model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
+LIST_GPU_MARKS = "NANOLM_LIST_GPU_MARKS"
+
+
+def pytest_collection_modifyitems(config, items):
+    """With NANOLM_LIST_GPU_MARKS set, print each collected test and whether it is marked ``gpu``
+    (what tests/test_gpu.py's check of GPU-only tests reads, from one collection)."""
+    if os.environ.get(LIST_GPU_MARKS):
+        for item in items:
+            print(f"{LIST_GPU_MARKS} {item.get_closest_marker('gpu') is not None} {item.nodeid}")
 
 
 def tiny_model(seed=0, **overrides) -> GPT:

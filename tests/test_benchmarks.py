@@ -84,9 +84,16 @@ def test_a_toggled_variant_runs_on_nanolms_own_runner_and_leaves_it_as_it_found_
         nanolm_runner.timed(1)
 
 
-def test_sharded_checkpoint_benchmark_compares_both_formats_and_checks_every_load():
-    """The figures behind the choice of DCP's safetensors storage (docs/checkpoints.md)."""
+@pytest.mark.slow
+def test_sharded_checkpoint_benchmark_compares_both_formats_and_checks_every_load(request):
+    """The figures behind the choice of DCP's safetensors storage (docs/checkpoints.md). Seven
+    torchrun launches (~50 s on 2 cores): out of the default run, since what it loads is
+    checked on every run by tests/test_distributed.py (FSDP's shards written, loaded and resumed
+    bit-identical) and the figures by ``python benchmarks/sharded_checkpoint.py``."""
     import subprocess
+
+    if "slow" not in request.config.getoption("markexpr", ""):
+        pytest.skip("slow (~50 s on 2 cores): run with -m slow")
 
     r = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_checkpoint.py"), "--small", "--repeats", "1"],
                        capture_output=True, text=True, timeout=600)

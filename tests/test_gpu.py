@@ -11,6 +11,7 @@ by ``aot_eager`` instead, the same graphs without the kernels).
 """
 
 import ast
+import os
 import subprocess
 import sys
 import warnings
@@ -18,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import LIST_GPU_MARKS, REPO
 
 from nanolm.batches import pack_windows
 from nanolm.model import GPT, GPTConfig
@@ -155,20 +156,25 @@ GPU_ONLY = {
 }
 
 
-def _collected(*marker: str) -> set[str]:
-    """The test functions pytest collects from tests/ (with ``-m`` when given), without parameters."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           *(["-m", *marker] if marker else []), "tests"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+def _collected() -> tuple[set[str], set[str]]:
+    """The test functions pytest collects from tests/ (without parameters): those marked ``gpu``,
+    and those that are not, from one collection."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, LIST_GPU_MARKS: "1"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return {line.split("::")[-1].split("[")[0] for line in done.stdout.splitlines() if "::" in line}
+    found = {"True": set(), "False": set()}
+    for line in done.stdout.splitlines():
+        if line.startswith(LIST_GPU_MARKS):
+            _, marked, nodeid = line.split(" ", 2)
+            found[marked].add(nodeid.split("::")[-1].split("[")[0])
+    return found["True"], found["False"]
 
 
 def test_every_gpu_test_runs_its_code_on_the_cpu_too():
     """A GPU-only test that nothing runs on the CPU rots unseen until the next (rare, short)
     GPU: every test marked ``gpu`` has a CPU stand-in of its own, or is listed in ``GPU_ONLY``
     with a helper that it and at least one CPU test of its file call."""
-    on_gpu, on_cpu = _collected("gpu"), _collected("not gpu")
+    on_gpu, on_cpu = _collected()
     assert on_gpu, "no test marked gpu was collected"
     without_stand_in = on_gpu - on_cpu
     assert without_stand_in == set(GPU_ONLY), "a GPU-only test with no CPU counterpart: give it a CPU stand-in"
