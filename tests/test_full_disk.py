@@ -174,3 +174,4 @@ def test_prepare_on_a_full_disk_is_one_line_naming_the_file_and_the_rerun_prepar
     assert main([*argv, str(mount / "prepared")]) == 0
     for name in ("train.bin", "val.bin", "train_docs.npy", "val_docs.npy", "tokenizer.json"):
         assert (mount / "prepared" / name).read_bytes() == (tmp_path / "roomy" / name).read_bytes(), name
+
