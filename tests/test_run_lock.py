@@ -7,6 +7,7 @@ each test compares the first run's weights and metrics, bit for bit, with the sa
 command run alone.
 """
 
+import contextlib
 import errno
 import os
 import signal
@@ -59,6 +60,21 @@ def _holds_lock(proc, run_dir):
         except FileNotFoundError:
             return False
     return check
+
+
+@contextlib.contextmanager
+def _stopped_after_its_first_checkpoint(data, out):
+    """A `nanolm train` on ``out``, stopped (SIGSTOP) once its first checkpoint is committed,
+    holding the lock; on leaving, continued: it must then end as it would have alone."""
+    first = _start(*_command(data, "--out-dir", out))
+    try:
+        _when(first, lambda: (out / "checkpoints" / "latest").exists() and _holds_lock(first, out)())
+        first.send_signal(signal.SIGSTOP)
+        yield first
+    finally:
+        first.send_signal(signal.SIGCONT)
+    stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
 
 
 def _same_run(a, b) -> bool:
@@ -307,19 +323,12 @@ def test_deleting_the_lock_file_of_a_live_run_lets_no_second_writer_in(tmp_path,
     file) only loses the holder's name. The second command is still refused, and the first
     ends bit-identical to the command run alone."""
     out = tmp_path / "run"
-    first = _start(*_command(stories_file, "--out-dir", out))
-    try:
-        _when(first, lambda: (out / "checkpoints" / "latest").exists() and _holds_lock(first, out)())
-        first.send_signal(signal.SIGSTOP)
+    with _stopped_after_its_first_checkpoint(stories_file, out):
         (out / LOCK_FILE).unlink()
         before = _files(out)
         assert main(_command(stories_file, "--out-dir", out, "--lr", "1e-2")) == 2
         assert f"{out} is being written by another process; wait" in _one_error_line(capsys)
         assert _files(out) == before
-    finally:
-        first.send_signal(signal.SIGCONT)
-    stdout, stderr = first.communicate(timeout=120)
-    assert first.returncode == 0, stderr
     assert _same_run(out, alone)
 
 
@@ -327,10 +336,7 @@ def test_prepare_into_a_live_runs_data_directory_is_refused(tmp_path, stories_fi
     """``nanolm prepare --out RUN/data`` while RUN trains would rewrite the shards under it: the
     run would end having trained on other data than it recorded. Refused, naming the run."""
     out = tmp_path / "run"
-    first = _start(*_command(stories_file, "--out-dir", out))
-    try:
-        _when(first, lambda: (out / "checkpoints" / "latest").exists() and _holds_lock(first, out)())
-        first.send_signal(signal.SIGSTOP)
+    with _stopped_after_its_first_checkpoint(stories_file, out) as first:
         before = _files(out)
         other = tmp_path / "other.txt"
         other.write_text("Another text altogether, with other letters: zqxj.\n" * 50)
@@ -338,10 +344,6 @@ def test_prepare_into_a_live_runs_data_directory_is_refused(tmp_path, stories_fi
         line = _one_error_line(capsys)
         assert f"{out / 'data'} is inside {out}, which is being written by process {first.pid}" in line, line
         assert _files(out) == before
-    finally:
-        first.send_signal(signal.SIGCONT)
-    stdout, stderr = first.communicate(timeout=120)
-    assert first.returncode == 0, stderr
     assert _same_run(out, alone)
 
 
