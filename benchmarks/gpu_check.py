@@ -913,7 +913,7 @@ def main(argv=None) -> int:
     print(f"gpu_check: {where} | {len(names)} parts, {args.budget:.0f} s budget | {info['date']}", flush=True)
     estimates = {n: BY_NAME[n].estimate_s for n in names}
     planned = planned_seconds([BY_NAME[n] for n in names], jobs)
-    print(f"gpu_check: estimated seconds on a cold H200: " + ", ".join(f"{n} {e}" for n, e in estimates.items())
+    print("gpu_check: estimated seconds on a cold H200: " + ", ".join(f"{n} {e}" for n, e in estimates.items())
           + f"; {sum(estimates.values())} s one after another, ~{planned:.0f} s {jobs} at a time"
           + ("" if planned <= args.budget else
              f": more than the {args.budget:.0f} s budget, raise --budget or choose fewer --parts"), flush=True)

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import io
 import json
 import os
-import io
 import re
 import tempfile
 import time

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, TINY_TRAIN
 
 from nanolm.config import RunConfig, load_toml

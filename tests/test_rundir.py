@@ -337,7 +337,7 @@ def test_a_path_that_is_not_utf8_is_refused_in_one_line_before_anything_is_writt
 def test_a_pipe_as_data_is_refused_in_one_line_saying_why(tmp_path, stories_file):
     """``--data <(cat stories.txt)`` is a pipe: the tokenizer's pass would read it all and the
     shards' pass nothing, which used to end in "holds no document with text". Say what is wrong."""
-    done = subprocess.run(["bash", "-c", f'"$0" -m nanolm train --data <(cat "$1") --out-dir "$2" --steps 1',
+    done = subprocess.run(["bash", "-c", '"$0" -m nanolm train --data <(cat "$1") --out-dir "$2" --steps 1',
                            sys.executable, str(stories_file), str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=120)
     err = done.stderr.strip().splitlines()
