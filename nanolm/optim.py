@@ -66,7 +66,8 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def muon_available() -> bool:
-    """``torch.optim.Muon`` ships with PyTorch 2.9 and later; nanolm's floor is 2.6."""
+    """``torch.optim.Muon`` ships with PyTorch 2.9, nanolm's floor (``pyproject.toml``); the check
+    stays so that an older PyTorch installed by hand is refused in one line, not a traceback."""
     return hasattr(torch.optim, "Muon")
 
 

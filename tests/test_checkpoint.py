@@ -147,7 +147,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, m
     def crash(*a, **k):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ckpt, "_torch_save_synced", crash)
+    monkeypatch.setattr(ckpt, "save_torch", crash)
     with pytest.raises(OSError, match="simulated"):
         _save(tmp_path, 2)
     assert read_latest(tmp_path).name == "step_000001"

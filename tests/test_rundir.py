@@ -107,7 +107,7 @@ def test_a_run_stopped_before_its_first_checkpoint_restarts_on_rerun_and_keeps_t
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     with monkeypatch.context() as m:  # the first save fails: the directory holds a run but no checkpoint
-        m.setattr(ckpt, "_torch_save_synced", disk_full)
+        m.setattr(ckpt, "save_torch", disk_full)
         assert main(_command(stories_file, "--out-dir", out)) == 2
     line = _one_error_line(capsys)
     assert "could not save the checkpoint of step 2" in line and "No space left on device" in line
@@ -123,7 +123,7 @@ def test_a_run_stopped_before_its_first_checkpoint_restarts_on_rerun_and_keeps_t
 def test_a_full_disk_during_a_later_save_is_one_line_and_the_rerun_resumes_exactly(
         tmp_path, stories_file, straight, capsys, monkeypatch):
     out = tmp_path / "run"
-    real = ckpt._torch_save_synced
+    real = ckpt.save_torch
 
     def full_at_step_4(obj, path):
         if obj.get("step") == 4:
@@ -131,7 +131,7 @@ def test_a_full_disk_during_a_later_save_is_one_line_and_the_rerun_resumes_exact
         return real(obj, path)
 
     with monkeypatch.context() as m:
-        m.setattr(ckpt, "_torch_save_synced", full_at_step_4)
+        m.setattr(ckpt, "save_torch", full_at_step_4)
         assert main(_command(stories_file, "--out-dir", out)) == 2
     line = _one_error_line(capsys)
     assert "step 4" in line and "the previous checkpoint is intact" in line
