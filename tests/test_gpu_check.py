@@ -56,7 +56,7 @@ def test_every_part_passes_at_toy_sizes_and_writes_its_figures_under_the_directo
     """The whole harness, part by part, on a CPU: a PASS line with a figure and the part's wall
     time each, one JSON per part and a summary under ``--out`` (given relative to the current
     directory: it resolves to an absolute one), the verdict last, exit status 0."""
-    r = gpu_check("--out", "results/cpu", "--parts", ",".join(FAST_PARTS), cwd=tmp_path)
+    r = gpu_check("--out", "results/cpu", "--parts", ",".join(FAST_PARTS), "--jobs", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert verdicts(r.stdout) == {name: "PASS" for name in FAST_PARTS}, r.stdout
     out = tmp_path / "results" / "cpu"
