@@ -27,6 +27,7 @@ import io
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -138,6 +139,37 @@ def replace(source, target) -> None:
             if not WINDOWS or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def move_directory(source, target) -> None:
+    """Move the directory ``source`` to ``target`` (absent), across file systems too, so that
+    ``target`` is whole or absent: another file system gets a copy under a temporary name beside
+    ``target``, renamed into place once complete. A full disk on the way is an ``OSError``
+    naming the file, and leaves no partial copy (``shutil.move`` would raise its own error
+    type, listing every file it failed, and leave half a directory)."""
+    source, target = Path(source), Path(target)
+    try:
+        os.replace(source, target)
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        for path in sorted(source.rglob("*")):
+            relative = path.relative_to(source)
+            if path.is_dir():
+                (staging / relative).mkdir()
+                continue
+            try:
+                shutil.copy2(path, staging / relative)
+            except OSError as e:  # named after the source by shutil: the file that did not fit is the target
+                raise OSError(e.errno, e.strerror, str(target / relative)) from e
+        replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(source, ignore_errors=True)
 
 
 def fsync_dir(path) -> None:

@@ -58,7 +58,7 @@ from .corpus import write_stories
 from .distributed import Distributed
 from .download import resolve_data_path
 from .errors import NanolmError
-from .files import atomic_write_text, probe_writable, read_json
+from .files import atomic_write_text, move_directory, probe_writable, read_json
 from .final import read_final
 from .lock import DirectoryBusy, RunLock, held_by_another
 from .prepare import COMPRESSOR_SAMPLE_BYTES, PreparedData, prepare
@@ -396,6 +396,6 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
             if data.dir.parent == scratch:
                 if run_data.exists():  # such an attempt's data, or a damaged copy prepared again
                     shutil.rmtree(run_data)
-                shutil.move(str(data.dir), run_data)
+                move_directory(data.dir, run_data)
                 data = PreparedData(run_data, verify=False)
     return data

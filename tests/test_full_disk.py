@@ -79,17 +79,20 @@ def _room(alone, *, without: tuple[str, ...] = ()) -> int:
     return (sum(_pages(p) for p in files) + 2) * PAGE
 
 
-@pytest.mark.parametrize("fails_at", ["final weights", "checkpoint weights", "checkpoint state"])
+@pytest.mark.parametrize("fails_at", ["run data", "final weights", "checkpoint weights", "checkpoint state"])
 def test_a_full_disk_is_one_line_naming_the_file_and_the_rerun_ends_bit_identical(fails_at, small_disk, alone,
                                                                                    stories_file, capsys):
-    """The disk fills at the final weights (safetensors' own error), at the last checkpoint's
-    weights, or at its optimizer state (``torch.save``'s short write): one line naming the file
-    and the fix, exit 2; the previous checkpoint intact; the same command, once the space is
+    """The disk fills as the prepared data moves into the run (from a scratch directory on
+    another file system), at the final weights (safetensors' own error), at the last
+    checkpoint's weights, or at its optimizer state (``torch.save``'s short write): one line
+    naming the file and the fix, exit 2; the previous checkpoint intact; the same command, once the space is
     freed, finishes the run bit-identical to one that never met a full disk."""
     mount, leave = small_disk
     out = mount / "run"
     last = alone / "checkpoints" / "step_000020"
-    without = {"final weights": ("model.safetensors", "final.json"),
+    without = {"run data": tuple(str(p.relative_to(alone)) for p in alone.rglob("*")
+                                 if p.is_file() and p.name not in ("config.toml", "tokenizer.json")),
+               "final weights": ("model.safetensors", "final.json"),
                "checkpoint weights": tuple(str(p.relative_to(alone)) for p in last.iterdir())
                + ("model.safetensors", "final.json", "checkpoints/latest"),
                "checkpoint state": tuple(str(p.relative_to(alone)) for p in last.iterdir() if p.name != "model.safetensors")
@@ -98,11 +101,14 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_rerun_ends_bit_identica
     assert main(_command(stories_file, out)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
-    named = {"final weights": f"cannot write {out / 'model.safetensors'}: No space left on device (free some space)",
+    named = {"run data": f"cannot write {out / 'data'}/",
+             "final weights": f"cannot write {out / 'model.safetensors'}: No space left on device (free some space)",
              "checkpoint weights": "could not save the checkpoint of step 20: cannot write ",
              "checkpoint state": "could not save the checkpoint of step 20: cannot write "}[fails_at]
     assert named in err[0], err[0]
-    if fails_at != "final weights":
+    if fails_at == "run data":
+        assert "No space left on device" in err[0] and not (out / "data").exists()
+    elif fails_at != "final weights":
         file = "model.safetensors" if fails_at == "checkpoint weights" else "state.pt"
         assert f"/{file}: No space left on device (free some space); the previous checkpoint is intact" in err[0]
         assert (out / "checkpoints" / "latest").read_text().strip() == "step_000010"

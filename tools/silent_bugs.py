@@ -250,6 +250,9 @@ BUGS = [
         "'unexpected pos' traceback instead of one line naming the file", "nanolm/files.py",
         "            if writer.error is not None:\n                raise writer.error from None\n",
         "            if False:  # the disk's refusal forgotten\n                raise writer.error from None\n"),
+    Bug("run_data_moved_half", "a disk that fills while the prepared data moves into the run directory ends in "
+        "shutil's traceback listing every file, with half a data directory left behind", "nanolm/rundir.py",
+        "move_directory(data.dir, run_data)", "shutil.move(str(data.dir), run_data)"),
     Bug("lock_on_the_file_only", "the run's lock is held on RUN/.lock: deleting that leftover-looking file lets a "
         "second writer train beside the first, both exit 0", "nanolm/lock.py",
         "    if fcntl is None:\n        return None\n    return os.open(directory",
