@@ -253,7 +253,10 @@ def resume_checkpoint_at(path: Path, log) -> Path:
                 raise NanolmError(f"--resume {path}: its run removed that checkpoint while it was read (a live run "
                                   f"keeps --keep of them); pass the run directory to continue from its newest") from None
             log(f"resume: {run_dir} is training now; continuing from a copy of {found.name} (it may be pruned there)")
-        verify_checkpoint(found)
+        elif is_run:
+            return found  # valid_resume_checkpoint verified it and checked its state
+        else:
+            verify_checkpoint(found)
         check_training_state(found, load_state(found))
         return found
     raise NanolmError(f"--resume {path}: its checkpoints were pruned faster than they could be copied; try again")
