@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 from .files import naming_the_file, read_jsonl, replace
+from .reference import format_band
 
 LOG_SINKS = ("wandb", "tensorboard")
 PROGRESS_MODES = ("auto", "bar", "lines")
@@ -339,7 +340,7 @@ def format_eval_line(row: dict) -> str:
         line += f" | ppl {row['val_ppl']:.2f}" if row["val_ppl"] < 1e6 else f" | ppl {row['val_ppl']:.3g}"
     if "floor_bpb" in row:
         line += f" | floor {row['floor_bpb']:.4f} bpb / {row['floor_loss']:.4f} nats/token"
-    return line
+    return line + format_band(row)
 
 
 def perplexity(loss: float) -> float:

@@ -28,7 +28,8 @@ from .errors import NanolmError
 from .evaluate import estimate_loss
 from .meter import StepMeter
 from .monitor import Monitor, parse_sinks, perplexity
-from .precision import grad_zero_fraction
+from .precision import grad_subnormal_fraction, grad_zero_fraction
+from .reference import BandWatch, no_reference_line, setup_digest
 from .stats import LayerStats
 from .step import wsd_decay_start
 
@@ -44,13 +45,15 @@ class GradientWatch:
     :meth:`capture` there): fp16's share of exact
     zeros (underflow) on logged steps, the per-layer figures on statistics steps."""
 
-    def __init__(self, model, layer_stats: LayerStats | None, underflow: bool):
-        self.model, self.layer_stats, self.underflow = model, layer_stats, underflow
+    def __init__(self, model, layer_stats: LayerStats | None, underflow: bool, scaler=None):
+        self.model, self.layer_stats, self.underflow, self.scaler = model, layer_stats, underflow, scaler
         self.figures: dict = {}
 
     def capture(self) -> None:
-        if self.underflow:  # a device tensor, read after the update: the step itself waits for nothing
+        if self.underflow:  # device tensors, read after the update: the step itself waits for nothing
             self.figures["grad_zero_frac"] = grad_zero_fraction(self.model.parameters())
+            scale = self.scaler.loss_scale if self.scaler is not None else 1.0  # the scale backward ran at
+            self.figures["grad_subnormal_frac"] = grad_subnormal_fraction(self.model.parameters(), scale)
         if self.layer_stats is not None:
             self.layer_stats.capture()
 
@@ -69,8 +72,11 @@ class Observer:
 
     def __init__(self, *, cfg, dist, out_dir: Path, model, precision, scaler, progress, val_batches: list,
                  token_bytes: torch.Tensor, floor: dict | None, tokens_per_step: int, peak: float | None,
-                 loss_read_every_step: bool, log=print, optimizer=None):
+                 loss_read_every_step: bool, log=print, optimizer=None, setup: dict | None = None,
+                 reference=None):
         t = cfg.train
+        self.setup, self.reference = setup, reference  # the run's setup, and the shipped reference it matches (or None)
+        self.band = BandWatch(reference) if reference is not None else None
         self.optimizer = optimizer
         self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
         self.progress, self.val_batches, self.token_bytes, self.floor = progress, val_batches, token_bytes, floor
@@ -94,11 +100,35 @@ class Observer:
                                clipped_steps=self.resumed.get("clipped_steps", 0),
                                elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=self.loss_read_every_step)
         self.restarted_at = step
+        self.announce_reference()
         if step == 0:
             row = {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(), **self.meter.constants(),
-                   **self.recipe()}
+                   **self.recipe(), **self.reference_keys()}
             self.record(self.evaluate(0, row) if t.eval_at_start else row)
         self.meter.lap(step)
+
+    def announce_reference(self) -> None:
+        """One line: the shipped reference this run is recognised as (its evaluations are then
+        judged against its band), or that there is none for this setup (and nothing is judged)."""
+        if self.setup is None:
+            return
+        if self.reference is None:
+            self.log(no_reference_line(self.setup))
+            return
+        self.log(f"reference: this is {self.reference.describe()}; each evaluation says whether the validation "
+                 f"loss is inside its band")
+        if self.band is not None and self.monitor is not None:
+            self.band.resume(self.monitor.metrics.rows)  # a resumed run: since when it is outside, from its rows
+
+    def reference_keys(self) -> dict:
+        """The step-0 row's record of the setup (its digest) and the reference it matched."""
+        if self.setup is None:
+            return {}
+        keys = {"setup_digest": setup_digest(self.setup),
+                **{k: v for k, v in self.setup["run"].items() if k != "val_windows"}}
+        if self.reference is not None:
+            keys["reference"] = self.reference.name
+        return keys
 
     def recipe(self) -> dict:
         """The optimizer's settings, recorded once in the step-0 row: a reader of the logs (and
@@ -130,7 +160,7 @@ class Observer:
         stats = (LayerStats(self.model, micro_batches[0], self.precision.autocast)
                  if is_stats_step(step, self.t.stats_every) and self.dist.is_main and not self.dist.sharded else None)
         underflow = self.logs(step) and self.precision.name == "fp16"
-        return GradientWatch(self.model, stats, underflow) if stats is not None or underflow else None
+        return GradientWatch(self.model, stats, underflow, self.scaler) if stats is not None or underflow else None
 
     def observe(self, result) -> dict:
         """After a step that stands: count it; on a logged step, read its figures (one host
@@ -167,6 +197,8 @@ class Observer:
         row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
         if self.floor:
             row.update(floor_bpb=self.floor["bpb"], floor_loss=self.floor["nats_per_token"])
+        if self.band is not None:
+            row.update(self.band.update(step, result["loss"]))
         self.progress.evaluated(result["loss"], result["bpb"])
         return row
 
@@ -192,6 +224,8 @@ class Observer:
         trajectory and go; the next steps are all shown, like after a resume."""
         if self.monitor is not None:
             self.monitor.rewind(step)
+            if self.band is not None:
+                self.band.resume(self.monitor.metrics.rows)
         self.meter.lap(step)
         self.restarted_at = step
 

@@ -57,6 +57,7 @@ from .monitor import missing_sink_packages, parse_sinks
 from .observer import Observer
 from .optim import get_param_groups, optimizer_for
 from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
+from .reference import find_reference, setup_of
 from .rundir import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
 from .runtime import (
     StopOnSignal,
@@ -302,10 +303,12 @@ def build_components(cfg: RunConfig, dist: Distributed, *, out_dir: Path, data, 
     checkpoint, found by :func:`~nanolm.checkpoint.rollback_checkpoint`), then the step, then
     the checkpointer (it saves the state of every other component)."""
     t, o, g, tokenizer = cfg.train, cfg.optim, cfg.guard, data.tokenizer
+    setup = setup_of(cfg, data.digest, precision.name, dist.device.type, dist.world_size)
     observer = Observer(cfg=cfg, dist=dist, out_dir=out_dir, model=model, precision=precision, scaler=scaler,
                         progress=progress, val_batches=val_batches, token_bytes=torch.from_numpy(tokenizer.token_bytes()),
                         floor=data.meta.get("floor"), tokens_per_step=tokens_per_step, peak=peak,
-                        loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer)
+                        loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer,
+                        setup=setup, reference=find_reference(setup))
     guard = Guard(out_dir=out_dir if dist.is_main else None, on_nan=g.on_nan, on_spike=g.on_spike,
                   window=g.spike_window, threshold=g.spike_threshold, max_rollbacks=g.max_rollbacks,
                   rollback_lr_scale=g.rollback_lr_scale, log=observer.write,

@@ -18,7 +18,7 @@ from nanolm.monitor import read_metrics
 
 from conftest import run_cli
 
-QUICK = ["healthy", "targets_not_shifted", "loss_not_averaged", "no_doc_mask", "corrupt_data", "bad_batch_nan",
+QUICK = ["healthy", "fp16_no_loss_scaling", "targets_not_shifted", "loss_not_averaged", "no_doc_mask", "corrupt_data", "bad_batch_nan",
          "constant_lr", "decay_on_everything", "random_targets"]
 
 

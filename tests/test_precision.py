@@ -17,7 +17,7 @@ from nanolm.instruments.cli import main
 from nanolm.config import RunConfig
 from nanolm.errors import NanolmError
 from nanolm.monitor import read_metrics
-from nanolm.precision import (BF16AdamW, DynamicLossScaler, cpu_has_native_bf16, grad_zero_fraction, resolve_precision,
+from nanolm.precision import (BF16AdamW, DynamicLossScaler, cpu_has_native_bf16, grad_subnormal_fraction, grad_zero_fraction, resolve_precision,
                               rounding_seed, stochastic_round_to_bf16)
 from nanolm.train import train
 
@@ -235,6 +235,20 @@ def test_gradients_around_1e_8_underflow_in_fp16_without_loss_scaling_and_surviv
     assert grad_zero_fraction(scaled.parameters()).item() == 0.0
     assert torch.allclose(scaled.weight.grad, expected.expand(8, 32), rtol=2e-2, atol=1e-11)
     assert torch.allclose(scaled.bias.grad, torch.full((8,), 16e-8), rtol=1e-2)
+
+
+def test_the_share_below_fp16s_range_follows_from_the_format_and_the_scale_not_the_kernels():
+    """The lab's and diagnose's fp16 underflow symptom: gradients as an fp32 kernel leaves them
+    (no fp16 rounding at all, as on CPUs whose fp16 kernels compute in fp32) are judged by what
+    fp16 would hold at the loss scale the backward pass ran at."""
+    layer = torch.nn.Linear(4, 2)
+    layer.weight.grad = torch.tensor([[1e-6, 3e-5, 2e-4, 0.0], [1e-9, 5e-7, 1e-3, 7e-5]])  # fp32, never rounded
+    layer.bias.grad = torch.tensor([1e-2, 1e-7])
+    # below 2^-14 = 6.1e-5 at scale 1: 1e-6, 3e-5, 0, 1e-9, 5e-7, 1e-7 (six of ten values)
+    assert grad_subnormal_fraction(layer.parameters(), 1.0).item() == pytest.approx(0.6)
+    # at nanolm's starting scale 2^16 only the exact zero stays below (1e-9 x 65536 = 6.6e-5 is just inside)
+    assert grad_subnormal_fraction(layer.parameters(), 2.0**16).item() == pytest.approx(0.1)
+    assert grad_zero_fraction(layer.parameters()).item() == pytest.approx(0.1)  # the old sign sees only the zero
 
 
 def test_the_loss_scale_halves_on_overflow_grows_after_good_steps_and_round_trips():

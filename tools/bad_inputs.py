@@ -103,6 +103,8 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("prepare: --vocab-size 10 for BPE", ["prepare", "--data", text, "--out", str(d / "p3"), "--vocab-size", "10"]),
         ("prepare: --seq-len 0", ["prepare", "--data", text, "--out", str(d / "p4"), "--seq-len", "0"]),
         ("diagnose: not a run", ["diagnose", str(d / "empty_dir")]),
+        ("compare: not a run", ["compare", run, str(d / "empty_dir")]),
+        ("compare: a prepared data directory", ["compare", str(d / "prepared"), run]),
         ("report: not a run", ["report", str(d / "empty_dir")]),
         ("doctor: --model without a class", ["doctor", "--data", text, *TINY, "--model", "json"]),
         ("doctor: --model that does not import", ["doctor", "--data", text, *TINY, "--model", "no_such_mod:X"]),

@@ -143,6 +143,13 @@ BUGS = [
         "nanolm/step.py", "    setup.optimizer.zero_grad(set_to_none=True)\n", "    pass\n"),
     Bug("clipping_ignored", "--clip has no effect",
         "nanolm/step.py", "max_norm = setup.clip if setup.clip > 0 else math.inf", "max_norm = math.inf"),
+    Bug("micro_batch_loss_is_its_own_mean", "under --grad-accum k each micro-batch backpropagates its own mean loss: "
+        "gradients k times too large, the logged loss right; clipping and Adam hide most of it",
+        "nanolm/step.py", "(micro_sum / denominator * loss_scale).backward()",
+        "(micro_sum / at_least_one(counted_tokens([batch])) * loss_scale).backward()"),
+    Bug("fp16_share_ignores_the_loss_scale", "the fp16 underflow share judges unscaled gradients: a healthy scaled fp16 run "
+        "reads as underflowing, and diagnose cries wolf",
+        "nanolm/precision.py", "limit = FP16_SMALLEST_NORMAL / loss_scale", "limit = FP16_SMALLEST_NORMAL * 1.0"),
     Bug("local_token_count", "under torchrun each rank averages over its own tokens: short documents weigh more",
         "nanolm/step.py", "        count = dist.sum_async(count)\n",
         "        count = PendingSum(torch.tensor(count, device=dist.device))\n"),
@@ -299,6 +306,18 @@ BUGS = [
     Bug("no_step0_row_without_its_evaluation", "--no-eval-at-start also drops the step-0 recipe: diagnose can no longer read the run's setup",
         "nanolm/observer.py", "self.record(self.evaluate(0, row) if t.eval_at_start else row)",
         'self.record(self.evaluate(0, row) if t.eval_at_start else {"step": 0})'),
+    Bug("seed_counts_in_the_setup", "the seed counts as part of a run's setup: no run of another seed is recognised "
+        "as its recipe, and every band check is silently skipped",
+        "nanolm/reference.py", '"train": {"seed", "out_dir",', '"train": {"out_dir",'),
+    Bug("band_is_the_seeds_extremes", "a band is the seeds' lowest and highest values only: a new healthy seed is "
+        "outside at one point in three, and nanolm cries wolf on healthy runs",
+        "nanolm/reference.py", "widen = max(spread, floor, ABSOLUTE_FLOOR.get(key, 0.0))", "widen = 0.0"),
+    Bug("debug_switches_count_in_the_setup", "a run broken by a lab switch is not recognised as its recipe: the band "
+        "never sees the bugs it exists to catch",
+        "nanolm/reference.py", 'SECTIONS_NOT_COUNTED = ("guard", "debug")', 'SECTIONS_NOT_COUNTED = ("guard",)'),
+    Bug("compare_takes_drift_for_a_parting", "nanolm compare calls two splits of one batch different once rounding "
+        "has grown: the course's accumulation exercise fails on correct code",
+        "nanolm/instruments/compare.py", "if previous >= DRIFT:", "if False:"),
     Bug("threads_switch_on_noise", "--threads auto switches for any gain, so an idle run's count (and arithmetic) wanders",
         "nanolm/threads.py", "times[best] < (1 - SWITCH_GAIN) * base", "times[best] < base"),
 ]
@@ -306,7 +325,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_loss test_optim test_data test_train test_tokenizer test_checkpoint test_rundir test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_monitor test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout test_platforms test_full_disk").split()
+              "test_layout test_platforms test_full_disk test_reference test_compare").split()
 
 
 def plant(copy: Path, bug: Bug) -> str:

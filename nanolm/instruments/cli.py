@@ -1,4 +1,4 @@
-"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, diagnose, lab, sweep, export, data, plan.
+"""The ``nanolm`` command: train, sample, eval, report, prepare, doctor, diagnose, compare, lab, sweep, export, data, plan.
 
 User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with status 2.
 """
@@ -178,6 +178,14 @@ def _diagnose(args) -> int:
     return 1 if args.strict and any_found else 0
 
 
+def _compare(args) -> int:
+    from .compare import compare_runs, format_comparison
+
+    result = compare_runs(args.run_a, args.run_b)
+    print(format_comparison(args.run_a, args.run_b, result))
+    return result.exit_code()
+
+
 def _replay(args) -> None:
     from .replay import format_replay, replay
 
@@ -271,7 +279,7 @@ def _add_training_commands(sub) -> None:
 
 
 def _add_health_commands(sub) -> None:
-    """doctor, diagnose, lab, sweep."""
+    """doctor, diagnose, compare, lab, sweep."""
     from ..config import add_run_arguments
 
     p = sub.add_parser("doctor", help="check the setup before a long run (PASS/FAIL per invariant)",
@@ -300,6 +308,18 @@ def _add_health_commands(sub) -> None:
     p.add_argument("--strict", action="store_true", help="exit with status 1 when there is any finding")
     p.add_argument("--json", action="store_true", help="print the findings as JSON (name, title, message, evidence)")
     p.set_defaults(func=_diagnose)
+
+    p = sub.add_parser("compare", help="did two runs train the same thing? (exit 0 yes, 1 no, as diff)",
+                       description="Compare two runs' curves step by step. The same seed and data with only the batch "
+                       "split differently (batch 32 against batch 8 with --grad-accum 4, or more ranks): the curves "
+                       "must agree to floating-point rounding, and the verdict names the first step where they part. "
+                       "Different seeds of the same setup: they must agree within seed noise (the width of the "
+                       "shipped reference band when the runs are recognised, else estimated from the runs). Any "
+                       "other difference in setup is named. Exit status 0 when they agree, 1 when they differ, 2 for "
+                       "bad input. See docs/course.md.")
+    p.add_argument("run_a", metavar="RUN_A", help="a run directory written by `nanolm train`")
+    p.add_argument("run_b", metavar="RUN_B", help="another one")
+    p.set_defaults(func=_compare)
 
     p = sub.add_parser("replay", help="replay one step of a run from its checkpoint, with every instrument on",
                        description="Load the newest valid checkpoint before --step, re-train the steps in between "

@@ -35,7 +35,7 @@ The rules and what they look for (``docs/health.md`` has the long version):
 * ``resume_jump``: right after a resume, a burst in the gradient norm and the loss (the
   optimizer state was not restored: Adam's first step is full size).
 * ``fp16_overflow``: many steps skipped for overflow, or the loss scale collapsing.
-* ``fp16_underflow``: a rising share of gradient elements that are exactly zero under fp16.
+* ``fp16_underflow``: under fp16, a good share of the gradient values below fp16's normal range.
 * ``attention_logits``: attention logits grown far beyond a healthy range (QK-norm).
 * ``dead_units``: a large share of MLP units that never open, for good.
 
@@ -47,6 +47,12 @@ betas, schedule, which tensors are decayed), because some mistakes are choices, 
   memory, and an early burst of the gradient norm or the attention logits.
 * ``no_lr_decay``: the learning rate ends at its peak (a constant schedule).
 * ``decay_on_norms``: weight decay on norm gains, biases or embeddings.
+
+One rule reads the setup the step-0 row records: when it is a shipped recipe's
+(``nanolm.reference``),
+
+* ``left_reference_band``: a number left the band the recipe's healthy seeds stay in, with
+  the step, the value and the band.
 
 Each finding names the section of ``docs/runbooks.md`` that says what to do, step by step.
 """
@@ -62,6 +68,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import NanolmError
+from ..reference import departures, shipped_references
 
 # ---- thresholds (see docs/health.md for why each value)
 MIN_STEPS = 50  # rules about a run's course need at least this many steps of it
@@ -83,7 +90,9 @@ RESUME_GRAD_RATIO = 2.5  # resume_jump: gradient norm after a resume vs its medi
 OVERFLOW_SKIPPED = 0.02  # fp16_overflow: share of steps skipped (and at least 5) ...
 OVERFLOW_MIN_SKIPPED = 5
 SCALE_COLLAPSE = 2.0**-8  # ... or the loss scale fell to this share of its maximum
-UNDERFLOW_LATE = 5e-4  # fp16_underflow: late share of exactly-zero gradients at least this ...
+UNDERFLOW_SHARE = 0.05  # fp16_underflow: median share of gradient values below fp16's normal range (a scaled run: ~0)
+UNDERFLOW_ROWS = 5  # ... over at least this many logged steps
+UNDERFLOW_LATE = 5e-4  # (runs without that share) late share of exactly-zero gradients at least this ...
 UNDERFLOW_GROWTH = 3.0  # ... and this many times its early share
 ATTENTION_LOGIT_MAX = 100.0  # attention_logits: a max logit above this (healthy runs: ~10-30)
 DEAD_FRACTION = 0.1  # dead_units: share of a block's units shut, persisting to the end
@@ -127,9 +136,10 @@ def _r(x, digits: int = 4):
 class Trace:
     """A run's rows and events, with the derived series the rules share."""
 
-    def __init__(self, rows: list[dict], events: list[dict] | None = None):
+    def __init__(self, rows: list[dict], events: list[dict] | None = None, references=None):
         self.rows = sorted((r for r in rows if "step" in r), key=lambda r: r["step"])
         self.events = sorted((e for e in events or [] if "step" in e), key=lambda e: e["step"])
+        self.references = references  # the reference bands to judge by (None: the shipped ones)
 
     @cached_property
     def train(self) -> list[dict]:
@@ -631,6 +641,30 @@ def rule_fp16_overflow(t: Trace) -> Finding | None:
 
 
 def rule_fp16_underflow(t: Trace) -> Finding | None:
+    rows = [r for r in t.train if _finite(r.get("grad_subnormal_frac"))]
+    if len(rows) < UNDERFLOW_ROWS:
+        return _zero_gradients_rising(t)  # a run logged before nanolm measured fp16's range
+    share = statistics.median(r["grad_subnormal_frac"] for r in rows)
+    if share < UNDERFLOW_SHARE:
+        return None
+    scales = [r["loss_scale"] for r in rows if _finite(r.get("loss_scale"))]
+    return Finding(
+        "fp16_underflow", "fp16 underflow: the gradients lie below fp16's range",
+        f"Under fp16, {share:.0%} of the gradient values (median of {len(rows)} logged steps, from step "
+        f"{rows[0]['step']}) were below fp16's normal range during backward (2^-14 = 6.1e-5, at the loss scale "
+        f"used): there fp16 keeps only a few of its digits, and below 6e-8 none, so those gradients are noise or 0 "
+        f"and their weights learn little or nothing. This follows from the gradients' sizes and the format, on any "
+        f"hardware. "
+        + (f"A loss scale is logged (last {scales[-1]:g}), so it is too low for these gradients: check it is not pinned."
+           if scales else "No loss scale is logged for this fp16 run: loss scaling looks switched off.")
+        + " Multiply the loss by a scale before backward (nanolm's --precision fp16 does, dynamically) or use bf16.",
+        {"grad_subnormal_frac_median": _r(share), "first_step": rows[0]["step"], "last_step": rows[-1]["step"],
+         "loss_scale_logged": bool(scales)})
+
+
+def _zero_gradients_rising(t: Trace) -> Finding | None:
+    """The older sign, for runs without ``grad_subnormal_frac``: a rising share of exact zeros
+    (it depends on whether the kernels flush fp16's subnormals, so it shows on some CPUs only)."""
     rows = [r for r in t.train if _finite(r.get("grad_zero_frac"))]
     if len(rows) < 8 or t.last_step < MIN_STEPS:
         return None
@@ -639,18 +673,14 @@ def rule_fp16_underflow(t: Trace) -> Finding | None:
     late = statistics.median(r["grad_zero_frac"] for r in rows[-q:])
     if late < UNDERFLOW_LATE or late < UNDERFLOW_GROWTH * early:
         return None
-    scaled = any(_finite(r.get("loss_scale")) for r in rows)
     return Finding(
         "fp16_underflow", "fp16 underflow: more and more gradients are exactly zero",
         f"The share of gradient elements that are exactly zero rose from {early:.2e} (first logged steps) to "
-        f"{late:.2e} (last ones), {late / max(early, 1e-12):.0f}x. Under fp16 a gradient below ~6e-8 does not come out "
-        f"small, it comes out 0, and its weight stops learning; as the loss falls the gradients shrink and more of "
-        f"them drop under the line. "
-        + ("A loss scale is logged, so it is too low for these gradients: check it is not pinned."
-           if scaled else "No loss scale is logged for this fp16 run: loss scaling looks switched off.")
-        + " Multiply the loss by a scale before backward (nanolm's --precision fp16 does, dynamically) or use bf16.",
+        f"{late:.2e} (last ones), {late / max(early, 1e-12):.0f}x. Under fp16 a gradient below ~6e-8 comes out 0, "
+        f"and its weight stops learning. Multiply the loss by a scale before backward (nanolm's --precision fp16 "
+        f"does, dynamically) or use bf16.",
         {"grad_zero_frac_early": _r(early), "grad_zero_frac_late": _r(late), "first_step": rows[0]["step"],
-         "last_step": rows[-1]["step"], "loss_scale_logged": scaled})
+         "last_step": rows[-1]["step"]})
 
 
 def rule_attention_logits(t: Trace) -> Finding | None:
@@ -799,10 +829,35 @@ def rule_decay_on_norms(t: Trace) -> Finding | None:
          "final_norm_weight_norm": [_r(final[0][1]), _r(final[-1][1])] if len(final) >= 2 else None})
 
 
+def rule_left_reference_band(t: Trace) -> Finding | None:
+    digest = t.rows[0].get("setup_digest") if t.rows and t.rows[0]["step"] == 0 else None
+    refs = shipped_references() if t.references is None else t.references
+    ref = next((r for r in refs if r.digest == digest), None) if digest else None
+    if ref is None:
+        return None
+    found = departures(ref, t.rows)
+    if not found:
+        return None
+    first = found[0]
+    others = [d.describe() for d in found[1:6]]
+    return Finding(
+        "left_reference_band", f"the run left the reference band of {ref.title}",
+        f"This run's setup (configuration, data and number format) is that of {ref.describe()}, whose healthy runs "
+        f"stay inside a band measured over {len(ref.seeds)} seeds. Here {first.describe()}"
+        + (f"; also {'; '.join(others)}" if others else "") + ". A seed alone does not take a run out of its band "
+        "(the band is the seeds' extremes widened by their spread): something differs from the recipe that the "
+        "configuration does not show, such as changed code (a bug), other library versions, or a very different "
+        "machine's arithmetic. Train the recipe again with the installed nanolm (`nanolm compare` says where two runs "
+        "part), and compare the code with the one that measured the band. The earliest departure is where to look.",
+        {"reference": ref.name, "key": first.key, "step": first.step, "value": _r(first.value),
+         "band": [_r(first.lo), _r(first.hi)], "outside_until": first.until,
+         "also": [f"{d.key}@{d.step}" for d in found[1:6]] or None})
+
+
 RULES = [rule_non_finite, rule_guard_actions, rule_loss_stuck, rule_leak, rule_loss_spike, rule_data_spikes,
          rule_clipped_most_steps, rule_memorising, rule_val_worse_than_start, rule_train_loss_rising, rule_resume_jump, rule_fp16_overflow,
          rule_fp16_underflow, rule_attention_logits, rule_dead_units, rule_no_clipping, rule_slow_second_moment,
-         rule_no_lr_decay, rule_decay_on_norms]
+         rule_no_lr_decay, rule_decay_on_norms, rule_left_reference_band]
 
 
 # --------------------------------------------------------------------------- entry points
@@ -824,9 +879,10 @@ RUNBOOKS = {  # finding -> the section of docs/runbooks.md that says what to do,
 }
 
 
-def diagnose_trace(rows: list[dict], events: list[dict] | None = None, rules=None) -> list[Finding]:
-    """Every finding of ``rules`` (default: all) on a run's metric rows and events."""
-    trace = Trace(rows, events)
+def diagnose_trace(rows: list[dict], events: list[dict] | None = None, rules=None, references=None) -> list[Finding]:
+    """Every finding of ``rules`` (default: all) on a run's metric rows and events; ``references``:
+    the reference bands a recognised run is judged by (default: the shipped ones)."""
+    trace = Trace(rows, events, references)
     if not trace.rows:
         return []
     found = []

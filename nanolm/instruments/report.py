@@ -11,7 +11,9 @@ differences between runs) and writes, into ``--out`` (default ``FIRST_RUN/report
 Several runs are drawn on the same axes, one colour per run, so a comparison the course
 asks for ("the curves for batch×4 and for grad_accum=4 must match") is one command. A panel
 whose numbers no run has (``loss_scale`` without fp16, the per-layer panels with
-``--stats-every 0``) is left out rather than drawn empty.
+``--stats-every 0``) is left out rather than drawn empty. A run recognised as a shipped
+recipe (``nanolm.reference``) gets that recipe's band shaded behind its loss, bits-per-byte
+and gradient-norm curves: where healthy seeds of the same recipe went.
 
 matplotlib is imported here only (``pip install 'nanolm[report]'``), never by training.
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from ..errors import NanolmError
 from ..monitor import read_metrics
+from ..reference import shipped_references
 
 X_AXES = ("step", "tokens", "time")
 
@@ -81,6 +84,12 @@ class Run:
         first = [n for n in ("embed",) if n in names]
         rest = sorted(n for n in names if not n.isdigit() and n != "embed")
         return first + blocks + rest
+
+    @property
+    def reference(self):
+        """The shipped reference this run was recognised as (its step-0 row's setup), or None."""
+        digest = self.rows[0].get("setup_digest") if self.rows and self.rows[0].get("step") == 0 else None
+        return next((r for r in shipped_references() if r.digest == digest), None) if digest else None
 
     def last(self, key: str):
         for r in reversed(self.rows):
@@ -140,7 +149,31 @@ def _reference_lines(ax, runs, colors, value_of, label):
         ax.axhline(v, color=c, linestyle="--", linewidth=1, alpha=0.8, label=label if i == 0 else None)
 
 
+def _bands(ax, runs, key, x, label="reference band"):
+    """The reference band of ``key`` shaded behind the curves, once per reference the runs were
+    recognised as (``nanolm.reference``): where healthy seeds of the same recipe went."""
+    if x == "time":  # the band is per step; seconds differ from machine to machine
+        return
+    seen = set()
+    for run in runs:
+        ref = run.reference
+        band = ref.bands.get(key) if ref is not None else None
+        if band is None or ref.name in seen:
+            continue
+        seen.add(ref.name)
+        scale = (run.tokens_per_step or 0) if x == "tokens" else 1
+        if not scale:
+            continue
+        xs = [s * scale for s in band.steps]
+        first = len(seen) == 1 and not getattr(ax, "_band_labelled", False)
+        ax.fill_between(xs, band.lo, band.hi, color="0.6", alpha=0.25, linewidth=0, zorder=0,
+                        label=f"{label} ({len(ref.seeds)} seeds)" if first else None)
+        ax._band_labelled = True
+
+
 def draw_loss(ax, runs, x, colors):
+    _bands(ax, runs, "loss", x)
+    _bands(ax, runs, "val_loss", x)
     for run, c in zip(runs, colors):
         multi = len(runs) > 1
         _line(ax, run, "loss", x, c, f"{run.name} train" if multi else "train loss", linewidth=1, alpha=0.7)
@@ -151,6 +184,7 @@ def draw_loss(ax, runs, x, colors):
 
 
 def draw_bpb(ax, runs, x, colors):
+    _bands(ax, runs, "val_bpb", x)
     for run, c in zip(runs, colors):
         _line(ax, run, "val_bpb", x, c, _name(run, runs), marker="o", markersize=3)
     _reference_lines(ax, runs, colors, lambda run: run.last("floor_bpb"), "floor")
@@ -158,6 +192,7 @@ def draw_bpb(ax, runs, x, colors):
 
 
 def draw_grad_norm(ax, runs, x, colors):
+    _bands(ax, runs, "grad_norm", x)
     for run, c in zip(runs, colors):
         _line(ax, run, "grad_norm", x, c, _name(run, runs), linewidth=1)
     _reference_lines(ax, runs, colors, lambda run: run.option("optim", "clip"), "clip threshold")

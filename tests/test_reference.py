@@ -1,0 +1,217 @@
+"""Reference bands: a run of a measured recipe is recognised and judged against its seeds' band,
+a run of any other setup is told so once and judged by nothing, a broken run leaves the band
+(the evaluation line, ``nanolm diagnose`` and ``nanolm report`` say so), and every shipped band
+still describes the recipe it names.
+
+The recipe measured here is a tiny one (five seeds in seconds); the shipped bands are checked
+for their shape and against the configs and data they name, not retrained.
+"""
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+import nanolm.reference as reference
+from nanolm.config import RunConfig, add_run_arguments, config_from_args
+from nanolm.instruments.diagnose import diagnose_trace
+from nanolm.monitor import read_metrics
+from nanolm.reference import (
+    Band,
+    Reference,
+    band_from_seeds,
+    bands_from_runs,
+    departures,
+    setup_digest,
+    setup_of,
+    shipped_references,
+)
+from nanolm.train import train
+
+from conftest import tiny_run_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SEEDS = (1, 2, 3, 4, 5)
+
+
+def tiny_recipe(data, out, seed, **debug):
+    cfg = tiny_run_config(data, out, steps=24, eval_every=8, seed=seed, stats_every=8, threads=1)
+    for k, v in debug.items():
+        setattr(cfg.debug, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tmp_path_factory, stories_file):
+    """Five seeds of the tiny recipe, made into a reference file in a directory of its own."""
+    root = tmp_path_factory.mktemp("bands")
+    runs, setups = [], []
+    for seed in SEEDS:
+        out = root / f"seed-{seed}"
+        train(tiny_recipe(stories_file, out, seed), log=lambda *_: None)
+        rows = read_metrics(out / "metrics.jsonl")
+        runs.append(rows)
+        setups.append(rows[0]["setup_digest"])
+    assert len(set(setups)) == 1, "the seed must not count in a run's setup"
+    cfg = RunConfig.resolved(tiny_recipe(stories_file, root / "x", 1))
+    from nanolm.prepare import PreparedData
+
+    setup = setup_of(cfg, PreparedData(root / "seed-1" / "data", verify=False).digest, "fp32", "cpu", 1)
+    assert setup_digest(setup) == setups[0]
+    ref = Reference(name="tiny-fp32", title="the tiny recipe", command="(test)", precision="fp32", seeds=list(SEEDS),
+                    machine="test", date="today", torch="any", setup=setup, bands=bands_from_runs(runs))
+    refs = root / "references"
+    refs.mkdir()
+    (refs / "tiny-fp32.json").write_text(json.dumps(ref.to_json()))
+    return refs
+
+
+@pytest.fixture
+def using(tiny_reference, monkeypatch):
+    monkeypatch.setattr(reference, "REFERENCE_DIR", tiny_reference)
+    return shipped_references()[0]
+
+
+def test_a_band_is_the_seeds_extremes_widened_by_their_spread():
+    band = band_from_seeds("val_loss", [{10: 1.0}, {10: 1.1}, {10: 1.2}, {10: 1.05}, {10: 1.15}])
+    assert band.steps == [10] and band.at(10) == pytest.approx((0.8, 1.4))
+    assert band.side(10, 1.39) == 0 and band.side(10, 1.41) == 1 and band.side(10, 0.79) == -1
+    assert band.side(11, 5.0) is None  # no band where the seeds logged nothing
+    lr = band_from_seeds("lr", [{1: 1e-3}] * 5)  # seeds agree exactly: only the floor is left
+    assert lr.side(1, 1e-3 * (1 + 1e-7)) == 0 and lr.side(1, 1e-3 * 1.001) == 1
+
+
+def test_the_seed_and_how_a_run_is_watched_do_not_count_in_its_setup(stories_file, tmp_path):
+    base = RunConfig.resolved(tiny_recipe(stories_file, tmp_path / "a", 1))
+    other = dataclasses.replace(base, train=dataclasses.replace(base.train, seed=9, out_dir="elsewhere", threads=2,
+                                                                log_every=3, eval_every=5, progress="bar"))
+    assert setup_of(base, "d", "fp32", "cpu", 1) == setup_of(other, "d", "fp32", "cpu", 1)
+    for changed in (dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=1e-2)),
+                    dataclasses.replace(base, model=dataclasses.replace(base.model, n_embd=64))):
+        assert setup_of(changed, "d", "fp32", "cpu", 1) != setup_of(base, "d", "fp32", "cpu", 1)
+    assert setup_of(base, "d", "bf16", "cpu", 1) != setup_of(base, "d", "fp32", "cpu", 1)
+    assert setup_of(base, "other data", "fp32", "cpu", 1) != setup_of(base, "d", "fp32", "cpu", 1)
+
+
+def test_a_healthy_seed_not_in_the_band_is_recognised_and_stays_inside(using, stories_file, tmp_path):
+    lines = []
+    train(tiny_recipe(stories_file, tmp_path / "seed-6", 6), log=lines.append)
+    assert any(line.startswith("reference: this is the tiny recipe (fp32, 5 seeds") for line in lines)
+    evals = [line for line in lines if line.startswith("eval step")]
+    assert evals and all(line.endswith("inside") and "| band " in line for line in evals), evals
+    rows = read_metrics(tmp_path / "seed-6" / "metrics.jsonl")
+    assert rows[0]["reference"] == "tiny-fp32"
+    assert departures(using, rows) == []
+    assert "left_reference_band" not in [f.name for f in diagnose_trace(rows)]
+
+
+def test_a_broken_run_of_the_recipe_leaves_its_band_and_diagnose_names_the_step(using, stories_file, tmp_path):
+    from nanolm.instruments.faults import components
+
+    cfg = tiny_recipe(stories_file, tmp_path / "broken", 6, unshifted_targets=True)  # a bug, not a setting
+    lines = []
+    train(cfg, log=lines.append, components=components(cfg))
+    assert any(line.startswith("reference: this is the tiny recipe") for line in lines)
+    evals = [line for line in lines if line.startswith("eval step")]
+    assert "above since step 8" in evals[-1], evals  # copying the input teaches nothing the validation set asks
+    rows = read_metrics(tmp_path / "broken" / "metrics.jsonl")
+    found = {f.name: f for f in diagnose_trace(rows)}
+    finding = found["left_reference_band"]
+    assert finding.evidence["reference"] == "tiny-fp32" and finding.evidence["step"] <= 8
+    lo, hi = finding.evidence["band"]
+    assert not lo <= finding.evidence["value"] <= hi
+
+
+def test_a_run_on_a_setup_without_reference_says_so_once_and_nothing_more(using, stories_file, tmp_path):
+    cfg = tiny_recipe(stories_file, tmp_path / "other", 1)
+    cfg.optim.lr = 1e-2
+    lines = []
+    train(cfg, log=lines.append)
+    said = [line for line in lines if "reference" in line or "band" in line]
+    assert len(said) == 1 and said[0].startswith("reference: none for this setup"), said
+    assert "the closest, the tiny recipe (fp32), differs in optim.lr" in said[0]
+    rows = read_metrics(tmp_path / "other" / "metrics.jsonl")
+    assert "reference" not in rows[0] and not any("val_band_side" in r for r in rows)
+    assert "left_reference_band" not in [f.name for f in diagnose_trace(rows)]
+
+
+def test_a_resumed_run_remembers_since_when_it_is_outside(using, stories_file, tmp_path):
+    from nanolm.instruments.faults import components
+
+    out = tmp_path / "broken"
+    cfg = tiny_recipe(stories_file, out, 6, unshifted_targets=True)
+    cfg.train.steps = 16
+    train(cfg, log=lambda *_: None, components=components(cfg))
+    cfg.train.steps = 24  # run on: the band's verdict continues from the rows already written
+    lines = []
+    train(cfg, log=lines.append, components=components(cfg))
+    assert [line for line in lines if line.startswith("eval step 24")][0].endswith("above since step 8")
+
+
+def test_the_report_shades_the_band_behind_a_recognised_run(using, stories_file, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from nanolm.instruments.report import draw_bpb, draw_loss, load_run
+
+    out = tmp_path / "seed-6"
+    train(tiny_recipe(stories_file, out, 6), log=lambda *_: None)
+    run = load_run(out)
+    assert run.reference is not None
+    fig, (ax1, ax2) = plt.subplots(1, 2)
+    draw_loss(ax1, [run], "step", ["C0"])
+    draw_bpb(ax2, [run], "step", ["C0"])
+    labels = [c.get_label() for c in ax1.collections]
+    assert "reference band (5 seeds)" in labels and len(ax2.collections) == 1
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- the shipped references
+
+def _config_of(command: str) -> RunConfig:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    args = shlex.split(command)[2:]  # after "nanolm train"
+    return config_from_args(parser.parse_args(args))
+
+
+def test_every_shipped_band_still_describes_the_recipe_it_names(monkeypatch):
+    refs = shipped_references()
+    assert refs, "nanolm ships reference bands (python tools/reference_bands.py)"
+    monkeypatch.chdir(ROOT)  # the commands name configs/ and data/ relative to the repository
+    for ref in refs:
+        assert len(ref.seeds) >= 5, ref.name
+        for key in ("loss", "lr", "grad_norm", "val_loss", "val_bpb"):
+            assert key in ref.bands, (ref.name, key)
+        for band in ref.bands.values():
+            assert len(band.steps) == len(band.lo) == len(band.hi) and all(
+                lo <= mid <= hi for lo, mid, hi in zip(band.lo, band.mid, band.hi))
+        run = ref.setup["run"]
+        now = setup_of(_config_of(ref.command), run["data_digest"], run["precision"], run["device_type"],
+                       run["world_size"])
+        assert now == ref.setup, (f"{ref.name}: the recipe changed since its band was measured "
+                                  f"({reference.differences(ref.setup, now)}); run tools/reference_bands.py again")
+
+
+def test_the_quick_runs_data_is_still_what_its_band_was_measured_on(tmp_path):
+    from nanolm.prepare import PreparedData, prepare
+
+    ref = next((r for r in shipped_references() if r.name == "quick-fp32"), None)
+    assert ref is not None, "the quick run has a shipped band"
+    prepare(ROOT / "data" / "toy.txt", tmp_path / "data", "bpe", 400, seq_len=128, progress=False, log=lambda *_: None)
+    assert PreparedData(tmp_path / "data").digest == ref.setup["run"]["data_digest"], (
+        "data preparation changed: the shipped bands no longer match any run; run tools/reference_bands.py again")
+
+
+def test_a_band_survives_its_file():
+    band = Band([1, 2], [0.5, 0.4], [1.0, 0.9], [1.5, 1.4])
+    ref = Reference("r", "t", "c", "fp32", [1, 2, 3, 4, 5], "m", "d", "v", {"run": {}}, {"loss": band})
+    again = Reference.from_json(json.loads(json.dumps(ref.to_json())))
+    assert again == ref and again.digest == ref.digest

@@ -1,0 +1,251 @@
+"""Measure the reference bands nanolm ships: each recipe, several seeds, each CPU number format.
+
+For every recipe (the quick run, the default ``nanolm train``, each ``configs/*.toml`` on the
+data it names, both speedrun tracks) and number format, this trains the recipe once per seed
+exactly as a user would run it (only the seed, the output directory, the thread count and the
+sample at the end differ, none of which the band counts), then writes
+``nanolm/references/<recipe>-<format>.json``: the runs' shared setup (checked equal across
+seeds), the band of every logged number (``nanolm.reference``), the command, the machine and
+the date.
+
+    python tools/reference_bands.py --data-dir ../shared/data                      # every recipe, fp32
+    python tools/reference_bands.py --recipes quick --precisions fp32,bf16 --jobs 2
+    python tools/reference_bands.py --recipes quick --seeds 11,12,13,14,15 --check  # false alarms: judge new seeds, write nothing
+    python tools/reference_bands.py --recipes quick --seeds 11 --check --plants lr_one_step_late,betas_swapped
+                                    # planted silent bugs (tools/silent_bugs.py), each trained once: does it leave the band?
+
+Runs are kept in ``--work`` (one directory per recipe, format and seed) and reused when
+finished, so an interrupted measurement continues where it stopped. ``--jobs 2`` runs two
+trainings at once, one thread each (on 2 cores, the fastest way through many small runs).
+bf16 on a CPU without bf16 units is emulated: ~9x slower than fp32 there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from nanolm.config import load_run_config  # noqa: E402
+from nanolm.instruments.compare import recorded_run  # noqa: E402
+from nanolm.monitor import read_metrics  # noqa: E402
+from nanolm.reference import (  # noqa: E402
+    REFERENCE_DIR,
+    Reference,
+    bands_from_runs,
+    departures,
+    setup_digest,
+    setup_of,
+)
+
+# name: (title, the command's arguments after `nanolm train`, the data files it needs in --data-dir)
+RECIPES = {
+    "quick": ("the quick run", "--data data/toy.txt --steps 300 --vocab-size 400 --lr 3e-3", ()),
+    "default": ("the default nanolm train", "", ()),
+    "shakespeare_char": ("configs/shakespeare_char.toml",
+                         "--config configs/shakespeare_char.toml --data {data_dir}/tinyshakespeare.txt",
+                         ("tinyshakespeare.txt",)),
+    "shakespeare_bpe": ("configs/shakespeare_bpe.toml",
+                        "--config configs/shakespeare_bpe.toml --data {data_dir}/tinyshakespeare.txt",
+                        ("tinyshakespeare.txt",)),
+    "tinystories": ("configs/tinystories.toml",
+                    "--config configs/tinystories.toml --data {data_dir}/TinyStoriesV2-GPT4-valid.txt",
+                    ("TinyStoriesV2-GPT4-valid.txt",)),
+    "speedrun_shakespeare": ("the CPU speedrun, shakespeare track (configs/speedrun_cpu.toml)",
+                             "--config configs/speedrun_cpu.toml --data {data_dir}/tinyshakespeare.txt",
+                             ("tinyshakespeare.txt",)),
+    "speedrun_tinystories": ("the CPU speedrun, TinyStories track (configs/speedrun_tinystories.toml)",
+                             "--config configs/speedrun_tinystories.toml --data {data_dir}/tinystories_sample.txt",
+                             ("tinystories_sample.txt",)),
+}
+SEEDS = (1337, 1, 2, 3, 4)  # the recipes' own default seed and four more
+NOT_COUNTED_FLAGS = "--threads 1 --progress lines --sample-tokens 0"
+
+
+def default_data_dir() -> Path:
+    from nanolm.download import cache_dir
+
+    return cache_dir()
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def run_dir(work: Path, recipe: str, precision: str, seed: int) -> Path:
+    return work / recipe / precision / f"seed-{seed}"
+
+
+def train(recipe: str, precision: str, seed: int, work: Path, data_dir: Path, python: str = sys.executable,
+          env=None) -> Path:
+    """One training run of the recipe (skipped when already finished); returns its directory."""
+    out = run_dir(work, recipe, precision, seed)
+    if (out / "final.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = RECIPES[recipe][1].format(data_dir=data_dir)
+    cmd = [python, "-m", "nanolm.train", *shlex.split(args), "--seed", str(seed), "--precision", precision,
+           "--out-dir", str(out), *shlex.split(NOT_COUNTED_FLAGS)]
+    start = time.perf_counter()
+    with open(out.parent / f"seed-{seed}.log", "w") as log:
+        result = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if result.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd)} failed (exit {result.returncode}); see {out.parent}/seed-{seed}.log")
+    print(f"  {recipe} {precision} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
+    return out
+
+
+def run_setup(out: Path) -> dict:
+    """The setup of a finished run, derived from its directory (its configuration, its data's
+    digest, the number format its step-0 row records)."""
+    cfg = load_run_config(out / "config.toml")
+    return setup_of(cfg, *recorded_run(out, cfg, read_metrics(out / "metrics.jsonl")[0]))
+
+
+def build(recipe: str, precision: str, dirs: list[Path]) -> Reference:
+    setups = [run_setup(d) for d in dirs]
+    if any(s != setups[0] for s in setups[1:]):
+        raise SystemExit(f"error: the {recipe} {precision} runs do not share one setup; remove {dirs[0].parent}")
+    runs = [read_metrics(d / "metrics.jsonl") for d in dirs]
+    import torch
+
+    command = f"nanolm train {RECIPES[recipe][1]}".strip().replace("{data_dir}/", "")
+    return Reference(name=f"{recipe}-{precision}", title=RECIPES[recipe][0], command=command, precision=precision,
+                     seeds=[int(load_run_config(d / "config.toml").train.seed) for d in dirs], machine=machine(),
+                     date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], setup=setups[0],
+                     bands=bands_from_runs(runs))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of: {', '.join(RECIPES)}")
+    p.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16 (what --precision auto picks on "
+                   "a CPU without and with bf16 units)")
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="the seeds a band is measured over (at least 5)")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "nanolm" / "reference_runs",
+                   help="where the runs are kept (reused when finished)")
+    p.add_argument("--data-dir", type=Path, default=None, help="directory holding tinyshakespeare.txt, "
+                   "tinystories_sample.txt and TinyStoriesV2-GPT4-valid.txt (default: nanolm's download cache)")
+    p.add_argument("--jobs", type=int, default=1, help="trainings at once, one thread each")
+    p.add_argument("--check", action="store_true", help="judge the seeds' runs against the shipped bands instead of "
+                   "writing bands: the false-alarm rate of seeds the bands were not measured on")
+    p.add_argument("--plants", default="", help="with --check: comma-separated bugs of tools/silent_bugs.py, each "
+                   "planted in a copy of nanolm and trained with each seed instead of the healthy code")
+    p.add_argument("--out", type=Path, default=REFERENCE_DIR, help="where the reference files are written")
+    args = p.parse_args()
+    recipes = [r for r in args.recipes.split(",") if r]
+    precisions = [x for x in args.precisions.split(",") if x]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    unknown = [r for r in recipes if r not in RECIPES] + [x for x in precisions if x not in ("fp32", "bf16")]
+    if unknown:
+        raise SystemExit(f"error: unknown recipe or format {unknown[0]!r}")
+    if len(seeds) < 5 and not args.check:
+        raise SystemExit("error: a band needs at least 5 seeds")
+    data_dir = (args.data_dir or default_data_dir()).resolve()
+    todo, skipped = [], []
+    for recipe in recipes:
+        missing = [f for f in RECIPES[recipe][2] if not (data_dir / f).is_file()]
+        if missing:
+            skipped.append(f"{recipe} (no {data_dir / missing[0]})")
+            continue
+        todo += [(recipe, precision, seed) for precision in precisions for seed in seeds]
+    for line in skipped:
+        print(f"skipped: {line}")
+    plants = [x for x in args.plants.split(",") if x]
+    if plants:
+        if not args.check:
+            raise SystemExit("error: --plants needs --check (a band is never measured on broken code)")
+        return check_plants(plants, todo, args, data_dir)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with ThreadPoolExecutor(args.jobs) as pool:
+        done = list(pool.map(lambda job: (job, train(*job, args.work, data_dir, env=env)), todo))
+    groups: dict[tuple[str, str], list[Path]] = {}
+    for (recipe, precision, _), out in done:
+        groups.setdefault((recipe, precision), []).append(out)
+    if args.check:
+        from nanolm.reference import shipped_references
+
+        refs = {r.name: r for r in shipped_references(args.out)}
+        for (recipe, precision), dirs in groups.items():
+            ref = refs.get(f"{recipe}-{precision}")
+            if ref is None:
+                print(f"{recipe} {precision}: no shipped reference")
+                continue
+            alarms = 0
+            for d in dirs:
+                if setup_digest(run_setup(d)) != ref.digest:
+                    print(f"  {d}: a different setup than the reference's")
+                    continue
+                found = departures(ref, read_metrics(d / "metrics.jsonl"))
+                alarms += bool(found)
+                print(f"  {d.name}: {'; '.join(x.describe() for x in found) if found else 'inside every band'}")
+            print(f"{recipe} {precision}: {alarms} of {len(dirs)} runs left a band (false alarms)")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    for (recipe, precision), dirs in groups.items():
+        ref = build(recipe, precision, dirs)
+        path = args.out / f"{ref.name}.json"
+        path.write_text(json.dumps(ref.to_json(), indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {path} ({len(ref.bands)} bands over {len(dirs)} seeds)")
+    return 0
+
+
+def check_plants(plants: list[str], todo, args, data_dir: Path) -> int:
+    """Each planted bug in its own copy of the package, trained on every (recipe, format, seed):
+    the departures from the shipped band, or that it stayed inside (the bug escaped the band)."""
+    import shutil
+    import tempfile
+
+    from nanolm.reference import shipped_references
+    from silent_bugs import BUGS, plant
+
+    bugs = {b.name: b for b in BUGS}
+    unknown = [p for p in plants if p not in bugs]
+    if unknown:
+        raise SystemExit(f"error: unknown bug {unknown[0]!r}; see python tools/silent_bugs.py --list")
+    refs = {r.name: r for r in shipped_references(args.out)}
+    left = 0
+    for name in plants:
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / "nanolm_copy"
+            shutil.copytree(ROOT / "nanolm", copy / "nanolm")
+            plant(copy, bugs[name])
+            env = {**os.environ, "PYTHONPATH": str(copy)}
+            for recipe, precision, seed in todo:
+                ref = refs.get(f"{recipe}-{precision}")
+                if ref is None:
+                    raise SystemExit(f"error: no shipped reference {recipe}-{precision}")
+                out = train(recipe, precision, seed, args.work / f"plant-{name}", data_dir, env=env)
+                found = departures(ref, read_metrics(out / "metrics.jsonl"))
+                left += bool(found)
+                verdict = found[0].describe() if found else "stayed inside every band"
+                print(f"{name:40s} {recipe} {precision} seed {seed}: {verdict}"
+                      + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""), flush=True)
+    print(f"{left} of {len(plants) * len(todo)} planted runs left their band")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
