@@ -74,10 +74,10 @@ def using(tiny_reference, monkeypatch):
     return shipped_references()[0]
 
 
-def test_a_band_is_the_seeds_extremes_widened_by_their_spread():
+def test_a_band_is_the_seeds_extremes_widened_by_three_times_their_spread():
     band = band_from_seeds("val_loss", [{10: 1.0}, {10: 1.1}, {10: 1.2}, {10: 1.05}, {10: 1.15}])
-    assert band.steps == [10] and band.at(10) == pytest.approx((0.8, 1.4))
-    assert band.side(10, 1.39) == 0 and band.side(10, 1.41) == 1 and band.side(10, 0.79) == -1
+    assert band.steps == [10] and band.at(10) == pytest.approx((0.4, 1.8))  # 1.0..1.2, widened by 3 x 0.2
+    assert band.side(10, 1.79) == 0 and band.side(10, 1.81) == 1 and band.side(10, 0.39) == -1
     assert band.side(11, 5.0) is None  # no band where the seeds logged nothing
     lr = band_from_seeds("lr", [{1: 1e-3}] * 5)  # seeds agree exactly: only the floor is left
     assert lr.side(1, 1e-3 * (1 + 1e-7)) == 0 and lr.side(1, 1e-3 * 1.001) == 1

@@ -99,7 +99,7 @@ def run_dir(work: Path, recipe: str, precision: str, seed: int) -> Path:
 
 
 def train(recipe: str, precision: str, seed: int, work: Path, data_dir: Path, python: str = sys.executable,
-          env=None) -> Path:
+          env=None, cwd: Path = ROOT) -> Path:
     """One training run of the recipe (skipped when already finished); returns its directory."""
     out = run_dir(work, recipe, precision, seed)
     if (out / "final.json").is_file():
@@ -110,7 +110,7 @@ def train(recipe: str, precision: str, seed: int, work: Path, data_dir: Path, py
            "--out-dir", str(out), *shlex.split(NOT_COUNTED_FLAGS)]
     start = time.perf_counter()
     with open(out.parent / f"seed-{seed}.log", "w") as log:
-        result = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        result = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if result.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} failed (exit {result.returncode}); see {out.parent}/seed-{seed}.log")
     print(f"  {recipe} {precision} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -229,15 +229,16 @@ def check_plants(plants: list[str], todo, args, data_dir: Path) -> int:
     left = 0
     for name in plants:
         with tempfile.TemporaryDirectory() as tmp:
-            copy = Path(tmp) / "nanolm_copy"
-            shutil.copytree(ROOT / "nanolm", copy / "nanolm")
+            copy = Path(tmp) / "nanolm_copy"  # the recipes' paths (configs/, data/) are relative to it
+            for part in ("nanolm", "configs", "data"):
+                shutil.copytree(ROOT / part, copy / part)
             plant(copy, bugs[name])
-            env = {**os.environ, "PYTHONPATH": str(copy)}
+            env = {**os.environ, "PYTHONPATH": str(copy)}  # `python -m` puts the working directory first anyway
             for recipe, precision, seed in todo:
                 ref = refs.get(f"{recipe}-{precision}")
                 if ref is None:
                     raise SystemExit(f"error: no shipped reference {recipe}-{precision}")
-                out = train(recipe, precision, seed, args.work / f"plant-{name}", data_dir, env=env)
+                out = train(recipe, precision, seed, args.work / f"plant-{name}", data_dir, env=env, cwd=copy)
                 found = departures(ref, read_metrics(out / "metrics.jsonl"))
                 left += bool(found)
                 verdict = found[0].describe() if found else "stayed inside every band"

@@ -311,7 +311,7 @@ BUGS = [
         "nanolm/reference.py", '"train": {"seed", "out_dir",', '"train": {"out_dir",'),
     Bug("band_is_the_seeds_extremes", "a band is the seeds' lowest and highest values only: a new healthy seed is "
         "outside at one point in three, and nanolm cries wolf on healthy runs",
-        "nanolm/reference.py", "widen = max(spread, floor, ABSOLUTE_FLOOR.get(key, 0.0))", "widen = 0.0"),
+        "nanolm/reference.py", "widen = max(WIDEN * spread, floor, ABSOLUTE_FLOOR.get(key, 0.0))", "widen = 0.0"),
     Bug("debug_switches_count_in_the_setup", "a run broken by a lab switch is not recognised as its recipe: the band "
         "never sees the bugs it exists to catch",
         "nanolm/reference.py", 'SECTIONS_NOT_COUNTED = ("guard", "debug")', 'SECTIONS_NOT_COUNTED = ("guard",)'),
