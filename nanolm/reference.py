@@ -170,6 +170,7 @@ class Reference:
     torch: str
     setup: dict
     bands: dict[str, Band]
+    regenerate: str = ""  # the command that measures this band again
 
     @property
     def digest(self) -> str:
@@ -188,7 +189,7 @@ class Reference:
     def from_json(cls, data: dict) -> "Reference":
         if data.get("format") != FORMAT:
             raise ValueError(f"reference format {data.get('format')!r}, expected {FORMAT}")
-        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "bands"}
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "bands" and f.name in data}
         return cls(**fields, bands={k: Band(**b) for k, b in data["bands"].items()})
 
 

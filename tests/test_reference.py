@@ -215,3 +215,9 @@ def test_a_band_survives_its_file():
     ref = Reference("r", "t", "c", "fp32", [1, 2, 3, 4, 5], "m", "d", "v", {"run": {}}, {"loss": band})
     again = Reference.from_json(json.loads(json.dumps(ref.to_json())))
     assert again == ref and again.digest == ref.digest
+
+
+def test_docs_list_every_shipped_reference():
+    text = (ROOT / "docs" / "health.md").read_text(encoding="utf-8")
+    for ref in shipped_references():
+        assert f"`{ref.name}`" in text, f"docs/health.md does not list {ref.name} (python tools/reference_bands.py --table)"

@@ -135,7 +135,10 @@ def build(recipe: str, precision: str, dirs: list[Path]) -> Reference:
     return Reference(name=f"{recipe}-{precision}", title=RECIPES[recipe][0], command=command, precision=precision,
                      seeds=[int(load_run_config(d / "config.toml").train.seed) for d in dirs], machine=machine(),
                      date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], setup=setups[0],
-                     bands=bands_from_runs(runs))
+                     bands=bands_from_runs(runs),
+                     regenerate=f"python tools/reference_bands.py --recipes {recipe} --precisions {precision} "
+                                f"--seeds {','.join(str(load_run_config(d / 'config.toml').train.seed) for d in dirs)}"
+                                + (" --data-dir DIR" if RECIPES[recipe][2] else ""))
 
 
 def main() -> int:
@@ -154,7 +157,12 @@ def main() -> int:
     p.add_argument("--plants", default="", help="with --check: comma-separated bugs of tools/silent_bugs.py, each "
                    "planted in a copy of nanolm and trained with each seed instead of the healthy code")
     p.add_argument("--out", type=Path, default=REFERENCE_DIR, help="where the reference files are written")
+    p.add_argument("--table", action="store_true", help="print the shipped references as docs/health.md's table, "
+                   "and train nothing")
     args = p.parse_args()
+    if args.table:
+        print_table(args.out)
+        return 0
     recipes = [r for r in args.recipes.split(",") if r]
     precisions = [x for x in args.precisions.split(",") if x]
     seeds = [int(s) for s in args.seeds.split(",") if s]
@@ -210,6 +218,19 @@ def main() -> int:
         path.write_text(json.dumps(ref.to_json(), indent=1) + "\n", encoding="utf-8")
         print(f"wrote {path} ({len(ref.bands)} bands over {len(dirs)} seeds)")
     return 0
+
+
+def print_table(directory: Path) -> None:
+    from nanolm.reference import shipped_references
+
+    print("| reference | recipe | seeds | final validation loss band (step) | measured |")
+    print("| --- | --- | --- | --- | --- |")
+    for ref in shipped_references(directory):
+        val = ref.bands.get("val_loss")
+        last = (f"{val.lo[-1]:.4f}..{val.hi[-1]:.4f} (median {val.mid[-1]:.4f}, step {val.steps[-1]})"
+                if val else "none")
+        print(f"| `{ref.name}` | {ref.title}: `{ref.command}` | {', '.join(map(str, ref.seeds))} | {last} | "
+              f"{ref.date}, {ref.machine}, torch {ref.torch} |")
 
 
 def check_plants(plants: list[str], todo, args, data_dir: Path) -> int:

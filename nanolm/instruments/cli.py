@@ -302,7 +302,8 @@ def _add_health_commands(sub) -> None:
                        "floor (a leak), a loss spike after a gradient-norm spike (LR too high), isolated spikes without "
                        "a gradient warning (bad data), most steps clipped, validation rising while training falls, a "
                        "training loss climbing back, a jolt after a resume (optimizer state missing), fp16 overflow "
-                       "and underflow, runaway attention logits, dead MLP units. A healthy run gets 'no findings'. "
+                       "and underflow, runaway attention logits, dead MLP units, a run of a shipped recipe that left its reference band. "
+                       "A healthy run gets 'no findings'. "
                        "See docs/health.md.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `nanolm train`")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when there is any finding")
