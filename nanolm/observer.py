@@ -58,7 +58,10 @@ class GradientWatch:
             self.layer_stats.capture()
 
     def after_update(self) -> dict:
-        figures = {k: v.item() if torch.is_tensor(v) else v for k, v in self.figures.items()}  # one read
+        tensors = [k for k, v in self.figures.items() if torch.is_tensor(v)]
+        figures = dict(self.figures)
+        if tensors:  # one read for all of them
+            figures.update(zip(tensors, torch.stack([self.figures[k].float() for k in tensors]).tolist()))
         return {**figures, **(self.layer_stats.after_update() if self.layer_stats is not None else {})}
 
 
