@@ -27,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -215,7 +216,9 @@ def main() -> int:
     for (recipe, precision), dirs in groups.items():
         ref = build(recipe, precision, dirs)
         path = args.out / f"{ref.name}.json"
-        path.write_text(json.dumps(ref.to_json(), indent=1) + "\n", encoding="utf-8")
+        text = json.dumps(ref.to_json(), indent=1)  # one line per array of numbers: a small file that diffs well
+        text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+        path.write_text(text + "\n", encoding="utf-8")
         print(f"wrote {path} ({len(ref.bands)} bands over {len(dirs)} seeds)")
     return 0
 
@@ -223,12 +226,12 @@ def main() -> int:
 def print_table(directory: Path) -> None:
     from nanolm.reference import shipped_references
 
-    print("| reference | recipe | seeds | final validation loss band (step) | measured |")
+    print("| reference | recipe | seeds | the last evaluation's band: validation loss; bits per byte | measured |")
     print("| --- | --- | --- | --- | --- |")
     for ref in shipped_references(directory):
-        val = ref.bands.get("val_loss")
-        last = (f"{val.lo[-1]:.4f}..{val.hi[-1]:.4f} (median {val.mid[-1]:.4f}, step {val.steps[-1]})"
-                if val else "none")
+        val, bpb = ref.bands.get("val_loss"), ref.bands.get("val_bpb")
+        last = (f"step {val.steps[-1]}: {val.lo[-1]:.4f}..{val.hi[-1]:.4f} (median {val.mid[-1]:.4f}); "
+                f"{bpb.lo[-1]:.3f}..{bpb.hi[-1]:.3f} bpb" if val and bpb else "none")
         print(f"| `{ref.name}` | {ref.title}: `{ref.command}` | {', '.join(map(str, ref.seeds))} | {last} | "
               f"{ref.date}, {ref.machine}, torch {ref.torch} |")
 

@@ -85,7 +85,7 @@ VARIANTS = [
             needs_full_length=("the tiny model's attention logits grow but its loss never spikes: a 2-layer, 32-wide "
                                "model is too shallow to amplify a large update into a loss spike")),
     Variant("fp16_no_loss_scaling", "fp16 autocast without loss scaling",
-            "a fifth or more of the gradient values below fp16's normal range from the first step (underflow)",
+            "about a fifth of the gradient values below fp16's normal range, from the first step (underflow)",
             ("fp16_underflow",), _set(train__precision="fp16", debug__no_loss_scaling=True), steps_scale=0.04),
     Variant("targets_not_shifted", "targets are the inputs (not shifted by one)",
             "training loss far below the data's floor; validation worse than the untrained model",
