@@ -126,6 +126,14 @@ def _this_process() -> str:
     return f"{os.getpid()}@{socket.gethostname()}"
 
 
+def _this_process_or_its_parent() -> tuple[str, str]:
+    """This process's holder line and its parent's: a process the holder started to write inside
+    the holder's directory (the lab's resume variant trains its first part in a child process
+    inside the lab's locked --out) works for the holder, not against it."""
+    host = socket.gethostname()
+    return f"{os.getpid()}@{host}", f"{os.getppid()}@{host}"
+
+
 def _write_holder(fd: int) -> None:
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
@@ -179,7 +187,7 @@ class RunLock:
             raise NanolmError(f"{flag} {directory} is a file, not a directory; choose another {flag}")
         for parent in directory.absolute().parents:
             holder = held_by_another(parent)
-            if holder is not None and holder != _this_process():  # a run writing into its own directory
+            if holder is not None and holder not in _this_process_or_its_parent():  # a run (or its child) writing into its own directory
                 raise _busy(directory, holder, flag, inside=parent)
         self._made = [p for p in (directory, *directory.parents) if not p.exists()][::-1]
         if os.environ.get(NO_LOCK) == "1":

@@ -347,6 +347,19 @@ def test_prepare_into_a_live_runs_data_directory_is_refused(tmp_path, stories_fi
     assert _same_run(out, alone)
 
 
+def test_a_process_the_holder_started_may_write_inside_its_directory(tmp_path, stories_file):
+    """``nanolm lab`` holds its --out and trains the resume variant's first part in a child
+    process inside it: the holder's own work, not a second writer (a process the holder did not
+    start is refused: the test above)."""
+    out = tmp_path / "lab"
+    with RunLock() as lock:
+        lock.take(out, flag="--out")
+        child = subprocess.run([sys.executable, "-m", "nanolm", "prepare", "--data", str(stories_file), "--out",
+                                str(out / "data"), "--tokenizer", "char"], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    assert (out / "data" / "meta.json").is_file()
+
+
 def test_the_locks_cleanup_never_hides_the_error_that_stopped_the_run(tmp_path, monkeypatch):
     """A run directory that turns read-only mid-run: the lock file cannot be removed either,
     and that failure must not replace the error that stopped the run (a failed save)."""
