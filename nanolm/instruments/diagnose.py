@@ -648,18 +648,17 @@ def rule_fp16_underflow(t: Trace) -> Finding | None:
     if share < UNDERFLOW_SHARE:
         return None
     scales = [r["loss_scale"] for r in rows if _finite(r.get("loss_scale"))]
-    return Finding(
-        "fp16_underflow", "fp16 underflow: the gradients lie below fp16's range",
-        f"Under fp16, {share:.0%} of the gradient values (median of {len(rows)} logged steps, from step "
-        f"{rows[0]['step']}) were below fp16's normal range during backward (2^-14 = 6.1e-5, at the loss scale "
-        f"used): there fp16 keeps only a few of its digits, and below 6e-8 none, so those gradients are noise or 0 "
-        f"and their weights learn little or nothing. This follows from the gradients' sizes and the format, on any "
-        f"hardware. "
-        + (f"A loss scale is logged (last {scales[-1]:g}), so it is too low for these gradients: check it is not pinned."
-           if scales else "No loss scale is logged for this fp16 run: loss scaling looks switched off.")
-        + " Multiply the loss by a scale before backward (nanolm's --precision fp16 does, dynamically) or use bf16.",
-        {"grad_subnormal_frac_median": _r(share), "first_step": rows[0]["step"], "last_step": rows[-1]["step"],
-         "loss_scale_logged": bool(scales)})
+    cause = (f"A loss scale is logged (last {scales[-1]:g}), so it is too low for these gradients: check it is not pinned."
+             if scales else "No loss scale is logged for this fp16 run: loss scaling looks switched off.")
+    message = (f"Under fp16, {share:.0%} of the gradient values (median of {len(rows)} logged steps, from step "
+               f"{rows[0]['step']}) were below fp16's normal range during backward (2^-14 = 6.1e-5, at the loss scale "
+               f"used): there fp16 keeps only a few of its digits, and below 6e-8 none, so those gradients are noise "
+               f"or 0 and their weights learn little or nothing. This follows from the gradients' sizes and the format, "
+               f"on any hardware. {cause} Multiply the loss by a scale before backward (nanolm's --precision fp16 does, "
+               f"dynamically) or use bf16.")
+    evidence = {"grad_subnormal_frac_median": _r(share), "first_step": rows[0]["step"], "last_step": rows[-1]["step"],
+                "loss_scale_logged": bool(scales)}
+    return Finding("fp16_underflow", "fp16 underflow: the gradients lie below fp16's range", message, evidence)
 
 
 def _zero_gradients_rising(t: Trace) -> Finding | None:
