@@ -120,7 +120,7 @@ class Observer:
             return
         self.log(f"reference: this is {self.reference.describe()}; each evaluation says whether the validation "
                  f"loss is inside its band")
-        if self.band is not None and self.monitor is not None:
+        if self.monitor is not None:
             self.band.resume(self.monitor.metrics.rows)  # a resumed run: since when it is outside, from its rows
 
     def reference_keys(self) -> dict:

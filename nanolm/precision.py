@@ -266,18 +266,23 @@ def grad_subnormal_fraction(parameters, loss_scale: float) -> torch.Tensor:
     blurred, whatever the CPU's or GPU's kernels do with subnormals (some flush them to zero,
     some keep them, some compute in fp32 and round once): the figure depends on the gradients'
     sizes and the scale, never on the kernels. With nanolm's dynamic scale (2^16 at the start)
-    it stays near the share of structural zeros; without loss scaling, a small model's
-    gradients are mostly below 6e-5 and it reads tens of percent from the first step.
+    it stays near the share of structural zeros; without loss scaling a small model's gradients
+    are largely below 6e-5 (docs/health.md has the lab's figures).
 
     A 0-dim fp32 tensor on the gradients' device, read once by whoever logs it (as
     :func:`grad_zero_fraction`). Under FSDP each count is completed across ranks first.
     """
+    limit = FP16_SMALLEST_NORMAL / loss_scale
+    return _share_of_gradient_values(parameters, lambda g: g.abs() < limit)
+
+
+def _share_of_gradient_values(parameters, counted) -> torch.Tensor:
+    """The share of all gradient values for which ``counted`` is true, summed on the device."""
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    limit = FP16_SMALLEST_NORMAL / loss_scale
-    counts = [(g.abs() < limit).sum() for g in grads]
-    counts = [c.full_tensor() if hasattr(c, "full_tensor") else c for c in counts]
+    counts = [counted(g).sum() for g in grads]
+    counts = [c.full_tensor() if hasattr(c, "full_tensor") else c for c in counts]  # FSDP: a shard's count
     return torch.stack(counts).sum().float() / sum(g.numel() for g in grads)
 
 
@@ -295,12 +300,7 @@ def grad_zero_fraction(parameters) -> torch.Tensor:
     there, and whoever logs it reads it once (reading one count per parameter tensor would
     stall a GPU once per tensor). Under FSDP each count is completed across ranks first.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    counts = [(g == 0).sum() for g in grads]
-    counts = [c.full_tensor() if hasattr(c, "full_tensor") else c for c in counts]  # FSDP: a shard's count
-    return torch.stack(counts).sum().float() / sum(g.numel() for g in grads)
+    return _share_of_gradient_values(parameters, lambda g: g == 0)
 
 
 def by_device_and_dtype(tensors) -> list[list[torch.Tensor]]:

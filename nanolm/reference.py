@@ -20,9 +20,8 @@ update/weight ratio), the seeds' lowest and highest values, widened on both side
 times their spread (and by at least a small share of the value: some numbers agree across
 seeds to four digits). Five seeds' extremes alone would leave a sixth seed outside at one
 point in three, and five seeds' spread is itself a rough estimate (a seed that lands far
-from the others is common enough): widened by once their spread, one healthy run in five
-left the quick run's band somewhere in cross-validation; by three times, about one in a
-hundred (docs/benchmarks.md has the measurement).
+from the others is common enough), so the widening is generous; how generous was chosen
+by cross-validating healthy seeds (docs/benchmarks.md has the measurement).
 """
 
 from __future__ import annotations
@@ -181,7 +180,6 @@ class Reference:
 
     def to_json(self) -> dict:
         out = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "bands"}}
-        out["setup_digest"] = self.digest
         out["bands"] = {k: dataclasses.asdict(b) for k, b in sorted(self.bands.items())}
         return out
 
@@ -189,7 +187,7 @@ class Reference:
     def from_json(cls, data: dict) -> "Reference":
         if data.get("format") != FORMAT:
             raise ValueError(f"reference format {data.get('format')!r}, expected {FORMAT}")
-        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "bands" and f.name in data}
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "bands" and f.name in data}  # regenerate may be absent
         return cls(**fields, bands={k: Band(**b) for k, b in data["bands"].items()})
 
 
@@ -205,11 +203,14 @@ def _read_references(directory: str) -> tuple[Reference, ...]:
 
 
 def find_reference(setup: dict, references=None) -> Reference | None:
-    digest = setup_digest(setup)
-    for ref in shipped_references() if references is None else references:
-        if ref.digest == digest:
-            return ref
-    return None
+    """The reference whose setup is ``setup`` (default: among the shipped ones), or None."""
+    return reference_for_digest(setup_digest(setup), references)
+
+
+def reference_for_digest(digest: str | None, references=None) -> Reference | None:
+    """The reference of a run that recorded ``digest`` (its step-0 row's ``setup_digest``)."""
+    refs = shipped_references() if references is None else references
+    return next((ref for ref in refs if ref.digest == digest), None) if digest else None
 
 
 def closest_reference(setup: dict, references=None) -> tuple[Reference, list[str]] | None:

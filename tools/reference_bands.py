@@ -133,12 +133,13 @@ def build(recipe: str, precision: str, dirs: list[Path]) -> Reference:
     import torch
 
     command = f"nanolm train {RECIPES[recipe][1]}".strip().replace("{data_dir}/", "")
+    seeds = [int(load_run_config(d / "config.toml").train.seed) for d in dirs]
     return Reference(name=f"{recipe}-{precision}", title=RECIPES[recipe][0], command=command, precision=precision,
-                     seeds=[int(load_run_config(d / "config.toml").train.seed) for d in dirs], machine=machine(),
+                     seeds=seeds, machine=machine(),
                      date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], setup=setups[0],
                      bands=bands_from_runs(runs),
                      regenerate=f"python tools/reference_bands.py --recipes {recipe} --precisions {precision} "
-                                f"--seeds {','.join(str(load_run_config(d / 'config.toml').train.seed) for d in dirs)}"
+                                f"--seeds {','.join(map(str, seeds))}"
                                 + (" --data-dir DIR" if RECIPES[recipe][2] else ""))
 
 

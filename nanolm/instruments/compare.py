@@ -8,8 +8,8 @@ precise meanings, chosen from the runs' setups (``nanolm.reference.setup_of``):
   step's batch is cut into micro-batches or ranks, or what is logged, differs): each step sees
   the same windows and must compute the same numbers up to floating-point rounding. The
   curves agree to ``FP_TOLERANCE`` (relative) at every common logged step until rounding
-  differences, which training amplifies (about tenfold every 30 steps in the quick run), have
-  grown to that size; a difference that appears from one logged step to the next, without a
+  differences, which training amplifies step after step (docs/health.md), have grown to that
+  size; a difference that appears from one logged step to the next, without a
   growing drift before it, is where the runs *part*, and the verdict names that step. After
   rounding has taken over, the runs are compared as two seeds are.
 * **The same recipe, different seeds**: the curves agree within seed noise. The noise is the

@@ -68,7 +68,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import NanolmError
-from ..reference import departures, shipped_references
+from ..reference import departures, reference_for_digest
 
 # ---- thresholds (see docs/health.md for why each value)
 MIN_STEPS = 50  # rules about a run's course need at least this many steps of it
@@ -829,9 +829,8 @@ def rule_decay_on_norms(t: Trace) -> Finding | None:
 
 
 def rule_left_reference_band(t: Trace) -> Finding | None:
-    digest = t.rows[0].get("setup_digest") if t.rows and t.rows[0]["step"] == 0 else None
-    refs = shipped_references() if t.references is None else t.references
-    ref = next((r for r in refs if r.digest == digest), None) if digest else None
+    ref = reference_for_digest(t.rows[0].get("setup_digest") if t.rows and t.rows[0]["step"] == 0 else None,
+                               t.references)
     if ref is None:
         return None
     found = departures(ref, t.rows)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..errors import NanolmError
 from ..monitor import read_metrics
-from ..reference import shipped_references
+from ..reference import reference_for_digest
 
 X_AXES = ("step", "tokens", "time")
 
@@ -88,8 +88,7 @@ class Run:
     @property
     def reference(self):
         """The shipped reference this run was recognised as (its step-0 row's setup), or None."""
-        digest = self.rows[0].get("setup_digest") if self.rows and self.rows[0].get("step") == 0 else None
-        return next((r for r in shipped_references() if r.digest == digest), None) if digest else None
+        return reference_for_digest(self.rows[0].get("setup_digest") if self.rows[0].get("step") == 0 else None)
 
     def last(self, key: str):
         for r in reversed(self.rows):
@@ -165,15 +164,13 @@ def _bands(ax, runs, key, x, label="reference band"):
         if not scale:
             continue
         xs = [s * scale for s in band.steps]
-        first = len(seen) == 1 and not getattr(ax, "_band_labelled", False)
         ax.fill_between(xs, band.lo, band.hi, color="0.6", alpha=0.25, linewidth=0, zorder=0,
-                        label=f"{label} ({len(ref.seeds)} seeds)" if first else None)
-        ax._band_labelled = True
+                        label=f"{label} ({len(ref.seeds)} seeds)" if label and len(seen) == 1 else None)
 
 
 def draw_loss(ax, runs, x, colors):
     _bands(ax, runs, "loss", x)
-    _bands(ax, runs, "val_loss", x)
+    _bands(ax, runs, "val_loss", x, label=None)  # one legend entry for both
     for run, c in zip(runs, colors):
         multi = len(runs) > 1
         _line(ax, run, "loss", x, c, f"{run.name} train" if multi else "train loss", linewidth=1, alpha=0.7)
