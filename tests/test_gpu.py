@@ -102,18 +102,24 @@ def test_no_cross_document_leak_with_flex_attention(device):
 
 
 def test_fused_adamw_follows_the_textbook_update(device):
+    """Three steps of the fused kernel land where the textbook loop does, to a thousandth of a
+    step. Not to the last bit: where a gradient is as small as Adam's eps (1e-8), the update
+    m / (sqrt(v) + eps) hangs on its last bits, and a kernel vectorised for AVX-512 rounds them
+    differently from the loop (about 1e-4 of a step there). A wrong update (no bias correction,
+    decay on a norm, swapped betas) is off by a sizeable part of every step."""
+    lr, steps = 1e-2, 3
     fused_model, loop_model = _model(device), _model(device)
-    fused = build_optimizer(fused_model, lr=1e-2, weight_decay=0.1)
+    fused = build_optimizer(fused_model, lr=lr, weight_decay=0.1)
     assert all(group["fused"] for group in fused.param_groups)
-    loop = torch.optim.AdamW(get_param_groups(loop_model, 0.1), lr=1e-2, betas=(0.9, 0.95), foreach=False)
-    for step in range(3):
+    loop = torch.optim.AdamW(get_param_groups(loop_model, 0.1), lr=lr, betas=(0.9, 0.95), foreach=False)
+    for step in range(steps):
         batch = _documents(seed=step).to(device)
         for model, opt in ((fused_model, fused), (loop_model, loop)):
             model(batch.idx, targets=batch.targets)[1].backward()
             opt.step()
             opt.zero_grad()
     for a, b in zip(fused_model.parameters(), loop_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3 * lr * steps)
 
 
 def test_bf16_autocast_step_follows_the_fp32_step(device):

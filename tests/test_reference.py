@@ -37,7 +37,8 @@ SEEDS = (1, 2, 3, 4, 5)
 
 
 def tiny_recipe(data, out, seed, **debug):
-    cfg = tiny_run_config(data, out, steps=24, eval_every=8, seed=seed, stats_every=8, threads=1)
+    """fp32 whatever --precision auto picks on this CPU: the tiny band is measured in fp32."""
+    cfg = tiny_run_config(data, out, steps=24, eval_every=8, seed=seed, stats_every=8, threads=1, precision="fp32")
     for k, v in debug.items():
         setattr(cfg.debug, k, v)
     return cfg
