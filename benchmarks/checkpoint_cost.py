@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from nanolm.checkpoint import capture_rng, latest_valid_checkpoint, load_state, load_weights, restore_rng, save_checkpoint
+from nanolm.checkpoint import latest_valid_checkpoint, load_state, load_weights, save_checkpoint
+from nanolm.machine.runtime import capture_rng, restore_rng
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer
 from nanolm.tokenizer import train_char

@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanolm.batches import TrainBatches, WindowSampler  # noqa: E402
-from nanolm.corpus import write_stories  # noqa: E402
+from nanolm.data.corpus import write_stories  # noqa: E402
+from nanolm.data.prepare import prepare
 from nanolm.model import GPT, GPTConfig  # noqa: E402
 from nanolm.optim import build_optimizer  # noqa: E402
-from nanolm.prepare import prepare
 from nanolm.step import StepSetup, train_step  # noqa: E402
 
 

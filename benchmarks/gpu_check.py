@@ -137,13 +137,13 @@ def last_line(text: str) -> str:
 
 
 def metrics(run: Path) -> list[dict]:
-    from nanolm.monitor import read_metrics
+    from nanolm.watch.sinks import read_metrics
 
     return read_metrics(run / "metrics.jsonl")
 
 
 def events(run: Path) -> list[dict]:
-    from nanolm.files import read_jsonl
+    from nanolm.run.files import read_jsonl
 
     return read_jsonl(run / "events.jsonl")[0] if (run / "events.jsonl").exists() else []
 
@@ -190,7 +190,7 @@ def toy_tokens(ctx: Context):
     """The toy corpus prepared as a run would (BPE 512 on a GPU, char on a CPU): (tokens, vocab, eos)."""
     import numpy as np
 
-    from nanolm.prepare import prepare
+    from nanolm.data.prepare import prepare
 
     data = prepare(TOY, ctx.work / "prepared", ctx.sized("bpe", "char"), 512, progress=False, log=lambda *_: None)
     return np.array(data.train.tokens), data.tokenizer.vocab_size, data.tokenizer.eos_id
@@ -200,8 +200,8 @@ def default_model(ctx: Context, vocab: int):
     """nanolm's default model (``nanolm train``'s), or the toy one on a CPU."""
     import torch
 
-    from nanolm.config import ModelOptions
     from nanolm.model import GPT
+    from nanolm.run.config import ModelOptions
 
     options = ModelOptions() if not ctx.tiny else ModelOptions(n_layer=1, n_head=2, n_embd=32, seq_len=32)
     torch.manual_seed(0)
@@ -258,8 +258,8 @@ def part_bf16_vs_fp32(ctx: Context) -> str:
 
     from nanolm.batches import pack_windows
     from nanolm.errors import NanolmError
+    from nanolm.machine.runtime import configure_tf32, settings_restored
     from nanolm.precision import resolve_precision
-    from nanolm.runtime import configure_tf32, settings_restored
     from nanolm.step import accumulate_gradients, counted_tokens
 
     device = torch.device(ctx.device)
@@ -628,7 +628,7 @@ def part_throughput(ctx: Context) -> str:
     time, the mask's cost, peak memory."""
     import torch
 
-    from nanolm.hardware import gpu_peak_flops
+    from nanolm.machine.hardware import gpu_peak_flops
     from nanolm.precision import resolve_precision
 
     args = ["--device", ctx.device, "--no-reference", "--rounds", ctx.sized("3", "1"), "--steps", ctx.sized("5", "1"),
@@ -645,7 +645,7 @@ def part_throughput(ctx: Context) -> str:
         if peak:
             args += ["--peak-tflops", f"{peak / 1e12:g}"]
         else:
-            ctx.notes.append(f"MFU against throughput.py's 989 TFLOP/s: {name} is not in nanolm.hardware's table; "
+            ctx.notes.append(f"MFU against throughput.py's 989 TFLOP/s: {name} is not in nanolm.machine.hardware's table; "
                              f"set PEAK_TFLOPS")
         ctx.figures["peak_tflops"] = peak / 1e12 if peak else None
     shape = ctx.sized("gpt2", "nanogpt")
@@ -879,6 +879,77 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class PartRunner:
+    """Runs the chosen parts, each in a process of its own (``jobs`` at a time, an ``alone`` part
+    by itself), each within its time limit and all within the budget; records each result as
+    it ends (``OUT/PART.json`` and a line)."""
+
+    def __init__(self, args, names: list[str], limits: dict, jobs: int, out: Path, work: Path, env: dict):
+        self.args, self.limits, self.jobs, self.out, self.work, self.env = args, limits, jobs, out, work, env
+        self.queue = [BY_NAME[n] for n in names if not BY_NAME[n].alone] + [BY_NAME[n] for n in names if BY_NAME[n].alone]
+        self.running: list[Running] = []
+        self.results: dict[str, dict] = {}
+        self.deadline = time.perf_counter() + args.budget
+
+    def run(self) -> None:
+        try:
+            while self.queue or self.running:
+                now = time.perf_counter()
+                alone_next = self.queue and self.queue[0].alone
+                while self.queue and self.deadline - now < 5:  # no time left to start anything
+                    self.record(self.queue.pop(0), {"status": "FAIL", "figure": f"not run: the {self.args.budget:.0f} s "
+                                                    f"budget was spent", "figures": {}}, 0.0)
+                if self.queue and ((not alone_next and len(self.running) < self.jobs) or (alone_next and not self.running)):
+                    self.launch(self.queue.pop(0))
+                    continue
+                for r in list(self.running):
+                    if r.proc.poll() is not None or time.perf_counter() - r.started > r.limit:
+                        timed_out = r.proc.poll() is None
+                        stop_group(r.proc)
+                        self.running.remove(r)
+                        self.finish(r, timed_out)
+                time.sleep(0.1)
+        finally:
+            for r in self.running:  # interrupted: leave nothing running on the GPU
+                stop_group(r.proc)
+
+    def launch(self, part: Part) -> None:
+        args, work = self.args, self.work
+        limit = min(self.limits[part.name], self.deadline - time.perf_counter())
+        argv = [sys.executable, str(Path(__file__).resolve()), "--part", part.name, "--device", args.device,
+                "--work", str(work / part.name), "--result", str(work / f"{part.name}.result.json")]
+        argv += ["--tiny"] * args.tiny + (["--threads", str(args.threads)] if args.threads else [])
+        argv += [f"--append={name}={value}" for name, value in args.append]
+        (work / f"{part.name}.result.json").unlink(missing_ok=True)  # a --work used before holds old ones
+        log = open(self.out / "logs" / f"{part.name}.log", "w")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=work,
+                                start_new_session=True)  # its own process group: a timeout kills its children too
+        self.running.append(Running(part, proc, time.perf_counter(), limit, log))
+
+    def finish(self, r: Running, timed_out: bool) -> None:
+        r.log.close()
+        seconds = round(time.perf_counter() - r.started, 1)
+        result_file = self.work / f"{r.part.name}.result.json"
+        if timed_out:
+            budget_end = r.limit < self.limits[r.part.name]
+            result = {"status": "FAIL", "figure": f"timed out after {r.limit:.0f} s"
+                      + (" (the end of the --budget)" if budget_end else " (the part's time limit)"), "figures": {}}
+        elif result_file.exists():
+            result = json.loads(result_file.read_text())
+        else:
+            result = {"status": "FAIL", "figure": f"crashed (exit {r.proc.returncode}): "
+                      f"{last_line((self.out / 'logs' / f'{r.part.name}.log').read_text(errors='replace'))}",
+                      "figures": {}}
+        self.record(r.part, result, seconds)
+
+    def record(self, part: Part, result: dict, seconds: float) -> None:
+        result = {**result, "part": part.name, "seconds": seconds, "device": self.args.device, "tiny": self.args.tiny}
+        self.results[part.name] = result
+        (self.out / f"{part.name}.json").write_text(json.dumps(result, indent=2, default=str))
+        notes = f" [{'; '.join(result['notes'])}]" if result.get("notes") else ""
+        print(f"{result['status']} {part.name} ({seconds:.1f} s): {result['figure']}{notes}", flush=True)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.append = parse_pairs(args.append, "append")
@@ -919,72 +990,17 @@ def main(argv=None) -> int:
              f": more than the {args.budget:.0f} s budget, raise --budget or choose fewer --parts"), flush=True)
 
     start = time.perf_counter()
-    deadline = start + args.budget
-    queue = [BY_NAME[n] for n in names if not BY_NAME[n].alone] + [BY_NAME[n] for n in names if BY_NAME[n].alone]
-    running: list[Running] = []
-    results: dict[str, dict] = {}
-
-    def launch(part: Part) -> None:
-        limit = min(limits[part.name], deadline - time.perf_counter())
-        argv = [sys.executable, str(Path(__file__).resolve()), "--part", part.name, "--device", args.device,
-                "--work", str(work / part.name), "--result", str(work / f"{part.name}.result.json")]
-        argv += ["--tiny"] * args.tiny + (["--threads", str(args.threads)] if args.threads else [])
-        argv += [f"--append={name}={value}" for name, value in args.append]
-        (work / f"{part.name}.result.json").unlink(missing_ok=True)  # a --work used before holds old ones
-        log = open(out / "logs" / f"{part.name}.log", "w")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                start_new_session=True)  # its own process group: a timeout kills its children too
-        running.append(Running(part, proc, time.perf_counter(), limit, log))
-
-    def finish(r: Running, timed_out: bool) -> None:
-        r.log.close()
-        seconds = round(time.perf_counter() - r.started, 1)
-        result_file = work / f"{r.part.name}.result.json"
-        if timed_out:
-            budget_end = r.limit < limits[r.part.name]
-            result = {"status": "FAIL", "figure": f"timed out after {r.limit:.0f} s"
-                      + (" (the end of the --budget)" if budget_end else " (the part's time limit)"), "figures": {}}
-        elif result_file.exists():
-            result = json.loads(result_file.read_text())
-        else:
-            result = {"status": "FAIL", "figure": f"crashed (exit {r.proc.returncode}): "
-                      f"{last_line((out / 'logs' / f'{r.part.name}.log').read_text(errors='replace'))}", "figures": {}}
-        record(r.part, result, seconds)
-
-    def record(part: Part, result: dict, seconds: float) -> None:
-        result = {**result, "part": part.name, "seconds": seconds, "device": args.device, "tiny": args.tiny}
-        results[part.name] = result
-        (out / f"{part.name}.json").write_text(json.dumps(result, indent=2, default=str))
-        notes = f" [{'; '.join(result['notes'])}]" if result.get("notes") else ""
-        print(f"{result['status']} {part.name} ({seconds:.1f} s): {result['figure']}{notes}", flush=True)
-
+    runner = PartRunner(args, names, limits, jobs, out, work, env)
     try:
-        while queue or running:
-            now = time.perf_counter()
-            alone_next = queue and queue[0].alone
-            while queue and deadline - now < 5:  # no time left to start anything
-                record(queue.pop(0), {"status": "FAIL", "figure": f"not run: the {args.budget:.0f} s budget was spent",
-                                      "figures": {}}, 0.0)
-            if queue and ((not alone_next and len(running) < jobs) or (alone_next and not running)):
-                launch(queue.pop(0))
-                continue
-            for r in list(running):
-                if r.proc.poll() is not None or time.perf_counter() - r.started > r.limit:
-                    timed_out = r.proc.poll() is None
-                    stop_group(r.proc)
-                    running.remove(r)
-                    finish(r, timed_out)
-            time.sleep(0.1)
+        runner.run()
     except KeyboardInterrupt:
         print("gpu_check: interrupted; every part still running was stopped", file=sys.stderr)
         return 130
     finally:
-        for r in running:  # interrupted: leave nothing running on the GPU
-            stop_group(r.proc)
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
 
-    seconds = time.perf_counter() - start
+    seconds, results = time.perf_counter() - start, runner.results
     passed = sum(r["status"] == "PASS" for r in results.values())
     skipped = sum(r["status"] == "SKIP" for r in results.values())
     failed = [name for name, r in results.items() if r["status"] == "FAIL"]

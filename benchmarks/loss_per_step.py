@@ -53,12 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # beside throughput.py
 from throughput import SHAPES, RefGPT  # the plain loop's model, written once
 
 from nanolm.batches import TrainBatches, WindowSampler, get_batch
-from nanolm.corpus import write_stories
+from nanolm.data.corpus import write_stories
+from nanolm.data.prepare import prepare
 from nanolm.errors import NanolmError
 from nanolm.instruments.process import keep_freed_memory_for_reuse
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer
-from nanolm.prepare import prepare
 from nanolm.step import StepSetup, cosine_lr, train_step
 
 MODELS = ("reference", "nanolm_model", "nanolm")

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from nanolm.batches import WindowSampler, pack_windows
-from nanolm.corpus import write_stories
+from nanolm.data.corpus import write_stories
+from nanolm.data.prepare import boundary_crossing_windows, prepare
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer
-from nanolm.prepare import boundary_crossing_windows, prepare
 from nanolm.step import StepSetup, train_step
 
 

@@ -25,8 +25,7 @@ import time
 import torch
 
 from nanolm.model import GPT, GPTConfig
-from nanolm.muon import GroupedMuon
-from nanolm.optim import build_optimizer, muon_available, split_for_muon
+from nanolm.optim import GroupedMuon, build_optimizer, muon_available, split_for_muon
 
 
 def rounding_bound(formats: tuple[torch.dtype, torch.dtype], ns_steps: int) -> float:

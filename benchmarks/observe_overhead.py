@@ -3,7 +3,7 @@
 Two measurements of the same thing, because a shared machine is noisy:
 
 * ``components``: the median time of the training loop's own step plain, and watched (the
-  statistics of :class:`nanolm.stats.LayerStats`: norms, weight copy, probe forward, the
+  statistics of :class:`nanolm.watch.stats.LayerStats`: norms, weight copy, probe forward, the
   update ratio and the read-back); the extra time is the difference of the medians. The
   overhead at K is ``extra / (K × step)``: steady, because both are medians over interleaved
   steps.
@@ -34,21 +34,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanolm.batches import TrainBatches, WindowSampler  # noqa: E402
-from nanolm.config import RunConfig, TrainOptions  # noqa: E402
-from nanolm.corpus import write_stories  # noqa: E402
+from nanolm.data.corpus import write_stories  # noqa: E402
+from nanolm.data.prepare import prepare
 from nanolm.model import GPT  # noqa: E402
-from nanolm.monitor import read_metrics  # noqa: E402
-from nanolm.observer import GradientWatch  # noqa: E402
 from nanolm.optim import build_optimizer  # noqa: E402
-from nanolm.prepare import prepare
-from nanolm.stats import LayerStats  # noqa: E402
+from nanolm.run.config import RunConfig, TrainOptions  # noqa: E402
 from nanolm.step import StepSetup, train_step  # noqa: E402
 from nanolm.train import train  # noqa: E402
+from nanolm.watch.observer import GradientWatch  # noqa: E402
+from nanolm.watch.sinks import read_metrics  # noqa: E402
+from nanolm.watch.stats import LayerStats  # noqa: E402
 
 
 def components(data, cfg: RunConfig, device: str, steps: int) -> dict:
     """Median seconds of the training loop's own step (:func:`nanolm.step.train_step`) plain
-    and watched (a :class:`~nanolm.observer.GradientWatch` taking the per-layer statistics, read
+    and watched (a :class:`~nanolm.watch.observer.GradientWatch` taking the per-layer statistics, read
     after the update as the observer does), interleaved."""
     torch.manual_seed(0)
     model = GPT(cfg.model.gpt_config(data.tokenizer.vocab_size)).to(device)

@@ -3,7 +3,7 @@ bounds that ``nanolm prepare`` reports and without them, as a training run prepa
 
 The compressors (zlib and xz over up to 2 MB of each split) run beside the encoding and compete
 with it for the cores, a fixed cost that dominates on small files; a training run skips them
-(``nanolm.prepare.prepare``). The two are alternated round by round; the figures are medians.
+(``nanolm.data.prepare.prepare``). The two are alternated round by round; the figures are medians.
 
     python benchmarks/prepare_throughput.py                       # 20 MB of generated stories
     python benchmarks/prepare_throughput.py --data path/to/corpus.txt --vocab-size 8192 --rounds 4
@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from nanolm.corpus import write_stories
-from nanolm.prepare import COMPRESSOR_SAMPLE_BYTES, prepare
+from nanolm.data.corpus import write_stories
+from nanolm.data.prepare import COMPRESSOR_SAMPLE_BYTES, prepare
 
 
 def main():

@@ -108,11 +108,11 @@ def full_validation_bpb(run_dir: Path, threads: int | None) -> dict:
     sys.path.insert(0, str(REPO))
     from nanolm.batches import eval_batches, eval_window_starts
     from nanolm.checkpoint import load_weights
-    from nanolm.config import load_run_config
+    from nanolm.data.shards import PreparedData
     from nanolm.evaluate import estimate_loss
     from nanolm.model import GPT
     from nanolm.precision import resolve_precision
-    from nanolm.prepare import PreparedData
+    from nanolm.run.config import load_run_config
 
     cfg = load_run_config(run_dir / "config.toml")
     data = PreparedData(run_dir / "data")

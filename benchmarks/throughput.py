@@ -65,11 +65,11 @@ import torch.nn.functional as F
 
 import nanolm.model
 from nanolm.batches import TrainBatches, WindowSampler, get_batch, pack_windows
-from nanolm.corpus import write_stories
+from nanolm.data.corpus import write_stories
+from nanolm.data.prepare import prepare
 from nanolm.model import GPT, GPTConfig
 from nanolm.optim import build_optimizer, get_param_groups
 from nanolm.precision import cpu_has_native_bf16, resolve_precision
-from nanolm.prepare import prepare
 from nanolm.step import StepSetup, train_step
 
 SHAPES = {
@@ -438,6 +438,26 @@ def build_runners(args, shape, vocab, tokens, eos, device, precision, threads):
     return runners
 
 
+def time_ratios(runners, secs: dict, thread_counts: list) -> dict:
+    """Each variant's time over nanolm's at the same thread count, nanolm compiled with the mask
+    over without it, and every nanolm variant's speedup over the reference loop."""
+    ratios = {}
+    for suffix in ([f"@{t}" for t in thread_counts] if len(thread_counts) > 1 else [""]):
+        base = secs[f"nanolm{suffix}"]
+        for r in runners:
+            if r.name.endswith(suffix) and r.name != f"nanolm{suffix}":
+                ratios[f"{r.name} / nanolm{suffix}"] = round(secs[r.name] / base, 3)
+        if f"nanolm_compiled{suffix}" in secs:
+            ratios[f"nanolm_compiled{suffix} / nanolm_mask_off_compiled{suffix}"] = round(
+                secs[f"nanolm_compiled{suffix}"] / secs[f"nanolm_mask_off_compiled{suffix}"], 3)
+        if f"reference{suffix}" in secs:
+            for n in ("nanolm", "nanolm_bf16", "nanolm_compiled", "nanolm_bf16_compiled"):
+                if f"{n}{suffix}" in secs:
+                    ratios[f"speedup {n}{suffix} over reference{suffix}"] = round(
+                        secs[f"reference{suffix}"] / secs[f"{n}{suffix}"], 3)
+    return ratios
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="nanogpt,large", help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -505,22 +525,8 @@ def main():
             if hasattr(r, "compile_s"):
                 row["compile_s"] = r.compile_s
             out[r.name] = row
-        ratios = {"wall": {}, "cpu": {}}
-        for kind, secs in (("wall", seconds), ("cpu", cpu_seconds)):
-            for suffix in ([f"@{t}" for t in thread_counts] if len(thread_counts) > 1 else [""]):
-                base = secs[f"nanolm{suffix}"]
-                for r in runners:
-                    if r.name.endswith(suffix) and r.name != f"nanolm{suffix}":
-                        ratios[kind][f"{r.name} / nanolm{suffix}"] = round(secs[r.name] / base, 3)
-                if f"nanolm_compiled{suffix}" in secs:
-                    ratios[kind][f"nanolm_compiled{suffix} / nanolm_mask_off_compiled{suffix}"] = round(
-                        secs[f"nanolm_compiled{suffix}"] / secs[f"nanolm_mask_off_compiled{suffix}"], 3)
-                if f"reference{suffix}" in secs:
-                    for n in ("nanolm", "nanolm_bf16", "nanolm_compiled", "nanolm_bf16_compiled"):
-                        if f"{n}{suffix}" in secs:
-                            ratios[kind][f"speedup {n}{suffix} over reference{suffix}"] = round(
-                                secs[f"reference{suffix}"] / secs[f"{n}{suffix}"], 3)
-        out["time_ratios"] = ratios  # "cpu": process CPU time, robust on a busy machine with 1 thread
+        out["time_ratios"] = {kind: time_ratios(runners, secs, thread_counts)  # "cpu": process CPU time,
+                              for kind, secs in (("wall", seconds), ("cpu", cpu_seconds))}  # robust on a busy machine
         loader = loader_seconds(tokens, eos, shape)
         out["loader_ms_per_step"] = round(loader * 1e3, 3)
         out["loader_share_of_step"] = round(loader / seconds[runners[0].name], 4)

@@ -1,7 +1,7 @@
 """Batches: packed windows of a token stream, the sampler that picks them, and the validation set.
 
 A window is ``seq_len + 1`` consecutive tokens of a split's stream (``EOS doc EOS doc ...``,
-written by ``nanolm.prepare``), cut with no regard for where documents start: no padding, no
+written by ``nanolm.data.prepare``), cut with no regard for where documents start: no padding, no
 waste. A window can therefore start with the end of a recipe and continue with a news story.
 Three things make that honest:
 

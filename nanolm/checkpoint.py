@@ -19,7 +19,7 @@ state; counters (tokens seen, best validation loss); the resolved config and the
   the SHA-256 of every other file.
 
 Under ``--dist fsdp`` the weights and the optimizer state go to ``sharded/`` instead, one file
-per rank (``nanolm.sharded``).
+per rank (``nanolm.run.sharded``).
 
 **A checkpoint is valid** only when ``meta.json`` parses, every field has its type, its step
 agrees with the directory's name, its layout is known, and the files in the directory are
@@ -33,7 +33,7 @@ one-line file naming the newest checkpoint) replaced, itself atomically. A crash
 moment leaves the previous checkpoint and pointer intact. Weights that are not finite are
 never saved.
 
-A finished run's final weights, and loading a run, are ``nanolm.final``'s.
+A finished run's final weights, and loading a run, are ``nanolm.run.final``'s.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import sys
@@ -50,11 +49,12 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from .errors import NanolmError
-from .files import (
+from .machine.runtime import capture_rng, derived_seed, restore_rng, seed_everything
+from .model import GPT
+from .run.files import (
     ENVIRONMENT_ERRNOS,
     atomic_write_text,
     check_manifest,
@@ -68,9 +68,7 @@ from .files import (
     save_torch,
     sealed,
 )
-from .model import GPT
-from .runtime import derived_seed, seed_everything
-from .sharded import SHARDS, load_sharded, save_sharded
+from .run.sharded import SHARDS, load_sharded, save_sharded
 from .tokenizer import Tokenizer
 
 CHECKPOINTS = "checkpoints"
@@ -121,51 +119,6 @@ def load_weights(model: GPT, path) -> None:
 def weights_are_finite(model: torch.nn.Module) -> bool:
     flags = [torch.isfinite(p).all() for p in model.parameters()]
     return bool(torch.stack(flags).all()) if flags else True
-
-
-# --------------------------------------------------------------------------- random state
-def capture_rng(device: torch.device) -> dict:
-    """Every generator a training step may draw from, as tensors and plain numbers: Python's,
-    NumPy's, torch's on the CPU, and the run's own accelerator's (``device``).
-
-    Only the run's device: a CPU run on a GPU machine must not start a CUDA context, and a
-    checkpoint must resume on a machine with another number of GPUs (or another
-    ``CUDA_VISIBLE_DEVICES``), which a state per visible GPU would refuse."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, py_state, py_gauss = random.getstate()
-    state = {
-        "python": {"version": version, "state": list(py_state), "gauss": py_gauss},
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "torch": torch.get_rng_state(),
-    }
-    device = torch.device(device)
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    elif device.type == "mps":
-        state["mps"] = torch.mps.get_rng_state()
-    return state
-
-
-def restore_rng(state: dict, device: torch.device) -> None:
-    """Put back what :func:`capture_rng` saved; the accelerator's stream only on that kind of device."""
-    try:
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-        torch.set_rng_state(state["torch"])
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
-        raise NanolmError(f"the checkpoint's random state is malformed ({type(e).__name__}: {e})") from None
-    device = torch.device(device)
-    if device.type == "cuda" and "cuda" in state:
-        saved = state["cuda"]
-        if isinstance(saved, list):  # checkpoints before 2026-12 kept one state per visible GPU
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            saved = saved[index] if index < len(saved) else saved[0]
-        torch.cuda.set_rng_state(saved, device)
-    elif device.type == "mps" and "mps" in state:
-        torch.mps.set_rng_state(state["mps"])
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -523,15 +476,11 @@ class Checkpointer:
         """Load checkpoint ``path`` into the live run; returns its step. A rollback
         (``data_position=False``) keeps the sampler and the random streams where they are."""
         state = load_state(path)
-        load_run_checkpoint(self.dist, path, state, self.model, self.restored_optimizer(), self.log, rng=data_position)
+        load_run_checkpoint(self.dist, path, state, self.model, self.optimizer, self.log, rng=data_position)
         for name, component in self.stateful.items():
             if data_position or name not in self.kept_by_rollback:
                 component.load_state_dict(state[name])
         return state["step"]
-
-    def restored_optimizer(self):
-        """The optimizer a restore fills (the lab's forgetful variant returns None)."""
-        return self.optimizer
 
 
 def rollback_checkpoint(dist, run_dir, log=print) -> Path | None:

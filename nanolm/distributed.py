@@ -55,7 +55,7 @@ the norm is computed over DTensors and completed across ranks before clipping.
 **Checkpoints.** DDP writes the single-process format (rank 0 writes; the others wait):
 ``model.safetensors`` and ``state.pt``. FSDP writes the weights and optimizer state as
 shards with ``torch.distributed.checkpoint`` in its safetensors storage (``sharded/``: one
-safetensors file per rank, no pickled index; see ``nanolm.sharded``), and the run's
+safetensors file per rank, no pickled index; see ``nanolm.run.sharded``), and the run's
 final ``model.safetensors`` is gathered into one file so ``nanolm sample/eval/export`` work. Every rank's random state is saved (each rank draws its own
 dropout masks) and each rank restores its own. The sampler's state is global, the same on
 every rank.
@@ -83,7 +83,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import NanolmError
-from .runtime import derived_seed, seed_everything
+from .machine.runtime import derived_seed, seed_everything
 
 SPLIT_OPTIONS = {"batch_size", "grad_accum"}
 """Options that only say how the global batch is split; they may change on resume."""

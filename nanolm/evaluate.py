@@ -1,18 +1,25 @@
-"""Evaluation: the validation loss and bits per byte of a model, and text sampled from it.
+"""Evaluation: the validation loss and bits per byte of a model, during training and after it.
 
-Both are used during training (an evaluation every ``--eval-every`` steps, a sample at the
-end) and after it (``nanolm eval``, ``nanolm sample``); they live apart from the training
-loop so that those commands and the benchmarks need nothing of it.
+:func:`estimate_loss` is what a run reports every ``--eval-every`` steps, on its fixed
+validation set; :func:`evaluate_file` is ``nanolm eval``, the same computation on every token
+of a text file, for a trained run. Both live apart from the training loop so that the
+commands and the benchmarks need nothing of it.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from .batches import Batch
+from .batches import Batch, Split, eval_batches
+from .data.shards import join_documents
+from .data.sources import DocumentSource
+from .errors import NanolmError
+from .machine.device import resolve_device
 from .model import GPT
+from .run.final import load_run
 
 
 @torch.no_grad()
@@ -54,14 +61,30 @@ def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, d
     }
 
 
-def sample_text(model: GPT, tokenizer, device, max_new_tokens: int, prompt: str = "",
-                temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None, seed: int = 0) -> str:
-    """Generate text: a new document (it starts after EOS) continuing ``prompt``."""
-    ids = [tokenizer.eos_id] + list(tokenizer.encode(prompt)) if prompt else [tokenizer.eos_id]
-    generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p,
-                         eos_id=tokenizer.eos_id, generator=generator)
-    new = out[0, len(ids):].tolist()
-    if tokenizer.eos_id in new:
-        new = new[: new.index(tokenizer.eos_id)]
-    return prompt + tokenizer.decode(new)
+def evaluate_file(run_dir, path, batch_size: int = 16, device: str = "auto") -> dict:
+    """Loss, perplexity and bits per byte of a trained run on every token of a text file.
+
+    The file's documents are encoded with the run's tokenizer and joined with EOS, then
+    scored with the training code's ``estimate_loss`` on windows that tile the stream
+    back to back: each token is predicted exactly once. Deterministic.
+    """
+    if batch_size <= 0:
+        raise NanolmError(f"--batch-size must be positive, got {batch_size}")
+    dev = resolve_device(device)
+    model, tokenizer, config = load_run(run_dir, dev)
+    texts = list(DocumentSource(path, config.data.separator, config.data.text_field))
+    if not texts:
+        raise NanolmError(f"{path} holds no text")
+    tokens = join_documents(tokenizer.encode_batch(texts), tokenizer.eos_id)
+    seq_len = config.model.seq_len
+    if len(tokens) < seq_len + 1:
+        seq_len = len(tokens) - 1
+    if seq_len < 1:
+        raise NanolmError(f"{path} is too short to evaluate")
+    split = Split(tokens, np.zeros(0, dtype=np.int64), sum(len(t.encode("utf-8")) for t in texts))
+    d = config.data
+    batches = eval_batches(split, seq_len, batch_size, tokenizer.eos_id, doc_mask=d.doc_mask,
+                           reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
+    result = estimate_loss(model, batches, torch.from_numpy(tokenizer.token_bytes()), dev)
+    result["ppl"] = float(np.exp(min(result["loss"], 700.0)))
+    return result

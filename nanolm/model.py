@@ -1,42 +1,23 @@
-"""A small modern GPT: RoPE, RMSNorm, optional QK-norm, SwiGLU, tied embeddings.
+"""A small modern GPT (RoPE, RMSNorm, optional QK-norm, SwiGLU, tied embeddings) and its loss.
 
 The layout follows Llama (and Qwen3 when ``qk_norm`` is on) closely enough that a trained
-model can be exported to Hugging Face ``transformers`` without changing any number:
-pre-norm blocks, no biases, rotary embeddings applied to the two halves of each head.
+model exports to Hugging Face ``transformers`` without changing any number: pre-norm blocks,
+no biases, rotary embeddings applied to the two halves of each head.
 
-Two optional inputs make the model document-aware (see ``nanolm.batches``):
+Two optional inputs make the model document-aware (``nanolm/batches.py`` makes them):
 
 * ``doc_ids`` (B, T): which document each position belongs to. Attention is then
   block-diagonal causal: a token sees earlier tokens *of its own document* only, so the
-  first word of a news story cannot read the recipe packed before it. On CUDA the mask
-  runs as a FlexAttention block mask; on CPU as SDPA with a boolean mask, which is also
-  the reference the fast path is tested against (with ``reference_attention``, written
-  out by hand, as the reference for both).
+  first word of a news story cannot read the recipe packed before it. On CUDA the mask runs
+  as a FlexAttention block mask, elsewhere as SDPA with a boolean mask; both are tested
+  against :func:`reference_attention`, attention written out by hand.
 * ``positions`` (B, T): the rotary position of each token. Restarting them at every
   document makes a document look the same wherever it lands in a window.
 
-**The loss** (the section before sampling, near the end of this file): cross-entropy over the positions that count, and
-only those. Not every position of a batch should count: padding, a prompt we condition on, the
-token after a document boundary when that option is on. The loss is
-
-    sum over counted positions of -log p(target)   ÷   number of counted positions
-
-Masked positions contribute nothing at all, whatever their logits hold. The division
-is kept separate (:func:`masked_cross_entropy_sum`) because with gradient accumulation
-the right denominator is the count of the *whole optimizer step*, not of one
-micro-batch: averaging micro-batch means would give a short micro-batch's tokens more
-weight than a long one's.
-
-**The output head and the loss together, a chunk of positions at a time**
-(:func:`head_cross_entropy_sum`). The logits of one micro-batch are big: positions ×
-vocabulary, 33 MB in fp32 for 16 × 128 positions and 4,096 tokens, more than a CPU's
-last-level cache. Computed whole, every pass over them (the fp32 upcast, log-softmax, its
-gradient, the cast back) goes to main memory, and the head and loss cost several times what
-they do a few hundred positions at a time, each chunk's logits used up while they are still
-in cache (docs/benchmarks.md, "the output head and the loss", has the measurement). The chunked version computes each chunk's gradient right away, in the forward pass
-(the loss is a plain sum, so its gradient is known up to the factor that backward brings),
-and never holds the logits whole. The numbers are those of :func:`masked_cross_entropy_sum`
-on the head's logits up to rounding (the order of a sum).
+The last part of this file is the loss: cross-entropy over the positions that count and only
+those (:func:`masked_cross_entropy`), computed together with the output head a chunk of
+positions at a time so that the logits are never held whole (:func:`head_cross_entropy_sum`
+says why).
 """
 
 from __future__ import annotations
@@ -48,8 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .device import has_triton
 from .errors import NanolmError
+from .machine.device import has_triton
 
 MLP_KINDS = ("swiglu", "gelu")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
@@ -289,7 +270,7 @@ class Attention(nn.Module):
         """q, k, v of shape (B, n_head, T, head_dim), with QK-norm and RoPE applied.
 
         Exactly what attention compares: ``q @ k^T / sqrt(head_dim)`` are the logits the
-        softmax sees (``nanolm.stats`` recomputes them to watch their maximum).
+        softmax sees (``nanolm.watch.stats`` recomputes them to watch their maximum).
 
         The one ``qkv`` matrix multiply is split along its features into three views. (Viewing
         it as (3, B, H, T, D) and indexing ``[0]``, ``[1]``, ``[2]`` gives the same numbers, but
@@ -423,12 +404,11 @@ class GPT(nn.Module):
             return False
         return self.config.attention == "flex" or (torch.device(device).type == "cuda" and has_triton())
 
-    def attention_mask(self, idx, doc_ids):
+    def attention_mask(self, doc_ids):
         """Which positions may attend to which: None is plain causal attention (the kernels'
         own causal path); with ``doc_ids``, causal and within one document."""
-        return self.document_mask(doc_ids) if doc_ids is not None else None
-
-    def document_mask(self, doc_ids):
+        if doc_ids is None:
+            return None
         if self.uses_flex_attention(doc_ids.device):
             return flex_document_mask(doc_ids)
         return document_causal_mask(doc_ids)
@@ -447,7 +427,7 @@ class GPT(nn.Module):
         if T > self.config.seq_len:
             raise NanolmError(f"sequence of {T} tokens is longer than seq_len={self.config.seq_len}")
         cos, sin = self.rope(T, positions)
-        mask = self.attention_mask(idx, doc_ids)
+        mask = self.attention_mask(doc_ids)
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
@@ -515,6 +495,16 @@ class GPT(nn.Module):
 
 
 # --------------------------------------------------------------------------- the loss
+# Not every position of a batch should count: padding, a prompt we condition on, the token
+# after a document boundary when that option is on. The loss is
+#
+#     sum over counted positions of -log p(target)   /   number of counted positions
+#
+# and masked positions contribute nothing at all, whatever their logits hold. The division is
+# kept apart (masked_cross_entropy_sum returns both) because with gradient accumulation the
+# right denominator is the count of the *whole optimizer step*, not of one micro-batch:
+# averaging micro-batch means would give a short micro-batch's tokens more weight than a long
+# one's (nanolm/step.py).
 IGNORE = -100
 
 
@@ -540,6 +530,14 @@ def masked_cross_entropy_sum(logits, targets, mask=None):
 def head_cross_entropy_sum(hidden, weight, targets, mask=None, chunk: int = 0):
     """(sum of per-token cross-entropy, number of counted positions) of the logits
     ``hidden @ weight.T``, computed ``chunk`` positions at a time without holding them whole.
+
+    Why a chunk at a time: the logits of one micro-batch are positions × vocabulary, tens of
+    megabytes in fp32 at a vocabulary of a few thousand, more than a CPU's last-level cache.
+    Computed whole, every pass over them (the fp32 upcast, the log-softmax, its gradient, the
+    cast back) goes to main memory; a few hundred positions at a time, each chunk's logits are
+    used up while they are still in cache (docs/benchmarks.md has the measurement). Each
+    chunk's gradient is computed right away, in the forward pass (the loss is a plain sum, so
+    its gradient is known up to the factor that backward brings).
 
     ``hidden`` (..., C) are the final hidden states, ``weight`` (V, C) the output head,
     ``targets`` and ``mask`` as in :func:`masked_cross_entropy_sum`, whose numbers this

@@ -1,18 +1,6 @@
-"""One optimizer step: the heart of training, as one function a reader can follow and a
-benchmark can time.
-
-In order (:func:`train_step`):
-
-1. set the learning rate for this step: the schedule's rate for the step number (a pure
-   function of it: :func:`learning_rate`, warmup then a cosine or WSD, the first part of this
-   file) times the guard's scale (1 until a rollback asks for less);
-2. count the tokens that count in *all* of the step's micro-batches (on every rank), once;
-   then for each micro-batch run forward, divide the sum of its token losses by that
-   count, and run backward: the gradients add up;
-3. fp16 only: divide the gradients by the loss scale; clip the global gradient norm, once,
-   after the last backward pass;
-4. let the guard decide: take the update, skip it, roll back, or stop;
-5. update the weights (fp16: unless a gradient overflowed) and zero the gradients.
+"""One optimizer step, as one function a reader can follow and a benchmark can time: the learning
+rate of a step (the first part of this file), then :func:`train_step`, whose five parts (a to e)
+``nanolm/train.py``'s docstring tells in order. What follows is why two of them are as they are.
 
 **Why divide each micro-batch's sum by the step's count.** The accumulated gradient is then
 exactly the gradient of the mean loss over every counted token of the step, the same as
@@ -25,11 +13,11 @@ split over processes. The ``if dist.active`` and ``if dist.sharded`` lines of
 
 **One host read per step.** Reading a number from a GPU makes the host wait until the GPU has
 computed it, and leaves the GPU idle while the host then prepares the next kernels. The step
-reads once: the guard's loss and gradient norm, in one ``tolist()`` (step 4). Nothing else
+reads once: the guard's loss and gradient norm, in one ``tolist()`` (part d). Nothing else
 waits: the token count is host arithmetic on the host's batches, summed over ranks by an
 asynchronous all-reduce on the device and used there as the divisor; fp16's overflow check
 reuses the guard's reading (without a reading guard it is the one read); its underflow
-figure is read once, on logged steps (``nanolm.observer``). ``tests/test_host_reads.py``
+figure is read once, on logged steps (``nanolm.watch.observer``). ``tests/test_host_reads.py``
 counts them.
 """
 
@@ -76,8 +64,7 @@ def _warmup_peak_decay(step: int, max_lr: float, warmup_steps: int, total_steps:
       high-rate phase found.
 
     A pure function of the step, so resuming a run needs nothing but the step count. Steps
-    count from 1 (until 2026-12-03 the schedule counted from 0): a step 0 is refused rather
-    than trained at a rate of 0.
+    count from 1, as the loop does: a step 0 is refused rather than trained at a rate of 0.
     """
     if step < 1:
         raise ValueError(f"optimizer steps count from 1, as the training loop does; got step {step}")
@@ -150,7 +137,7 @@ def summed_token_loss(model, batch: Batch) -> torch.Tensor:
     """The forward pass over one micro-batch: the sum of its counted tokens' losses.
 
     nanolm's GPT computes its output head and the loss together, a chunk of positions at a
-    time (``nanolm.loss.head_cross_entropy_sum``), so the logits are never held whole.
+    time (``nanolm.model.head_cross_entropy_sum``), so the logits are never held whole.
     """
     _, total = model(batch.idx, targets=batch.targets, loss_mask=batch.loss_mask,
                      doc_ids=batch.doc_ids, positions=batch.positions, reduction="sum")
@@ -180,8 +167,7 @@ def accumulate_gradients(model, micro_batches: list[Batch], count: int | torch.T
 
     ``count`` is a number, a device tensor, or a :class:`~nanolm.distributed.PendingSum`
     whose all-reduce is waited for only before the first backward pass (it runs during the
-    first forward pass). On one process it is a number, as it always was; under torchrun an
-    int64 device tensor, whose quotient is the same fp32 number as the Python count's on a
+    first forward pass). On one process it is a number; under torchrun an int64 device tensor, whose quotient is the same fp32 number as the Python count's on a
     CPU (on a GPU, PyTorch applies a Python divisor as a product with its reciprocal, which
     can differ from a true division in the last bit).
 
@@ -213,7 +199,7 @@ class StepSetup:
     ``step_model`` is what runs forward (the model itself, or its DDP or compiled wrapper);
     ``model`` is the module whose parameters are clipped and updated. ``guard`` None takes
     every step. ``watch(step, micro_batches)``, when given, returns the
-    :class:`~nanolm.observer.GradientWatch` that reads this step's gradients (None: nothing to
+    :class:`~nanolm.watch.observer.GradientWatch` that reads this step's gradients (None: nothing to
     read this step); the observer owns it and reads it back from the step's result.
     """
 
@@ -259,11 +245,11 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
     ``setup.watch``, when the observer wants this step's gradient figures, captures the
     gradients after they are unscaled and before they are clipped.
     """
-    # 1. the learning rate of this step: the schedule's, times the guard's scale
+    # a. the learning rate
     lr = setup.schedule(step) * (setup.guard.lr_scale if setup.guard is not None else 1.0)
     set_learning_rate(setup.optimizer, lr)  # every group; Muon's at its own peak ratio
 
-    # 2. forward and backward, every token's loss divided by the step's count of counted tokens
+    # b. forward and backward, each token's loss divided by the step's count
     watch = setup.watch(step, micro_batches) if setup.watch is not None else None
     dist = setup.dist
     count = counted_tokens(micro_batches)  # every micro-batch, counted once
@@ -273,7 +259,7 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
                                     setup.scaler.loss_scale, setup.loss_fn, across_ranks=dist.active)
     loss = dist.global_mean(loss_sum, count.value()) if dist.active else loss_sum / at_least_one(count)
 
-    # 3. fp16: undo the loss scale; clip the global gradient norm once, after every backward pass
+    # c. unscale (fp16), clip once
     if setup.scaler.enabled:
         setup.scaler.unscale_(setup.model.parameters())
     if watch is not None:
@@ -282,14 +268,14 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
     grad_norm = (dist.clip_grad_norm_(setup.model, max_norm) if dist.sharded  # FSDP: each rank holds a shard
                  else torch.nn.utils.clip_grad_norm_(setup.model.parameters(), max_norm))
 
-    # 4. the guard decides on the step's global numbers (every rank alike)
+    # d. the guard decides, on the step's global numbers (every rank alike)
     action, event, rollback_to = "take", None, None
     if setup.guard is not None and setup.guard.reads_every_step:
         loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()  # the one read
         if not (setup.scaler.enabled and not math.isfinite(grad_norm)):  # an fp16 overflow is the scaler's to skip
             action, event, rollback_to = setup.guard.decide(step, loss, grad_norm, lr)
 
-    # 5. update (unless the guard said otherwise, or an fp16 gradient overflowed) and zero
+    # e. update and zero
     updated = action == "take" and (not setup.scaler.enabled or setup.scaler.update(grad_norm))
     if updated:
         setup.optimizer.step()

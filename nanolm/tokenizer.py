@@ -143,7 +143,7 @@ class Tokenizer:
 
     def save(self, path) -> None:
         """Write ``tokenizer.json`` atomically (a crash leaves the old file or the new one)."""
-        from .files import atomic_write_text
+        from .run.files import atomic_write_text
 
         atomic_write_text(path, self.hf.to_str(pretty=True))
 
@@ -162,7 +162,8 @@ class Tokenizer:
 
 def train_char(texts: Iterable[str]) -> Tokenizer:
     """A character vocabulary: every distinct character of ``texts``, in code-point order."""
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
 
     chars: set[str] = set()
     for t in texts:
@@ -183,7 +184,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     If the text is too small to learn that many merges, the vocabulary comes out smaller;
     the caller reads the real size from ``Tokenizer.vocab_size``.
     """
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size < MIN_BPE_VOCAB:
         raise NanolmError(

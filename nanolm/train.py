@@ -1,31 +1,45 @@
 """Training: the loop, read top to bottom, and ``python -m nanolm.train``.
 
-For every optimizer step, in order:
+For every optimizer step, in order (this is the one place the sequence is told):
 
-1. draw the step's micro-batches: ``grad_accum`` packed batches of windows per process
-   (under ``--threads auto`` the stream may first time the step's pass at a few thread
-   counts and keep the fastest: ``nanolm.threads``);
-2. take one optimizer step (:func:`nanolm.step.train_step`): set the learning rate (the
-   schedule's, times the guard's scale after a rollback), run forward and backward over
-   every micro-batch with each token's loss divided by the step's count of counted tokens,
-   unscale (fp16) and clip the gradients once, let the guard decide, update the weights;
-3. settle the guard's event, if any: record it with its evidence, roll back to the last
+1. **draw the step's micro-batches**: ``grad_accum`` packed batches of windows per process
+   (``nanolm/batches.py``; under ``--threads auto`` the stream may first time the step at a few
+   thread counts and keep the fastest, ``nanolm/machine/threads.py``);
+2. **take one optimizer step**, :func:`~nanolm.step.train_step` (``nanolm/step.py``):
+
+   a. set the learning rate: the schedule's rate for the step number (warmup, then a cosine
+      or WSD; a pure function of the step), times the guard's scale (1 until a rollback asks
+      for less);
+   b. count the tokens that count in *all* the step's micro-batches (on every rank), once;
+      then for each micro-batch run forward (the model and its loss, ``nanolm/model.py``),
+      divide the sum of its token losses by that count, and run backward: the gradients add up;
+   c. fp16 only: divide the gradients by the loss scale; then clip the global gradient norm,
+      once, after the last backward pass;
+   d. let the guard decide: take the update, skip it, roll back, or stop;
+   e. update the weights (fp16: unless a gradient overflowed) and zero the gradients;
+
+3. **settle the guard's event**, if any: record it with its evidence, roll back to the last
    checkpoint (keeping the data position, so the bad batches are not replayed), or stop;
-4. log the step when due (``metrics.jsonl``, the terminal, wandb/TensorBoard), with per-layer
-   statistics every ``--stats-every`` steps, and evaluate on the validation set when due;
-5. save a checkpoint when due, and on SIGINT/SIGTERM (then stop, resumable);
-6. end at ``--steps``, or as soon as an evaluation reaches ``--target-val-bpb``.
+4. **log the step** when due (``metrics.jsonl``, the terminal, wandb/TensorBoard), with
+   per-layer statistics every ``--stats-every`` steps, and evaluate on the validation set when due;
+5. **save a checkpoint** when due, and on SIGINT/SIGTERM (then stop, resumable);
+6. **end** at ``--steps``, or as soon as an evaluation reaches ``--target-val-bpb``.
 
 Then the final weights are written, with ``final.json`` that vouches for them, and a sample
 is printed. Each concern other than the step itself is a component that owns its schedule:
-the :class:`~nanolm.observer.Observer` (what to log and evaluate, and when), the
+the :class:`~nanolm.watch.observer.Observer` (what to log and evaluate, and when), the
 :class:`~nanolm.checkpoint.Checkpointer` (when to save, what state, how to come back), the
-:class:`~nanolm.guards.Guard` (take, skip, roll back or stop, and its fallbacks). Everything
+:class:`~nanolm.watch.guards.Guard` (take, skip, roll back or stop, and its fallbacks). Everything
 else is built once, before the loop, by :func:`build_run`.
 
 Under torchrun (``nanolm.distributed``) every process runs this loop on its share of each
 batch; the step's token count and gradients are summed over every rank, and rank 0 logs and
 writes the run directory: the same step, split over processes.
+
+The course's names import from here as the week writes them: :func:`get_batch` (packing
+without regard to document boundaries, in ``nanolm/batches.py``), :func:`estimate_loss`
+(``nanolm/evaluate.py``), :func:`cosine_lr` (``nanolm/step.py``), :func:`get_param_groups`
+(``nanolm/optim.py``) and :func:`train` itself.
 """
 
 from __future__ import annotations
@@ -41,25 +55,14 @@ from typing import Callable
 
 import torch
 
-from .batches import TrainBatches, WindowSampler, eval_batches
+from .batches import TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: the course's name)
 from .checkpoint import Checkpointer, rollback_checkpoint
-from .config import RunConfig
-from .device import is_out_of_memory, refuse_what_the_device_cannot_do, resolve_device
 from .distributed import Distributed, Muted, launch
 from .errors import NanolmError
-from .evaluate import sample_text
-from .final import clear_final, save_final_weights
-from .guards import Guard, nan_origin, reads_every_step
-from .hardware import peak_flops
-from .lock import RunLock
-from .model import GPT
-from .monitor import missing_sink_packages, parse_sinks
-from .observer import Observer
-from .optim import get_param_groups, optimizer_for
-from .precision import BF16AdamW, DynamicLossScaler, cast_weights_, resolve_precision
-from .reference import find_reference, setup_of
-from .rundir import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
-from .runtime import (
+from .evaluate import estimate_loss  # noqa: F401 (the course's name)
+from .machine.device import is_out_of_memory, refuse_what_the_device_cannot_do, resolve_device
+from .machine.hardware import peak_flops
+from .machine.runtime import (
     StopOnSignal,
     TrainingInterrupted,
     configure_determinism,
@@ -68,8 +71,20 @@ from .runtime import (
     seed_everything,
     settings_restored,
 )
-from .step import StepSetup, learning_rate, summed_token_loss, train_step
-from .threads import ThreadTuner, TunedBatches
+from .machine.threads import ThreadTuner, TunedBatches
+from .model import GPT
+from .optim import get_param_groups, optimizer_for  # noqa: F401 (get_param_groups: the course's name)
+from .precision import DynamicLossScaler, Precision, cast_weights_, resolve_precision
+from .run.config import RunConfig
+from .run.directory import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
+from .run.final import clear_final, save_final_weights
+from .run.lock import RunLock
+from .sample import sample_text
+from .step import StepSetup, cosine_lr, learning_rate, summed_token_loss, train_step  # noqa: F401 (cosine_lr: the course's)
+from .watch.guards import Guard, nan_origin, reads_every_step
+from .watch.observer import Observer
+from .watch.reference import find_reference, setup_of
+from .watch.sinks import missing_sink_packages, parse_sinks
 
 
 @dataclass
@@ -101,8 +116,11 @@ class Progress:
 
 @dataclass
 class Components:
-    """The components of a run that the lab (``nanolm.instruments.faults``) swaps for broken
-    ones, to break a run the way real bugs do; the defaults are nanolm's own."""
+    """What a run builds its parts with, nanolm's own by default: ``model(GPTConfig)``,
+    ``optimizer(model, cfg, precision)``, ``batches(tokens, sampler, seq_len, eos_id, grad_accum,
+    ...)``, ``loss_fn(model, batch)``, ``scaler(enabled=...)``, ``checkpointer(...)``. The lab
+    (``nanolm.instruments.faults``) passes broken ones, to break a run the way real bugs do,
+    and tests pass stand-ins; nothing else in the loop changes."""
 
     model: Callable = GPT
     optimizer: Callable = optimizer_for
@@ -134,7 +152,7 @@ class Run:
 def train(cfg: RunConfig, log=print, components: Components | None = None) -> dict:
     """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
 
-    Running the same command again continues the run (``nanolm.rundir``); a run that had
+    Running the same command again continues the run (``nanolm.run.directory``); a run that had
     already finished returns ``{"out_dir": ..., "finished": True}`` and trains nothing.
     Under torchrun every process calls this; they train one model together (``--dist``).
     """
@@ -146,7 +164,7 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
     if missing:
         raise NanolmError(f"--log {missing[0]} needs the {missing[0]} package: pip install 'nanolm[{missing[0]}]'")
     if cfg.train.dist == "fsdp":
-        from .sharded import require_sharded_storage
+        from .run.sharded import require_sharded_storage
 
         require_sharded_storage()
     use_prepared_tokenizer(cfg)
@@ -177,9 +195,9 @@ def run_loop(run: Run, log=print) -> dict:
             step = progress.step + 1
             # 1. the step's micro-batches
             batches = run.batches.next(step)
-            # 2. one optimizer step: LR, forward/backward normalised by the step's token count, clip, guard, update
+            # 2. one optimizer step (a-e)
             result = train_step(run.step_setup, step, batches)
-            # 3. the guard's event: recorded with its evidence; a rollback keeps the data position
+            # 3. the guard's event
             if result.event is not None:
                 guard.settle(result, batches)  # raises on "stop"
             if result.action == "rollback":
@@ -188,9 +206,9 @@ def run_loop(run: Run, log=print) -> dict:
                 observer.rewound(progress.step)
                 continue
             progress.advance(step, run.tokens_per_step)
-            # 4. log when due (per-layer statistics on statistics steps), evaluate when due
+            # 4. log and evaluate when due
             row = observer.observe(result)
-            # 5. save when due, and on SIGINT/SIGTERM: then stop, resumable
+            # 5. save when due, and on SIGINT/SIGTERM
             reached = observer.target_reached(row)
             stop_signal = dist.first_signal(stop.requested)  # every rank stops after the same step
             if checkpointer.due(step, stop_signal, reached):
@@ -206,7 +224,7 @@ def run_loop(run: Run, log=print) -> dict:
 
 def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
               components: Components | None = None) -> Run:
-    """Everything the loop needs, for the run ``plan`` locates (``nanolm.rundir.locate_run``;
+    """Everything the loop needs, for the run ``plan`` locates (``nanolm.run.directory.locate_run``;
     its directory is locked by the caller until the run ends): PyTorch's settings for the run
     (threads, determinism, TF32, seeds; ``train()`` restores them when it returns), the run
     directory and its data, the model and optimizer (:func:`build_model`), the batches
@@ -226,18 +244,11 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
         log(f"precision: {tf32}")
     seed_everything(t.seed)
     data = set_up_run_directory(cfg, dist, plan, precision.name, log)
-    model, step_model, optimizer, scaler = build_model(cfg, dist, precision=precision,
-                                                       vocab_size=data.tokenizer.vocab_size,
-                                                       components=components, log=log)
-    batches, val_batches = build_batches(cfg, dist, data=data, components=components)
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
-    peak, peak_source = peak_flops(device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
-    progress = Progress()
-    observer, guard, step_setup, checkpointer = build_components(
-        cfg, dist, out_dir=plan.out_dir, data=data, precision=precision, model=model, step_model=step_model,
-        optimizer=optimizer, scaler=scaler, batches=batches, val_batches=val_batches, progress=progress,
-        tokens_per_step=tokens_per_step, peak=peak * dist.world_size if peak else None, components=components,
-        log=log)
+    trainable = build_model(cfg, dist, precision, data.tokenizer.vocab_size, components, log)
+    batches, val_batches = build_batches(cfg, dist, data, components)
+    observer, guard, step_setup, checkpointer = build_components(cfg, dist, plan.out_dir, data, precision, trainable,
+                                                                 batches, val_batches, components, log)
+    progress, model = observer.progress, trainable.model
 
     # resume, or start
     if plan.checkpoint is not None:
@@ -249,40 +260,48 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
     if dist.is_main and not finishing:
         clear_final(plan.out_dir)  # this run trains on: its old final weights no longer describe it
     log(f"model: {model.num_params() / 1e6:.2f}M parameters | {data.tokenizer.kind} vocabulary of "
-        f"{data.tokenizer.vocab_size} | {tokens_per_step} tokens per step | device {device} | run dir {plan.out_dir}")
+        f"{data.tokenizer.vocab_size} | {observer.tokens_per_step} tokens per step | device {device} | "
+        f"run dir {plan.out_dir}")
     if not val_batches:
         log("warning: the validation split is shorter than one window; no validation loss will be reported")
-    log(f"MFU: {model.flops_per_token() / 1e6:.2f} MFLOP per token, against "
-        f"{f'{peak / 1e12:.3g} TFLOP/s' if peak else 'no peak'} ({peak_source})")
+    log(observer.describe_mfu())
     if auto_threads:  # --threads auto: on a busy CPU, the thread count that is fastest now
-        batches = TunedBatches(batches, ThreadTuner(step_model, precision.autocast, observer.write))
+        batches = TunedBatches(batches, ThreadTuner(trainable.step_model, precision.autocast, observer.write))
     return Run(cfg=cfg, dist=dist, out_dir=plan.out_dir, model=model, step_setup=step_setup, batches=batches,
                progress=progress, guard=guard, observer=observer, checkpointer=checkpointer,
-               tokenizer=data.tokenizer, tokens_per_step=tokens_per_step, finishing=finishing)
+               tokenizer=data.tokenizer, tokens_per_step=observer.tokens_per_step, finishing=finishing)
 
 
-def build_model(cfg: RunConfig, dist: Distributed, *, precision, vocab_size: int, components: Components, log=print):
+@dataclass
+class Trainable:
+    """The model and what updates it: ``model`` is the module whose weights are saved, clipped
+    and updated; ``step_model`` is what runs forward (wrapped for data parallelism, maybe compiled)."""
+
+    model: torch.nn.Module
+    step_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: DynamicLossScaler
+
+
+def build_model(cfg: RunConfig, dist: Distributed, precision: Precision, vocab_size: int, components: Components,
+                log=print) -> Trainable:
     """The model (sharded or wrapped for data parallelism before the optimizer sees it), the
     module the step runs forward (wrapped, maybe compiled), the optimizer and the loss scaler."""
-    t, o = cfg.train, cfg.optim
+    t = cfg.train
     model = components.model(cfg.model.gpt_config(vocab_size)).to(dist.device)
     if precision.pure_bf16:
         cast_weights_(model, torch.bfloat16)
     step_model = dist.wrap(model)
     dist.seed_this_rank(t.seed)
-    if precision.pure_bf16:
-        optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
-                              master_weights=t.fp32_master, seed=t.seed)
-    else:
-        optimizer = components.optimizer(model, o)
-        if hasattr(optimizer, "describe"):
-            log(optimizer.describe(model))
+    optimizer = components.optimizer(model, cfg, precision)
+    if hasattr(optimizer, "describe"):
+        log(optimizer.describe(model))
     scaler = components.scaler(enabled=precision.name == "fp16")
     step_model = torch.compile(step_model) if t.compile else step_model
-    return model, step_model, optimizer, scaler
+    return Trainable(model, step_model, optimizer, scaler)
 
 
-def build_batches(cfg: RunConfig, dist: Distributed, *, data, components: Components):
+def build_batches(cfg: RunConfig, dist: Distributed, data, components: Components):
     """The training stream (this rank's share of each step's windows) and the fixed validation set."""
     t, d, seq_len, eos = cfg.train, cfg.data, cfg.model.seq_len, data.tokenizer.eos_id
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
@@ -294,29 +313,32 @@ def build_batches(cfg: RunConfig, dist: Distributed, *, data, components: Compon
     return batches, val_batches
 
 
-def build_components(cfg: RunConfig, dist: Distributed, *, out_dir: Path, data, precision, model, step_model,
-                     optimizer, scaler, batches, val_batches, progress: Progress, tokens_per_step: int,
-                     peak: float | None, components: Components, log=print):
+def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, precision: Precision,
+                     trainable: Trainable, batches, val_batches, components: Components, log=print):
     """The observer, the guard, the step's setup and the checkpointer, each given what it
     needs when it is built: the observer first (the others write their lines through it,
-    above the progress bar), then the guard (it rolls back to the checkpointer's latest
-    checkpoint, found by :func:`~nanolm.checkpoint.rollback_checkpoint`), then the step, then
-    the checkpointer (it saves the state of every other component)."""
+    above the progress bar; it holds the run's :class:`Progress`), then the guard (it rolls
+    back to the checkpointer's latest checkpoint, found by
+    :func:`~nanolm.checkpoint.rollback_checkpoint`), then the step, then the checkpointer (it
+    saves the state of every other component)."""
     t, o, g, tokenizer = cfg.train, cfg.optim, cfg.guard, data.tokenizer
+    model, optimizer, scaler = trainable.model, trainable.optimizer, trainable.scaler
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
+    peak = peak_flops(dist.device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
     setup = setup_of(cfg, data.digest, precision.name, dist.device.type, dist.world_size)
+    progress = Progress()
     observer = Observer(cfg=cfg, dist=dist, out_dir=out_dir, model=model, precision=precision, scaler=scaler,
                         progress=progress, val_batches=val_batches, token_bytes=torch.from_numpy(tokenizer.token_bytes()),
                         floor=data.meta.get("floor"), tokens_per_step=tokens_per_step, peak=peak,
-                        loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer,
-                        setup=setup, reference=find_reference(setup))
+                        loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer, setup=setup, reference=find_reference(setup))
     guard = Guard(out_dir=out_dir if dist.is_main else None, on_nan=g.on_nan, on_spike=g.on_spike,
                   window=g.spike_window, threshold=g.spike_threshold, max_rollbacks=g.max_rollbacks,
                   rollback_lr_scale=g.rollback_lr_scale, log=observer.write,
                   rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
                   explain_nan=lambda batch: nan_origin(model, batch, precision.autocast, tokenizer.vocab_size))
     step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
-                           step_model=step_model, scaler=scaler, autocast=precision.autocast, dist=dist, guard=guard,
-                           loss_fn=components.loss_fn, watch=observer.gradient_watch)
+                           step_model=trainable.step_model, scaler=scaler, autocast=precision.autocast, dist=dist,
+                           guard=guard, loss_fn=components.loss_fn, watch=observer.gradient_watch)
     checkpointer = components.checkpointer(
         dist=dist, run_dir=out_dir, model=model, optimizer=optimizer,
         stateful={"sampler": batches, "scaler": scaler, "progress": progress, "guard": guard, "observer": observer},

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanolm.corpus import write_stories
+from nanolm.data.corpus import write_stories
 from nanolm.model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def stories_file(tmp_path_factory) -> Path:
 
 def tiny_run_config(data, out_dir, **train):
     """A RunConfig for a few-second training run on ``data`` (char tokenizer, one small block)."""
-    from nanolm.config import RunConfig
+    from nanolm.run.config import RunConfig
 
     cfg = RunConfig()
     cfg.data.data, cfg.data.tokenizer = str(data), "char"

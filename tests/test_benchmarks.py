@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import nanolm.model
+from nanolm.data.prepare import prepare
 from nanolm.instruments.cli import main
 from nanolm.optim import muon_available
-from nanolm.prepare import prepare
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -265,7 +265,7 @@ def test_every_loop_of_the_loss_per_step_benchmark_runs_the_same_recipe():
     would use (no step off by one between ``train_step`` and the plain loop), with the same AdamW
     constants; the two plain loops draw the same windows; and the reference is nanoGPT's model as
     its train.py trains it: no biases, the residual projections initialised smaller."""
-    from nanolm.config import OptimOptions
+    from nanolm.run.config import OptimOptions
     from nanolm.step import learning_rate
 
     script = runpy.run_path(str(BENCHMARKS / "loss_per_step.py"))

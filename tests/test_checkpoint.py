@@ -14,6 +14,7 @@ from conftest import run_cli, tiny_model
 from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
+import nanolm.machine.runtime as runtime
 from nanolm.checkpoint import (
     latest_valid_checkpoint,
     list_checkpoints,
@@ -23,12 +24,12 @@ from nanolm.checkpoint import (
     verify_checkpoint,
 )
 from nanolm.errors import NanolmError
-from nanolm.files import sha256_file
-from nanolm.final import load_run
 from nanolm.instruments.cli import main
-from nanolm.monitor import read_metrics
 from nanolm.optim import muon_available
+from nanolm.run.files import sha256_file
+from nanolm.run.final import load_run
 from nanolm.tokenizer import train_char
+from nanolm.watch.sinks import read_metrics
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--dropout", "0.1", "--log-every", "1"]
@@ -237,12 +238,12 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     import numpy as np
 
     ckpt_dir = _save(tmp_path, 1)
-    state = {"rng": ckpt.capture_rng("cpu")}
+    state = {"rng": runtime.capture_rng("cpu")}
     torch.save(state, ckpt_dir / "rng.pt")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     for _ in range(3):
         random.random(), np.random.rand(), torch.rand(1)
-    ckpt.restore_rng(torch.load(ckpt_dir / "rng.pt", weights_only=True)["rng"], "cpu")
+    runtime.restore_rng(torch.load(ckpt_dir / "rng.pt", weights_only=True)["rng"], "cpu")
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
@@ -377,7 +378,7 @@ def test_the_mps_random_state_is_saved_and_restored_when_there_is_an_mps_device(
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.mps, "get_rng_state", lambda: saved["state"].clone())
     monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: saved.update(restored=s))
-    state = ckpt.capture_rng("mps")
+    state = runtime.capture_rng("mps")
     assert torch.equal(state["mps"], saved["state"])
-    ckpt.restore_rng(state, "mps")
+    runtime.restore_rng(state, "mps")
     assert torch.equal(saved["restored"], saved["state"])

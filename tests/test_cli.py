@@ -3,11 +3,10 @@
 import json
 
 import pytest
+from conftest import TINY_TRAIN, run_cli
 
 from nanolm.instruments.cli import main
-from nanolm.monitor import read_metrics
-
-from conftest import TINY_TRAIN, run_cli
+from nanolm.watch.sinks import read_metrics
 
 TRAIN_ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_s"}
 

@@ -8,12 +8,11 @@ setups are named; a directory that is not a run is one line, exit 2, as with ``d
 """
 
 import pytest
+from conftest import run_cli, tiny_run_config
 
 from nanolm.instruments.compare import compare_runs, find_parting
 from nanolm.instruments.faults import components
 from nanolm.train import train
-
-from conftest import run_cli, tiny_run_config
 
 
 def run(data, out, batch_size=8, grad_accum=1, seed=1, steps=30, **debug):

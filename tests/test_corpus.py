@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from nanolm import corpus
-from nanolm.corpus import generate_stories, parse, write_stories
-from nanolm.prepare import prepare
+from nanolm.data import corpus
+from nanolm.data.corpus import generate_stories, parse, write_stories
+from nanolm.data.prepare import prepare
 
 
 def test_parsing_a_story_recovers_exactly_its_choices():

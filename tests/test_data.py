@@ -3,10 +3,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model, tiny_run_config
+from conftest import tiny_run_config
 
-import nanolm.prepare as prepare_mod
-import nanolm.sources as sources_mod
+import nanolm.data.progress as progress_mod
+import nanolm.data.sources as sources_mod
 from nanolm.batches import (
     Split,
     WindowSampler,
@@ -14,9 +14,10 @@ from nanolm.batches import (
     eval_window_starts,
     pack_windows,
 )
+from nanolm.data.prepare import boundary_crossing_windows, prepare
+from nanolm.data.shards import PreparedData
+from nanolm.data.sources import DocumentSource
 from nanolm.errors import NanolmError
-from nanolm.prepare import PreparedData, boundary_crossing_windows, prepare
-from nanolm.sources import DocumentSource
 from nanolm.tokenizer import EOS
 
 E = 0  # EOS id
@@ -45,63 +46,6 @@ def test_without_the_mask_batches_carry_no_document_ids():
     b = pack_windows(np.arange(1, 20), np.array([0, 5]), 8, eos_id=E, doc_mask=False)
     assert b.doc_ids is None and b.positions is None
     assert torch.equal(b.targets[:, :-1], b.idx[:, 1:])
-
-
-def _two_document_window():
-    doc_a = [E, 11, 12, 13, 14, 15, 16]
-    doc_b = [E, 21, 22, 23, 24, 25, 26, 27, 28]
-    tokens = np.array(doc_a + doc_b + [E])
-    return tokens, len(doc_a), len(tokens) - 1
-
-
-def test_no_cross_document_leak_with_the_mask_on():
-    """Change a token of document A: no logit of document B in the same window moves."""
-    model = tiny_model().eval()
-    tokens, len_a, T = _two_document_window()
-    changed = tokens.copy()
-    changed[3] = 40  # inside document A
-    for reset in (False, True):
-        a = pack_windows(tokens, np.array([0]), T, E, doc_mask=True, reset_positions=reset)
-        b = pack_windows(changed, np.array([0]), T, E, doc_mask=True, reset_positions=reset)
-        with torch.no_grad():
-            la, _ = model(a.idx, doc_ids=a.doc_ids, positions=a.positions)
-            lb, _ = model(b.idx, doc_ids=b.doc_ids, positions=b.positions)
-        assert torch.equal(la[:, len_a:], lb[:, len_a:])  # bitwise on CPU fp32
-        assert not torch.equal(la[:, 3:len_a], lb[:, 3:len_a])
-    # the same change leaks into document B when the mask is off: the test can fail
-    a = pack_windows(tokens, np.array([0]), T, E, doc_mask=False)
-    b = pack_windows(changed, np.array([0]), T, E, doc_mask=False)
-    with torch.no_grad():
-        assert not torch.allclose(model(a.idx)[0][:, len_a:], model(b.idx)[0][:, len_a:])
-
-
-def test_masked_window_equals_each_document_run_alone():
-    model = tiny_model().eval()
-    tokens, len_a, T = _two_document_window()
-    packed = pack_windows(tokens, np.array([0]), T, E, doc_mask=True, reset_positions=True)
-    with torch.no_grad():
-        together, _ = model(packed.idx, doc_ids=packed.doc_ids, positions=packed.positions)
-        alone_a, _ = model(torch.from_numpy(tokens[None, :len_a]).long())
-        alone_b, _ = model(torch.from_numpy(tokens[None, len_a:T]).long())
-    torch.testing.assert_close(together[:, :len_a], alone_a, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(together[:, len_a:], alone_b, rtol=1e-5, atol=1e-5)
-
-
-def test_rotary_attention_makes_the_position_reset_redundant_under_the_mask():
-    """RoPE scores depend only on the distance between query and key. Inside a masked
-    document every distance is the same wherever the document starts, so resetting the
-    positions changes nothing but rounding; without the mask it does change the logits."""
-    model = tiny_model().eval()
-    tokens, len_a, T = _two_document_window()
-    kw = dict(seq_len=T, eos_id=E)
-    with torch.no_grad():
-        outs = {}
-        for mask in (True, False):
-            for reset in (True, False):
-                b = pack_windows(tokens, np.array([0]), doc_mask=mask, reset_positions=reset, **kw)
-                outs[mask, reset] = model(b.idx, doc_ids=b.doc_ids, positions=b.positions)[0][:, len_a:]
-    torch.testing.assert_close(outs[True, True], outs[True, False], rtol=1e-5, atol=1e-5)
-    assert (outs[False, True] - outs[False, False]).abs().max() > 1e-5
 
 
 # ------------------------------------------------------------------ sampler
@@ -325,8 +269,8 @@ def test_a_training_run_skips_the_compressor_bounds_that_prepare_and_doctor_repo
     and nothing in a run reads its bound, so a run's own preparation skips it, with the same
     shards; ``nanolm prepare`` and ``nanolm doctor`` (``load_training_data``'s default)
     still report the bound a model must beat."""
+    from nanolm.data.prepare import load_training_data
     from nanolm.instruments.doctor import check_loss_floor
-    from nanolm.rundir import load_training_data
     from nanolm.train import train
 
     text = tmp_path / "plain.txt"  # no entropy file beside it: doctor falls back on the compressors
@@ -354,7 +298,7 @@ def test_a_changed_token_inside_the_vocabulary_is_refused(tmp_path):
 def test_token_ids_outside_the_vocabulary_are_refused_before_training_even_when_vouched_for(tmp_path):
     """The largest id is read from the shards themselves, not from meta.json: a lying
     max_id (with the manifest and seal recomputed) cannot smuggle in an IndexError."""
-    from nanolm.files import sealed, sha256_file
+    from nanolm.run.files import sealed, sha256_file
 
     src = _write_txt(tmp_path / "d.txt", DOCS * 4)
     data = prepare(src, tmp_path / "out", "char", progress=False)
@@ -384,8 +328,8 @@ def test_the_bpe_tokenizer_learns_from_training_documents_only():
     """Merges learnt from validation text would let the held-out documents compress better than
     unseen text does: a validation loss flattered by the tokenizer. The char vocabulary sees
     every document, since a character only in validation must still be encodable."""
-    from nanolm.prepare import _tokenizer_texts
-    from nanolm.sources import split_documents
+    from nanolm.data.prepare import _tokenizer_texts
+    from nanolm.data.sources import split_documents
 
     docs = [f"story {i} " + ("zyzzyva " * 20 if i % 10 == 9 else "plain words ") for i in range(40)]
     val = {text for split, text in split_documents(iter(docs), 0.1) if split == "val"}
@@ -399,20 +343,20 @@ def test_the_bpe_tokenizer_learns_from_training_documents_only():
 def progress_runs(tmp_path_factory):
     """One corpus prepared twice, silently and with plain progress lines (the size threshold and
     the least gap between lines lowered so that 1.5 MB shows them): (silent data, shown data, the lines)."""
-    from nanolm.corpus import write_stories
+    from nanolm.data.corpus import write_stories
 
     tmp = tmp_path_factory.mktemp("progress")
     write_stories(tmp / "stories.txt", 4000, seed=0)
     lines = []
-    threshold, prepare_mod.PROGRESS_MIN_BYTES = prepare_mod.PROGRESS_MIN_BYTES, 0
-    gap, prepare_mod.PROGRESS_GAP_S = prepare_mod.PROGRESS_GAP_S, 0.0
+    threshold, progress_mod.PROGRESS_MIN_BYTES = progress_mod.PROGRESS_MIN_BYTES, 0
+    gap, progress_mod.PROGRESS_GAP_S = progress_mod.PROGRESS_GAP_S, 0.0
     try:
         quiet = prepare(tmp / "stories.txt", tmp / "quiet", "bpe", 512, progress=False, compressor_sample_bytes=0,
                         log=lambda *_: None)
         shown = prepare(tmp / "stories.txt", tmp / "shown", "bpe", 512, progress="lines", compressor_sample_bytes=0,
                         log=lines.append)
     finally:
-        prepare_mod.PROGRESS_MIN_BYTES, prepare_mod.PROGRESS_GAP_S = threshold, gap
+        progress_mod.PROGRESS_MIN_BYTES, progress_mod.PROGRESS_GAP_S = threshold, gap
     return quiet, shown, lines
 
 
@@ -442,7 +386,7 @@ def test_progress_stays_out_of_the_way(stories_file, tmp_path, monkeypatch, why)
     """A source under the threshold prepares in seconds: no progress. Under torchrun only rank 0
     shows it (every rank would print the same lines)."""
     if why == "rank 1":
-        monkeypatch.setattr(prepare_mod, "PROGRESS_MIN_BYTES", 0)
+        monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)
         monkeypatch.setenv("RANK", "1")
     lines = []
     prepare(stories_file, tmp_path / "out", "char", progress="lines", compressor_sample_bytes=0, log=lines.append)
@@ -460,9 +404,9 @@ def test_plain_progress_lines_come_at_a_modest_cadence(monkeypatch, seconds_per_
     """A line per tenth, but none within 5 s of the last (a phase of seconds needs none) and at
     least one every 30 s (a slow tenth still shows life); 100 % is the phase's end line."""
     clock = [0.0]
-    monkeypatch.setattr(prepare_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(progress_mod.time, "monotonic", lambda: clock[0])
     lines = []
-    shown = prepare_mod.PrepareProgress("lines", log=lines.append)
+    shown = progress_mod.PrepareProgress("lines", log=lines.append)
     shown.begin("encoding", 100)
     for _ in range(100):
         clock[0] += seconds_per_percent

@@ -20,16 +20,17 @@ from conftest import tiny_model, tiny_run_config
 from simulated_device import SimulatedDevice
 
 import nanolm.checkpoint as ckpt
+import nanolm.machine.runtime as runtime
 from nanolm.batches import Batch, pack_windows
-from nanolm.device import refuse_what_the_device_cannot_do
 from nanolm.errors import NanolmError
 from nanolm.evaluate import estimate_loss
-from nanolm.guards import nan_origin
+from nanolm.machine.device import refuse_what_the_device_cannot_do
+from nanolm.machine.runtime import configure_tf32, settings_restored
 from nanolm.optim import build_optimizer
 from nanolm.precision import resolve_precision
-from nanolm.runtime import configure_tf32, settings_restored
-from nanolm.stats import LayerStats, probe
 from nanolm.step import StepSetup, train_step
+from nanolm.watch.guards import nan_origin
+from nanolm.watch.stats import LayerStats, probe
 
 V = 64
 
@@ -185,8 +186,8 @@ def test_the_training_loop_runs_on_a_gpu_with_the_numbers_of_the_cpu(kind, tmp_p
     (no float64 on MPS), and, the arithmetic being the CPU's, the CPU run's numbers exactly."""
     from nanolm.instruments.faults import components as fault_components
     from nanolm.instruments.replay import replay
-    from nanolm.monitor import read_metrics
     from nanolm.train import train
+    from nanolm.watch.sinks import read_metrics
 
     def run(device, out, steps):
         cfg = tiny_run_config(stories_file, out, steps=steps, device=device, precision="fp32", eval_every=2,
@@ -222,9 +223,9 @@ def test_a_cpu_run_saves_no_cuda_random_state_and_never_touches_cuda(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
     for name in ("get_rng_state", "get_rng_state_all", "set_rng_state", "set_rng_state_all", "device_count"):
         monkeypatch.setattr(torch.cuda, name, no_cuda)
-    state = ckpt.capture_rng(torch.device("cpu"))
+    state = runtime.capture_rng(torch.device("cpu"))
     assert "cuda" not in state
-    ckpt.restore_rng(state, torch.device("cpu"))
+    runtime.restore_rng(state, torch.device("cpu"))
 
 
 def test_a_checkpoint_from_a_machine_with_more_gpus_resumes_on_one(monkeypatch):
@@ -232,9 +233,9 @@ def test_a_checkpoint_from_a_machine_with_more_gpus_resumes_on_one(monkeypatch):
     set_to = []
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: set_to.append((state, device)))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    state = ckpt.capture_rng(torch.device("cpu"))
+    state = runtime.capture_rng(torch.device("cpu"))
     per_gpu = [torch.zeros(4, dtype=torch.uint8), torch.ones(4, dtype=torch.uint8)]
-    ckpt.restore_rng({**state, "cuda": per_gpu}, torch.device("cuda:0"))
+    runtime.restore_rng({**state, "cuda": per_gpu}, torch.device("cuda:0"))
     assert torch.equal(set_to[0][0], per_gpu[0])
 
 
@@ -250,12 +251,12 @@ def test_auto_precision_is_fp16_with_loss_scaling_on_a_gpu_without_bf16(monkeypa
 def test_what_a_device_cannot_do_is_refused_in_one_line(monkeypatch):
     with pytest.raises(NanolmError, match="--deterministic.*MPS"):
         refuse_what_the_device_cannot_do(torch.device("mps"), deterministic=True, compile=False, attention="auto")
-    monkeypatch.setattr("nanolm.device.has_triton", lambda: False)
+    monkeypatch.setattr("nanolm.machine.device.has_triton", lambda: False)
     with pytest.raises(NanolmError, match="--compile.*Triton"):
         refuse_what_the_device_cannot_do(torch.device("cuda:0"), deterministic=False, compile=True, attention="auto")
     with pytest.raises(NanolmError, match="flex.*Triton"):
         refuse_what_the_device_cannot_do(torch.device("cuda:0"), deterministic=False, compile=False, attention="flex")
-    monkeypatch.setattr("nanolm.device.has_cpp_compiler", lambda: False)
+    monkeypatch.setattr("nanolm.machine.device.has_cpp_compiler", lambda: False)
     with pytest.raises(NanolmError, match="C\\+\\+ compiler"):
         refuse_what_the_device_cannot_do(torch.device("cpu"), deterministic=False, compile=True, attention="auto")
 
@@ -370,11 +371,11 @@ def test_under_torchrun_a_named_gpu_other_than_local_rank_is_refused(monkeypatch
 def test_the_cpu_bf16_peak_behind_mfu_is_timed_on_products_large_enough_to_reach_it(monkeypatch):
     """Native bf16 timed on 128 x 128 products reads ~6x below its peak (docs/benchmarks.md), and a
     tiny model then logs an MFU of 70-94 %. A CPU that emulates bf16 may keep small products."""
-    from nanolm.hardware import measure_matmul_flops
+    from nanolm.machine.hardware import measure_matmul_flops
 
     shapes, real_randn = [], torch.randn
     monkeypatch.setattr(torch, "randn", lambda *shape, **kw: shapes.append(shape) or real_randn(*shape, **kw))
-    monkeypatch.setattr("nanolm.hardware.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("nanolm.machine.hardware.cpu_has_native_bf16", lambda: True)
     measure_matmul_flops.cache_clear()
     try:
         measure_matmul_flops("cpu", torch.bfloat16, seconds=0.01)
@@ -384,7 +385,7 @@ def test_the_cpu_bf16_peak_behind_mfu_is_timed_on_products_large_enough_to_reach
 
 
 def test_doctor_says_what_this_machine_would_pick_and_refuses_what_it_cannot_do(monkeypatch):
-    from nanolm.device import device_choices
+    from nanolm.machine.device import device_choices
 
     lines = device_choices("cpu", "auto", "auto", tf32=True, deterministic=False, compile=False)
     assert [line.split()[0] for line in lines] == ["device", "precision", "attention", "batches"]
@@ -394,7 +395,7 @@ def test_doctor_says_what_this_machine_would_pick_and_refuses_what_it_cannot_do(
                          ("get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB"),
                          ("is_bf16_supported", lambda including_emulation=True: True)):
         monkeypatch.setattr(torch.cuda, name, answer)
-    monkeypatch.setattr("nanolm.device.has_triton", lambda: True)
+    monkeypatch.setattr("nanolm.machine.device.has_triton", lambda: True)
     lines = device_choices("cuda:0", "fp32", "auto", tf32=True, deterministic=False, compile=False)
     assert "A100" in lines[0] and "FlexAttention" in lines[2] and lines[3].startswith("tf32       on")
     assert "pinned" in lines[4]

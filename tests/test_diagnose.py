@@ -13,11 +13,10 @@ import math
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from nanolm.instruments import diagnose as dg
 from nanolm.instruments.diagnose import diagnose, diagnose_trace
-
-from conftest import run_cli
 
 TRACES = Path(__file__).parent / "fixtures" / "traces"
 HEALTHY = ["healthy_s1", "healthy_s2", "healthy_s3", "healthy_sparse_logging", "healthy_grad_accum",

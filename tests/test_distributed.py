@@ -25,17 +25,17 @@ from safetensors.torch import load_file
 
 from nanolm.batches import Batch, WindowSampler, pack_windows
 from nanolm.checkpoint import load_run_checkpoint, load_state, save_run_checkpoint
-from nanolm.config import RunConfig
+from nanolm.data.shards import PreparedData
 from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
-from nanolm.final import load_run
 from nanolm.instruments.cli import main
-from nanolm.lock import LOCK_FILE, RunLock
-from nanolm.monitor import read_metrics
 from nanolm.optim import build_optimizer, muon_available
-from nanolm.prepare import PreparedData
+from nanolm.run.config import RunConfig
+from nanolm.run.final import load_run
+from nanolm.run.lock import LOCK_FILE, RunLock
 from nanolm.step import StepSetup, accumulate_gradients, counted_tokens, train_step
 from nanolm.tokenizer import train_char
+from nanolm.watch.sinks import read_metrics
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -226,7 +226,7 @@ def test_a_crafted_pickle_in_any_file_of_a_sharded_checkpoint_runs_nothing(fsdp_
     import pickle
     import shutil
 
-    from nanolm.files import sealed, sha256_file
+    from nanolm.run.files import sealed, sha256_file
 
     _Exploit.marker = tmp_path / "code-ran"
     original = fsdp_run / "checkpoints" / "step_000006"

@@ -7,8 +7,8 @@ checks read README.md and docs/*.md as text.
 
 import argparse
 import ast
-import shlex
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -42,6 +42,26 @@ def test_every_test_a_doc_names_exists(doc):
     names = _test_names()
     missing = [n for n in re.findall(r"`(test_[a-z0-9_]+)`", _text(doc)) if n not in names]
     assert not missing, f"{doc.name} names tests that do not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_test_a_doc_names_with_its_file_is_in_that_file(doc):
+    """`tests/test_model.py::test_model_is_causal` is a command a student copies: the test must be
+    in the file the doc puts it in, not only somewhere in the suite."""
+    wrong = []
+    for file, name in re.findall(r"`(tests/test_\w+\.py)::(test_\w+)`", _text(doc)):
+        path = ROOT / file
+        defined = {n.name for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                   if isinstance(n, ast.FunctionDef)} if path.is_file() else set()
+        if name not in defined:
+            wrong.append(f"{file}::{name}")
+    assert not wrong, f"{doc.name} puts tests in files that do not hold them: {sorted(set(wrong))}"
+
+
+def test_the_course_gives_each_test_with_its_file():
+    text = _text(ROOT / "docs" / "course.md")
+    bare = re.findall(r"`(test_[a-z0-9_]+)`", text)
+    assert not bare and len(re.findall(r"`tests/test_\w+\.py::test_\w+`", text)) >= 30, bare
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

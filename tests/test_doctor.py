@@ -8,10 +8,10 @@ import torch
 
 import nanolm.instruments.doctor as doctor
 import nanolm.step as step_mod
-from nanolm.config import RunConfig
+from nanolm.data.prepare import prepare
 from nanolm.instruments.cli import main
 from nanolm.model import masked_cross_entropy_sum
-from nanolm.prepare import prepare
+from nanolm.run.config import RunConfig
 
 STUDENT = textwrap.dedent('''
     import math

@@ -5,8 +5,8 @@ import hashlib
 
 import pytest
 
-import nanolm.download as dl
-from nanolm.download import RemoteCorpus, fetch, resolve_data_path
+import nanolm.data.download as dl
+from nanolm.data.download import RemoteCorpus, fetch, resolve_data_path
 from nanolm.errors import NanolmError
 
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from nanolm.config import RunConfig
-from nanolm.final import write_final
 from nanolm.instruments.cli import main
 from nanolm.instruments.export import export_run
+from nanolm.run.config import RunConfig
+from nanolm.run.final import write_final
 from nanolm.tokenizer import train_char
 
 transformers = pytest.importorskip("transformers")

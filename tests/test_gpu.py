@@ -18,7 +18,6 @@ import warnings
 
 import pytest
 import torch
-
 from conftest import LIST_GPU_MARKS, REPO
 
 from nanolm.batches import pack_windows

@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 
 from nanolm.batches import Batch, WindowSampler
 from nanolm.checkpoint import list_checkpoints, load_state, read_latest
+from nanolm.data.shards import PreparedData
 from nanolm.errors import NanolmError
-from nanolm.guards import Guard, SpikeDetector, nan_origin, read_events
 from nanolm.instruments.faults import components
-from nanolm.monitor import read_metrics
-from nanolm.prepare import PreparedData
 from nanolm.train import train
+from nanolm.watch.guards import Guard, SpikeDetector, nan_origin, read_events
+from nanolm.watch.sinks import read_metrics
 
 STEPS, CKPT_EVERY, BATCH = 30, 10, 4
 FAULT_AT = 25  # the last checkpoint before it is step 20

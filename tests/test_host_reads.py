@@ -20,12 +20,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import HostReads, tiny_model, tiny_run_config
 
 import nanolm.train as train_module
 from nanolm.precision import grad_zero_fraction
 from nanolm.train import train
-
-from conftest import HostReads, tiny_model, tiny_run_config
 
 STEPS = 8  # logged: 1-3 (just started), 4 (--log-every); quiet: 5-7; the last, 8, also evaluates and saves
 LOGGED, QUIET = [1, 2, 3, 4], [5, 6, 7]

@@ -9,14 +9,13 @@ The mechanics of the resume variant are tested on their own.
 import json
 
 import pytest
+from conftest import run_cli
 
 from nanolm.checkpoint import load_state, read_latest
-from nanolm.config import load_run_config
-from nanolm.guards import read_events
 from nanolm.instruments.lab import BY_NAME, VARIANTS, format_table, run_lab, run_variant
-from nanolm.monitor import read_metrics
-
-from conftest import run_cli
+from nanolm.run.config import load_run_config
+from nanolm.watch.guards import read_events
+from nanolm.watch.sinks import read_metrics
 
 QUICK = ["healthy", "fp16_no_loss_scaling", "targets_not_shifted", "loss_not_averaged", "no_doc_mask", "corrupt_data", "bad_batch_nan",
          "constant_lr", "decay_on_everything", "random_targets"]

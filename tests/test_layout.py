@@ -5,12 +5,15 @@ is still correct, and a reader following it now opens twice the files: nothing e
 notice. These tests trace which of nanolm's files run during one quiet step.
 """
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+from conftest import REPO, tiny_run_config
+
 import nanolm
 import nanolm.train as train_module
-from conftest import tiny_run_config
 
 PACKAGE = Path(nanolm.__file__).parent
 
@@ -18,8 +21,8 @@ PACKAGE = Path(nanolm.__file__).parent
 WEEKS_FILES = {"train.py", "step.py", "model.py", "batches.py"}
 # The components the step consults, one call each, whose contract StepSetup states: the guard's
 # decision (take, skip, roll back, stop) and the observer's choice of what to read of the gradients.
-COMPONENTS = {"guards.py": {"decide", "check", "is_spike", "zscore", "add", "_scaled"},
-              "observer.py": {"gradient_watch", "logs", "is_stats_step"}}
+COMPONENTS = {"watch/guards.py": {"decide", "check", "is_spike", "zscore", "add", "_scaled"},
+              "watch/observer.py": {"gradient_watch", "logs", "is_stats_step"}}
 
 
 def _files_one_step_runs(tmp_path, monkeypatch, stories_file, **train) -> dict[str, set[str]]:
@@ -69,4 +72,78 @@ def test_a_quiet_step_without_a_reading_guard_never_enters_the_guard(tmp_path, m
     real = train_module.train
     monkeypatch.setattr(train_module, "train", lambda cfg, log=print: real(guard_options(cfg), log=log))
     ran = _files_one_step_runs(tmp_path, monkeypatch, stories_file)
-    assert "guards.py" not in ran
+    assert "watch/guards.py" not in ran
+
+
+def _nanolm_modules_a_train_imports(tmp_path, stories_file, *flags) -> set[str]:
+    """The nanolm modules loaded by the `nanolm train` command on a two-step run, in a fresh process."""
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('MODULES', *sorted(m for m in sys.modules if m.startswith('nanolm')), "
+            "file=sys.stderr))\n"
+            "from nanolm.instruments.cli import entry\n"
+            "entry(sys.argv[1:])\n")
+    argv = ["train", "--data", str(stories_file), "--tokenizer", "char", "--steps", "2", "--n-layer", "1",
+            "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1",
+            "--sample-tokens", "0", "--threads", "1", "--out-dir", str(tmp_path / "_".join(["run", *flags])), *flags]
+    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return set(next(line for line in result.stderr.splitlines() if line.startswith("MODULES")).split()[1:])
+
+
+def test_a_plain_train_imports_none_of_the_labs_faults(tmp_path, stories_file):
+    """The lab breaks runs by swapping components for broken ones (``nanolm.instruments.faults``);
+    a plain run must not carry them, not even as an import: what it loads is what it runs."""
+    plain = _nanolm_modules_a_train_imports(tmp_path, stories_file)
+    assert "nanolm.train" in plain and "nanolm.instruments.faults" not in plain
+    assert {m for m in plain if m.startswith("nanolm.instruments")} == {  # the command, and the lab's list for --help
+        "nanolm.instruments", "nanolm.instruments.cli", "nanolm.instruments.process", "nanolm.instruments.lab"}
+    broken = _nanolm_modules_a_train_imports(tmp_path, stories_file, "--debug-non-causal")
+    assert "nanolm.instruments.faults" in broken  # the check sees an import when there is one
+
+
+def _readme_tree() -> dict[str, str]:
+    """The README's tree of the files: {path as the tree places it: its line}."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    block = text.split("## The files", 1)[1].split("```", 2)[1]
+    entries, parents = {}, []
+    for line in block.splitlines()[1:]:
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.split()[0]
+        parents = parents[:depth] + [name.rstrip("/")]
+        entries["/".join(parents) + ("/" if name.endswith("/") else "")] = line
+    return entries
+
+
+def test_the_readmes_tree_names_every_file_of_the_package_and_nothing_else():
+    """The tree is the map a newcomer reads first: a module it leaves out is a room nobody finds,
+    and a line for a file that moved sends them to a door that is not there."""
+    tree = _readme_tree()
+    package = {p.relative_to(REPO).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    package |= {p.relative_to(REPO).as_posix() + "/" for p in PACKAGE.rglob("*") if p.is_dir()
+                and p.name != "__pycache__"}
+    listed = {path for path in tree if path.startswith("nanolm/") and path != "nanolm/"}
+    assert sorted(package - listed) == [], "files of nanolm/ the README's tree does not show"
+    assert sorted(listed - package) == [], "lines of the README's tree for files that do not exist"
+    others = [path for path in tree if not path.startswith("nanolm")]
+    missing = [path for path in others if not (REPO / path.rstrip("/")).exists()]
+    assert not missing, f"the README's tree names what does not exist: {missing}"
+    tools = {p.name for p in (REPO / "tools").iterdir() if p.suffix in (".py", ".sh")}
+    assert tools == {path.split("/", 1)[1] for path in others if path.startswith("tools/") and path != "tools/"}
+
+
+def test_the_course_names_import_from_nanolm_train_as_the_week_writes_them():
+    """The week reads "inside nanolm/train.py are get_batch, estimate_loss, and train with
+    cosine_lr and AdamW(get_param_groups(...))": each name imports from there, and is the
+    function the training code itself uses (a re-export of where it lives, not a copy)."""
+    from nanolm.batches import get_batch
+    from nanolm.evaluate import estimate_loss
+    from nanolm.optim import get_param_groups
+    from nanolm.step import cosine_lr
+
+    for name, real in (("get_batch", get_batch), ("estimate_loss", estimate_loss), ("cosine_lr", cosine_lr),
+                       ("get_param_groups", get_param_groups)):
+        assert getattr(train_module, name) is real, name
+    assert callable(train_module.train)

@@ -1,9 +1,17 @@
+"""The model and its loss: causal, blind across packed documents, initialised to predict
+uniformly, able to memorise a batch, and a loss that counts the positions that count and only
+those. With tests/test_optim.py these are the course week's checks:
+``pytest tests/test_model.py tests/test_optim.py -v``."""
+
 import math
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_model
 
+from nanolm.batches import pack_windows
 from nanolm.errors import NanolmError
 from nanolm.model import (
     GPT,
@@ -11,11 +19,14 @@ from nanolm.model import (
     apply_rope,
     attention,
     document_causal_mask,
+    masked_cross_entropy,
     masked_cross_entropy_sum,
     reference_attention,
     rope_tables,
     sample_next_token,
 )
+
+E = 0  # EOS id
 
 
 def test_model_is_causal():
@@ -205,9 +216,10 @@ def test_a_first_flex_call_inside_torch_compile_leaves_later_eager_calls_fused(m
     made there is the raw function; kept, every later eager call would run FlexAttention
     unfused (the whole B x H x T x T score matrix) with the same numbers. Played on the CPU
     with CUDA's path forced, up to the wrappers themselves (their kernels need a GPU)."""
-    import nanolm.model
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as flex
+
+    import nanolm.model
 
     monkeypatch.setattr(nanolm.model, "fused_on", lambda t: True)
     monkeypatch.setattr(nanolm.model, "_compiled", {})
@@ -326,3 +338,117 @@ def test_projections_into_the_residual_stream_start_smaller_by_sqrt_of_twice_the
     assert len(residual) == 16
     assert torch.cat([p.flatten() for p in residual]).std().item() == pytest.approx(0.02 / 4, rel=0.02)
     assert torch.cat([p.flatten() for p in others]).std().item() == pytest.approx(0.02, rel=0.02)
+
+
+# ------------------------------------------------------------------ the loss: masked cross-entropy
+
+
+def test_masked_cross_entropy_ignores_masked_positions():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    targets = torch.randint(7, (2, 5))
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 0, 1]], dtype=torch.bool)
+    clean = masked_cross_entropy(logits, targets, mask)
+    absurd = logits.clone()
+    absurd[~mask] = torch.tensor([1e30, -1e30, float("inf"), float("nan"), 0.0, 3e4, -7.0])
+    assert masked_cross_entropy(absurd, targets, mask).item() == pytest.approx(clean.item(), abs=0)
+    absurd_targets = targets.clone()
+    absurd_targets[~mask] = 3  # the targets of masked positions do not matter either
+    assert masked_cross_entropy(logits, absurd_targets, mask).item() == pytest.approx(clean.item(), abs=0)
+
+
+def test_masked_cross_entropy_is_mean_over_counted_positions():
+    torch.manual_seed(1)
+    logits = torch.randn(3, 4, 11)
+    targets = torch.randint(11, (3, 4))
+    mask = torch.rand(3, 4) > 0.4
+    per_token = F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1), reduction="none")
+    expected = per_token[mask.reshape(-1)].mean()
+    torch.testing.assert_close(masked_cross_entropy(logits, targets, mask), expected)
+    total, count = masked_cross_entropy_sum(logits, targets, mask)
+    assert count.item() == mask.sum().item()
+    torch.testing.assert_close(total, per_token[mask.reshape(-1)].sum())
+
+
+def test_masked_cross_entropy_is_zero_not_nan_when_nothing_counts():
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    targets = torch.zeros(2, 3, dtype=torch.long)
+    loss = masked_cross_entropy(logits, targets, torch.zeros(2, 3, dtype=torch.bool))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
+
+
+def test_masked_cross_entropy_runs_in_fp32_for_low_precision_logits():
+    torch.manual_seed(2)
+    logits = torch.randn(1, 8, 50) * 4
+    targets = torch.randint(50, (1, 8))
+    low = masked_cross_entropy(logits.bfloat16(), targets)
+    assert low.dtype == torch.float32
+    assert low.item() == pytest.approx(masked_cross_entropy(logits.bfloat16().float(), targets).item(), rel=1e-6)
+
+
+def test_negative_targets_are_not_counted_without_a_mask():
+    logits = torch.zeros(1, 4, 3)
+    targets = torch.tensor([[0, -100, 1, -1]])
+    total, count = masked_cross_entropy_sum(logits, targets)
+    assert count.item() == 2 and total.item() == pytest.approx(2 * math.log(3))
+
+
+# ------------------------------------------------------------------ packed documents: the mask keeps them apart
+
+
+def _two_document_window():
+    doc_a = [E, 11, 12, 13, 14, 15, 16]
+    doc_b = [E, 21, 22, 23, 24, 25, 26, 27, 28]
+    tokens = np.array(doc_a + doc_b + [E])
+    return tokens, len(doc_a), len(tokens) - 1
+
+
+def test_no_cross_document_leak_with_the_mask_on():
+    """Change a token of document A: no logit of document B in the same window moves."""
+    model = tiny_model().eval()
+    tokens, len_a, T = _two_document_window()
+    changed = tokens.copy()
+    changed[3] = 40  # inside document A
+    for reset in (False, True):
+        a = pack_windows(tokens, np.array([0]), T, E, doc_mask=True, reset_positions=reset)
+        b = pack_windows(changed, np.array([0]), T, E, doc_mask=True, reset_positions=reset)
+        with torch.no_grad():
+            la, _ = model(a.idx, doc_ids=a.doc_ids, positions=a.positions)
+            lb, _ = model(b.idx, doc_ids=b.doc_ids, positions=b.positions)
+        assert torch.equal(la[:, len_a:], lb[:, len_a:])  # bitwise on CPU fp32
+        assert not torch.equal(la[:, 3:len_a], lb[:, 3:len_a])
+    # the same change leaks into document B when the mask is off: the test can fail
+    a = pack_windows(tokens, np.array([0]), T, E, doc_mask=False)
+    b = pack_windows(changed, np.array([0]), T, E, doc_mask=False)
+    with torch.no_grad():
+        assert not torch.allclose(model(a.idx)[0][:, len_a:], model(b.idx)[0][:, len_a:])
+
+
+def test_masked_window_equals_each_document_run_alone():
+    model = tiny_model().eval()
+    tokens, len_a, T = _two_document_window()
+    packed = pack_windows(tokens, np.array([0]), T, E, doc_mask=True, reset_positions=True)
+    with torch.no_grad():
+        together, _ = model(packed.idx, doc_ids=packed.doc_ids, positions=packed.positions)
+        alone_a, _ = model(torch.from_numpy(tokens[None, :len_a]).long())
+        alone_b, _ = model(torch.from_numpy(tokens[None, len_a:T]).long())
+    torch.testing.assert_close(together[:, :len_a], alone_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together[:, len_a:], alone_b, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_attention_makes_the_position_reset_redundant_under_the_mask():
+    """RoPE scores depend only on the distance between query and key. Inside a masked
+    document every distance is the same wherever the document starts, so resetting the
+    positions changes nothing but rounding; without the mask it does change the logits."""
+    model = tiny_model().eval()
+    tokens, len_a, T = _two_document_window()
+    kw = dict(seq_len=T, eos_id=E)
+    with torch.no_grad():
+        outs = {}
+        for mask in (True, False):
+            for reset in (True, False):
+                b = pack_windows(tokens, np.array([0]), doc_mask=mask, reset_positions=reset, **kw)
+                outs[mask, reset] = model(b.idx, doc_ids=b.doc_ids, positions=b.positions)[0][:, len_a:]
+    torch.testing.assert_close(outs[True, True], outs[True, False], rtol=1e-5, atol=1e-5)
+    assert (outs[False, True] - outs[False, False]).abs().max() > 1e-5

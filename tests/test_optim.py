@@ -5,13 +5,14 @@ import torch.nn as nn
 from conftest import tiny_model
 
 from nanolm.batches import Batch
-from nanolm.muon import GroupedMuon
 from nanolm.optim import (
+    GroupedMuon,
     MuonWithAdamW,
     build_optimizer,
     get_param_groups,
     muon_available,
 )
+from nanolm.precision import resolve_precision
 from nanolm.step import StepSetup, cosine_lr, set_learning_rate, train_step, wsd_lr
 
 
@@ -206,11 +207,11 @@ def test_grouped_muon_takes_the_steps_of_torch_muon(options, small_batches, monk
 def test_muon_orthogonalises_in_fp32_on_a_cpu_without_native_bf16(monkeypatch):
     """Where bf16 products are emulated (~1 GFLOP/s), Newton-Schulz in bf16 would cost seconds
     a step: it runs in fp32 there, and gives PyTorch's bf16 update up to bf16's rounding."""
-    import nanolm.muon
+    import nanolm.optim
 
     seen = []
-    iteration = nanolm.muon.newton_schulz_batched
-    monkeypatch.setattr(nanolm.muon, "newton_schulz_batched",
+    iteration = nanolm.optim.newton_schulz_batched
+    monkeypatch.setattr(nanolm.optim, "newton_schulz_batched",
                         lambda x, *args: seen.append(args[-1]) or iteration(x, *args))
     monkeypatch.setattr("nanolm.precision.cpu_has_native_bf16", lambda: False)
     torch.manual_seed(0)
@@ -234,13 +235,14 @@ def test_the_run_options_momentum_and_betas_reach_both_optimizers():
     target, and nothing else would say so."""
     from pathlib import Path
 
-    from nanolm.config import load_run_config
     from nanolm.optim import optimizer_for
+    from nanolm.run.config import load_run_config
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     for name in ("speedrun_tinystories.toml", "speedrun_cpu.toml"):
-        options = load_run_config(configs / name).optim
-        opt = optimizer_for(tiny_model(), options)
+        cfg = load_run_config(configs / name)
+        options = cfg.optim
+        opt = optimizer_for(tiny_model(), cfg, resolve_precision("fp32", torch.device("cpu")))
         assert [g["momentum"] for g in opt.muon.param_groups] == [options.muon_momentum] == [0.9]
         assert {g["betas"] for g in opt.adamw.param_groups} == {(options.beta1, options.beta2)} == {(0.9, 0.99)}
 

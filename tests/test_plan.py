@@ -4,12 +4,11 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_run_config
 
 import nanolm.model
-
 from nanolm.instruments.cli import main
-from nanolm.model import GPT, GPTConfig
-from nanolm.plan import (
+from nanolm.machine.plan import (
     PRESETS,
     activation_bytes_per_token,
     count_parameters,
@@ -18,10 +17,9 @@ from nanolm.plan import (
     memory_per_gpu,
     parse_count,
 )
+from nanolm.model import GPT, GPTConfig
 from nanolm.optim import muon_available
 from nanolm.precision import cast_weights_
-
-from conftest import tiny_run_config
 
 SHAPES = [
     dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, n_embd=32),
@@ -158,8 +156,8 @@ def test_plan_refuses_what_cannot_run(capsys):
 def test_muon_state_is_counted_as_one_momentum_per_hidden_matrix_weight():
     """The memory check is a lower bound: under --optimizer muon the hidden matrices hold one
     fp32 momentum (4 bytes), not AdamW's two moments, and exactly the parameters Muon takes."""
+    from nanolm.machine.plan import hidden_matrix_parameters
     from nanolm.optim import split_for_muon
-    from nanolm.plan import hidden_matrix_parameters
 
     c = GPTConfig(vocab_size=512, seq_len=64, n_layer=3, n_head=4, n_embd=128)
     assert hidden_matrix_parameters(c) == sum(p.numel() for p in split_for_muon(GPT(c)))
@@ -174,11 +172,11 @@ def test_muon_state_is_counted_as_one_momentum_per_hidden_matrix_weight():
 def test_the_memory_check_of_a_muon_run_counts_muons_state(stories_file, tmp_path, monkeypatch):
     """The check before a run starts gets the run's optimizer, so a Muon run is not refused
     for AdamW's larger state (the check promises a lower bound)."""
-    import nanolm.plan
+    import nanolm.machine.plan
     from nanolm.train import train
 
     seen = []
-    monkeypatch.setattr(nanolm.plan, "check_memory", lambda *args, **kw: seen.append(args[5:] or kw))
+    monkeypatch.setattr(nanolm.machine.plan, "check_memory", lambda *args, **kw: seen.append(args[5:] or kw))
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=1, eval_every=1)
     cfg.optim.optimizer = "muon"
     train(cfg, log=lambda *_: None)

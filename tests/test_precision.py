@@ -8,20 +8,27 @@ import warnings
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanolm.precision as precision_module
 import nanolm.step as step_module
-from nanolm.instruments.cli import main
-from nanolm.config import RunConfig
 from nanolm.errors import NanolmError
-from nanolm.monitor import read_metrics
-from nanolm.precision import (BF16AdamW, DynamicLossScaler, cpu_has_native_bf16, grad_subnormal_fraction, grad_zero_fraction, resolve_precision,
-                              rounding_seed, stochastic_round_to_bf16)
+from nanolm.instruments.cli import main
+from nanolm.precision import (
+    BF16AdamW,
+    DynamicLossScaler,
+    cpu_has_native_bf16,
+    grad_subnormal_fraction,
+    grad_zero_fraction,
+    resolve_precision,
+    rounding_seed,
+    stochastic_round_to_bf16,
+)
+from nanolm.run.config import RunConfig
 from nanolm.train import train
-
-from conftest import tiny_model
+from nanolm.watch.sinks import read_metrics
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -10,9 +10,9 @@ cannot be undone, and the test process must not get them.
 import ctypes
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 HAS_MALLINFO2 = sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None), "mallinfo2")
 
@@ -43,7 +43,7 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 LIBRARY_PROBE = AFTERWARDS + """
 import sys
-from nanolm.config import config_from_args
+from nanolm.run.config import config_from_args
 from nanolm.instruments.cli import build_parser
 from nanolm.train import train
 train(config_from_args(build_parser().parse_args(sys.argv[1:])), log=lambda *_: None)
@@ -132,7 +132,8 @@ def test_the_command_exits_quickly_and_still_finalizes_its_garbage(tmp_path):
 @pytest.mark.skipif(not HAS_MALLINFO2, reason="glibc >= 2.33 only (mallinfo2)")
 def test_keeping_freed_memory_applies_to_a_cpu_only():
     """A GPU's memory has PyTorch's own caching allocator: the glibc thresholds are for CPU runs."""
-    from nanolm.instruments.process import keep_freed_memory_for_reuse
     import torch
+
+    from nanolm.instruments.process import keep_freed_memory_for_reuse
 
     assert keep_freed_memory_for_reuse(torch.device("meta")) is False

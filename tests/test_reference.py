@@ -13,12 +13,13 @@ import shlex
 from pathlib import Path
 
 import pytest
+from conftest import tiny_run_config
 
-import nanolm.reference as reference
-from nanolm.config import RunConfig, add_run_arguments, config_from_args
+import nanolm.watch.reference as reference
 from nanolm.instruments.diagnose import diagnose_trace
-from nanolm.monitor import read_metrics
-from nanolm.reference import (
+from nanolm.run.config import RunConfig, add_run_arguments, config_from_args
+from nanolm.train import train
+from nanolm.watch.reference import (
     Band,
     Reference,
     band_from_seeds,
@@ -28,9 +29,7 @@ from nanolm.reference import (
     setup_of,
     shipped_references,
 )
-from nanolm.train import train
-
-from conftest import tiny_run_config
+from nanolm.watch.sinks import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SEEDS = (1, 2, 3, 4, 5)
@@ -57,7 +56,7 @@ def tiny_reference(tmp_path_factory, stories_file):
         setups.append(rows[0]["setup_digest"])
     assert len(set(setups)) == 1, "the seed must not count in a run's setup"
     cfg = RunConfig.resolved(tiny_recipe(stories_file, root / "x", 1))
-    from nanolm.prepare import PreparedData
+    from nanolm.data.shards import PreparedData
 
     setup = setup_of(cfg, PreparedData(root / "seed-1" / "data", verify=False).digest, "fp32", "cpu", 1)
     assert setup_digest(setup) == setups[0]
@@ -202,7 +201,8 @@ def test_every_shipped_band_still_describes_the_recipe_it_names(monkeypatch):
 
 
 def test_the_quick_runs_data_is_still_what_its_band_was_measured_on(tmp_path):
-    from nanolm.prepare import PreparedData, prepare
+    from nanolm.data.prepare import prepare
+    from nanolm.data.shards import PreparedData
 
     ref = next((r for r in shipped_references() if r.name == "quick-fp32"), None)
     assert ref is not None, "the quick run has a shipped band"

@@ -1,14 +1,13 @@
 """`nanolm replay`: a past step, again, exactly as the run took it, and nothing written."""
 
 import pytest
+from conftest import tiny_run_config
 
 from nanolm.errors import NanolmError
 from nanolm.instruments.cli import main
 from nanolm.instruments.faults import components
 from nanolm.instruments.replay import format_replay, replay
 from nanolm.train import train
-
-from conftest import tiny_run_config
 
 
 def _files(run_dir):

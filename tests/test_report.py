@@ -12,8 +12,8 @@ pytest.importorskip("matplotlib")
 from matplotlib.figure import Figure  # noqa: E402
 
 from nanolm.instruments.cli import main  # noqa: E402
-from nanolm.monitor import read_metrics  # noqa: E402
 from nanolm.instruments.report import PANELS, load_run, render  # noqa: E402
+from nanolm.watch.sinks import read_metrics  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 EXPECTED = ["loss", "val_bpb", "grad_norm", "lr", "clipped_frac", "tokens_per_sec", "mfu", "memory", "weight_norm",

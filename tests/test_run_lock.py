@@ -21,13 +21,13 @@ import torch
 from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
-import nanolm.final as final
-import nanolm.lock
+import nanolm.run.final as final
+import nanolm.run.lock
 from nanolm.errors import NanolmError
-from nanolm.final import load_run, read_final
 from nanolm.instruments.cli import main
-from nanolm.lock import LOCK_FILE, NO_LOCK, DirectoryBusy, RunLock
-from nanolm.monitor import read_metrics
+from nanolm.run.final import load_run, read_final
+from nanolm.run.lock import LOCK_FILE, NO_LOCK, DirectoryBusy, RunLock
+from nanolm.watch.sinks import read_metrics
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
         "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--log-every", "1",
@@ -129,7 +129,7 @@ def test_the_lock_leaves_no_trace_when_it_is_let_go(tmp_path):
 def test_the_lock_dies_with_its_holder(tmp_path):
     """``kill -9``: no handler runs, and the lock is free at once. Its file stays behind, naming
     a dead process, and means nothing: the flock decides."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanolm.lock import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanolm.run.lock import RunLock; "
                                "RunLock().take(sys.argv[1]); print('held', flush=True); time.sleep(600)",
                                str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -146,7 +146,7 @@ def test_a_file_system_without_locks_is_refused_unless_told_otherwise(tmp_path, 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(nanolm.lock.fcntl, "flock", no_locks)
+    monkeypatch.setattr(nanolm.run.lock.fcntl, "flock", no_locks)
     with pytest.raises(NanolmError, match=f"without working locks .*set {NO_LOCK}=1"):
         RunLock().take(tmp_path / "run")
     assert not (tmp_path / "run").exists()
@@ -383,7 +383,7 @@ def test_resuming_from_a_live_runs_checkpoint_survives_its_pruning(tmp_path, sto
     changes nothing, and the result is bit-identical to resuming from a quiet copy of it."""
     import shutil
 
-    import nanolm.rundir
+    import nanolm.run.directory
 
     out = tmp_path / "run"
     first = _start(*_command(stories_file, "--out-dir", out))
@@ -393,14 +393,14 @@ def test_resuming_from_a_live_runs_checkpoint_survives_its_pruning(tmp_path, sto
         newest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
         quiet = tmp_path / "quiet" / newest.name
         shutil.copytree(newest, quiet)
-        real = nanolm.rundir.resume_checkpoint_at
+        real = nanolm.run.directory.resume_checkpoint_at
 
         def chosen_then_pruned(path, log):
             chosen = real(path, log)
             shutil.rmtree(newest)  # what the live run's pruning does at its next save
             return chosen
 
-        monkeypatch.setattr(nanolm.rundir, "resume_checkpoint_at", chosen_then_pruned)
+        monkeypatch.setattr(nanolm.run.directory, "resume_checkpoint_at", chosen_then_pruned)
         assert main(_command(stories_file, "--out-dir", tmp_path / "continued", "--resume", out)) == 0
         assert f"continuing from a copy of {newest.name}" in capsys.readouterr().out
     finally:

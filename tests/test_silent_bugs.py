@@ -27,3 +27,10 @@ def test_every_planted_bug_breaks_a_line_that_exists_exactly_once():
         text = (ROOT / bug.file).read_text()
         assert text.count(bug.correct) == 1, bug.name
         assert bug.broken != bug.correct and bug.broken not in text, bug.name
+
+
+def test_every_test_file_the_tool_runs_exists():
+    """A renamed test file would make the tool refuse to start (it checks), so every planted bug
+    would go unplanted until someone runs it: the list follows the files here, in milliseconds."""
+    missing = [t for t in _tool().FAST_TESTS if not (ROOT / "tests" / f"{t}.py").is_file()]
+    assert not missing, f"tools/silent_bugs.py's FAST_TESTS names test files that do not exist: {missing}"

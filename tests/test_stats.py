@@ -7,12 +7,12 @@ import torch
 from conftest import tiny_model, tiny_run_config
 
 from nanolm.batches import Batch
-from nanolm.hardware import gpu_peak_flops, peak_flops
-from nanolm.meter import StepMeter
+from nanolm.machine.hardware import gpu_peak_flops, peak_flops
 from nanolm.model import Attention, GPTConfig, apply_rope, document_causal_mask
-from nanolm.monitor import read_metrics
-from nanolm.stats import LayerStats, layer_groups, max_attention_logit, probe
 from nanolm.train import train
+from nanolm.watch.meter import StepMeter
+from nanolm.watch.sinks import read_metrics
+from nanolm.watch.stats import LayerStats, layer_groups, max_attention_logit, probe
 
 
 def _random_batch(B=3, T=16, V=64, seed=0):

@@ -1,13 +1,12 @@
 """`nanolm sweep`: one short run per learning rate, and the largest stable one recommended."""
 
 import pytest
-
-from nanolm.config import load_toml
-from nanolm.errors import NanolmError
-from nanolm.optim import muon_available
-from nanolm.instruments.sweep import parse_lrs, recommend
-
 from conftest import run_cli
+
+from nanolm.errors import NanolmError
+from nanolm.instruments.sweep import parse_lrs, recommend
+from nanolm.optim import muon_available
+from nanolm.run.config import load_toml
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "8",
         "--tokenizer", "char", "--eval-every", "30", "--eval-batches", "2", "--steps", "60"]

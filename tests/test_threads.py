@@ -7,9 +7,9 @@ import torch
 from conftest import tiny_model
 
 from nanolm.batches import Batch
+from nanolm.machine.threads import FIRST_WAIT_S, ThreadTuner, candidate_counts
 from nanolm.optim import build_optimizer
 from nanolm.step import StepSetup, train_step
-from nanolm.threads import FIRST_WAIT_S, ThreadTuner, candidate_counts
 
 
 @pytest.fixture(autouse=True)

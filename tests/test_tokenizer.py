@@ -98,7 +98,8 @@ def test_a_long_text_encodes_in_pieces_to_exactly_the_tokens_of_the_whole(monkey
     assert np.array_equal(tokenizer.encode_batch([text, "short"])[0], whole)
     assert np.array_equal(np.concatenate([tokenizer.encode_batch([p])[0] for p in pieces]), whole)
     # a tokenizer.json from elsewhere, with a normalizer (here one that strips each text), is never cut
-    from tokenizers import Tokenizer as HFTokenizer, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import normalizers
 
     foreign = HFTokenizer.from_str(tokenizer.hf.to_str())
     foreign.normalizer = normalizers.Strip()

@@ -7,13 +7,13 @@ from conftest import tiny_model
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanolm.batches import Batch, Split, eval_batches, get_batch
-from nanolm.config import RunConfig
 from nanolm.evaluate import estimate_loss
+from nanolm.machine.runtime import configure_threads
 from nanolm.model import masked_cross_entropy_sum
-from nanolm.monitor import read_metrics
-from nanolm.runtime import configure_threads
+from nanolm.run.config import RunConfig
 from nanolm.step import accumulate_gradients, cosine_lr, counted_tokens, wsd_lr
 from nanolm.train import train
+from nanolm.watch.sinks import read_metrics
 
 
 def _grads(model):

@@ -17,11 +17,10 @@ import shutil
 import sys
 
 import pytest
+from conftest import tiny_run_config
 
 from nanolm.instruments.cli import main
-from nanolm.files import sealed, sha256_file
-
-from conftest import tiny_run_config
+from nanolm.run.files import sealed, sha256_file
 
 MARKER_NAME = "code-ran"
 

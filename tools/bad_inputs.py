@@ -134,7 +134,7 @@ def _nanolm(argv, cwd) -> subprocess.CompletedProcess:
 
 
 def setup(d: Path) -> None:
-    from nanolm.corpus import write_stories
+    from nanolm.data.corpus import write_stories
 
     write_stories(d / "text.txt", 200, seed=1)
     (d / "empty.txt").write_text("")

@@ -1,7 +1,7 @@
 """Kill a training run with SIGKILL at many moments; rerunning the same command must end
 bit-identical to a run that was never interrupted.
 
-This is the promise of ``nanolm.rundir`` tested the hard way: a real process, a real
+This is the promise of ``nanolm.run.directory`` tested the hard way: a real process, a real
 ``kill -9`` (no handler runs, nothing is flushed), at random times and at the moments that
 are hardest to survive: during the first checkpoint's save (the directory holds a run and no
 checkpoint), during a later save, after the last checkpoint, and while the final weights are
@@ -194,7 +194,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="nanolm-crash-") as tmp:
         tmp = Path(tmp)
         sys.path.insert(0, str(ROOT))
-        from nanolm.corpus import write_stories
+        from nanolm.data.corpus import write_stories
 
         corpus = tmp / "stories.txt"
         write_stories(corpus, 400, seed=5)

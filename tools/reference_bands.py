@@ -4,8 +4,8 @@ For every recipe (the quick run, the default ``nanolm train``, each ``configs/*.
 data it names, both speedrun tracks) and number format, this trains the recipe once per seed
 exactly as a user would run it (only the seed, the output directory, the thread count and the
 sample at the end differ, none of which the band counts), then writes
-``nanolm/references/<recipe>-<format>.json``: the runs' shared setup (checked equal across
-seeds), the band of every logged number (``nanolm.reference``), the command, the machine and
+``nanolm/watch/references/<recipe>-<format>.json``: the runs' shared setup (checked equal across
+seeds), the band of every logged number (``nanolm.watch.reference``), the command, the machine and
 the date.
 
     python tools/reference_bands.py --data-dir ../shared/data                      # every recipe, fp32
@@ -39,10 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from nanolm.config import load_run_config  # noqa: E402
 from nanolm.instruments.compare import recorded_run  # noqa: E402
-from nanolm.monitor import read_metrics  # noqa: E402
-from nanolm.reference import (  # noqa: E402
+from nanolm.run.config import load_run_config  # noqa: E402
+from nanolm.watch.reference import (  # noqa: E402
     REFERENCE_DIR,
     Reference,
     bands_from_runs,
@@ -50,6 +49,7 @@ from nanolm.reference import (  # noqa: E402
     setup_digest,
     setup_of,
 )
+from nanolm.watch.sinks import read_metrics  # noqa: E402
 
 # name: (title, the command's arguments after `nanolm train`, the data files it needs in --data-dir)
 RECIPES = {
@@ -76,7 +76,7 @@ NOT_COUNTED_FLAGS = "--threads 1 --progress lines --sample-tokens 0"
 
 
 def default_data_dir() -> Path:
-    from nanolm.download import cache_dir
+    from nanolm.data.download import cache_dir
 
     return cache_dir()
 
@@ -195,7 +195,7 @@ def main() -> int:
     for (recipe, precision, _), out in done:
         groups.setdefault((recipe, precision), []).append(out)
     if args.check:
-        from nanolm.reference import shipped_references
+        from nanolm.watch.reference import shipped_references
 
         refs = {r.name: r for r in shipped_references(args.out)}
         for (recipe, precision), dirs in groups.items():
@@ -225,7 +225,7 @@ def main() -> int:
 
 
 def print_table(directory: Path) -> None:
-    from nanolm.reference import shipped_references
+    from nanolm.watch.reference import shipped_references
 
     print("| reference | recipe | seeds | the last evaluation's band: validation loss; bits per byte | measured |")
     print("| --- | --- | --- | --- | --- |")
@@ -243,8 +243,9 @@ def check_plants(plants: list[str], todo, args, data_dir: Path) -> int:
     import shutil
     import tempfile
 
-    from nanolm.reference import shipped_references
     from silent_bugs import BUGS, plant
+
+    from nanolm.watch.reference import shipped_references
 
     bugs = {b.name: b for b in BUGS}
     unknown = [p for p in plants if p not in bugs]

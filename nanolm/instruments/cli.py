@@ -13,15 +13,19 @@ from ..errors import NanolmError
 
 
 def _train(args) -> None:
-    from ..config import config_from_args
-    from ..device import resolve_device
+    from ..machine.device import resolve_device
+    from ..run.config import DebugOptions, config_from_args
     from ..train import train
-    from .faults import components
 
     cfg = config_from_args(args)
     if args.process_tuning_of_entry is not None:  # only the command's own process: never main() called in-process
         args.process_tuning_of_entry.before_training(cfg.train.process_tuning, resolve_device(cfg.train.device))
-    train(cfg, components=components(cfg))  # the hidden --debug-* options: the lab's faults
+    components = None
+    if cfg.debug != DebugOptions():  # the hidden --debug-* options: the lab's faults, imported only then
+        from .faults import components as faults
+
+        components = faults(cfg)
+    train(cfg, components=components)
 
 
 def _sample(args) -> None:
@@ -32,7 +36,7 @@ def _sample(args) -> None:
 
 
 def _eval(args) -> None:
-    from ..sample import evaluate_file
+    from ..evaluate import evaluate_file
 
     r = evaluate_file(args.run, args.data, args.batch_size, args.device)
     print(f"{args.data}: loss {r['loss']:.4f} nats/token | perplexity {r['ppl']:.2f} | "
@@ -42,9 +46,9 @@ def _eval(args) -> None:
 
 
 def _prepare(args) -> None:
-    from ..config import require_utf8
-    from ..lock import RunLock
-    from ..prepare import prepare
+    from ..data.prepare import prepare
+    from ..run.files import require_utf8
+    from ..run.lock import RunLock
 
     if not 0 <= args.val_fraction < 1:
         raise NanolmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
@@ -88,7 +92,7 @@ def _report(args) -> None:
 
 
 def _data_stories(args) -> None:
-    from ..corpus import entropy_path, write_stories
+    from ..data.corpus import entropy_path, write_stories
 
     if args.docs <= 0:
         raise NanolmError(f"--docs must be positive, got {args.docs}")
@@ -100,14 +104,14 @@ def _data_stories(args) -> None:
 
 
 def _data_download(args) -> None:
-    from ..download import CORPORA, fetch
+    from ..data.download import CORPORA, fetch
 
     path = fetch(args.name, args.dir, progress=sys.stderr.isatty())
     print(f"{path}  ({CORPORA[args.name].about})")
 
 
 def _doctor(args) -> int:
-    from ..config import config_from_args
+    from ..run.config import config_from_args
     from .doctor import run_doctor
 
     results = run_doctor(config_from_args(args), args.model)
@@ -117,9 +121,9 @@ def _doctor(args) -> int:
 def _plan(args) -> None:
     import dataclasses
 
-    from ..config import DataOptions, ModelOptions, load_toml
+    from ..machine.plan import PRESETS, format_plan, make_plan, parse_count
     from ..model import GPTConfig
-    from ..plan import PRESETS, format_plan, make_plan, parse_count
+    from ..run.config import DataOptions, ModelOptions, load_toml
 
     if args.preset and args.config:
         raise NanolmError("give --preset or --config, not both")
@@ -232,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_training_commands(sub) -> None:
     """train, sample, eval, prepare."""
-    from ..config import add_run_arguments
+    from ..run.config import add_run_arguments
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
@@ -260,8 +264,8 @@ def _add_training_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     p.set_defaults(func=_eval)
 
-    from ..monitor import PROGRESS_MODES
     from ..tokenizer import EOS, KINDS
+    from ..watch.sinks import PROGRESS_MODES
 
     p = sub.add_parser("prepare", help="tokenize a corpus once into token shards", formatter_class=fmt)
     p.add_argument("--data", required=True, metavar="SRC", help=".txt, .jsonl, .parquet or a directory of .txt files")
@@ -280,7 +284,7 @@ def _add_training_commands(sub) -> None:
 
 def _add_health_commands(sub) -> None:
     """doctor, diagnose, compare, lab, sweep."""
-    from ..config import add_run_arguments
+    from ..run.config import add_run_arguments
 
     p = sub.add_parser("doctor", help="check the setup before a long run (PASS/FAIL per invariant)",
                        description="Run health checks on a training configuration (the same options as "
@@ -387,7 +391,7 @@ def _add_other_commands(sub) -> None:
                    help="horizontal axis: optimizer steps, training tokens, or seconds (default: step)")
     p.set_defaults(func=_report)
 
-    from ..plan import GPUS, PRECISIONS, PRESETS
+    from ..machine.plan import GPUS, PRECISIONS, PRESETS
 
     p = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU and time to train, before launching",
                        description="Size a run: parameters, training FLOPs per token, memory per GPU (weights, "
@@ -414,7 +418,7 @@ def _add_other_commands(sub) -> None:
     p.add_argument("--dist", choices=["auto", "none", "ddp", "fsdp"], default=None,
                    help="data parallelism (default: ddp with --gpus > 1, else none)")
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs")
-    p.add_argument("--gpu", choices=list(GPUS), default="h100", help="GPU model: its peak FLOP/s for the precision (nanolm.hardware) and its memory")
+    p.add_argument("--gpu", choices=list(GPUS), default="h100", help="GPU model: its peak FLOP/s for the precision (nanolm.machine.hardware) and its memory")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
     p.add_argument("--tokens", default=None, help="tokens to train, e.g. 2e9, 300M, 20B (default 20 per parameter)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
@@ -427,7 +431,7 @@ def _add_other_commands(sub) -> None:
     q.add_argument("--seed", type=int, default=0, help="random seed")
     q.add_argument("--out", required=True, metavar="FILE", help="output text file (entropy goes to FILE.entropy.json)")
     q.set_defaults(func=_data_stories)
-    from ..download import CORPORA
+    from ..data.download import CORPORA
 
     q = data_sub.add_parser("download", help="fetch a public corpus (verified, cached)",
                             description="Download a public corpus once, verify its size and SHA-256, and cache it. "
@@ -450,7 +454,7 @@ def main(argv=None, process_tuning=None) -> int:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk, a read-only or foreign directory: the machine's state, not a bug
-        from ..files import ENVIRONMENT_ERRNOS, describe_os_error
+        from ..run.files import ENVIRONMENT_ERRNOS, describe_os_error
 
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise
@@ -458,7 +462,7 @@ def main(argv=None, process_tuning=None) -> int:
               f"once that is fixed", file=sys.stderr)
         return 2
     except Exception as e:
-        from ..runtime import TrainingInterrupted
+        from ..machine.runtime import TrainingInterrupted
 
         if not isinstance(e, TrainingInterrupted):
             raise

@@ -2,7 +2,7 @@
 
 The course's own check for an accumulation bug is to train batch 32 and batch 8 with
 ``--grad-accum 4`` and see that the curves match. By eye, "match" is vague; here it has two
-precise meanings, chosen from the runs' setups (``nanolm.reference.setup_of``):
+precise meanings, chosen from the runs' setups (``nanolm.watch.reference.setup_of``):
 
 * **The same training, split differently** (same seed, data, model and recipe; only how each
   step's batch is cut into micro-batches or ranks, or what is logged, differs): each step sees
@@ -29,10 +29,10 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import load_run_config
 from ..errors import NanolmError
-from ..monitor import read_metrics
-from ..reference import differences, find_reference, setup_of
+from ..run.config import load_run_config
+from ..watch.reference import differences, find_reference, setup_of
+from ..watch.sinks import read_metrics
 
 FP_TOLERANCE = 1e-4  # relative: two splits of one batch agree this closely while rounding differences are small
 DRIFT = 1e-6  # a difference already this large at the previous logged step has grown there: amplified rounding
@@ -79,7 +79,7 @@ def recorded_run(path: Path, cfg, first: dict) -> tuple[str, str, str, int]:
     tokens per step (on a CPU)."""
     if "data_digest" in first:
         return first["data_digest"], first["precision"], first["device_type"], first["world_size"]
-    from ..prepare import PreparedData
+    from ..data.shards import PreparedData
 
     try:
         digest = PreparedData(path / "data", verify=False).digest

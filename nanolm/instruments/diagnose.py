@@ -3,7 +3,7 @@
 A run's record is two files: ``metrics.jsonl`` (loss, learning rate, gradient norm, clipping,
 per-layer statistics, evaluations with the data's floor, fp16 loss scale; see
 ``docs/observability.md``) and ``events.jsonl`` (what the guards saw and did, and when the run
-was resumed; see ``nanolm.guards``). Diagnosis reads those two files and nothing else: not
+was resumed; see ``nanolm.watch.guards``). Diagnosis reads those two files and nothing else: not
 the configuration, and certainly not the hidden ``--debug-*`` switches that the lab uses to
 break runs on purpose. A rule that only fired because it knew how the run was broken would
 teach nothing; each rule here has to recognise a failure the way a person reading the
@@ -49,7 +49,7 @@ betas, schedule, which tensors are decayed), because some mistakes are choices, 
 * ``decay_on_norms``: weight decay on norm gains, biases or embeddings.
 
 One rule reads the setup the step-0 row records: when it is a shipped recipe's
-(``nanolm.reference``),
+(``nanolm.watch.reference``),
 
 * ``left_reference_band``: a number left the band the recipe's healthy seeds stay in, with
   the step, the value and the band.
@@ -68,7 +68,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import NanolmError
-from ..reference import departures, reference_for_digest
+from ..watch.reference import departures, reference_for_digest
 
 # ---- thresholds (see docs/health.md for why each value)
 MIN_STEPS = 50  # rules about a run's course need at least this many steps of it
@@ -188,8 +188,8 @@ class Trace:
 
 def read_run(run_dir) -> Trace:
     """The trace of a run directory, or a one-line error when it is not one."""
-    from ..guards import read_events
-    from ..monitor import read_metrics
+    from ..watch.guards import read_events
+    from ..watch.sinks import read_metrics
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

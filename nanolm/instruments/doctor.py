@@ -26,11 +26,11 @@ import numpy as np
 import torch
 
 from ..batches import Batch, WindowSampler, pack_windows
-from ..config import RunConfig
-from ..device import device_choices
 from ..errors import NanolmError
+from ..machine.device import device_choices
 from ..model import GPT, GPTConfig
 from ..optim import get_param_groups
+from ..run.config import RunConfig
 from ..step import learning_rate, wsd_decay_start
 
 
@@ -306,7 +306,7 @@ def model_checks(make_model, vocab_size: int, seq_len: int, batch: Batch, run_ac
 
 def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list[Check]:
     """Run every check for this configuration; prints each result as it comes."""
-    from ..rundir import load_training_data
+    from ..data.prepare import load_training_data
 
     cfg = cfg.resolved()
     started = time.perf_counter()

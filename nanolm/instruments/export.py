@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import NanolmError
-from ..final import load_run
+from ..run.final import load_run
 from ..tokenizer import EOS
 
 

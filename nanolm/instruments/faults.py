@@ -23,19 +23,31 @@ import torch
 
 from ..batches import TrainBatches
 from ..checkpoint import Checkpointer
-from ..config import RunConfig
-from ..model import GPT
+from ..model import GPT, Attention
 from ..precision import DynamicLossScaler
+from ..run.config import RunConfig
 from ..step import summed_token_loss
+
+
+class NonCausalAttention(Attention):
+    """Attention over the whole window, the future included (generation, which reads a cache of
+    the past only, is left as it is)."""
+
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        if cache is None:
+            B, T, _ = x.shape
+            mask = torch.ones(B, 1, T, T, dtype=torch.bool, device=x.device)
+        return super().forward(x, cos, sin, mask, cache)
 
 
 class NonCausalGPT(GPT):
     """Attention sees the whole window, the future included: the loss falls below what the
     data allows, and generation, which cannot see the future, is garbage."""
 
-    def attention_mask(self, idx, doc_ids):
-        B, T = idx.shape
-        return torch.ones(B, 1, T, T, dtype=torch.bool, device=idx.device)
+    def __init__(self, config):
+        super().__init__(config)
+        for block in self.blocks:
+            block.attn.__class__ = NonCausalAttention
 
 
 class UnshiftedTargets(TrainBatches):
@@ -61,9 +73,10 @@ class RandomTargets(TrainBatches):
         return batches
 
 
-def decay_everything(model, o):
+def decay_everything(model, cfg, precision):
     """AdamW with weight decay on every parameter: norm gains, biases and embeddings are pulled
     toward zero too (the gains lose their scale, rare tokens' rows are eroded)."""
+    o = cfg.optim
     params = list(dict.fromkeys(model.parameters()))  # a tied matrix once
     return torch.optim.AdamW([{"params": params, "weight_decay": o.weight_decay}], lr=o.lr, betas=(o.beta1, o.beta2))
 
@@ -118,8 +131,12 @@ class ForgetfulCheckpointer(Checkpointer):
     """Restores everything but the optimizer state: Adam's first update after a resume is
     full size again, a visible jolt in the loss and gradient norm."""
 
-    def restored_optimizer(self):
-        return None
+    def restore(self, path, data_position: bool = True) -> int:
+        optimizer, self.optimizer = self.optimizer, None  # load_run_checkpoint then leaves it as it is
+        try:
+            return super().restore(path, data_position)
+        finally:
+            self.optimizer = optimizer
 
 
 def killing_checkpointer(after_step: int):

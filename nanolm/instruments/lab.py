@@ -39,10 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..config import RunConfig
-from .diagnose import diagnose, format_findings
 from ..errors import NanolmError
-from ..lock import RunLock
+from ..run.config import RunConfig
+from ..run.lock import RunLock
 
 
 @dataclass
@@ -192,9 +191,9 @@ def _subprocess_env() -> dict:
 def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bool = False, seed: int = 1337,
                 log_lines: list[str] | None = None) -> tuple[Path, str | None]:
     """Train one variant into ``out/<name>``; returns (run dir, error message or None)."""
-    from .faults import components
-    from ..lock import DirectoryBusy
+    from ..run.lock import DirectoryBusy
     from ..train import train
+    from .faults import components
 
     run_dir = out / variant.name
     cfg = base_config(run_dir, steps, quick, seed)
@@ -253,6 +252,8 @@ def run_lab(out, only: list[str] | None = None, steps: int | None = None, quick:
 
 
 def _lab(names: list[str], out: Path, steps, quick: bool, seed: int, report: bool, only, log) -> list[LabResult]:
+    from .diagnose import diagnose, format_findings  # here: `nanolm train` reads VARIANTS for --help, nothing more
+
     taken = [n for n in names if (out / n).exists()]
     if taken:
         raise NanolmError(f"{out / taken[0]} already exists; choose another --out")

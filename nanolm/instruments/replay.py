@@ -30,21 +30,20 @@ from ..checkpoint import (
     read_checkpoint_meta,
     verify_checkpoint,
 )
-from ..config import load_run_config
-from ..device import resolve_device
+from ..data.shards import PreparedData
 from ..distributed import Distributed
 from ..errors import NanolmError
-from ..guards import Guard, nan_origin, read_events
-from ..monitor import read_metrics
-from ..observer import GradientWatch
-from ..optim import get_param_groups
-from ..precision import BF16AdamW, cast_weights_, resolve_precision
-from ..prepare import PreparedData
-from ..runtime import configure_determinism, settings_restored
-from ..stats import LayerStats
+from ..machine.device import resolve_device
+from ..machine.runtime import configure_determinism, settings_restored
+from ..precision import cast_weights_, resolve_precision
+from ..run.config import load_run_config
 from ..step import StepSetup, counted_tokens, learning_rate, train_step
 from ..tokenizer import Tokenizer
 from ..train import Components, Progress
+from ..watch.guards import Guard, nan_origin, read_events
+from ..watch.observer import GradientWatch
+from ..watch.sinks import read_metrics
+from ..watch.stats import LayerStats
 from .faults import components as fault_components
 
 
@@ -105,10 +104,7 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
     model = components.model(cfg.model.gpt_config(tokenizer.vocab_size)).to(dev)
     if precision.pure_bf16:
         cast_weights_(model, torch.bfloat16)
-        optimizer = BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
-                              master_weights=t.fp32_master, seed=t.seed)
-    else:
-        optimizer = components.optimizer(model, o)
+    optimizer = components.optimizer(model, cfg, precision)
     scaler = components.scaler(enabled=precision.name == "fp16")
     sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size * world, seed=t.seed,
                             random_offset=d.random_offset)

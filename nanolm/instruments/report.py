@@ -12,7 +12,7 @@ Several runs are drawn on the same axes, one colour per run, so a comparison the
 asks for ("the curves for batch×4 and for grad_accum=4 must match") is one command. A panel
 whose numbers no run has (``loss_scale`` without fp16, the per-layer panels with
 ``--stats-every 0``) is left out rather than drawn empty. A run recognised as a shipped
-recipe (``nanolm.reference``) gets that recipe's band shaded behind its loss, bits-per-byte
+recipe (``nanolm.watch.reference``) gets that recipe's band shaded behind its loss, bits-per-byte
 and gradient-norm curves: where healthy seeds of the same recipe went.
 
 matplotlib is imported here only (``pip install 'nanolm[report]'``), never by training.
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import NanolmError
-from ..monitor import read_metrics
-from ..reference import reference_for_digest
+from ..watch.reference import reference_for_digest
+from ..watch.sinks import read_metrics
 
 X_AXES = ("step", "tokens", "time")
 
@@ -107,7 +107,7 @@ def load_run(path) -> Run:
         raise NanolmError(f"{metrics} holds no rows yet")
     config = {}
     if (path / "config.toml").is_file():
-        from ..config import tomllib
+        from ..run.config import tomllib
 
         try:
             config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))
@@ -150,7 +150,7 @@ def _reference_lines(ax, runs, colors, value_of, label):
 
 def _bands(ax, runs, key, x, label="reference band"):
     """The reference band of ``key`` shaded behind the curves, once per reference the runs were
-    recognised as (``nanolm.reference``): where healthy seeds of the same recipe went."""
+    recognised as (``nanolm.watch.reference``): where healthy seeds of the same recipe went."""
     if x == "time":  # the band is per step; seconds differ from machine to machine
         return
     seen = set()

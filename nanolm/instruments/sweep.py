@@ -62,7 +62,7 @@ def lr_dir_name(lr: float) -> str:
 def final_loss(run_dir: Path) -> tuple[float | None, str]:
     """The run's final loss for comparing rates: its last validation loss, else the mean
     training loss of its last tenth of logged steps."""
-    from ..monitor import read_metrics
+    from ..watch.sinks import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in rows if r.get("step", 0) > 0 and isinstance(r.get("val_loss"), (int, float))]
@@ -76,7 +76,7 @@ def final_loss(run_dir: Path) -> tuple[float | None, str]:
 
 
 def _config_for(args: argparse.Namespace, lr: float, out_dir: Path, steps_given: bool):
-    from ..config import config_from_args
+    from ..run.config import config_from_args
 
     ns = copy.copy(args)
     ns.lr, ns.out_dir = lr, str(out_dir)
@@ -93,8 +93,8 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
               log=print) -> dict:
     """Train at every rate in ``lrs`` into ``out/lr_<value>``; returns the table and the
     recommendation (see the module docstring for the rule)."""
-    from ..config import load_toml
-    from ..lock import RunLock
+    from ..run.config import load_toml
+    from ..run.lock import RunLock
 
     if not 0 <= tolerance < 10:
         raise NanolmError(f"--tolerance must be a fraction such as 0.1, got {tolerance}")
@@ -112,7 +112,7 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
 
 
 def _sweep(configs: dict, out: Path, tolerance: float, report: bool, log) -> dict:
-    from ..lock import DirectoryBusy
+    from ..run.lock import DirectoryBusy
     from ..train import train
     from .diagnose import diagnose
 

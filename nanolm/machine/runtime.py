@@ -1,0 +1,205 @@
+"""The process a run lives in: the settings it changes and puts back, seeds and random state, threads and signals.
+
+Everything here is set once, before the first step, and none of it is the training itself;
+it is gathered in one place so that the loop does not carry it and two copies cannot drift
+(a run's seeding and a distributed rank's are the same function).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+import random
+import signal
+import threading
+
+import numpy as np
+import torch
+
+from ..errors import NanolmError
+from .device import tf32_capable
+
+
+@contextlib.contextmanager
+def settings_restored():
+    """PyTorch's process-wide switches that a run sets, put back as they were when it ends.
+
+    ``train()`` called from a notebook, a sweep or the lab must leave the process as it found
+    it: a later run (or the user's own code) would otherwise inherit deterministic kernels
+    (slower on a GPU, and an error on an operation that has none), TF32 matrix products or
+    another thread count without asking for them. The random generators a run seeds (Python's,
+    NumPy's, torch's on the CPU, and on each GPU already in use) continue where the caller's were.
+    """
+    before = (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
+              torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.get_num_threads(),
+              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    cuda_in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
+    generators = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                  torch.cuda.get_rng_state_all() if cuda_in_use else None)
+    try:
+        yield
+    finally:
+        deterministic, matmul, benchmark, cudnn_tf32, threads, workspace = before
+        if torch.are_deterministic_algorithms_enabled() != deterministic:
+            torch.use_deterministic_algorithms(deterministic)
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32 = benchmark, cudnn_tf32
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+        python_rng, numpy_rng, torch_rng, cuda_rngs = generators
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+        torch.set_rng_state(torch_rng)
+        if cuda_rngs is not None:
+            torch.cuda.set_rng_state_all(cuda_rngs)
+
+
+def configure_tf32(device: torch.device, precision_name: str, allowed: bool) -> str | None:
+    """fp32 matrix products on TF32 tensor cores, where the GPU has them and ``--tf32`` allows.
+
+    TF32 keeps fp32's range with a 10-bit mantissa (bf16 has 7) inside the product and
+    accumulates in fp32: the data sheets' TF32 peak is several times their fp32 one (``nanolm.machine.hardware``'s table),
+    and training curves match fp32 (NVIDIA's and PyTorch's own guidance for deep learning). Only an fp32
+    run's products change (autocast runs in 16 bits already). Returns the sentence that says
+    so, or None when nothing was switched on.
+    """
+    if not (allowed and precision_name == "fp32" and tf32_capable(device)):
+        return None
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cudnn.allow_tf32 = True
+    return "fp32 matrix products on TF32 tensor cores (--no-tf32 for full fp32 products)"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator a run draws from: Python's, NumPy's and torch's (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def derived_seed(*parts) -> int:
+    """A 32-bit seed from several integers, different for every combination."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little")
+
+
+def capture_rng(device: torch.device) -> dict:
+    """Every generator a training step may draw from, as tensors and plain numbers: Python's,
+    NumPy's, torch's on the CPU, and the run's own accelerator's (``device``).
+
+    Only the run's device: a CPU run on a GPU machine must not start a CUDA context, and a
+    checkpoint must resume on a machine with another number of GPUs (or another
+    ``CUDA_VISIBLE_DEVICES``), which a state per visible GPU would refuse."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
+    state = {
+        "python": {"version": version, "state": list(py_state), "gauss": py_gauss},
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+    }
+    device = torch.device(device)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device.type == "mps":
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def restore_rng(state: dict, device: torch.device) -> None:
+    """Put back what :func:`capture_rng` saved; the accelerator's stream only on that kind of device."""
+    try:
+        py = state["python"]
+        random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+        torch.set_rng_state(state["torch"])
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise NanolmError(f"the checkpoint's random state is malformed ({type(e).__name__}: {e})") from None
+    device = torch.device(device)
+    if device.type == "cuda" and "cuda" in state:
+        saved = state["cuda"]
+        if isinstance(saved, list):  # checkpoints before 2026-12 kept one state per visible GPU
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            saved = saved[index] if index < len(saved) else saved[0]
+        torch.cuda.set_rng_state(saved, device)
+    elif device.type == "mps" and "mps" in state:
+        torch.mps.set_rng_state(state["mps"])
+
+
+def configure_determinism(enabled: bool) -> None:
+    """Deterministic kernels everywhere, or PyTorch's defaults.
+
+    On CPU nanolm's step is already deterministic for a given thread count, so this costs
+    nothing there. On CUDA it forbids the non-deterministic (atomic-add) backward kernels,
+    e.g. of the embedding lookup, which makes those slower, and raises on an operation that
+    has no deterministic version at all.
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    if enabled != torch.are_deterministic_algorithms_enabled():  # the call imports torch._inductor: 1.3 s on a CPU
+        torch.use_deterministic_algorithms(enabled)
+
+
+def configure_threads(threads: int, device: torch.device, log=print, auto: bool = True) -> None:
+    """Set ``--threads`` (0: leave PyTorch's default, which ``--threads auto`` then tunes,
+    see ``nanolm.machine.threads``) and warn when a fixed count meets a CPU busy with other work.
+
+    PyTorch splits each CPU kernel across one thread per core, and every thread waits for
+    the slowest at the end of each kernel. When another process holds a core, the thread on
+    it runs late on every one of the thousands of small kernels of a step (docs/benchmarks.md,
+    "A busy machine", has the measured slowdowns). The 1-minute load average is
+    the only cheap sign of such a neighbour (it lags, so a job that just ended can trigger the
+    hint).
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    if device.type != "cpu" or not hasattr(os, "getloadavg") or (not threads and auto):
+        return  # --threads auto measures for itself
+    cores, used = os.cpu_count() or 1, torch.get_num_threads()
+    busy = os.getloadavg()[0]
+    if used > 1 and busy + used > cores + 0.75:
+        log(f"cpu: {used} threads on {cores} cores while the load average says other processes keep ~{busy:.1f} "
+            f"busy; PyTorch's threads then wait on each other, and the steps can run several times slower "
+            f"(docs/benchmarks.md). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}.")
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after saving a checkpoint; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopOnSignal:
+    """Turns SIGINT/SIGTERM into a request to stop after the current step.
+
+    Killing a run mid-step would lose everything since the last checkpoint; instead the
+    loop finishes its step, saves a checkpoint and exits. A second Ctrl-C stops at once.
+    """
+
+    def __init__(self):
+        self.requested: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,356 @@
+"""Files nanolm writes and reads back: never half-written, never trusted unchecked.
+
+A training run outlives many processes: it is killed, the disk fills, a file is copied
+badly, someone hands you a checkpoint. Two rules make that safe.
+
+**Writes are atomic.** A file is written under a temporary name in the same directory,
+flushed to disk (``fsync``) and renamed over the old one; the rename is atomic, so a reader
+(or the next process after a crash) sees the old file or the new one, never half of each.
+The directory is fsynced too, or the rename itself could be lost in a power cut. On Windows a
+directory cannot be opened to fsync it (NTFS journals the rename itself), and a file that another
+process holds open (a reader's memory map of the weights) refuses to be replaced for as long as
+it is open: :func:`replace` waits for the reader, a few seconds at most, then names the file.
+
+**Reads are checked.** Every JSON file is parsed with errors that name it; a directory
+that nanolm wrote carries a *manifest*, the SHA-256 of each of its files, and is accepted
+only when the files on disk are exactly the listed ones with exactly those checksums. A
+flipped bit, a truncated copy or a swapped file is then named, never silently trained on.
+Nothing read here is ever unpickled: JSON, TOML, safetensors and raw token arrays are data
+formats that cannot carry code.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import NanolmError
+
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO,
+                      errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+"""OS errors that are the machine's state (a full disk, a read-only or foreign directory),
+not a bug: the command line reports them in one line naming the path."""
+
+
+def require_utf8(flag: str, value: str, why: str) -> None:
+    """Refuse a value that is not UTF-8 text (a file name with a byte such as 0xE9, which Python
+    keeps as a lone surrogate) before anything is written: the files that record it cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = value.encode("utf-8", "surrogateescape")
+        raise NanolmError(f"{flag} {raw!r} is not valid UTF-8 text, and {why}; rename it (or link to it) "
+                          f"with a UTF-8 name") from None
+
+
+def describe_os_error(e: OSError) -> str:
+    """``OSError`` as one line: the path, then the cause, then what a user can do."""
+    where = e.filename if e.filename is not None else "a file"
+    hint = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space (disk quota)",
+            errno.EROFS: "the file system is read-only; choose another --out-dir",
+            errno.EACCES: "you may not write there; choose another --out-dir",
+            errno.EPERM: "you may not write there; choose another --out-dir",
+            errno.EFBIG: "the file is larger than this system allows"}.get(e.errno, "")
+    return f"cannot write {where}: {e.strerror or e}" + (f" ({hint})" if hint else "")
+
+
+_OS_ERROR_IN_WORDS = re.compile(r"\(os error (\d+)\)")
+
+
+@contextmanager
+def naming_the_file(path):
+    """Let an error raised while writing ``path`` reach the user as the one-line OSError it is.
+
+    Two kinds of writer hide it: Python's own file methods raise ``OSError`` without the file's
+    name ("cannot write a file: No space left on device" helps nobody find what filled up), and
+    libraries written in Rust (safetensors) raise their own exception type with the OS error
+    in words ("... No space left on device (os error 28)"), which a handler waiting for
+    ``OSError`` never sees: a full disk became a traceback. Both become ``OSError(errno, ...,
+    path)``; anything else passes unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+    except Exception as e:
+        found = _OS_ERROR_IN_WORDS.search(str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
+class WholeWrites(io.RawIOBase):
+    """A file for ``torch.save`` that writes every byte it is given or keeps the reason why not.
+
+    ``torch.save`` checks the file's position after each record, and on a full disk all the
+    user sees is ``RuntimeError: ... unexpected pos`` (a short write, or the disk's refusal
+    swallowed on the way through PyTorch's C++ writer). Through this object a short write is
+    retried, and the disk's refusal is kept in ``error``, for :func:`save_torch` to raise as
+    the ``OSError`` it is."""
+
+    def __init__(self, raw):
+        super().__init__()
+        self.raw = raw
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        try:
+            while view:
+                view = view[self.raw.write(view):]
+        except OSError as e:
+            self.error = e
+            raise
+        return size
+
+
+def save_torch(obj, path) -> None:
+    """``torch.save(obj)`` to ``path``, synced to disk; a full disk is an ``OSError`` naming it."""
+    import torch
+
+    with naming_the_file(path), open(path, "wb", buffering=0) as f:
+        writer = WholeWrites(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+        os.fsync(f.fileno())
+
+
+WINDOWS = os.name == "nt"
+REPLACE_WAIT_S = 5.0
+"""How long a replacement on Windows waits for a reader to close the file it replaces."""
+
+
+def replace(source, target) -> None:
+    """``os.replace``: atomic, and on Windows patient with a reader that has ``target`` open."""
+    deadline = time.monotonic() + REPLACE_WAIT_S
+    while True:
+        try:
+            os.replace(source, target)
+            return
+        except PermissionError:
+            if not WINDOWS or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def move_directory(source, target) -> None:
+    """Move the directory ``source`` to ``target`` (absent), across file systems too, so that
+    ``target`` is whole or absent: another file system gets a copy under a temporary name beside
+    ``target``, renamed into place once complete. A full disk on the way is an ``OSError``
+    naming the file, and leaves no partial copy (``shutil.move`` would raise its own error
+    type, listing every file it failed, and leave half a directory)."""
+    source, target = Path(source), Path(target)
+    try:
+        os.replace(source, target)
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        for path in sorted(source.rglob("*")):
+            relative = path.relative_to(source)
+            if path.is_dir():
+                (staging / relative).mkdir()
+                continue
+            try:
+                shutil.copy2(path, staging / relative)
+            except OSError as e:  # named after the source by shutil: the file that did not fit is the target
+                raise OSError(e.errno, e.strerror, str(target / relative)) from e
+        replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(source, ignore_errors=True)
+
+
+def fsync_dir(path) -> None:
+    if WINDOWS:  # a directory cannot be opened for fsync there; NTFS journals the rename
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with naming_the_file(path), os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sha256_file(path, on_block=None) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks (``on_block(bytes)`` sees each one)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+            if on_block is not None:
+                on_block(block)
+    return h.hexdigest()
+
+
+def read_json(path, what: str | None = None):
+    """A JSON file's value, or a :class:`NanolmError` naming ``what`` (default: the path)."""
+    what = what or str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise NanolmError(f"{what} cannot be read ({e.strerror or e})") from None
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise NanolmError(f"{what} is not UTF-8 text (byte {e.start}); the file is damaged") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise NanolmError(f"{what} is not valid JSON ({e}); the file is damaged") from None
+
+
+def files_under(directory, skip: tuple[str, ...] = ()) -> dict[str, Path]:
+    """Every file below ``directory`` by its relative POSIX name (``skip``: names left out).
+
+    A symbolic link or anything that is not a regular file is refused: a manifest vouches
+    for the bytes nanolm wrote, and a link points at bytes it did not write.
+    """
+    directory = Path(directory)
+    found: dict[str, Path] = {}
+    for root, dirs, names in os.walk(directory, followlinks=False):
+        for name in dirs + names:
+            path = Path(root) / name
+            rel = path.relative_to(directory).as_posix()
+            if path.is_symlink():
+                raise NanolmError(f"{path} is a symbolic link; nanolm's directories hold none")
+            if name in names:
+                if not path.is_file():
+                    raise NanolmError(f"{path} is not a regular file")
+                if rel not in skip:
+                    found[rel] = path
+    return found
+
+
+def is_sha256(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def check_manifest(directory, files, what: str, skip: tuple[str, ...] = (), on_block=None) -> None:
+    """Refuse ``directory`` unless its files are exactly ``files`` (name -> SHA-256), each intact.
+
+    ``skip`` names files not covered (the file holding the manifest itself). ``on_block(name,
+    bytes)`` sees every block read, so a caller can check contents in the same pass.
+    """
+    if not isinstance(files, dict) or not files or not all(isinstance(k, str) and is_sha256(v) for k, v in files.items()):
+        raise NanolmError(f"{what}: its manifest of files and checksums is missing or malformed")
+    on_disk = files_under(directory, skip)
+    missing = sorted(set(files) - set(on_disk))
+    if missing:
+        raise NanolmError(f"{what}: {missing[0]} is missing")
+    unlisted = sorted(set(on_disk) - set(files))
+    if unlisted:
+        raise NanolmError(f"{what}: {unlisted[0]} is not in its manifest (a file nanolm did not write)")
+    for name in sorted(files):
+        callback = None if on_block is None else (lambda block, name=name: on_block(name, block))
+        try:
+            digest = sha256_file(on_disk[name], callback)
+        except FileNotFoundError:  # removed since it was listed
+            raise NanolmError(f"{what}: {name} is missing") from None
+        if digest != files[name]:
+            raise NanolmError(f"{what}: {name} is corrupt (its checksum does not match)")
+
+
+def manifest(directory, names=None, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """name -> SHA-256 of ``names`` (default: every file below ``directory`` but ``skip``)."""
+    directory = Path(directory)
+    paths = files_under(directory, skip) if names is None else {n: directory / n for n in names}
+    return {name: sha256_file(paths[name]) for name in sorted(paths)}
+
+
+SEAL = "seal"
+
+
+def _digest_of(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, allow_nan=True).encode()).hexdigest()
+
+
+def sealed(meta: dict) -> dict:
+    """``meta`` with a ``seal``: the SHA-256 of the rest of it. A manifest vouches for the
+    other files; the seal vouches for the manifest itself, so that a flipped bit anywhere in
+    a metadata file (a step, a validation loss, a checksum) is detected, not believed."""
+    return {**meta, SEAL: _digest_of(meta)}
+
+
+def check_seal(meta: dict, what: str) -> None:
+    if meta.get(SEAL) != _digest_of(meta):
+        raise NanolmError(f"{what} is damaged (its seal does not match its content)")
+
+
+def probe_writable(path) -> None:
+    """Refuse, before anything is written, a run directory that cannot be created or written.
+
+    Walks up to the nearest existing ancestor and creates (then removes) a file there: the
+    only test that also holds for root, read-only mounts and network file systems.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NanolmError(f"--out-dir {path} is a file, not a directory; choose another --out-dir")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NanolmError(f"--out-dir {path}: {existing} is a file, not a directory; choose another --out-dir")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".nanolm-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise NanolmError(f"--out-dir {path}: cannot write in {existing} ({e.strerror or e}); "
+                          f"choose a directory you can write") from None
+
+
+def read_jsonl(path) -> tuple[list, int]:
+    """(the parsed lines of a JSON-lines file, how many lines were damaged).
+
+    A half-written last line (a crash, a live run) is not counted as damage. Lines are
+    read as bytes, so a byte that is not UTF-8 damages one line, not the file.
+    """
+    with open(path, "rb") as f:
+        lines = [line for line in f if line.strip()]
+    rows, damaged = [], 0
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line.decode("utf-8")))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            if i < len(lines) - 1 or line.endswith(b"\n"):
+                damaged += 1
+    return rows, damaged

@@ -1,0 +1,260 @@
+"""The observer: what a run shows of itself, and when.
+
+One component owns every decision about watching a run, so that the training loop makes
+one call per step (:meth:`Observer.observe`) and reads no schedule of its own:
+
+* **when to log**: every ``--log-every`` steps, the first step, every step right after a
+  (re)start, statistics steps, evaluation steps and the last one;
+* **what a logged step shows**: the step meter's figures (loss, LR, gradient norm, clipping,
+  tokens/s, MFU, memory: ``nanolm.watch.meter``), the loss scaler's under fp16, and on statistics
+  steps the per-layer figures, taken by a :class:`GradientWatch` inside the step (the gradients
+  before clipping) and after the update (how far each layer moved);
+* **when to evaluate**: every ``--eval-every`` steps and at the end, on the fixed validation
+  set (``nanolm.evaluate``);
+* **where it goes**: ``metrics.jsonl``, the terminal, wandb/TensorBoard (``nanolm.watch.sinks``).
+
+Reading numbers from the device costs a synchronisation, so the observer reads once per
+logged step and never on the others (unless the guard already read them).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..errors import NanolmError
+from ..evaluate import estimate_loss
+from ..precision import grad_subnormal_fraction, grad_zero_fraction
+from ..step import wsd_decay_start
+from .meter import StepMeter
+from .reference import BandWatch, no_reference_line, setup_digest
+from .sinks import Monitor, parse_sinks, perplexity
+from .stats import LayerStats
+
+
+def is_stats_step(step: int, every: int) -> bool:
+    """Per-layer statistics after step 1 (the first update is telling) and every ``every``."""
+    return every > 0 and (step == 1 or step % every == 0)
+
+
+class GradientWatch:
+    """What the observer reads of one step's gradients, after unscaling and before clipping
+    (:func:`nanolm.step.train_step` asks :meth:`Observer.gradient_watch` for one and calls
+    :meth:`capture` there): fp16's share of exact
+    zeros (underflow) on logged steps, the per-layer figures on statistics steps."""
+
+    def __init__(self, model, layer_stats: LayerStats | None, underflow: bool, scaler=None):
+        self.model, self.layer_stats, self.underflow, self.scaler = model, layer_stats, underflow, scaler
+        self.figures: dict = {}
+
+    def capture(self) -> None:
+        if self.underflow:  # device tensors, read after the update: the step itself waits for nothing
+            self.figures["grad_zero_frac"] = grad_zero_fraction(self.model.parameters())
+            scale = self.scaler.loss_scale if self.scaler is not None else 1.0  # the scale backward ran at
+            self.figures["grad_subnormal_frac"] = grad_subnormal_fraction(self.model.parameters(), scale)
+        if self.layer_stats is not None:
+            self.layer_stats.capture()
+
+    def after_update(self) -> dict:
+        tensors = [k for k, v in self.figures.items() if torch.is_tensor(v)]
+        figures = dict(self.figures)
+        if tensors:  # one read for all of them
+            figures.update(zip(tensors, torch.stack([self.figures[k].float() for k in tensors]).tolist()))
+        return {**figures, **(self.layer_stats.after_update() if self.layer_stats is not None else {})}
+
+
+class Observer:
+    """Logs, per-layer statistics, evaluation: when each is due and what it records.
+
+    Rank 0 writes (``metrics.jsonl``, the terminal, the sinks); every rank evaluates its
+    share of the validation set. ``state_dict()`` holds what a resume continues: the count
+    of clipped steps and the training time so far.
+    """
+
+    def __init__(self, *, cfg, dist, out_dir: Path, model, precision, scaler, progress, val_batches: list,
+                 token_bytes: torch.Tensor, floor: dict | None, tokens_per_step: int,
+                 peak: tuple[float | None, str], loss_read_every_step: bool, log=print, optimizer=None,
+                 setup: dict | None = None, reference=None):
+        t = cfg.train
+        self.setup, self.reference = setup, reference  # the run's setup, and the shipped reference it matches (or None)
+        self.band = BandWatch(reference) if reference is not None else None
+        self.optimizer = optimizer
+        self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
+        self.progress, self.val_batches, self.token_bytes, self.floor = progress, val_batches, token_bytes, floor
+        self.tokens_per_step, self.log, self.out_dir = tokens_per_step, log, out_dir
+        # one device's peak FLOP/s and where the figure comes from (``nanolm.machine.hardware.peak_flops``); MFU
+        # is measured against every rank's together
+        (self.device_peak, self.peak_source), self.cfg = peak, cfg
+        self.peak = self.device_peak * dist.world_size if self.device_peak else None
+        self.loss_read_every_step = loss_read_every_step  # the guard's (``nanolm.watch.guards.reads_every_step``)
+        self.monitor, self.meter, self.resumed = None, None, {}
+        self.restarted_at = 0
+
+    def describe_mfu(self) -> str:
+        """What MFU is measured against, said once at start."""
+        peak = f"{self.device_peak / 1e12:.3g} TFLOP/s" if self.device_peak else "no peak"
+        return f"MFU: {self.model.flops_per_token() / 1e6:.2f} MFLOP per token, against {peak} ({self.peak_source})"
+
+    # ---------------------------------------------------------------- the run's start
+    def start(self) -> None:
+        """Open the logs where the run stands (a resumed run's ``metrics.jsonl`` is cut back to
+        its checkpoint's step), start the clocks, and for a new run record the untrained
+        model's evaluation as its step-0 row."""
+        t, step = self.t, self.progress.step
+        if self.dist.is_main:
+            self.monitor = Monitor(self.out_dir, t.steps, parse_sinks(t.log), self.cfg.to_dict(), self.log, t.progress,
+                                   resume_step=step if step else None)
+        self.meter = StepMeter(t.steps, self.tokens_per_step, self.model.flops_per_token(), self.peak,
+                               self.cfg.optim.clip, self.dist.device, start_step=step,
+                               clipped_steps=self.resumed.get("clipped_steps", 0),
+                               elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=self.loss_read_every_step)
+        self.restarted_at = step
+        self.announce_reference()
+        if step == 0:
+            row = {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(), **self.meter.constants(),
+                   **self.recipe(), **self.reference_keys()}
+            self.record(self.evaluate(0, row) if t.eval_at_start else row)
+        self.meter.lap(step)
+
+    def announce_reference(self) -> None:
+        """One line: the shipped reference this run is recognised as (its evaluations are then
+        judged against its band), or that there is none for this setup (and nothing is judged)."""
+        if self.setup is None:
+            return
+        if self.reference is None:
+            self.log(no_reference_line(self.setup))
+            return
+        self.log(f"reference: this is {self.reference.describe()}; each evaluation says whether the validation "
+                 f"loss is inside its band")
+        if self.monitor is not None:
+            self.band.resume(self.monitor.metrics.rows)  # a resumed run: since when it is outside, from its rows
+
+    def reference_keys(self) -> dict:
+        """The step-0 row's record of the setup (its digest) and the reference it matched."""
+        if self.setup is None:
+            return {}
+        keys = {"setup_digest": setup_digest(self.setup),
+                **{k: v for k, v in self.setup["run"].items() if k != "val_windows"}}
+        if self.reference is not None:
+            keys["reference"] = self.reference.name
+        return keys
+
+    def recipe(self) -> dict:
+        """The optimizer's settings, recorded once in the step-0 row: a reader of the logs (and
+        ``nanolm diagnose``) can tell a run without clipping or LR decay from the numbers alone."""
+        o = self.cfg.optim
+        recipe = {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup, "beta1": o.beta1, "beta2": o.beta2,
+                  "weight_decay": o.weight_decay, "clip": o.clip, "optimizer": o.optimizer, "schedule": o.schedule}
+        if o.schedule == "wsd":  # the peak until decay_start_step by design, then a line to min_lr at decay_end_step
+            recipe["decay_start_step"] = wsd_decay_start(o.warmup, self.cfg.train.steps, o.decay_fraction) + 1
+            recipe["decay_end_step"] = self.cfg.train.steps + 1
+        if o.optimizer == "muon":
+            recipe.update(muon_lr=o.muon_lr, muon_momentum=o.muon_momentum)
+        if self.optimizer is not None:  # what the optimizer really decays, not what the options say
+            embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
+            recipe["decayed_norms_biases_embeddings"] = sum(
+                1 for group in self.optimizer.param_groups if group.get("weight_decay", 0) > 0
+                for p in group["params"] if p.dim() < 2 or id(p) in embeddings)
+        return recipe
+
+    # ---------------------------------------------------------------- one step
+    def logs(self, step: int) -> bool:
+        t = self.t
+        return (step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps or step == 1
+                or is_stats_step(step, t.stats_every) or step - self.restarted_at <= 3)  # a (re)start: all shown
+
+    def gradient_watch(self, step: int, micro_batches) -> GradientWatch | None:
+        """The watch on this step's gradients, or None when nothing is to be read of them.
+        Per-layer figures are read on rank 0's own model; under FSDP no rank holds whole layers."""
+        stats = (LayerStats(self.model, micro_batches[0], self.precision.autocast)
+                 if is_stats_step(step, self.t.stats_every) and self.dist.is_main and not self.dist.sharded else None)
+        underflow = self.logs(step) and self.precision.name == "fp16"
+        return GradientWatch(self.model, stats, underflow, self.scaler) if stats is not None or underflow else None
+
+    def observe(self, result) -> dict:
+        """After a step that stands: count it; on a logged step, read its figures (one host
+        sync), evaluate when due, and record the row. Returns the row ({} when not logged)."""
+        step = result.step
+        if result.updated:
+            self.meter.count_clipped(result.grad_norm)
+        if not self.logs(step):
+            return {}
+        row = self.meter.row(step, result.loss, result.lr, result.grad_norm)  # the one host sync of a logged step
+        row["tokens"] = self.progress.tokens_seen
+        if self.dist.device.type == "cpu":
+            row["threads"] = torch.get_num_threads()  # --threads auto may change it mid-run
+        row.update(self.scaler.metrics())
+        if result.watch is not None:
+            row.update(result.watch.after_update())
+        if not (self.loss_read_every_step or self.scaler.enabled or math.isfinite(row["loss"])):
+            self.record(row)  # a guard that reads no step sees the loss only here (fp16: the scaler's to skip)
+            raise NanolmError(f"the loss became {row['loss']} at step {row['step']}; lower --lr or raise --warmup")
+        if step % self.t.eval_every == 0 or step == self.t.steps:
+            row = self.evaluate(step, row)
+        self.record(row)
+        self.meter.lap(step)
+        return row
+
+    def evaluate(self, step: int, row: dict) -> dict:
+        """The validation loss and bits per byte, on every rank's share of the fixed set."""
+        if not self.val_batches:
+            return row
+        with self.precision.autocast():
+            result = estimate_loss(self.model, self.dist.share_of(self.val_batches), self.token_bytes,
+                                   self.dist.device, reduce=self.dist.sum_tensors if self.dist.active else None)
+        self.dist.reshard(self.model)
+        row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
+        if self.floor:
+            row.update(floor_bpb=self.floor["bpb"], floor_loss=self.floor["nats_per_token"])
+        if self.band is not None:
+            row.update(self.band.update(step, result["loss"]))
+        self.progress.evaluated(result["loss"], result["bpb"])
+        return row
+
+    def target_reached(self, row: dict) -> bool:
+        """``--target-val-bpb``: this evaluation is at or below it (every rank sees the same row)."""
+        reached = 0 < self.t.target_val_bpb and row.get("val_bpb", math.inf) <= self.t.target_val_bpb
+        if reached:
+            self.log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {self.t.target_val_bpb} at step "
+                     f"{row['step']}: done")
+        return reached
+
+    def record(self, row: dict) -> None:
+        if self.monitor is not None:
+            self.monitor.record(row)
+
+    def write(self, line: str) -> None:
+        """A line for the person watching (above the progress bar, if there is one)."""
+        (self.monitor.write if self.monitor is not None else self.log)(line)
+
+    # ---------------------------------------------------------------- rollbacks, checkpoints, the end
+    def rewound(self, step: int) -> None:
+        """After a rollback to ``step``: its rows after the checkpoint describe a discarded
+        trajectory and go; the next steps are all shown, like after a resume."""
+        if self.monitor is not None:
+            self.monitor.rewind(step)
+            if self.band is not None:
+                self.band.resume(self.monitor.metrics.rows)
+        self.meter.lap(step)
+        self.restarted_at = step
+
+    def state_dict(self) -> dict:
+        return {"clipped_steps": int(self.meter.clipped_steps), "elapsed_s": self.meter.elapsed()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resume continues both figures (from :meth:`start`); after a rollback the count of
+        clipped steps is the checkpoint's, while the clock keeps running (the discarded steps
+        took real time)."""
+        if self.meter is None:
+            self.resumed = {"clipped_steps": int(state["clipped_steps"]), "elapsed_s": float(state["elapsed_s"])}
+        else:
+            self.meter.set_clipped_steps(int(state["clipped_steps"]))
+
+    def elapsed(self) -> float:
+        return self.meter.elapsed() if self.meter is not None else self.resumed.get("elapsed_s", 0.0)
+
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()

@@ -1,0 +1,331 @@
+"""Reference curves: is this run normal?
+
+A loss curve on its own answers nothing: "is 1.47 at step 1,000 good?" depends on the data,
+the model, the recipe and luck. What answers it is the same recipe trained with several
+seeds: where those runs went, step by step, is the *band* a healthy run of that recipe stays
+in, and a run that leaves it has something that differs from the recipe (a setting, the
+data, or a bug) rather than bad luck.
+
+nanolm ships bands for its own recipes (``nanolm/watch/references/*.json``, one file per recipe and
+number format, each with the command and the machine that measured it; ``python
+tools/reference_bands.py`` regenerates them). A run is *recognised* when everything that
+shapes its training equals a reference's: the configuration (without the seed, where it
+writes, what it logs and how many threads it uses), the prepared data (byte for byte: the
+digest of its manifest) and the number format. A run that is not recognised is told so once
+and judged by nothing: a band measured on another setup would raise false alarms.
+
+**The band.** At each logged step and for each number (training loss, learning rate,
+gradient norm, share of clipped steps, validation loss and bits per byte, each group's
+update/weight ratio), the seeds' lowest and highest values, widened on both sides by three
+times their spread (and by at least a small share of the value: some numbers agree across
+seeds to four digits). Five seeds' extremes alone would leave a sixth seed outside at one
+point in three, and five seeds' spread is itself a rough estimate (a seed that lands far
+from the others is common enough), so the widening is generous; how generous was chosen
+by cross-validating healthy seeds (docs/benchmarks.md has the measurement).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+REFERENCE_DIR = Path(__file__).resolve().parent / "references"
+FORMAT = 1
+
+NOT_COUNTED = {
+    # what does not change the numbers a run trains through: the seed (the band is over seeds),
+    # where it writes and reads from (the data itself is counted, by its digest), what it logs
+    # and when, how fast it runs, and when it stops early
+    "train": {"seed", "out_dir", "log", "log_every", "stats_every", "progress", "threads", "process_tuning", "resume",
+              "keep", "ckpt_every", "eval_every", "eval_at_start", "sample_tokens", "peak_flops", "target_val_bpb",
+              "device", "deterministic", "tf32", "dist", "eval_batches",  # eval_batches: as run.val_windows
+              "precision"},  # as run.precision, what it resolved to: "auto" and "fp32" are one format on such a CPU
+    "data": {"data"},
+    "model": {"loss_chunk"},  # how the head and loss are computed, not what
+}
+SECTIONS_NOT_COUNTED = ("guard", "debug")  # the guard acts only on trouble; debug switches are bugs, which bands exist to catch
+
+TRAIN_METRICS = ("loss", "lr", "grad_norm", "clipped_frac")
+EVAL_METRICS = ("val_loss", "val_bpb")
+GROUP_METRICS = ("update_ratio/",)  # one band per group of layers
+
+# the least half-width a band gets, relative to the value (the learning rate is a function of
+# the step: any difference is a different schedule), and absolute for shares in [0, 1]
+RELATIVE_FLOOR = {"lr": 1e-6, "loss": 0.005, "val_loss": 0.002, "val_bpb": 0.002, "grad_norm": 0.02}
+ABSOLUTE_FLOOR = {"clipped_frac": 0.1}  # a running share of clipped steps moves by 1/step per clipped step
+WIDEN = 3.0  # the seeds' extremes are widened on each side by this many times their spread
+GROUP_RELATIVE_FLOOR = 0.02
+
+
+def banded(key: str) -> bool:
+    return key in TRAIN_METRICS or key in EVAL_METRICS or key.startswith(GROUP_METRICS)
+
+
+def setup_of(cfg, data_digest: str, precision: str, device_type: str, world_size: int) -> dict:
+    """What a run's training depends on, as one plain dict: equal dicts train alike up to the seed.
+    The validation set counts by its size in windows (``--eval-batches`` counts batches)."""
+    setup = {}
+    for section, options in cfg.to_dict().items():
+        if section in SECTIONS_NOT_COUNTED:
+            continue
+        skip = NOT_COUNTED.get(section, set())
+        setup[section] = {k: v for k, v in options.items() if k not in skip}
+    t = cfg.train
+    setup["run"] = {"data_digest": data_digest, "precision": precision, "device_type": device_type,
+                    "world_size": world_size, "val_windows": t.eval_batches * t.batch_size * world_size}
+    return setup
+
+
+def setup_digest(setup: dict) -> str:
+    return hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    """The options in which two setups differ, as ``section.option``."""
+    return sorted(f"{s}.{k}" for s in set(a) | set(b) for k in set(a.get(s, {})) | set(b.get(s, {}))
+                  if a.get(s, {}).get(k) != b.get(s, {}).get(k))
+
+
+@dataclass
+class Band:
+    """One number's band: at each step of ``steps``, healthy runs lay in ``[lo, hi]``; ``mid``
+    is the seeds' median."""
+
+    steps: list[int]
+    lo: list[float]
+    mid: list[float]
+    hi: list[float]
+
+    def at(self, step: int) -> tuple[float, float] | None:
+        try:
+            i = self.steps.index(step)
+        except ValueError:
+            return None
+        return self.lo[i], self.hi[i]
+
+    def side(self, step: int, value: float) -> int | None:
+        """-1 below the band, 0 inside, +1 above, None where the band has no value at this step."""
+        bounds = self.at(step)
+        if bounds is None or value is None:
+            return None
+        lo, hi = bounds
+        if not math.isfinite(value):
+            return 1
+        return -1 if value < lo else 1 if value > hi else 0
+
+
+def band_from_seeds(key: str, per_seed: list[dict[int, float]]) -> Band | None:
+    """The band of one number from each seed's ``{step: value}``: at each step all seeds
+    logged, their extremes widened by their spread (at least the number's floor)."""
+    steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
+    steps = [s for s in steps if all(math.isfinite(run[s]) for run in per_seed)]
+    if len(per_seed) < 2 or not steps:
+        return None
+    lo, mid, hi = [], [], []
+    for step in steps:
+        values = sorted(run[step] for run in per_seed)
+        median = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        spread = values[-1] - values[0]
+        floor = (GROUP_RELATIVE_FLOOR if key.startswith(GROUP_METRICS) else RELATIVE_FLOOR.get(key, 0.0)) * abs(median)
+        widen = max(WIDEN * spread, floor, ABSOLUTE_FLOOR.get(key, 0.0))
+        lo.append(_round(values[0] - widen))
+        mid.append(_round(median))
+        hi.append(_round(values[-1] + widen))
+    return Band(steps, lo, mid, hi)
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.9g}")
+
+
+def bands_from_runs(runs: list[list[dict]]) -> dict[str, Band]:
+    """Every banded number's band, from each seed's metrics rows."""
+    keys = sorted({k for rows in runs for row in rows for k in row if banded(k)})
+    bands = {}
+    for key in keys:
+        per_seed = [{r["step"]: float(r[key]) for r in rows if isinstance(r.get(key), (int, float))} for rows in runs]
+        band = band_from_seeds(key, per_seed)
+        if band is not None:
+            bands[key] = band
+    return bands
+
+
+@dataclass
+class Reference:
+    """A recipe's band, as shipped: which setup it is for, how it was measured, the bands."""
+
+    name: str
+    title: str
+    command: str
+    precision: str
+    seeds: list[int]
+    machine: str
+    date: str
+    torch: str
+    setup: dict
+    bands: dict[str, Band]
+    regenerate: str = ""  # the command that measures this band again
+
+    @property
+    def digest(self) -> str:
+        return setup_digest(self.setup)
+
+    def describe(self) -> str:
+        return (f"{self.title} ({self.precision}, {len(self.seeds)} seeds, measured {self.date} on {self.machine})")
+
+    def to_json(self) -> dict:
+        out = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "bands"}}
+        out["bands"] = {k: dataclasses.asdict(b) for k, b in sorted(self.bands.items())}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Reference":
+        if data.get("format") != FORMAT:
+            raise ValueError(f"reference format {data.get('format')!r}, expected {FORMAT}")
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "bands" and f.name in data}  # regenerate may be absent
+        return cls(**fields, bands={k: Band(**b) for k, b in data["bands"].items()})
+
+
+def shipped_references(directory=None) -> tuple[Reference, ...]:
+    """The references in ``directory`` (default: the package's own, ``REFERENCE_DIR``)."""
+    return _read_references(str(directory or REFERENCE_DIR))
+
+
+@lru_cache(maxsize=None)
+def _read_references(directory: str) -> tuple[Reference, ...]:
+    return tuple(Reference.from_json(json.loads(path.read_text(encoding="utf-8")))
+                 for path in sorted(Path(directory).glob("*.json")))
+
+
+def find_reference(setup: dict, references=None) -> Reference | None:
+    """The reference whose setup is ``setup`` (default: among the shipped ones), or None."""
+    return reference_for_digest(setup_digest(setup), references)
+
+
+def reference_for_digest(digest: str | None, references=None) -> Reference | None:
+    """The reference of a run that recorded ``digest`` (its step-0 row's ``setup_digest``)."""
+    refs = shipped_references() if references is None else references
+    return next((ref for ref in refs if ref.digest == digest), None) if digest else None
+
+
+def closest_reference(setup: dict, references=None) -> tuple[Reference, list[str]] | None:
+    """The shipped reference on the same data and number format that differs from ``setup`` in
+    the fewest options (at most three), and those options: "my numbers differ from the
+    README's" is most often one changed flag."""
+    run = setup["run"]
+    candidates = []
+    for ref in shipped_references() if references is None else references:
+        if ref.setup["run"] != run:
+            continue
+        diff = differences(ref.setup, setup)
+        if len(diff) <= 3:
+            candidates.append((len(diff), ref.name, ref, diff))
+    if not candidates:
+        return None
+    _, _, ref, diff = min(candidates, key=lambda c: c[:2])
+    return ref, diff
+
+
+def no_reference_line(setup: dict, references=None) -> str:
+    near = closest_reference(setup, references)
+    line = "reference: none for this setup (nanolm ships reference curves for its own recipes); no band is checked"
+    if near is not None:
+        ref, diff = near
+        line += f"; the closest, {ref.title} ({ref.precision}), differs in {', '.join(diff)}"
+    return line
+
+
+@dataclass
+class Departure:
+    """A number outside its band: from ``step`` (where it left) to ``until`` (the last step seen outside)."""
+
+    key: str
+    step: int
+    value: float
+    lo: float
+    hi: float
+    side: int
+    until: int
+
+    def describe(self) -> str:
+        where = "above" if self.side > 0 else "below"
+        return (f"{self.key} {where} its band from step {self.step} ({self.value:.4g} against "
+                f"{self.lo:.4g}..{self.hi:.4g})")
+
+
+# a training number must stay outside for this many logged steps in a row to count: one noisy
+# batch is not a departure; an evaluation (the same fixed set every time) counts at once
+PERSISTENCE = 2
+
+
+def departures(reference: Reference, rows: list[dict]) -> list[Departure]:
+    """Each banded number's first lasting departure from ``reference`` in a run's rows, earliest first."""
+    found = []
+    for key, band in reference.bands.items():
+        need = 1 if key in EVAL_METRICS or key == "lr" else PERSISTENCE
+        streak: list[tuple[int, float, int]] = []
+        for row in rows:
+            value = row.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            side = band.side(row["step"], float(value))
+            if side is None:
+                continue
+            if side != 0 and (not streak or streak[-1][2] == side):
+                streak.append((row["step"], float(value), side))
+            else:
+                if len(streak) >= need:
+                    break
+                streak = [(row["step"], float(value), side)] if side != 0 else []
+        if len(streak) >= need:
+            step, value, side = streak[0]
+            lo, hi = band.at(step)
+            found.append(Departure(key, step, value, lo, hi, side, streak[-1][0]))
+    return sorted(found, key=lambda d: (d.step, d.key not in EVAL_METRICS, d.key))
+
+
+class BandWatch:
+    """What the evaluation line says of the validation loss against a recognised run's band:
+    inside it, or above or below it since which evaluation. The state is rebuilt from the
+    rows already in ``metrics.jsonl`` when a run resumes."""
+
+    KEY = "val_loss"
+
+    def __init__(self, reference: Reference):
+        self.reference, self.band = reference, reference.bands.get(self.KEY)
+        self.side, self.since = 0, None
+
+    def resume(self, rows: list[dict]) -> None:
+        self.side, self.since = 0, None
+        for row in rows:
+            if self.KEY in row:
+                self.update(row["step"], row[self.KEY])
+
+    def update(self, step: int, value: float) -> dict:
+        """The row's band keys for this evaluation ({} where the band has no value at this step)."""
+        side = self.band.side(step, value) if self.band is not None else None
+        if side is None:
+            return {}
+        if side != self.side:
+            self.side, self.since = side, (step if side != 0 else None)
+        lo, hi = self.band.at(step)
+        out = {"val_band_lo": lo, "val_band_hi": hi, "val_band_side": side}
+        if self.since is not None:
+            out["val_band_since"] = self.since
+        return out
+
+
+def format_band(row: dict) -> str:
+    """The evaluation line's verdict: `` | band 0.27..0.29 inside`` or ``... above since step 200``."""
+    if "val_band_side" not in row:
+        return ""
+    text = f" | band {row['val_band_lo']:.4f}..{row['val_band_hi']:.4f} "
+    side = row["val_band_side"]
+    if side == 0:
+        return text + "inside"
+    return text + f"{'above' if side > 0 else 'below'} since step {row['val_band_since']}"

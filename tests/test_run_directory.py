@@ -1,0 +1,346 @@
+"""Running the same command again continues the run, whenever and however it stopped.
+
+Each test puts a run directory in a state a real failure leaves (killed mid-run, before the
+first checkpoint, after the last checkpoint, a full disk during a save) and checks that the
+same command, run again, ends bit-identical to a run that was never interrupted, writes
+nothing over a finished run, and deletes nothing a user made.
+"""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+from safetensors.torch import load_file
+
+import nanolm.checkpoint as ckpt
+from nanolm.checkpoint import list_checkpoints
+from nanolm.instruments.cli import main
+from nanolm.run.final import read_final
+from nanolm.run.lock import LOCK_FILE
+from nanolm.watch.sinks import read_metrics
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
+        "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--log-every", "1",
+        "--steps", "6", "--eval-every", "2", "--threads", "1"]
+
+
+def _command(data, *extra):
+    return ["train", "--data", str(data), *TINY, *map(str, extra)]
+
+
+def _weights(run_dir):
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _same_weights(a, b):
+    wa, wb = _weights(a), _weights(b)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _files(run_dir):
+    """The run's files; not the lock file, which only names the process writing there now (a
+    ``kill -9`` leaves it behind, and the next command to take the lock removes it)."""
+    return {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != LOCK_FILE}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, stories_file):
+    """The same command, never interrupted."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    return out
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_the_same_command_without_out_dir_continues_its_run_in_the_same_directory(tmp_path, stories_file, straight):
+    killed = run_cli(*_command(stories_file, "--ckpt-every", 2, "--debug-kill-after-checkpoint", 4), cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL
+    rerun = run_cli(*_command(stories_file, "--ckpt-every", 2), cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    run = tmp_path / "runs" / stories_file.stem
+    assert f"resumed from {os.path.join('runs', stories_file.stem, 'checkpoints', 'step_000004')}" in rerun.stdout
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [stories_file.stem]  # no runs/<name>-2
+    assert _same_weights(run, straight)
+
+
+def test_a_different_run_without_out_dir_goes_to_the_next_numbered_directory_and_says_so(
+        tmp_path, stories_file, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(_command(stories_file)) == 0
+    capsys.readouterr()
+    assert main(_command(stories_file, "--n-embd", 64)) == 0
+    out = capsys.readouterr().out
+    name = stories_file.stem
+    assert f"holds a different run (n_embd: 32 -> 64); this one is {os.path.join('runs', name + '-2')}" in out
+    assert main(_command(stories_file, "--n-embd", 64)) == 0  # and that command finds its own run again
+    assert "finished at step 6 of 6; nothing to do" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [name, f"{name}-2"]
+
+
+def test_a_finished_run_is_not_trained_over(straight, stories_file, capsys):
+    before = _files(straight)
+    assert main(_command(stories_file, "--out-dir", straight)) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert main(_command(stories_file, "--out-dir", straight, "--resume", "never")) == 2
+    assert "--resume never does not train over it" in _one_error_line(capsys)
+    assert _files(straight) == before
+
+
+def test_a_run_stopped_before_its_first_checkpoint_restarts_on_rerun_and_keeps_the_users_files(
+        tmp_path, stories_file, straight, capsys, monkeypatch):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.md").write_text("my notes")
+
+    def disk_full(obj, path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    with monkeypatch.context() as m:  # the first save fails: the directory holds a run but no checkpoint
+        m.setattr(ckpt, "save_torch", disk_full)
+        assert main(_command(stories_file, "--out-dir", out)) == 2
+    line = _one_error_line(capsys)
+    assert "could not save the checkpoint of step 2" in line and "No space left on device" in line
+    assert list_checkpoints(out) == [] and (out / "config.toml").is_file()
+    assert main(_command(stories_file, "--out-dir", out)) == 0  # the same command, once there is room
+    assert "stopped before its first checkpoint was saved; starting it again from step 0" in capsys.readouterr().out
+    assert _same_weights(out, straight)
+    assert (out / "notes.md").read_text() == "my notes"
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    assert steps == sorted(set(steps)) and steps[0] == 0  # the abandoned attempt's rows are gone
+
+
+def test_a_full_disk_during_a_later_save_is_one_line_and_the_rerun_resumes_exactly(
+        tmp_path, stories_file, straight, capsys, monkeypatch):
+    out = tmp_path / "run"
+    real = ckpt.save_torch
+
+    def full_at_step_4(obj, path):
+        if obj.get("step") == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(obj, path)
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "save_torch", full_at_step_4)
+        assert main(_command(stories_file, "--out-dir", out)) == 2
+    line = _one_error_line(capsys)
+    assert "step 4" in line and "the previous checkpoint is intact" in line
+    assert [s for s, _ in list_checkpoints(out)] == [2]
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert _same_weights(out, straight)
+
+
+def test_killed_after_the_last_checkpoint_the_rerun_writes_the_final_weights(tmp_path, stories_file, straight, capsys):
+    out = tmp_path / "run"
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    (out / "final.json").unlink()  # as if killed between the last checkpoint and the final weights
+    (out / "model.safetensors").unlink()
+    capsys.readouterr()
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    assert "nothing to do" not in capsys.readouterr().out
+    assert read_final(out)["step"] == 6 and _same_weights(out, straight)
+
+
+def test_killed_while_writing_the_final_weights_the_rerun_writes_them_again(tmp_path, stories_file, straight):
+    out = tmp_path / "run"
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    (out / "final.json").unlink()
+    (out / "model.safetensors").write_bytes(b"half a file")
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    assert read_final(out) is not None and _same_weights(out, straight)
+
+
+def test_continuing_a_finished_run_clears_its_claim_of_being_finished(tmp_path, stories_file, capsys, monkeypatch):
+    """While a run trains on past its old end, its old final weights must not pass for the new ones."""
+    out = tmp_path / "run"
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    seen = []
+    real = ckpt.save_checkpoint
+
+    def watch(run_dir, step, *a, **k):
+        seen.append((out / "final.json").exists())
+        return real(run_dir, step, *a, **k)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", watch)
+    assert main(_command(stories_file, "--out-dir", out, "--steps", 8)) == 0
+    assert seen and not any(seen) and read_final(out)["step"] == 8
+
+
+def test_an_out_dir_that_is_a_file_is_one_line_and_left_alone(tmp_path, stories_file, capsys):
+    target = tmp_path / "results.txt"
+    target.write_text("not a directory")
+    assert main(_command(stories_file, "--out-dir", target)) == 2
+    assert "is a file, not a directory" in _one_error_line(capsys)
+    assert target.read_text() == "not a directory"
+
+
+def test_a_directory_that_cannot_be_written_is_one_line_before_anything_is_written(tmp_path, stories_file, capsys,
+                                                                                    monkeypatch):
+    import tempfile
+
+    real = tempfile.mkstemp
+
+    def read_only(*a, dir=None, **k):
+        if str(dir).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        return real(*a, dir=dir, **k)
+
+    (tmp_path / "ro").mkdir()
+    monkeypatch.setattr("nanolm.run.files.tempfile.mkstemp", read_only)
+    assert main(_command(stories_file, "--out-dir", tmp_path / "ro" / "run")) == 2
+    assert "Read-only file system" in _one_error_line(capsys)
+    assert list((tmp_path / "ro").iterdir()) == []
+
+
+def _unwritable_directory():
+    import tempfile
+
+    for candidate in ("/sys", "/proc"):
+        try:
+            fd, probe = tempfile.mkstemp(dir=candidate)
+        except OSError:
+            return candidate
+        os.close(fd)
+        os.unlink(probe)
+    return None
+
+
+def test_a_directory_the_user_may_not_write_is_one_line(stories_file, capsys):
+    forbidden = _unwritable_directory()
+    if forbidden is None:
+        pytest.skip("no system directory here that refuses writes")
+    assert main(_command(stories_file, "--out-dir", f"{forbidden}/nanolm-run")) == 2
+    assert f"cannot write in {forbidden}" in _one_error_line(capsys)
+
+
+def test_damaged_run_data_is_prepared_again_and_the_resume_stays_exact(tmp_path, stories_file, straight, capsys):
+    out = tmp_path / "run"
+    killed = run_cli(*_command(stories_file, "--out-dir", out, "--ckpt-every", 2, "--debug-kill-after-checkpoint", 4))
+    assert killed.returncode == -signal.SIGKILL
+    train_bin = out / "data" / "train.bin"
+    damaged = bytearray(train_bin.read_bytes())
+    damaged[100] ^= 0x01  # a token id changed, still inside the vocabulary
+    train_bin.write_bytes(bytes(damaged))
+    assert main(_command(stories_file, "--out-dir", out, "--ckpt-every", 2)) == 0
+    log = capsys.readouterr().out
+    assert "train.bin is corrupt" in log and "preparing the run's data again" in log
+    assert _same_weights(out, straight)
+
+
+def test_damaged_run_data_whose_source_changed_stops_the_resume(tmp_path, stories_file, capsys):
+    source = tmp_path / "stories.txt"
+    source.write_bytes(stories_file.read_bytes())
+    out = tmp_path / "run"
+    killed = run_cli(*_command(source, "--out-dir", out, "--ckpt-every", 2, "--debug-kill-after-checkpoint", 4))
+    assert killed.returncode == -signal.SIGKILL
+    (out / "data" / "val.bin").write_bytes(b"\x00\x01")
+    source.write_text(source.read_text().replace("cat", "dog"))
+    before = _files(out)
+    assert main(_command(source, "--out-dir", out, "--ckpt-every", 2)) == 2
+    assert "no longer gives the data the run was trained on" in _one_error_line(capsys)
+    assert _files(out) == before
+
+
+# ------------------------------------------------------------------ what a run's numbers may not depend on
+def test_the_built_in_corpus_and_its_validation_set_are_the_same_whatever_the_seed(tmp_path):
+    """``--seed`` changes initialisation, data order and sampling; never the data. Were the
+    built-in corpus drawn from the run's seed, two seeds would be scored on different
+    validation sets and their curves could not be compared."""
+    runs = {}
+    for seed in (1, 2):
+        out = tmp_path / f"seed{seed}"
+        assert main(["train", "--out-dir", str(out), "--stories", "40", "--tokenizer", "char", "--n-layer", "1",
+                     "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "2",
+                     "--sample-tokens", "0", "--steps", "1", "--threads", "1", "--seed", str(seed)]) == 0
+        runs[seed] = {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.suffix in (".bin", ".npy")}
+    assert set(runs[1]) >= {"train.bin", "val.bin"} and runs[1] == runs[2]
+
+
+def test_every_option_outside_the_documented_set_is_refused_on_resume_with_its_diff_line():
+    """What may change between a run and its resumption is the list docs/checkpoints.md gives
+    (how long, how often, where, the optimizer's knobs...), and the code's
+    ``COMPATIBLE_ON_RESUME`` must be exactly that list; every other option shapes the model or
+    the data stream, and a change would continue the run as a mix of two. Each option is changed
+    alone here, and each outside the list must be refused with its own line."""
+    import dataclasses
+    import re
+
+    from nanolm.run.config import COMPATIBLE_ON_RESUME, HIDDEN_SECTIONS, SECTIONS, RunConfig, resume_differences
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text(encoding="utf-8")
+    paragraph = doc[doc.index("Some settings may change between a run and its resumption"):
+                    doc.index("Every other setting shapes the model")]
+    documented = {flag.replace("-", "_") for flag in re.findall(r"`--([a-z0-9-]+)`", paragraph)}
+    in_code = {name for names in COMPATIBLE_ON_RESUME.values() for name in names}
+    assert in_code == documented - {"batch_size", "grad_accum"}  # those two: while the global batch stays
+
+    def changed(value):
+        if isinstance(value, bool):
+            return not value
+        if isinstance(value, (int, float)):
+            return value + 1
+        return f"{value}-other" if value is not None else "other"
+
+    checked = 0
+    for section in SECTIONS:
+        if section in HIDDEN_SECTIONS:
+            continue
+        for f in dataclasses.fields(SECTIONS[section]):
+            saved, new = RunConfig(), RunConfig()
+            before = getattr(getattr(saved, section), f.name)
+            setattr(getattr(new, section), f.name, changed(before))
+            allowed, refused = resume_differences(saved, new)
+            line = f"{f.name}: "
+            if f.name in COMPATIBLE_ON_RESUME.get(section, set()):
+                assert [a for a in allowed if a.startswith(line)] and not refused, f.name
+            else:
+                assert [r for r in refused if r.startswith(line)] and not allowed, f.name
+                checked += 1
+    assert checked >= 20  # the model's shape, the data, the tokenizer, the seed...
+
+
+@pytest.mark.parametrize("flag", ["--data", "--out-dir", "prepare --out"])
+def test_a_path_that_is_not_utf8_is_refused_in_one_line_before_anything_is_written(flag, tmp_path, stories_file,
+                                                                                    capsys):
+    """A file name with a byte such as 0xE9 (Latin-1's é) is legal on Linux, but config.toml
+    (UTF-8 text) cannot hold it, nor can the tokenizer library open it: one line naming the
+    option, nothing written."""
+    odd = os.fsdecode(bytes(tmp_path) + b"/caf\xe9")
+    if flag == "--data":
+        with open(os.fsencode(odd) + b".txt", "wb") as f:
+            f.write(stories_file.read_bytes())
+        argv = ["train", "--data", odd + ".txt", "--out-dir", str(tmp_path / "run"), "--steps", "1"]
+    elif flag == "--out-dir":
+        argv = ["train", "--data", str(stories_file), "--out-dir", odd, "--steps", "1"]
+    else:
+        argv = ["prepare", "--data", str(stories_file), "--out", odd, "--tokenizer", "char"]
+    before = sorted(os.listdir(os.fsencode(tmp_path)))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "caf\\xe9" in err[0] and "is not valid UTF-8 text" in err[0], err
+    assert err[0].startswith(f"error: {flag.split()[-1]} b'") and "rename it" in err[0]
+    assert sorted(os.listdir(os.fsencode(tmp_path))) == before
+
+
+def test_a_pipe_as_data_is_refused_in_one_line_saying_why(tmp_path, stories_file):
+    """``--data <(cat stories.txt)`` is a pipe: the tokenizer's pass would read it all and the
+    shards' pass nothing, which used to end in "holds no document with text". Say what is wrong."""
+    done = subprocess.run(["bash", "-c", '"$0" -m nanolm train --data <(cat "$1") --out-dir "$2" --steps 1',
+                           sys.executable, str(stories_file), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=120)
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1, done.stderr
+    assert "is a pipe or a device, which can be read only once" in err[0] and "save it to a file first" in err[0]
+    assert not (tmp_path / "run").exists()
