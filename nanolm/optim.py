@@ -1,5 +1,6 @@
-"""The optimizers (AdamW, or Muon for the hidden matrices beside AdamW for the rest) and the
-parameters each one updates. The learning rate each step sets is ``nanolm.step``'s schedule.
+"""The optimizers (AdamW, or Muon for the hidden matrices beside AdamW for the rest; under
+``--precision bf16-pure``, ``nanolm.precision.BF16AdamW``) and the parameters each one updates.
+The learning rate each step sets is ``nanolm.step``'s schedule.
 
 The last part of this file, :class:`GroupedMuon`, is only how Muon is made fast:
 ``torch.optim.Muon``'s update with the matrices of one shape orthogonalised together. PyTorch's
@@ -113,7 +114,7 @@ class MuonWithAdamW:
     cols))) so that its RMS matches a typical AdamW update at the same rate. So ``muon_lr``
     means what ``lr`` means for AdamW, and by default it *is* ``lr``: one rate to sweep. The
     schedule (warmup, then the cosine or WSD) multiplies both alike; ``lr_ratio`` in each group is that
-    group's peak over the AdamW peak (:func:`set_learning_rate`).
+    group's peak over the AdamW peak (:func:`~nanolm.step.set_learning_rate`).
 
     Weight decay is decoupled in both (``w -= lr·wd·w``), on Muon's matrices and AdamW's
     decayed group (no decay on norms, biases, embeddings, as :func:`get_param_groups`).
@@ -247,7 +248,7 @@ class GroupedMuon(_MUON):
     BATCH_ELEMENTS = 2**24
 
     def newton_schulz_dtype(self, device: torch.device) -> torch.dtype:
-        from .precision import cpu_has_native_bf16
+        from .precision import cpu_has_native_bf16  # looked up now: tests play both kinds of CPU by patching it
 
         return torch.float32 if device.type == "cpu" and not cpu_has_native_bf16() else torch.bfloat16
 

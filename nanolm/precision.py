@@ -22,9 +22,8 @@ What each ``--precision`` does:
 * ``fp16`` adds *dynamic loss scaling* (:class:`DynamicLossScaler`): a good share of the
   gradient values in a network's backward pass are smaller than fp16's smallest number
   (Micikevicius et al., "Mixed Precision Training", 2018), and fp16 silently turns them into
-  zeros. Multiplying the loss by s = 2^16 multiplies every gradient
-  by s, lifting them into fp16's range; they are divided by s again, in fp32, before anyone
-  (clipping, AdamW) looks at them.
+  zeros. Multiplying the loss by s = 2^16 multiplies every gradient by s, lifting them into
+  fp16's range; they are divided by s again, in fp32, before clipping and AdamW see them.
 * ``bf16-pure``: the weights themselves are bf16 (half the memory of fp32 weights, no casts).
   Simpler and riskier: an update smaller than half the gap between two bf16 numbers rounds
   away to nothing, every step, so small learning rates (the end of a cosine schedule) stop
@@ -37,8 +36,8 @@ What each ``--precision`` does:
 AVX512-BF16 or AMX); fp16 with loss scaling on a CUDA GPU without bf16 tensor cores (T4, V100:
 their tensor cores are fp16 only, and fp32 runs there at ~1/8 of that rate); fp32 everywhere
 else (MPS, CPUs without native bf16): emulated bf16 is far slower than fp32. On a CPU that has
-it, bf16 reached both speedrun targets sooner than fp32 with the same final loss, which decided
-it (docs/precision.md). docs/gpu.md has the choices per GPU class.
+it, bf16 reached both speedrun targets sooner than fp32 with the same final loss
+(docs/precision.md); docs/gpu.md has the choices per GPU class.
 """
 
 from __future__ import annotations
@@ -103,9 +102,8 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
 
     Called before anything is written, so an impossible combination (bf16 on a GPU without
     bf16, a dtype autocast does not support on this device) stops the run cleanly. PyTorch
-    itself only *warns* and quietly runs in fp32 when autocast cannot use a dtype; that
-    warning is turned into an error here, since a run that silently trains in another
-    precision than asked is exactly what nanolm exists to prevent.
+    itself only *warns* and quietly runs in fp32 when autocast cannot use a dtype; that warning
+    is an error here: a run silently trained in another precision than asked is a silent bug.
     """
     if name not in PRECISIONS:
         raise NanolmError(f"unknown precision {name!r}; use one of {', '.join(PRECISIONS)}")

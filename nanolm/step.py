@@ -167,9 +167,10 @@ def accumulate_gradients(model, micro_batches: list[Batch], count: int | torch.T
 
     ``count`` is a number, a device tensor, or a :class:`~nanolm.distributed.PendingSum`
     whose all-reduce is waited for only before the first backward pass (it runs during the
-    first forward pass). On one process it is a number; under torchrun an int64 device tensor, whose quotient is the same fp32 number as the Python count's on a
-    CPU (on a GPU, PyTorch applies a Python divisor as a product with its reciprocal, which
-    can differ from a true division in the last bit).
+    first forward pass). On one process it is a number; under torchrun an int64 device
+    tensor, whose quotient is the same fp32 number as the Python count's on a CPU (on a GPU,
+    PyTorch applies a Python divisor as a product with its reciprocal, which can differ from
+    a true division in the last bit).
 
     Returns the sum of this process's token losses, detached and unscaled.
     """

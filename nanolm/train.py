@@ -330,7 +330,8 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
     observer = Observer(cfg=cfg, dist=dist, out_dir=out_dir, model=model, precision=precision, scaler=scaler,
                         progress=progress, val_batches=val_batches, token_bytes=torch.from_numpy(tokenizer.token_bytes()),
                         floor=data.meta.get("floor"), tokens_per_step=tokens_per_step, peak=peak,
-                        loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer, setup=setup, reference=find_reference(setup))
+                        loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer,
+                        setup=setup, reference=find_reference(setup))
     guard = Guard(out_dir=out_dir if dist.is_main else None, on_nan=g.on_nan, on_spike=g.on_spike,
                   window=g.spike_window, threshold=g.spike_threshold, max_rollbacks=g.max_rollbacks,
                   rollback_lr_scale=g.rollback_lr_scale, log=observer.write,

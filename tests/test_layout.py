@@ -147,3 +147,21 @@ def test_the_course_names_import_from_nanolm_train_as_the_week_writes_them():
                        ("get_param_groups", get_param_groups)):
         assert getattr(train_module, name) is real, name
     assert callable(train_module.train)
+
+
+def test_no_module_outside_the_instruments_is_over_500_lines_and_no_function_over_90():
+    """A reader finds their way in files of a few hundred lines and functions of a screen or
+    two; the model with its loss may run to ~700 (one concept, the loss its last part)."""
+    import ast
+
+    long_modules, long_functions = [], []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(PACKAGE).as_posix()
+        limit = 700 if name == "model.py" else 500
+        if not name.startswith("instruments/") and len(text.splitlines()) > limit:
+            long_modules.append(f"{name} ({len(text.splitlines())} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 90:
+                long_functions.append(f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long_modules and not long_functions, (long_modules, long_functions)

@@ -34,3 +34,15 @@ def test_every_test_file_the_tool_runs_exists():
     would go unplanted until someone runs it: the list follows the files here, in milliseconds."""
     missing = [t for t in _tool().FAST_TESTS if not (ROOT / "tests" / f"{t}.py").is_file()]
     assert not missing, f"tools/silent_bugs.py's FAST_TESTS names test files that do not exist: {missing}"
+
+
+def test_every_planted_bug_meets_its_concerns_tests_first_and_then_all_the_others():
+    tool = _tool()
+    for bug in tool.BUGS:
+        order = tool.tests_for(bug, list(tool.FAST_TESTS))
+        assert sorted(order) == sorted(tool.FAST_TESTS), bug.name  # nothing left out, nothing twice
+        assert any(bug.file.startswith(prefix) for prefix in tool.CONCERN_TESTS), f"{bug.name}: no concern"
+    concern_files = {t for tests in tool.CONCERN_TESTS.values() for t in tests}
+    assert concern_files <= set(tool.FAST_TESTS), concern_files - set(tool.FAST_TESTS)
+    batches = next(b for b in tool.BUGS if b.file == "nanolm/batches.py")
+    assert tool.tests_for(batches, list(tool.FAST_TESTS))[0] == "test_data"

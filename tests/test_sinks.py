@@ -13,7 +13,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from nanolm.instruments.cli import main
 from nanolm.train import train
-from nanolm.watch import sinks as monitor
+from nanolm.watch import sinks
 from nanolm.watch.sinks import MetricsFile, Terminal, choose_progress, read_metrics
 
 STEP0_KEYS = {"step", "elapsed_s", "n_params", "tokens_per_step", "flops_per_token", "peak_flops",
@@ -131,9 +131,9 @@ class _BrokenOnStart:
 
 
 def test_a_failing_sink_warns_once_and_the_run_continues(tmp_path, stories_file, monkeypatch):
-    monkeypatch.setitem(monitor.SINKS, "tensorboard", _BrokenOnWrite)
-    monkeypatch.setitem(monitor.SINKS, "wandb", _BrokenOnStart)
-    monkeypatch.setattr(monitor, "SINK_PACKAGES", {})
+    monkeypatch.setitem(sinks.SINKS, "tensorboard", _BrokenOnWrite)
+    monkeypatch.setitem(sinks.SINKS, "wandb", _BrokenOnStart)
+    monkeypatch.setattr(sinks, "SINK_PACKAGES", {})
     lines = []
     out = tmp_path / "run"
     train(tiny_run_config(stories_file, out, steps=4, stats_every=2, log="tensorboard,wandb"), log=lines.append)
@@ -148,7 +148,7 @@ def test_a_failing_sink_warns_once_and_the_run_continues(tmp_path, stories_file,
 
 def test_a_sink_that_is_not_installed_is_a_one_line_error_before_anything_is_written(tmp_path, capsys, stories_file,
                                                                                       monkeypatch):
-    monkeypatch.setitem(monitor.SINK_PACKAGES, "tensorboard", "no_such_package_for_nanolm")
+    monkeypatch.setitem(sinks.SINK_PACKAGES, "tensorboard", "no_such_package_for_nanolm")
     out = tmp_path / "run"
     code = main(["train", "--data", str(stories_file), "--out-dir", str(out), "--log", "tensorboard", *TINY_TRAIN])
     err = capsys.readouterr().err.strip().splitlines()
@@ -265,11 +265,11 @@ def test_a_resumed_run_continues_tensorboard_without_duplicates(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    first = monitor.TensorBoardSink(tmp_path, {})
+    first = sinks.TensorBoardSink(tmp_path, {})
     for row in _rows(range(0, 11)):
         first.write(row)
     first.close()
-    resumed = monitor.TensorBoardSink(tmp_path, {}, resume_step=6)
+    resumed = sinks.TensorBoardSink(tmp_path, {}, resume_step=6)
     for row in _rows(range(7, 13)):
         resumed.write(row)
     resumed.close()

@@ -8,6 +8,11 @@ forgotten ``zero_grad``, an LR one step late, ...). For each, it copies the pack
 the bug, runs the tests on the copy and reports which test caught it, or that none did.
 The working tree is never modified.
 
+Each bug meets its concern's test files first (``CONCERN_TESTS``: a bug in the batches meets
+tests/test_data.py before the rest), then the other fast test files, stopping at the first
+failure: the test that names a bug is the one closest to it, and a bug its own concern's tests
+miss is still caught, and reported with the file that caught it, wherever that is.
+
     python tools/silent_bugs.py                     # every bug, the fast test files (~45 min on 2 cores)
     python tools/silent_bugs.py --only lr_one_step_late,missing_zero_grad
     python tools/silent_bugs.py --list
@@ -342,6 +347,45 @@ FAST_TESTS = ("test_model test_fused_loss test_optim test_data test_train test_t
               "test_layout test_platforms test_full_disk test_reference test_compare").split()
 
 
+# where each bug's file belongs, by the start of its path: the test files of that concern, run
+# first (the first prefix that matches; every fast test file still runs after them)
+CONCERN_TESTS = {
+    "nanolm/batches.py": ("test_data", "test_model"),
+    "nanolm/model.py": ("test_model", "test_fused_loss"),
+    "nanolm/step.py": ("test_train", "test_optim"),
+    "nanolm/train.py": ("test_train", "test_layout"),
+    "nanolm/optim.py": ("test_optim",),
+    "nanolm/precision.py": ("test_precision",),
+    "nanolm/evaluate.py": ("test_train", "test_data"),
+    "nanolm/tokenizer.py": ("test_tokenizer",),
+    "nanolm/checkpoint.py": ("test_checkpoint", "test_untrusted_files"),
+    "nanolm/distributed.py": ("test_distributed",),
+    "nanolm/data/": ("test_data", "test_corpus"),
+    "nanolm/run/directory.py": ("test_run_directory", "test_run_lock"),
+    "nanolm/run/lock.py": ("test_run_lock",),
+    "nanolm/run/files.py": ("test_full_disk", "test_untrusted_files", "test_checkpoint"),
+    "nanolm/run/": ("test_checkpoint", "test_cli"),
+    "nanolm/machine/threads.py": ("test_threads",),
+    "nanolm/machine/": ("test_devices", "test_plan"),
+    "nanolm/watch/reference.py": ("test_reference", "test_compare"),
+    "nanolm/watch/guards.py": ("test_guards",),
+    "nanolm/watch/": ("test_stats", "test_sinks", "test_host_reads", "test_platforms"),
+    "nanolm/instruments/compare.py": ("test_compare",),
+    "nanolm/instruments/doctor.py": ("test_doctor",),
+    "nanolm/instruments/replay.py": ("test_replay",),
+    "nanolm/instruments/process.py": ("test_process_tuning",),
+    "nanolm/instruments/": ("test_cli", "test_layout"),
+    "README.md": ("test_layout",),
+}
+
+
+def tests_for(bug: Bug, tests: list[str]) -> list[str]:
+    """``tests`` in the order a bug meets them: its concern's first (those of them in ``tests``)."""
+    concern = next((t for prefix, t in CONCERN_TESTS.items() if bug.file.startswith(prefix)), ())
+    first = [t for t in concern if t in tests]
+    return first + [t for t in tests if t not in first]
+
+
 def plant(copy: Path, bug: Bug) -> str:
     """Write the broken line into the copy; returns the original file text."""
     path = copy / bug.file
@@ -400,7 +444,7 @@ def main() -> int:
         for bug in chosen:
             original = plant(copy, bug)
             try:
-                test, seconds = caught_by(copy, tests, args.timeout)
+                test, seconds = caught_by(copy, tests_for(bug, tests), args.timeout)
             finally:
                 (copy / bug.file).write_text(original)
             results.append({"bug": bug.name, "caught_by": test, "seconds": round(seconds)})

@@ -25,7 +25,7 @@ META_FILE = "meta.json"
 
 
 class PreparedData:
-    """A directory written by :func:`prepare`: ``train.bin``, ``val.bin``, document starts,
+    """A directory written by :func:`~nanolm.data.prepare.prepare`: ``train.bin``, ``val.bin``, document starts,
     ``tokenizer.json`` and ``meta.json``.
 
     Opening one checks it before anything trains on it: ``meta.json`` must parse with the
@@ -145,6 +145,9 @@ def _load_doc_starts(path: Path, n_tokens: int) -> np.ndarray:
 
 
 class SplitWriter:
+    """Appends one split's documents to its ``.bin``, each after an EOS, and records where each
+    starts and the largest id written."""
+
     def __init__(self, path: Path, dtype):
         self.path = path
         self.f = open(path, "wb")

@@ -3,9 +3,9 @@
 ``nanolm/`` holds the concepts a student reads to learn training (the loop, the step, the
 model with its loss, batches, optimizers, number formats, evaluation, sampling, tokenizers,
 checkpoints, data parallelism) and, in its subpackages, what the loop relies on (``data/``,
-``run/``, ``machine/``, ``watch/``). This package holds what is run *around* training; the
-training path imports none of it but the command itself (``cli``) and its process settings
-(``process``):
+``run/``, ``machine/``, ``watch/``). This package holds what is run *around* training; a
+plain ``nanolm train`` imports none of it but the command itself (``cli``), its process
+settings (``process``) and the lab's list of variants, for ``--help``:
 
 * ``cli``: the ``nanolm`` command; ``process``: what it does to its own process;
 * ``doctor``: health checks before a run;

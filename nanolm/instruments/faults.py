@@ -24,7 +24,7 @@ import torch
 from ..batches import TrainBatches
 from ..checkpoint import Checkpointer
 from ..model import GPT, Attention
-from ..precision import DynamicLossScaler
+from ..precision import BF16AdamW, DynamicLossScaler
 from ..run.config import RunConfig
 from ..step import summed_token_loss
 
@@ -75,10 +75,14 @@ class RandomTargets(TrainBatches):
 
 def decay_everything(model, cfg, precision):
     """AdamW with weight decay on every parameter: norm gains, biases and embeddings are pulled
-    toward zero too (the gains lose their scale, rare tokens' rows are eroded)."""
+    toward zero too (the gains lose their scale, rare tokens' rows are eroded). Under
+    ``--precision bf16-pure`` it is the bf16 weights' own AdamW, broken the same way."""
     o = cfg.optim
-    params = list(dict.fromkeys(model.parameters()))  # a tied matrix once
-    return torch.optim.AdamW([{"params": params, "weight_decay": o.weight_decay}], lr=o.lr, betas=(o.beta1, o.beta2))
+    groups = [{"params": list(dict.fromkeys(model.parameters())), "weight_decay": o.weight_decay}]  # a tied matrix once
+    if precision.pure_bf16:
+        return BF16AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), master_weights=cfg.train.fp32_master,
+                         seed=cfg.train.seed)
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
 
 
 def corrupt_tokens(tokens: np.ndarray, share: float, vocab_size: int, seed: int) -> np.ndarray:

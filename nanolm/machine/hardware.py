@@ -94,7 +94,7 @@ def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.fl
     large matrix multiply achieves here, the most a transformer's matmuls could hope for.
     Measured once per process, keeping the fastest of many tries. On a machine shared with
     other jobs both this figure and the training throughput fluctuate: a peak measured while
-    another process held a core reads low, so :class:`StepMeter` raises it to any throughput
+    another process held a core reads low, so :class:`~nanolm.watch.meter.StepMeter` raises it to any throughput
     the run itself achieves above it (an MFU never reads above 100 %).
     """
     # 512 x 512 reaches a CPU's peak; a CPU that emulates bf16 (~1 GFLOP/s) gets 128 x 128, which

@@ -25,7 +25,7 @@ run (docs/benchmarks.md, "A busy machine").
 What it cannot promise: that the thread count never changes the numbers. PyTorch does not
 guarantee that a kernel gives the same bits at 1 and 2 threads (a reduction may be split
 differently); on the development CPU, nanolm's step gives the same bits at both
-(``test_a_step_gives_the_same_bits_at_one_and_two_threads``). Runs that must not depend on it
+(``test_environment_a_step_gives_the_same_bits_at_one_and_two_threads``). Runs that must not depend on it
 (``--deterministic``) keep a fixed count, and an explicit ``--threads N`` is always obeyed.
 """
 

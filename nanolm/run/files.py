@@ -16,7 +16,8 @@ that nanolm wrote carries a *manifest*, the SHA-256 of each of its files, and is
 only when the files on disk are exactly the listed ones with exactly those checksums. A
 flipped bit, a truncated copy or a swapped file is then named, never silently trained on.
 Nothing read here is ever unpickled: JSON, TOML, safetensors and raw token arrays are data
-formats that cannot carry code.
+formats that cannot carry code. A name these files must record (a path, an option) is refused
+unless it is UTF-8 text (:func:`require_utf8`), before anything is written.
 """
 
 from __future__ import annotations
