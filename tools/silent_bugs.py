@@ -9,7 +9,8 @@ the bug, runs the tests on the copy and reports which test caught it, or that no
 The working tree is never modified.
 
 Each bug meets its concern's test files first (``CONCERN_TESTS``: a bug in the batches meets
-tests/test_data.py before the rest), then the other fast test files, stopping at the first
+tests/test_data.py before the rest; a bug whose symptom shows elsewhere names its own ``tests``,
+met before those), then the other fast test files, stopping at the first
 failure: the test that names a bug is the one closest to it, and a bug its own concern's tests
 miss is still caught, and reported with the file that caught it, wherever that is.
 
@@ -44,6 +45,9 @@ class Bug:
     file: str
     correct: str  # the exact text in nanolm, found exactly once
     broken: str
+    # test files that guard the bug ahead of its file's concern: the symptom shows elsewhere
+    # (a batch pinned twice, a BlockMask sliced: only the device tests play a GPU)
+    tests: tuple[str, ...] = ()
 
 
 BUGS = [
@@ -70,7 +74,7 @@ BUGS = [
         "return starts[: self.batch_size]"),
     Bug("device_batch_pinned", "a batch already on the GPU is pinned again on its way there: CUDA refuses, and a "
         "benchmark or a user calling train_step with device batches crashes", "nanolm/batches.py",
-        'if device.type == "cuda" and not t.is_cuda:', 'if device.type == "cuda":'),
+        'if device.type == "cuda" and not t.is_cuda:', 'if device.type == "cuda":', tests=("test_devices",)),
     Bug("eval_tail_counted_twice", "validation counts some tokens twice: a slightly wrong val loss",
         "nanolm/batches.py", "        tail_from = covered - last", "        tail_from = 0"),
     Bug("bpe_cut_at_any_newline", "a long document encodes to slightly different tokens than the tokenizer's own",
@@ -134,7 +138,7 @@ BUGS = [
         "        self.kept_freed_memory = device.type == 'never'"),
     Bug("train_tunes_the_process", "train() called from a notebook or a sweep freezes the caller's garbage collector: "
         "its objects are never collected again", "nanolm/train.py", "    seed_everything(t.seed)\n",
-        "    seed_everything(t.seed)\n    __import__('gc').freeze()\n"),
+        "    seed_everything(t.seed)\n    __import__('gc').freeze()\n", tests=("test_process_tuning",)),
     Bug("process_tuning_off_ignored", "--process-tuning off still tunes the process: a benchmark against it measures "
         "nothing", "nanolm/instruments/process.py", '        if option != "auto":\n            return\n',
         '        if option not in ("auto", "off"):\n            return\n'),
@@ -157,9 +161,10 @@ BUGS = [
         "nanolm/precision.py", "limit = FP16_SMALLEST_NORMAL / loss_scale", "limit = FP16_SMALLEST_NORMAL * 1.0"),
     Bug("local_token_count", "under torchrun each rank averages over its own tokens: short documents weigh more",
         "nanolm/step.py", "        count = dist.sum_async(count)\n",
-        "        count = PendingSum(torch.tensor(count, device=dist.device))\n"),
+        "        count = PendingSum(torch.tensor(count, device=dist.device))\n", tests=("test_distributed",)),
     Bug("host_read_per_micro_batch", "the loss is summed on the host: a GPU waits for every micro-batch's forward pass, same numbers",
-        "nanolm/step.py", "        loss_sum += micro_sum.detach()", "        loss_sum += micro_sum.item()"),
+        "nanolm/step.py", "        loss_sum += micro_sum.detach()", "        loss_sum += micro_sum.item()",
+        tests=("test_host_reads", "test_sinks")),
     # evaluation and metrics
     Bug("eval_in_training_mode", "with dropout, validation loss is noisy and too high",
         "nanolm/evaluate.py", "    model.eval()\n", "    pass\n"),
@@ -187,10 +192,10 @@ BUGS = [
     # devices (tests/test_devices.py runs them on the CPU: FlexAttention's forward, a simulated GPU and MPS)
     Bug("rope_promotes_q_and_k", "under autocast q and k leave RoPE in fp32 beside a 16-bit v: FlexAttention refuses, SDPA runs slow",
         "nanolm/model.py", "return (x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)",
-        "return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin"),
+        "return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin", tests=("test_devices",)),
     Bug("stats_slice_a_block_mask", "the first statistics step on a GPU slices FlexAttention's BlockMask like a tensor: TypeError",
         "nanolm/watch/stats.py", "logit_max[i] = max_attention_logit(module, x, cos, sin, allowed)",
-        "logit_max[i] = max_attention_logit(module, x, cos, sin, args[3])"),
+        "logit_max[i] = max_attention_logit(module, x, cos, sin, args[3])", tests=("test_devices",)),
     Bug("float64_sums_on_the_device", "evaluation sums in float64 on the device: an Apple GPU has none, nanolm eval dies on a Mac",
         "nanolm/evaluate.py", "batch_nats.append(total.float())", "batch_nats.append(total.double())"),
     Bug("nan_explained_on_the_host_batch", "the guard's NaN explanation feeds host tensors to a GPU model: a device error instead of the rollback",
@@ -380,9 +385,10 @@ CONCERN_TESTS = {
 
 
 def tests_for(bug: Bug, tests: list[str]) -> list[str]:
-    """``tests`` in the order a bug meets them: its concern's first (those of them in ``tests``)."""
+    """``tests`` in the order a bug meets them: its own, then its concern's (those of them in
+    ``tests``), then the rest."""
     concern = next((t for prefix, t in CONCERN_TESTS.items() if bug.file.startswith(prefix)), ())
-    first = [t for t in concern if t in tests]
+    first = [t for t in dict.fromkeys(bug.tests + concern) if t in tests]
     return first + [t for t in tests if t not in first]
 
 
