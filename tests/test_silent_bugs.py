@@ -1,6 +1,6 @@
 """The list of known silent bugs that ``tools/silent_bugs.py`` plants follows the code.
 
-Planting all of them takes most of an hour, too long for every run of the suite; this
+Planting all of them runs the tests once per bug, too long for every run of the suite; this
 check takes milliseconds and fails as soon as a line the list breaks on purpose is edited,
 so the list is updated with the code instead of silently planting nothing.
 """

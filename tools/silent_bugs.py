@@ -14,7 +14,7 @@ met before those), then the other fast test files, stopping at the first
 failure: the test that names a bug is the one closest to it, and a bug its own concern's tests
 miss is still caught, and reported with the file that caught it, wherever that is.
 
-    python tools/silent_bugs.py                     # every bug, the fast test files (~45 min on 2 cores)
+    python tools/silent_bugs.py                     # every bug, the fast test files (once per bug: far longer than the suite)
     python tools/silent_bugs.py --only lr_one_step_late,missing_zero_grad
     python tools/silent_bugs.py --list
 
