@@ -45,8 +45,9 @@ class Bug:
     file: str
     correct: str  # the exact text in nanolm, found exactly once
     broken: str
-    # test files that guard the bug ahead of its file's concern: the symptom shows elsewhere
-    # (a batch pinned twice, a BlockMask sliced: only the device tests play a GPU)
+    # test files that guard the bug ahead of its file's concern, because the symptom shows
+    # elsewhere: on a GPU or a Mac only the device tests play, on Windows only the platform
+    # tests, in a resume only the checkpoint tests (see the bugs that name them)
     tests: tuple[str, ...] = ()
 
 
