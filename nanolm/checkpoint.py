@@ -51,9 +51,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import NanolmError
+from .errors import NanolmError, brief
 from .machine.runtime import capture_rng, derived_seed, restore_rng, seed_everything
 from .model import GPT
+from .run.documents import read_json
 from .run.files import (
     ENVIRONMENT_ERRNOS,
     atomic_write_text,
@@ -63,7 +64,6 @@ from .run.files import (
     fsync_dir,
     manifest,
     naming_the_file,
-    read_json,
     replace,
     save_torch,
     sealed,
@@ -110,8 +110,7 @@ def load_weights(model: GPT, path) -> None:
     try:
         missing, unexpected = load_model(model, str(path), strict=False)
     except Exception as e:
-        raise NanolmError(f"{path} could not be loaded into this model ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        raise NanolmError(f"{path} could not be loaded into this model ({type(e).__name__}: {brief(e)})") from None
     if missing or unexpected:
         raise NanolmError(f"{path} does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
 
@@ -270,7 +269,7 @@ def read_checkpoint_meta(path) -> dict:
         if key not in meta:
             raise NanolmError(f"{what}: meta.json has no {key!r}")
         if not ok(meta[key]):
-            raise NanolmError(f"{what}: meta.json has a malformed {key!r} ({meta[key]!r})")
+            raise NanolmError(f"{what}: meta.json has a malformed {key!r} ({brief(repr(meta[key]), 80)})")
     if meta["format"] != FORMAT:
         raise NanolmError(f"{what}: format {meta['format']} is not one this nanolm reads ({FORMAT})")
     if meta["step"] != step_of(path):
@@ -479,7 +478,13 @@ class Checkpointer:
         load_run_checkpoint(self.dist, path, state, self.model, self.optimizer, self.log, rng=data_position)
         for name, component in self.stateful.items():
             if data_position or name not in self.kept_by_rollback:
-                component.load_state_dict(state[name])
+                try:
+                    component.load_state_dict(state[name])
+                except NanolmError:
+                    raise
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+                    raise NanolmError(f"checkpoint {path}: state.pt holds a malformed {name} state ({type(e).__name__}: "
+                                      f"{brief(e)})") from None
         return state["step"]
 
 

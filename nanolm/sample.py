@@ -17,6 +17,7 @@ from .errors import NanolmError
 from .machine.device import resolve_device
 from .model import GPT
 from .run.final import load_run
+from .run.files import text_argument
 
 
 def sample_text(model: GPT, tokenizer, device, max_new_tokens: int, prompt: str = "",
@@ -45,6 +46,7 @@ def generate(run_dir, prompt: str = "", max_new_tokens: int = 200, temperature: 
         raise NanolmError(f"--top-p must be in (0, 1], got {top_p}")
     if not 0 <= seed < 2**63:
         raise NanolmError(f"--seed must be in [0, 2^63), got {seed}")
+    prompt = text_argument("--prompt", prompt)
     dev = resolve_device(device)
     model, tokenizer, _ = load_run(run_dir, dev)
     return sample_text(model, tokenizer, dev, max_new_tokens, prompt, temperature, top_k, top_p, seed)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import NanolmError
+from .errors import NanolmError, brief
 
 EOS = "<|endoftext|>"
 MIN_BPE_VOCAB = 257
@@ -157,7 +157,7 @@ class Tokenizer:
         try:
             return cls(HFTokenizer.from_file(str(path)))
         except Exception as e:  # the Rust parser's errors are not user-friendly types
-            raise NanolmError(f"{path} is not a valid tokenizer.json ({e})") from None
+            raise NanolmError(f"{path} is not a valid tokenizer.json ({brief(e)})") from None
 
 
 def train_char(texts: Iterable[str]) -> Tokenizer:

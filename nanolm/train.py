@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import sys
 from dataclasses import dataclass, fields
 from functools import partial
@@ -70,6 +69,7 @@ from .machine.runtime import (
     configure_threads,
     seed_everything,
     settings_restored,
+    stop_reason,
 )
 from .machine.threads import ThreadTuner, TunedBatches
 from .model import GPT
@@ -214,8 +214,8 @@ def run_loop(run: Run, log=print) -> dict:
             if checkpointer.due(step, stop_signal, reached):
                 saved = checkpointer.save(step, row.get("val_loss"))
                 if stop_signal:
-                    raise TrainingInterrupted(f"{signal.Signals(stop_signal).name} at step {step}: checkpoint saved "
-                                              f"to {saved}; run the same command again to resume", stop_signal)
+                    raise TrainingInterrupted(f"{stop_reason(stop_signal)} at step {step}: checkpoint saved to {saved}; "
+                                              f"run the same command again to resume", stop_signal)
             # 6. stop early at --target-val-bpb
             if reached:
                 break

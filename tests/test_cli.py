@@ -1,6 +1,7 @@
 """The command line end to end, and every kind of bad input getting one clear line."""
 
 import json
+import os
 
 import pytest
 from conftest import TINY_TRAIN, run_cli
@@ -199,6 +200,11 @@ def test_config_file_sets_options_and_flags_win(tmp_path, capsys, stories_file):
     ("[train]\nsteps = 'many'\n", "must be a int"),
     ("[data]\ntokenizer = 'word'\n", "must be one of"),
     ("[train\n", "not valid TOML"),
+    ("model = 3\n", "model in"),  # was "unknown section [model] ... known: [model], ..."
+    ("[train]\nsteps = " + "1" * 5000 + "\n", "holds a value Python cannot read"),
+    ("[train]\nsteps = 0x" + "f" * 5000 + "\n", "holds an integer of 20000 bits"),
+    ("[train]\nsteps = " + "[" * 3000 + "]" * 3000 + "\n", "deeper than Python can parse"),
+    ("[train]\nsteps = '" + "x" * 5000 + "'\n", "(5002 characters)"),  # the value quoted, not a page of it
 ])
 def test_bad_config_files_get_one_line(tmp_path, capsys, text, message):
     toml = tmp_path / "c.toml"
@@ -214,3 +220,38 @@ def test_a_directory_holding_files_a_run_would_write_is_refused(tmp_path, capsys
     assert main(["train", "--data", str(stories_file), "--out-dir", str(tmp_path), *TINY_TRAIN]) == 2
     assert "holds data but no config.toml" in _error_line(capsys)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["data", "mine.txt"]
+
+
+def test_a_fifo_as_config_is_named_as_a_pipe_not_as_missing(tmp_path, capsys):
+    fifo = tmp_path / "c.toml"
+    os.mkfifo(fifo)
+    assert main(["train", "--config", str(fifo), "--out-dir", str(tmp_path / "run")]) == 2
+    assert "is a pipe or a device, not a file" in _error_line(capsys)
+
+
+@pytest.mark.parametrize("command, flag", [("report", "--out"), ("export", "--out"), ("prepare", "--out")])
+def test_a_read_only_destination_names_the_commands_own_flag(trained_run, tmp_path, capsys, monkeypatch, command, flag):
+    """A full or read-only disk is one line ending in what to do; "choose another --out-dir"
+    sent a user of ``nanolm report`` looking for a flag it does not have."""
+    import errno
+
+    import nanolm.instruments.cli as cli
+
+    def read_only(args):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "x"))
+
+    monkeypatch.setattr(cli, f"_{command}", read_only)
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser, command, read_only))
+    argv = {"report": ["report", str(trained_run)], "export": ["export", str(trained_run), "--out", str(tmp_path / "h")],
+            "prepare": ["prepare", "--data", str(tmp_path), "--out", str(tmp_path / "p")]}[command]
+    assert main(argv) == 2
+    line = _error_line(capsys)
+    assert f"choose another {flag}" in line and "--out-dir" not in line
+
+
+def _with_func(parser, command, func):
+    """``parser`` with ``command``'s handler replaced (set_defaults on its subparser)."""
+    for action in parser._subparsers._group_actions:
+        action.choices[command].set_defaults(func=func)
+    return parser

@@ -413,3 +413,77 @@ def test_plain_progress_lines_come_at_a_modest_cadence(monkeypatch, seconds_per_
         shown.advance(1)
     shown.end()
     assert len(lines) - 1 == expected, lines
+
+
+# ------------------------------------------------------------------ a refused or interrupted prepare changes nothing
+def _tree(directory):
+    """Every file below ``directory`` and its bytes: what a user would call "the same directory"."""
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("name, content", [
+    ("separators.txt", f"{EOS}\n{EOS}\n"), ("blank.txt", "   \n\n\t\n"),
+    ("nofield.jsonl", '{"body": "a story"}\n{"body": "another"}\n'), ("crafted.jsonl", "[" * 5000 + "]" * 5000 + "\n"),
+])
+def test_a_refused_prepare_leaves_an_existing_prepared_directory_byte_identical(tmp_path, name, content):
+    """A source with no text is refused only once it has been read; before, the shards had
+    already been emptied, and the data the user had prepared was gone."""
+    out = tmp_path / "prepared"
+    prepare(_write_txt(tmp_path / "d.txt", DOCS * 4), out, "char", progress=False)
+    before = _tree(out)
+    (tmp_path / name).write_text(content)
+    with pytest.raises(NanolmError, match="holds no document with text"):
+        prepare(tmp_path / name, out, "char", progress=False)
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["prepared", "d.txt", name])  # no scratch left
+    PreparedData(out)
+
+
+def test_a_refused_prepare_into_a_new_directory_leaves_none(tmp_path):
+    (tmp_path / "blank.txt").write_text("\n\n")
+    with pytest.raises(NanolmError):
+        prepare(tmp_path / "blank.txt", tmp_path / "new" / "deeper", "char", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blank.txt"]
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError(28, "No space left on device")])
+def test_an_interrupted_prepare_leaves_out_as_it_was(tmp_path, monkeypatch, interruption):
+    """Ctrl-C or a full disk in the middle of the shards: --out holds the old data, whole."""
+    import nanolm.data.prepare as prepare_mod
+
+    out = tmp_path / "prepared"
+    prepare(_write_txt(tmp_path / "d.txt", DOCS * 4), out, "char", progress=False)
+    before = _tree(out)
+    real_encode = prepare_mod._encode
+
+    def encode_then_fail(docs, tokenizer, writers, *args):
+        real_encode(docs, tokenizer, writers, *args)
+        raise interruption
+
+    monkeypatch.setattr(prepare_mod, "_encode", encode_then_fail)
+    with pytest.raises(type(interruption) if isinstance(interruption, Exception) else interruption):
+        prepare(_write_txt(tmp_path / "e.txt", DOCS * 8), out, "char", progress=False)
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt", "e.txt", "prepared"]
+
+
+def test_a_prepare_replaces_a_prepared_directory_whole(tmp_path, monkeypatch):
+    """On a system without an atomic directory swap the files are moved in one by one, meta.json
+    last; either way the result is exactly what a prepare into a new directory gives."""
+    import nanolm.run.files as files_mod
+
+    fresh, replaced, by_file = tmp_path / "fresh", tmp_path / "replaced", tmp_path / "by_file"
+    new_source = _write_txt(tmp_path / "e.txt", DOCS * 8)
+    prepare(new_source, fresh, "char", progress=False)
+    for out in (replaced, by_file):
+        prepare(_write_txt(tmp_path / "d.txt", DOCS * 4), out, "char", progress=False)
+    prepare(new_source, replaced, "char", progress=False)
+    monkeypatch.setattr(files_mod, "_exchange", lambda a, b: False)
+    prepare(new_source, by_file, "char", progress=False)
+
+    def data(directory):
+        return {k: v for k, v in _tree(directory).items() if k != "meta.json"}
+
+    assert data(replaced) == data(fresh) == data(by_file)
+    assert PreparedData(replaced).digest == PreparedData(by_file).digest == PreparedData(fresh).digest
+    assert not list(tmp_path.glob(".*"))  # no scratch directory left beside them

@@ -65,3 +65,30 @@ def test_gelu_models_are_refused_with_a_clear_message(tmp_path, capsys):
     assert main(["export", str(run), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "mlp='gelu' maps to no standard" in err and not (tmp_path / "hf").exists()
+
+
+def test_an_export_that_meets_a_full_disk_is_one_line_leaves_nothing_and_the_rerun_works(tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as its own exception type with the OS error in words; it
+    was a traceback, and the half-written directory then blocked the rerun ("exists and is not
+    empty")."""
+    import safetensors.torch
+
+    run, _, _ = _fake_run(tmp_path)
+    out = tmp_path / "exports" / "hf"
+    real_save = safetensors.torch.save_file
+
+    def disk_fills(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)
+        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space "
+                           "left on device\" }) (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_fills)
+    assert main(["export", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0] and "model.safetensors" in err[0], err
+    assert not (tmp_path / "exports").exists()
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]

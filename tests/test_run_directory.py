@@ -344,3 +344,98 @@ def test_a_pipe_as_data_is_refused_in_one_line_saying_why(tmp_path, stories_file
     assert done.returncode == 2 and len(err) == 1, done.stderr
     assert "is a pipe or a device, which can be read only once" in err[0] and "save it to a file first" in err[0]
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ the data compared by content, not by name
+@pytest.mark.parametrize("resume", ["in place", "--resume PATH"])
+def test_a_resume_whose_data_moved_is_accepted_by_its_digest_and_stays_exact(tmp_path, stories_file, straight, capsys,
+                                                                            resume):
+    """docs/checkpoints.md: the data is compared by its digest, not by its name; a corpus
+    moved (or copied) to another path continues its run, bit for bit."""
+    first, moved = tmp_path / "a" / "stories.txt", tmp_path / "b" / "stories.txt"
+    first.parent.mkdir()
+    first.write_bytes(stories_file.read_bytes())
+    out = tmp_path / "run"
+    killed = run_cli(*_command(first, "--out-dir", out, "--ckpt-every", 2, "--debug-kill-after-checkpoint", 4))
+    assert killed.returncode == -signal.SIGKILL
+    moved.parent.mkdir()
+    first.rename(moved)
+    if resume == "in place":
+        assert main(_command(moved, "--out-dir", out, "--ckpt-every", 2)) == 0
+        finished = out
+    else:
+        finished = tmp_path / "continued"
+        assert main(_command(moved, "--out-dir", finished, "--ckpt-every", 2, "--resume",
+                             out / "checkpoints" / "step_000004")) == 0
+    log = capsys.readouterr().out
+    assert "by its digest: the same data" in log and "resumed from" in log
+    assert _same_weights(finished, straight)
+
+
+def test_a_resume_whose_data_changed_under_another_name_is_refused_naming_it(tmp_path, stories_file, capsys):
+    out = tmp_path / "run"
+    killed = run_cli(*_command(stories_file, "--out-dir", out, "--ckpt-every", 2, "--debug-kill-after-checkpoint", 4))
+    assert killed.returncode == -signal.SIGKILL
+    other = tmp_path / "other.txt"
+    other.write_text(stories_file.read_text().replace("cat", "dog"))
+    before = _files(out)
+    assert main(_command(other, "--out-dir", out, "--ckpt-every", 2)) == 2
+    assert "not the data the run trained on" in _one_error_line(capsys)
+    assert _files(out) == before
+
+
+# ------------------------------------------------------------------ no output lands among a run's own files
+@pytest.mark.parametrize("where", ["checkpoints/step_000006/out", "checkpoints/new", "data/out", "checkpoints",
+                                   "metrics.jsonl"])
+@pytest.mark.parametrize("command", ["export", "report", "prepare", "train", "data stories"])
+def test_no_command_writes_inside_a_runs_checkpoints_or_data(straight, stories_file, tmp_path, capsys, command, where):
+    """``export --out RUN/checkpoints/step_N/hf`` used to succeed, and the run then fell back
+    past its newest checkpoint ("hf/config.json is not in its manifest")."""
+    target = straight / where
+    argv = {"export": ["export", straight, "--out", target], "report": ["report", straight, "--out", target],
+            "prepare": ["prepare", "--data", stories_file, "--out", target, "--tokenizer", "char"],
+            "train": _command(stories_file, "--out-dir", target),
+            "data stories": ["data", "stories", "--docs", "3", "--out", target]}[command]
+    before = _files(straight)
+    assert main([str(a) for a in argv]) == 2
+    line = _one_error_line(capsys)
+    assert "choose" in line and ("manifest" in line or "which the run" in line), line
+    assert _files(straight) == before
+
+
+def test_outputs_beside_a_runs_files_are_allowed(straight, tmp_path, capsys):
+    assert main(["export", str(straight), "--out", str(straight / "export")]) == 0
+    try:
+        assert ckpt.latest_valid_checkpoint(straight).name == "step_000006"
+    finally:
+        import shutil
+
+        shutil.rmtree(straight / "export")
+
+
+@pytest.mark.parametrize("command", ["export", "train", "prepare"])
+def test_a_dangling_symlink_as_an_output_is_one_line(straight, stories_file, tmp_path, capsys, command):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    argv = {"export": ["export", straight, "--out", link], "train": _command(stories_file, "--out-dir", link),
+            "prepare": ["prepare", "--data", stories_file, "--out", link]}[command]
+    assert main([str(a) for a in argv]) == 2
+    assert "is a symbolic link to" in _one_error_line(capsys)
+    assert link.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("command", ["export", "report", "train"])
+def test_no_command_writes_inside_prepared_data(straight, stories_file, tmp_path, capsys, command):
+    """Prepared data is checked against its manifest like a checkpoint: a file added there
+    makes every run on it refuse it."""
+    prepared = tmp_path / "prepared"
+    assert main(["prepare", "--data", str(stories_file), "--out", str(prepared), "--tokenizer", "char"]) == 0
+    capsys.readouterr()
+    target = prepared / "inside"
+    argv = {"export": ["export", straight, "--out", target], "report": ["report", straight, "--out", target],
+            "train": _command(stories_file, "--out-dir", target)}[command]
+    assert main([str(a) for a in argv]) == 2
+    assert "checks against its manifest" in _one_error_line(capsys)
+    from nanolm.data.shards import PreparedData
+
+    PreparedData(prepared)

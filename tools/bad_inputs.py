@@ -2,12 +2,19 @@
 
 The promise of nanolm's command line: a mistake a user can make gets one line starting with
 ``error:`` naming the problem and the fix, a non-zero exit status, no traceback, and nothing
-already written (a finished run, a prepared corpus) changes. This tool makes a scratch
-directory with a finished run, a prepared corpus and a few odd files, runs each bad command
-below in a new process (as a user would), and checks all four, hashing every file before and
-after.
+already written (a finished run, a prepared corpus) changes, nor is anything left behind
+(a refused ``prepare`` into a new directory makes none). This tool makes a scratch directory
+with a finished run, a prepared corpus and a few odd files (crafted ones among them: a
+5,000-digit integer, nesting deeper than Python's recursion limit, a table that is a number),
+runs each bad command below in a new process (as a user would), and checks all five, hashing
+every file before and after.
 
-    python tools/bad_inputs.py            # ~100 commands, ~4 minutes on 2 cores
+Some input is damage a reader promises to survive (docs/checkpoints.md, docs/data.md): a
+crafted ``final.json`` falls back to the newest checkpoint, a crafted line of ``metrics.jsonl``
+is left out, a crafted line of a ``.jsonl`` source is skipped and counted. Those commands must
+succeed, each warning one line, with no traceback and nothing changed.
+
+    python tools/bad_inputs.py            # ~130 commands, ~5 minutes on 2 cores
     python tools/bad_inputs.py --list
 
 Exit status 1 if any command breaks the promise.
@@ -19,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,8 +38,13 @@ TINY = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "3
         "--threads", "1"]
 
 
+BIG_INTEGER = "1" * 5000  # more digits than Python converts
+DEEP = "[" * 5000 + "]" * 5000  # deeper than Python's recursion limit
+
+
 def cases(d: Path) -> list[tuple[str, list[str]]]:
-    """(what is wrong, argv) for each bad input; ``d`` holds run/, prepared/, text.txt and friends."""
+    """(what is wrong, argv) for each bad input that must be refused; ``d`` holds run/, prepared/,
+    text.txt and friends."""
     text, run, new = str(d / "text.txt"), str(d / "run"), str(d / "new")
 
     def train(*flags):
@@ -118,13 +131,60 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
                                     *TINY, "--no-report"]),
         ("sweep: --tolerance -1", ["sweep", "--lrs", "1e-3", "--tolerance", "-1", "--out", str(d / "sweep"),
                                    "--data", text, *TINY, "--no-report"]),
+        # crafted files (issue: nothing lost, one line, everywhere)
+        ("config: an integer of 5,000 digits", ["train", "--config", str(d / "bigint.toml"), "--out-dir", new]),
+        ("config: nesting deeper than Python parses", ["train", "--config", str(d / "deep.toml"), "--out-dir", new]),
+        ("config: a hex integer of 5,000 digits", ["train", "--config", str(d / "hexint.toml"), "--out-dir", new]),
+        ("config: [model] is a number", ["train", "--config", str(d / "scalar.toml"), "--out-dir", new]),
+        ("config: a FIFO", ["train", "--config", str(d / "pipe.txt"), "--out-dir", new]),
+        ("plan: --config with a 5,000-digit integer", ["plan", "--config", str(d / "bigint.toml")]),
+        ("prepare: only separators, over prepared data", ["prepare", "--data", str(d / "separators.txt"),
+                                                          "--out", str(d / "prepared"), "--tokenizer", "char"]),
+        ("prepare: only whitespace, over prepared data", ["prepare", "--data", str(d / "blank.txt"),
+                                                          "--out", str(d / "prepared"), "--tokenizer", "char"]),
+        ("prepare: .jsonl without its field, over data", ["prepare", "--data", str(d / "nofield.jsonl"),
+                                                          "--out", str(d / "prepared"), "--tokenizer", "char"]),
+        ("prepare: only separators, into a new dir", ["prepare", "--data", str(d / "separators.txt"),
+                                                      "--out", str(d / "fresh" / "prep")]),
+        ("prepare: only crafted .jsonl lines", ["prepare", "--data", str(d / "crafted.jsonl"), "--out", str(d / "p5")]),
+        ("prepare: --out inside a run's checkpoint", ["prepare", "--data", text, "--out",
+                                                      f"{run}/checkpoints/step_000004/prep"]),
+        ("prepare: --out inside a run's data", ["prepare", "--data", text, "--out", f"{run}/data/prep"]),
+        ("export: --out inside a run's checkpoint", ["export", run, "--out", f"{run}/checkpoints/step_000004/hf"]),
+        ("export: --out inside prepared data", ["export", run, "--out", str(d / "prepared" / "hf")]),
+        ("export: --out a dangling symlink", ["export", run, "--out", str(d / "dangling")]),
+        ("report: --out inside a run's checkpoint", ["report", run, "--out", f"{run}/checkpoints/step_000004/r"]),
+        ("train: --out-dir inside a run's checkpoints", train("--out-dir", f"{run}/checkpoints/new")),
+        ("train: --out-dir a dangling symlink", train("--out-dir", str(d / "dangling"))),
+        ("data stories: --out inside a checkpoint", ["data", "stories", "--docs", "3", "--out",
+                                                     f"{run}/checkpoints/step_000004/s.txt"]),
+        ("sample: a --prompt that is not UTF-8", ["sample", "--run", run, "--prompt", os.fsdecode(b"caf\xe9")]),
+        ("resume: data moved and changed", ["train", "--data", str(d / "text_changed.txt"), "--out-dir", run, *TINY,
+                                            "--steps", "6"]),
     ]
     return out
 
 
+def tolerated(d: Path) -> list[tuple[str, list[str]]]:
+    """(what is damaged, argv) for each command that must read past the damage: exit 0, every
+    line on stderr a one-line warning, nothing changed. ``d/damaged_*`` are copies of the run."""
+    return [
+        ("sample: final.json with a 5,000-digit integer", ["sample", "--run", str(d / "damaged_final"),
+                                                           "--max-new-tokens", "5"]),
+        ("sample: checkpoint meta.json nested too deep", ["sample", "--run", str(d / "damaged_meta"),
+                                                          "--max-new-tokens", "5"]),
+        ("diagnose: crafted lines in metrics.jsonl", ["diagnose", str(d / "damaged_metrics")]),
+        ("compare: crafted lines in metrics.jsonl", ["compare", str(d / "run"), str(d / "damaged_metrics")]),
+        ("report: crafted lines in metrics.jsonl", ["report", str(d / "damaged_metrics"), "--out", str(d / "rep")]),
+        ("prepare: crafted .jsonl lines, skipped", ["prepare", "--data", str(d / "mixed.jsonl"), "--out", str(d / "p6"),
+                                                   "--tokenizer", "char"]),
+    ]
+
+
 def _digest(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    """Every file's SHA-256 and every directory (a command that leaves an empty one left something)."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "directory"
+            for p in sorted(directory.rglob("*")) if p.is_file() or (p.is_dir() and not p.is_symlink())}
 
 
 def _nanolm(argv, cwd) -> subprocess.CompletedProcess:
@@ -158,47 +218,97 @@ def setup(d: Path) -> None:
     r = _nanolm(["prepare", "--data", str(d / "text.txt"), "--out", str(d / "prepared"), "--tokenizer", "char"], d)
     if r.returncode:
         raise SystemExit(f"setup: prepare failed:\n{r.stderr}")
+    (d / "bigint.toml").write_text(f"[train]\nsteps = {BIG_INTEGER}\n")
+    (d / "deep.toml").write_text(f"[train]\nsteps = {DEEP}\n")
+    (d / "hexint.toml").write_text(f"[train]\nsteps = 0x{'f' * 5000}\n")
+    (d / "scalar.toml").write_text("model = 3\n")
+    (d / "separators.txt").write_text("<|endoftext|>\n<|endoftext|>\n")
+    (d / "blank.txt").write_text("   \n\n\t\n")
+    (d / "nofield.jsonl").write_text('{"body": "a story"}\n{"body": "another"}\n')
+    (d / "crafted.jsonl").write_text(f'{{"text": {BIG_INTEGER}}}\n{DEEP}\n{{"text": ["not", "text"]}}\n')
+    (d / "mixed.jsonl").write_text("".join(f'{{"text": {json.dumps(story)}}}\n' for story in
+                                           (d / "text.txt").read_text().split("<|endoftext|>")[:20])
+                                   + f'{{"text": {BIG_INTEGER}}}\n{DEEP}\n')
+    (d / "text_changed.txt").write_text((d / "text.txt").read_text().replace("a", "e"))
+    (d / "dangling").symlink_to(d / "nowhere")
+    for name, rel, content in (("damaged_final", "final.json", f'{{"format": 1, "step": {BIG_INTEGER}}}'),
+                               ("damaged_meta", "checkpoints/step_000004/meta.json", DEEP),
+                               ("damaged_metrics", "metrics.jsonl", None)):
+        shutil.copytree(d / "run", d / name)
+        path = d / name / rel
+        if content is None:  # a crafted line among the real ones, and a row of the wrong shape
+            content = path.read_text() + f'{{"step": {BIG_INTEGER}}}\n{DEEP}\n{{"step": 5, "loss": "high"}}\n'
+        path.write_text(content)
+    (d / "damaged_meta" / "final.json").unlink()  # sample then reads the checkpoints, and meets the damaged one
+
+
+def _check(expect: str, r: subprocess.CompletedProcess, before: dict, after: dict) -> list[str]:
+    """What a command broke of its promise: refused in one line, or read past the damage."""
+    lines = r.stderr.strip().splitlines()
+    problems = []
+    if "Traceback" in r.stderr + r.stdout or "Exception ignored" in r.stderr:
+        problems.append("traceback")
+    if expect == "refused":
+        if r.returncode == 0:
+            problems.append("exit 0")
+        if len(lines) != 1 or not lines[0].startswith("error: "):
+            problems.append(f"stderr is {len(lines)} line(s)")
+        created = sorted(after.keys() - before.keys())
+        if created:
+            problems.append(f"left {created[:3]}")
+    else:
+        if r.returncode != 0:
+            problems.append(f"exit {r.returncode}")
+        if not all(line.startswith(("warning:", "note:")) for line in lines):
+            problems.append(f"stderr: {lines[:3]}")
+    changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
+    lost = sorted(before.keys() - after.keys())
+    if changed or lost:
+        problems.append(f"changed {changed + lost}")
+    return problems
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--only", default="", help="run only the cases whose description holds this text")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="nanolm-bad-") as tmp:
         d = Path(tmp)
+        every = [(what, argv, "refused") for what, argv in cases(d)] + [
+            (what, argv, "tolerated") for what, argv in tolerated(d)]
+        every = [case for case in every if args.only in case[0]]
         if args.list:
-            for what, argv in cases(d):
-                print(f"{what:45s} nanolm {' '.join(argv[:2])} ...")
+            for what, argv, expect in every:
+                print(f"{what:48s} {expect:9s} nanolm {' '.join(argv[:2])} ...")
             return 0
         sys.path.insert(0, str(ROOT))
         setup(d)
         failures, results = [], []
-        for what, argv in cases(d):
+        for what, argv, expect in every:
             before = _digest(d)
             r = _nanolm(argv, d)
             lines = r.stderr.strip().splitlines()
             after = _digest(d)
-            problems = []
-            if r.returncode == 0:
-                problems.append("exit 0")
-            if "Traceback" in r.stderr + r.stdout:
-                problems.append("traceback")
-            if len(lines) != 1 or not lines[0].startswith("error: "):
-                problems.append(f"stderr is {len(lines)} line(s)")
-            changed = sorted(k for k in before.keys() & after.keys() if before[k] != after[k])
-            lost = sorted(before.keys() - after.keys())
-            if changed or lost:
-                problems.append(f"changed {changed + lost}")
-            results.append({"input": what, "exit": r.returncode, "ok": not problems})
-            print(f"{'ok ' if not problems else 'BAD'} {what:45s} {lines[-1][:110] if lines else '(no stderr)'}"
+            problems = _check(expect, r, before, after)
+            results.append({"input": what, "expect": expect, "exit": r.returncode, "ok": not problems})
+            shown = next((line for line in lines if line.startswith("error:")), lines[-1] if lines else "(no stderr)")
+            print(f"{'ok ' if not problems else 'BAD'} {what:48s} {shown[:110]}"
                   + (f"  <- {'; '.join(problems)}" if problems else ""), flush=True)
             if problems:
                 failures.append(what)
-            for created in sorted(after.keys() - before.keys()):  # leave the next case a clean slate
-                (d / created).unlink()
+            for created in sorted(after.keys() - before.keys(), key=len, reverse=True):  # a clean slate for the next
+                _remove(d / created)
     print(json.dumps({"tried": len(results), "one_line_nothing_lost": len(results) - len(failures),
                       "failed": failures}))
     return 1 if failures else 0
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,17 @@ checkpoint), during a later save, after the last checkpoint, and while the final
 written. Each trial then runs the *same command* until it exits 0 and compares every weight
 with the uninterrupted reference, bit for bit.
 
+Then the terminal: each of ``--signals`` trials ends the run at a random step the way a terminal
+does (SIGHUP when the window or SSH session closes, SIGTERM, Ctrl-C pressed again and again,
+the reader of its output gone as with ``| head``). Each must exit with the status the docs give
+(128 + the signal; 141 for a closed output), no traceback, a checkpoint of the step it stopped
+at, and a rerun bit-identical to the reference.
+
+Then ``nanolm prepare``: each of ``--prepares`` trials replaces a prepared directory from
+another source (or prepares into a new one) and is killed (SIGKILL or Ctrl-C) at a random
+moment. ``--out`` must then be byte-identical to what it was, or to a prepare never
+interrupted, never a mix; a new one is absent or whole.
+
 Then the disk fills up: each of ``--full-disks`` trials runs in a small RAM file system (tmpfs;
 mounting needs root, else these trials are skipped and say so) with a filler file leaving a
 random share of the room the run needs, so the disk fills at a different write each time
@@ -15,8 +26,8 @@ random share of the room the run needs, so the disk fills at a different write e
 one line naming the file, exit 2; the filler deleted, the same command must finish
 bit-identical to the reference.
 
-    python tools/crash_test.py                 # 20 kills and 5 full disks (~4 min on 2 cores)
-    python tools/crash_test.py --kills 50 --full-disks 10 --seed 1
+    python tools/crash_test.py                 # 20 kills, 8 signals, 8 prepares, 5 full disks (~6 min on 2 cores)
+    python tools/crash_test.py --kills 50 --signals 20 --prepares 20 --full-disks 10 --seed 1
 
 Exit status 1 if any trial ends different from the reference or cannot be resumed.
 """
@@ -138,6 +149,112 @@ def _moments(kills: int, rng: random.Random, startup: float) -> list[dict]:
     return chosen
 
 
+SIGNALS = ("SIGHUP", "SIGTERM", "SIGINT again and again", "output closed")
+
+
+def _signal_trial(cwd: Path, corpus: Path, how: str, step: int, reference: dict) -> dict:
+    """Stop a run at ``step`` the way ``how`` says; check its exit and its checkpoint, then rerun."""
+    cwd.mkdir()
+    run = _run_dir(cwd, corpus)
+    proc = _start(corpus, cwd)
+    while proc.poll() is None and _rows(run) < step:
+        time.sleep(0.001)
+    if how == "output closed":
+        proc.stdout.close()
+    else:
+        proc.send_signal(getattr(signal, how.split()[0]))
+    err = ""
+    if how.startswith("SIGINT"):
+        while "checkpoint saved" not in err and proc.poll() is None:
+            err += proc.stderr.readline()
+        while proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.002)
+    err += proc.stderr.read()
+    if how != "output closed":
+        proc.stdout.read()
+    proc.wait()
+    expected = 128 + (13 if how == "output closed" else getattr(signal, how.split()[0]))
+    stopped = err.split(" at step ")[1].split(":")[0] if " at step " in err else ""
+    problems = []
+    if proc.returncode != expected:
+        problems.append(f"exit {proc.returncode}, not {expected}")
+    if "Traceback" in err or "Exception ignored" in err:
+        problems.append("traceback")
+    if not stopped or _latest(run) != f"step_{int(stopped):06d}":
+        problems.append(f"no checkpoint of the step it stopped at ({stopped or '?'}; latest {_latest(run) or 'none'})")
+    rerun = _start(corpus, cwd)
+    rerun.communicate()
+    identical = rerun.returncode == 0 and _weights(run).keys() == reference.keys() and all(
+        bool((_weights(run)[k] == reference[k]).all()) for k in reference)
+    if not identical:
+        problems.append("rerun DIFFERENT")
+    return {"how": how, "step": step, "stopped_at": stopped, "exit": proc.returncode, "problems": problems}
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    """Every file and its bytes, but the lock file: it only names the process writing there, and
+    a ``kill -9`` leaves it behind for the next command to take over."""
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def _data_files(tree: dict) -> dict:
+    """A prepared directory's data: the files its manifest lists, not meta.json (it records times)."""
+    return {k: v for k, v in tree.items() if k != "meta.json"}
+
+
+def _prepare(source: Path, out: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "nanolm", "prepare", "--data", str(source), "--out", str(out),
+                             "--vocab-size", "400", "--progress", "lines"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _prepare_trials(tmp: Path, trials: int, rng: random.Random) -> list[dict]:
+    """Kill ``nanolm prepare`` at random moments: ``--out`` is the old directory or the new one."""
+    from nanolm.data.corpus import write_stories
+
+    old_source, new_source = tmp / "prep_old.txt", tmp / "prep_new.txt"
+    write_stories(old_source, 2000, seed=11)
+    write_stories(new_source, 4000, seed=12)
+    clean = tmp / "prep_clean"
+    start = time.perf_counter()
+    _prepare(new_source, clean).communicate()
+    duration = time.perf_counter() - start
+    results = []
+    for i in range(trials):
+        out = tmp / f"prep{i:02d}" / "out"
+        fresh = i % 4 == 3  # one trial in four prepares into a new directory
+        if not fresh:
+            _prepare(old_source, out).communicate()
+        before = _tree(out) if out.exists() else None
+        proc = _prepare(new_source, out)
+        delay = rng.uniform(0.05, duration)
+        how = rng.choice(["SIGKILL", "SIGINT"])
+        time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(getattr(signal, how))
+        _, err = proc.communicate()
+        after = _tree(out) if out.exists() else None
+        if not after:  # a kill -9 may leave the lock file in the directory it made; nothing else
+            state = "absent" if fresh else "GONE"
+        elif before is not None and after == before:
+            state = "as it was"
+        elif _data_files(after) == _data_files(_tree(clean)):
+            state = "the new data, whole"
+        else:
+            state = "A MIX"
+        leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(".")] if out.parent.exists() else []
+        ok = state in ("absent", "as it was", "the new data, whole") and "Traceback" not in err
+        results.append({"trial": i, "into": "a new directory" if fresh else "prepared data", "killed": how,
+                        "after_s": round(delay, 2), "found": state, "scratch_left": leftovers, "ok": ok})
+        print(f"{i:2d}  prepare into {'a new directory' if fresh else 'prepared data':15s} {how} after "
+              f"{delay:4.2f}s of {duration:.2f}: {state}" + (f" (scratch left: {leftovers[0]})" if leftovers else "")
+              + ("" if ok else "  <- BROKEN"), flush=True)
+    return results
+
+
 PAGE = 4096
 
 
@@ -186,6 +303,8 @@ def _full_disk_trial(cwd: Path, corpus: Path, room: int) -> tuple[str, int, str,
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kills", type=int, default=20, help="trials, each killed once at its own moment")
+    p.add_argument("--signals", type=int, default=8, help="trials stopped by a terminal's signal or a closed output")
+    p.add_argument("--prepares", type=int, default=8, help="prepares killed at a random moment")
     p.add_argument("--full-disks", type=int, default=5, help="trials whose disk fills up at a random write")
     p.add_argument("--seed", type=int, default=0, help="seed of the random kill times")
     args = p.parse_args()
@@ -238,6 +357,14 @@ def main() -> int:
                             "identical": identical})
             print(f"{i:2d}  killed {label:32s} found: {seen:45s} rerun: {said[:70]:70s} "
                   f"{'identical' if identical else 'DIFFERENT'}", flush=True)
+        signals = []
+        for k in range(args.signals):
+            how, step = SIGNALS[k % len(SIGNALS)], rng.randint(2, STEPS - 2)
+            trial = _signal_trial(tmp / f"signal{k:02d}", corpus, how, step, reference)
+            signals.append(trial)
+            print(f"{k:2d}  {how:24s} at step {step:2d}: exit {trial['exit']}, stopped at {trial['stopped_at'] or '?':>2s} "
+                  f"{'; '.join(trial['problems']) or 'checkpoint there, rerun identical'}", flush=True)
+        prepares = _prepare_trials(tmp, args.prepares, rng)
         need = _footprint(_run_dir(tmp / "reference", corpus))
         disks, skipped = [], ""
         for j in range(args.full_disks):
@@ -260,10 +387,12 @@ def main() -> int:
     summary = {"kills": len(results), "identical": len(results) - len(failed), "failed": failed,
                "killed_mid_save": sum("mid-save" in r["found"] for r in results),
                "killed_before_any_checkpoint": sum("no checkpoint" in r["found"] for r in results),
+               "signals": len(signals), "signals_failed": [t["how"] for t in signals if t["problems"]],
+               "prepares": len(prepares), "prepares_failed": [t["trial"] for t in prepares if not t["ok"]],
                "full_disks": len(disks), "full_disks_one_line_and_identical": len(disks) - len(failed_disks),
                "full_disks_failed": failed_disks, **({"skipped": skipped} if skipped else {})}
     print(json.dumps(summary))
-    return 1 if failed or failed_disks else 0
+    return 1 if failed or failed_disks or summary["signals_failed"] or summary["prepares_failed"] else 0
 
 
 if __name__ == "__main__":

@@ -341,6 +341,33 @@ BUGS = [
         "nanolm/run/lock.py", "holder not in _this_process_or_its_parent()", "holder != _this_process()"),
     Bug("threads_switch_on_noise", "--threads auto switches for any gain, so an idle run's count (and arithmetic) wanders",
         "nanolm/machine/threads.py", "times[best] < (1 - SWITCH_GAIN) * base", "times[best] < base"),
+    # hostile input: files nanolm did not write itself, a terminal's signals and pipes, where outputs land
+    Bug("refused_prepare_writes_in_place", "a prepare refused for a source with no text (or interrupted) has already "
+        "emptied the prepared data the user had; training on it then calls its tokenizer corrupt",
+        "nanolm/data/prepare.py", "        _prepare_into(staging, docs,", "        _prepare_into(out if out.is_dir() else staging, docs,"),
+    Bug("output_inside_prepared_data", "an export or a report inside prepared data is accepted, and every run on that data "
+        "then refuses it as damaged (a file its manifest does not list)",
+        "nanolm/run/directory.py", "        if _checked_by_manifest(ancestor):", "        if False:"),
+    Bug("output_among_a_runs_files", "an export into a run's checkpoints/ is accepted, and the run falls back past its "
+        "newest checkpoint", "nanolm/run/directory.py", "        if child.name in RUN_FILES and _is_run_directory(ancestor):",
+        "        if False:"),
+    Bug("closed_output_ends_the_run_unsaved", "`nanolm train | head` ends the run at the reader's exit without a checkpoint: "
+        "everything since the last one is lost", "nanolm/instruments/cli.py",
+        "        if StopOnSignal.active is not None:\n            StopOnSignal.active.request(OUTPUT_CLOSED)",
+        "        if False:\n            StopOnSignal.active.request(OUTPUT_CLOSED)", tests=("test_terminal",)),
+    Bug("sighup_ends_the_run_unsaved", "closing the terminal or losing the SSH session ends the run on the spot: everything "
+        "since the last checkpoint is lost", "nanolm/machine/runtime.py", '("SIGINT", "SIGTERM", "SIGHUP")',
+        '("SIGINT", "SIGTERM")', tests=("test_terminal",)),
+    Bug("metrics_rows_trusted", "a damaged or crafted row of metrics.jsonl (text where a number goes) reaches diagnose, "
+        "compare and a resume, which end in a traceback", "nanolm/watch/sinks.py",
+        "            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))",
+        "            ok = True", tests=("test_hostile_files",)),
+    Bug("long_integers_unguarded", "a metadata file holding an integer of 5,000 digits (a crafted final.json, a damaged "
+        "meta.json) is a ValueError traceback instead of one line and a fallback", "nanolm/run/documents.py",
+        "    except ValueError as e:  # an integer of more than 4,300 digits",
+        "    except MemoryError as e:  # an integer of more than 4,300 digits", tests=("test_hostile_files",)),
+    Bug("moved_data_refused", "a corpus moved to another path cannot continue its run, though the data is compared by "
+        "content", "nanolm/run/directory.py", "        return data.digest == digest", "        return data.digest == digest[::-1]"),
     # the layout: what a reader (and a plain run) meets
     Bug("faults_imported_by_a_plain_train", "every plain nanolm train imports the lab's broken components: the "
         "production path carries the fault models, and their imports, for nothing",
@@ -357,7 +384,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout test_platforms test_full_disk test_reference test_compare").split()
+              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal").split()
 
 
 # where each bug's file belongs, by the start of its path: the test files of that concern, run
@@ -377,6 +404,7 @@ CONCERN_TESTS = {
     "nanolm/run/directory.py": ("test_run_directory", "test_run_lock"),
     "nanolm/run/lock.py": ("test_run_lock",),
     "nanolm/run/files.py": ("test_full_disk", "test_untrusted_files", "test_checkpoint"),
+    "nanolm/run/documents.py": ("test_hostile_files", "test_untrusted_files", "test_checkpoint"),
     "nanolm/run/": ("test_checkpoint", "test_cli"),
     "nanolm/machine/threads.py": ("test_threads",),
     "nanolm/machine/": ("test_devices", "test_plan"),

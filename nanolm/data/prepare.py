@@ -11,18 +11,24 @@ downloaded by name, or a file prepared now.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import lzma
 import math
+import os
+import shutil
+import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from glob import escape as glob_escape
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import NanolmError
-from ..run.files import atomic_write_text, manifest, sealed
+from ..run.documents import read_json
+from ..run.files import atomic_write_text, manifest, replace_directory, sealed
 from ..run.lock import LOCK_FILE
 from ..tokenizer import Tokenizer, train_tokenizer
 from .corpus import entropy_path, write_stories
@@ -81,8 +87,10 @@ def _known_document_entropy(source: Path) -> list[float] | None:
     if not source.is_file() or not path.is_file():
         return None
     try:
-        return [float(x) for x in json.loads(path.read_text())["doc_nats"]]
-    except (ValueError, KeyError, TypeError):
+        nats = read_json(path)["doc_nats"]
+        return [float(x) for x in nats] if all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                               for x in nats) else None
+    except (NanolmError, KeyError, TypeError, IndexError):  # a damaged or foreign file: no floor, nothing else
         return None
 
 
@@ -121,10 +129,48 @@ def prepare(
     docs = DocumentSource(source, separator, text_field)
     out = Path(out_dir)
     _refuse_foreign_files(out)
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()][::-1]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.prepare-"))
+    try:
+        staging.chmod(0o777 & ~_umask())  # as a plain mkdir would make it (mkdtemp's is private)
+        _prepare_into(staging, docs, source, tokenizer_kind, vocab_size, val_fraction, tokenizer, seq_len, progress,
+                      compressor_sample_bytes, log, t0)
+        replace_directory(staging, out, last=META_FILE)
+    except BaseException as e:  # refused, interrupted or out of room: --out as it was, a new one never made
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError) and isinstance(e.filename, str):  # the file --out would have held
+            e.filename = e.filename.replace(str(staging), str(out), 1)
+        for directory in reversed(made):
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        raise
+    return PreparedData(out, verify=False)
+
+
+def remove_abandoned_attempts(out_dir) -> None:
+    """Delete the scratch directories that killed preparations into ``out_dir`` left beside it
+    (``kill -9`` runs no cleanup). Only for a caller that holds ``out_dir``'s lock: then no
+    other preparation into it is under way."""
+    out = Path(out_dir)
+    for stale in out.parent.glob(f".{glob_escape(out.name)}.prepare-*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _prepare_into(out: Path, docs: DocumentSource, source, tokenizer_kind: str, vocab_size: int, val_fraction: float,
+                  tokenizer: Tokenizer | None, seq_len: int, progress, compressor_sample_bytes: int, log, t0: float):
+    """:func:`prepare`'s work, into ``out``: a scratch directory that becomes ``--out`` only when whole."""
     total_bytes = docs.size_bytes()
     shown = PrepareProgress(progress_mode(progress, total_bytes, log), log)
-    out.mkdir(parents=True, exist_ok=True)
-
     expected = expected_text_bytes(docs) if shown.mode else 0
     if tokenizer is None:
         tokenizer = _trained_tokenizer(docs, tokenizer_kind, vocab_size, val_fraction, expected, shown)
@@ -133,15 +179,23 @@ def prepare(
     writers = {name: SplitWriter(out / f"{name}.bin", dtype) for name in ("train", "val")}
     doc_nats = _known_document_entropy(Path(source))
     shown.begin("encoding", expected)
-    n_docs, val_nats, compressor_bpb = _encode(docs, tokenizer, writers, val_fraction, doc_nats,
-                                               compressor_sample_bytes, shown)
+    try:
+        n_docs, val_nats, compressor_bpb = _encode(docs, tokenizer, writers, val_fraction, doc_nats,
+                                                   compressor_sample_bytes, shown)
+    except BaseException:
+        for w in writers.values():  # the scratch directory is deleted next
+            with contextlib.suppress(OSError):
+                w.f.close()
+        raise
     done, seconds = shown.end()
     shown.say(f"prepare: encoded {megabytes(done)} in {format_seconds(seconds)} "
               f"({done / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
+    if n_docs["train"] == 0:
+        raise NanolmError(f"{source} holds no document with text (empty documents skipped: {docs.empty}"
+                          + (f"; bad records skipped: {len(docs.problems)}, the first: {docs.problems[0]}"
+                             if docs.problems else "") + ")")
     for name, w in writers.items():
         w.close(out, name)
-    if n_docs["train"] == 0:
-        raise NanolmError(f"{source} holds no document with text (empty documents skipped: {docs.empty})")
 
     seconds = time.perf_counter() - t0
     meta = _prepared_meta(source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes)
@@ -161,7 +215,6 @@ def prepare(
     if len(docs.problems) > 20:
         log(f"... and {len(docs.problems) - 20} more bad records")
     shown.closing(f"{megabytes(total_bytes)} into {sum(w.n_tokens for w in writers.values()):,} tokens")
-    return PreparedData(out, verify=False)
 
 
 def load_training_data(cfg, scratch: Path, log=print, compressor_bounds: bool = True) -> PreparedData:

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from ..batches import Split
-from ..errors import NanolmError
-from ..run.files import check_manifest, check_seal, naming_the_file, read_json
+from ..errors import NanolmError, brief
+from ..run.documents import read_json
+from ..run.files import check_manifest, check_seal, naming_the_file
 from ..tokenizer import Tokenizer
 
 META_FILE = "meta.json"
@@ -111,7 +112,7 @@ def _checked_data_meta(meta, directory: Path) -> dict:
     if not isinstance(meta["files"], dict) or set(meta["files"]) != set(DATA_FILES):
         raise bad(f"its manifest must list exactly {', '.join(DATA_FILES)}")
     if meta.get("dtype") not in ("uint16", "uint32"):
-        raise bad(f"dtype {meta.get('dtype')!r} is not uint16 or uint32")
+        raise bad(f"dtype {brief(repr(meta.get('dtype')), 40)} is not uint16 or uint32")
     if not isinstance(meta.get("tokenizer_fingerprint"), str) or not isinstance(meta.get("tokenizer"), str):
         raise bad("the tokenizer's fingerprint is missing")
     splits = meta.get("splits")

@@ -10,11 +10,11 @@ with a text field) or a ``.parquet`` file (the Hugging Face datasets layout; nee
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import NanolmError
+from ..run.documents import parse_json
 from ..tokenizer import EOS
 
 SEPARATOR = EOS
@@ -68,9 +68,9 @@ def _jsonl_documents(path: Path, text_field: str, problems: list[str]) -> Iterat
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"{path}:{lineno}: not valid JSON ({e.msg})")
+            record = parse_json(line, "it")
+        except NanolmError as e:  # not JSON, or JSON Python cannot hold (too deep, an integer too long)
+            problems.append(f"{path}:{lineno}: {str(e).removeprefix('it ').split('; the file')[0]}")
             continue
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):

@@ -6,7 +6,11 @@ User errors (:class:`NanolmError`) print one line, ``error: ...``, and exit with
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import json
+import os
+import signal
 import sys
 
 from ..errors import NanolmError
@@ -46,7 +50,8 @@ def _eval(args) -> None:
 
 
 def _prepare(args) -> None:
-    from ..data.prepare import prepare
+    from ..data.prepare import prepare, remove_abandoned_attempts
+    from ..run.directory import refuse_output_inside_a_run
     from ..run.files import require_utf8
     from ..run.lock import RunLock
 
@@ -57,9 +62,11 @@ def _prepare(args) -> None:
     if args.vocab_size <= 0:
         raise NanolmError(f"--vocab-size must be positive, got {args.vocab_size}")
     require_utf8("--out", str(args.out), "the tokenizer library can only open UTF-8 paths")
+    refuse_output_inside_a_run(args.out, "--out")
 
     with RunLock() as lock:  # one writer: two prepares into one directory would interleave their shards
         lock.take(args.out, flag="--out")
+        remove_abandoned_attempts(args.out)
         data = prepare(args.data, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.separator,
                        args.text_field, seq_len=args.seq_len, progress=args.progress)
     m = data.meta
@@ -96,6 +103,7 @@ def _data_stories(args) -> None:
 
     if args.docs <= 0:
         raise NanolmError(f"--docs must be positive, got {args.docs}")
+    _refuse_inside_a_run(args.out, "--out")
 
     summary = write_stories(args.out, args.docs, args.seed)
     print(f"wrote {args.docs} stories ({summary['bytes']} bytes) to {args.out}; "
@@ -106,6 +114,8 @@ def _data_stories(args) -> None:
 def _data_download(args) -> None:
     from ..data.download import CORPORA, fetch
 
+    if args.dir is not None:
+        _refuse_inside_a_run(args.dir, "--dir")
     path = fetch(args.name, args.dir, progress=sys.stderr.isatty())
     print(f"{path}  ({CORPORA[args.name].about})")
 
@@ -201,6 +211,7 @@ def _lab(args) -> int:
     from .lab import run_lab
 
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    _refuse_inside_a_run(args.out, "--out")
     results = run_lab(args.out, only, args.steps, args.quick, args.seed, report=not args.no_report)
     return 0 if all(r.matched for r in results) else 1
 
@@ -208,6 +219,7 @@ def _lab(args) -> int:
 def _sweep(args) -> None:
     from .sweep import parse_lrs, run_sweep
 
+    _refuse_inside_a_run(args.out, "--out")
     run_sweep(args, parse_lrs(args.lrs), args.out, args.tolerance, report=not args.no_report)
 
 
@@ -215,6 +227,12 @@ def _export(args) -> None:
     from .export import export_run
 
     export_run(args.run, args.out)
+
+
+def _refuse_inside_a_run(path, flag: str) -> None:
+    from ..run.directory import refuse_output_inside_a_run
+
+    refuse_output_inside_a_run(path, flag)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -441,36 +459,118 @@ def _add_other_commands(sub) -> None:
     q.set_defaults(func=_data_download)
 
 
+OUTPUT_FLAGS = {"train": "--out-dir", "doctor": "--out-dir", "data download": "--dir"}
+"""The option that chose where a command writes, for the one-line error of a full or read-only
+disk; every other command's is --out."""
+
+
+class OutputClosed(Exception):
+    """The command's output went away (``nanolm diagnose RUN | head``, a closed terminal)."""
+
+
+class ClosableOutput:
+    """``sys.stdout`` or ``sys.stderr`` of a command, for a reader that may go away.
+
+    Unix pipelines expect a writer whose reader left (``| head``) to end quietly; Python instead
+    raises ``BrokenPipeError`` from whichever ``print`` meets it (or ``OSError: EIO`` on a
+    terminal that was closed), and again while exiting. Here the first failed write points the
+    file descriptor at /dev/null, so nothing fails twice; then a training run is asked to stop
+    after its step and save, as on SIGTERM (:class:`~nanolm.machine.runtime.StopOnSignal`),
+    and any other command ends with :class:`OutputClosed`."""
+
+    GONE = {errno.EPIPE, errno.EIO, errno.ECONNRESET}
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.gone = False
+
+    def _went_away(self) -> None:
+        """Said once: a training run is asked to stop, any other command ends; later writes
+        (the interpreter's own flush at exit among them) vanish quietly."""
+        from ..machine.runtime import OUTPUT_CLOSED, StopOnSignal
+
+        if self.gone:
+            return
+        self.gone = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            pass
+        if StopOnSignal.active is not None:
+            StopOnSignal.active.request(OUTPUT_CLOSED)
+        else:
+            raise OutputClosed
+
+    def write(self, text):
+        if not self.gone:
+            try:
+                return self._stream.write(text)
+            except OSError as e:
+                if e.errno not in self.GONE:
+                    raise
+        self._went_away()
+        return len(text)
+
+    def flush(self):
+        if not self.gone:
+            try:
+                return self._stream.flush()
+            except OSError as e:
+                if e.errno not in self.GONE:
+                    raise
+        self._went_away()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _tell(line: str) -> None:
+    """The command's last word on stderr, if anyone is still there to read it."""
+    try:
+        print(line, file=sys.stderr)
+    except OutputClosed:
+        pass
+
+
 def main(argv=None, process_tuning=None) -> int:
     """The ``nanolm`` command line, in this process. ``process_tuning`` (a
     :class:`~nanolm.instruments.process.ProcessTuning`, from :func:`entry` only) lets a training
     run tune the process as ``--process-tuning`` says; without it the process is left alone."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.process_tuning_of_entry = process_tuning
+    try:
+        args = build_parser().parse_args(argv)  # imports PyTorch: a Ctrl-C here is one line too
+        args.process_tuning_of_entry = process_tuning
+        return _run(args)
+    except KeyboardInterrupt:  # also one raised while a handler below was printing its line
+        _tell("interrupted")
+        return 130
+
+
+def _run(args) -> int:
     try:
         code = args.func(args)
     except NanolmError as e:
-        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        _tell(f"error: {_one_line(str(e))}")
         return 2
+    except OutputClosed:  # a reader closed the pipe: end quietly, as Unix pipelines expect
+        return 128 + 13
     except OSError as e:  # a full disk, a read-only or foreign directory: the machine's state, not a bug
         from ..run.files import ENVIRONMENT_ERRNOS, describe_os_error
 
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise
-        print(f"error: {describe_os_error(e)}; whatever was saved before is intact: run the same command again "
-              f"once that is fixed", file=sys.stderr)
+        command = args.command if args.command != "data" else f"data {args.data_command}"
+        _tell(f"error: {describe_os_error(e, OUTPUT_FLAGS.get(command, '--out'))}; whatever was saved before is "
+              f"intact: run the same command again once that is fixed")
         return 2
     except Exception as e:
         from ..machine.runtime import TrainingInterrupted
 
         if not isinstance(e, TrainingInterrupted):
             raise
-        print(str(e), file=sys.stderr)
+        _tell(str(e))
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
     return code or 0
 
 
@@ -484,12 +584,36 @@ def entry(argv: list[str] | None = None) -> None:
     nanolm.train`` / ``python -m nanolm.sample`` (which pass their subcommand). It runs
     :func:`main` in a process it may tune for a training run (``--process-tuning``,
     ``nanolm.instruments.process``) and exits with its status. Tests call :func:`main`
-    in-process instead, and leave their process alone."""
-    from .process import ProcessTuning
+    in-process instead, and leave their process alone.
 
-    tuning = ProcessTuning()
-    code = main(argv, process_tuning=tuning)
-    tuning.before_exit()
+    What belongs to the process is set here, not in :func:`main`: output that cannot be
+    encoded (a sample under ``LC_ALL=C``) is printed with replacement characters rather than
+    ending the command; a reader that goes away ends it quietly (:class:`ClosableOutput`);
+    and once a run was asked to stop, a further Ctrl-C while the process saves and exits
+    changes nothing (:class:`~nanolm.machine.runtime.StopOnSignal`)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:  # pythonw, a service: no console at all
+            continue
+        if hasattr(stream, "reconfigure") and name == "stdout":
+            stream.reconfigure(errors="replace")
+        setattr(sys, name, ClosableOutput(stream))
+    try:
+        from ..machine.runtime import StopOnSignal  # PyTorch loads here: a Ctrl-C meanwhile is one line
+        from .process import ProcessTuning
+
+        StopOnSignal.quiet_after_stop = True
+        tuning = ProcessTuning()
+        code = main(argv, process_tuning=tuning)
+        tuning.before_exit()
+    except KeyboardInterrupt:
+        _tell("interrupted")
+        code = 130
+    except OutputClosed:
+        code = 128 + 13
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # the process is ending: nothing is left to interrupt
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     sys.exit(code)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def read_run(path) -> RunRecord:
     if not (path / "metrics.jsonl").is_file():
         raise NanolmError(f"{path} has no metrics.jsonl: the run logged nothing to compare")
     cfg = load_run_config(path / "config.toml")
-    rows = read_metrics(path / "metrics.jsonl")
+    rows = read_metrics(path / "metrics.jsonl", warn=lambda line: print(line, file=sys.stderr))
     if not rows:
         raise NanolmError(f"{path}/metrics.jsonl holds no rows")
     return RunRecord(path, cfg, rows, setup_of(cfg, *recorded_run(path, cfg, rows[0])))
@@ -77,17 +78,21 @@ def recorded_run(path: Path, cfg, first: dict) -> tuple[str, str, str, int]:
     """(data digest, number format, device type, world size) as the step-0 row records them;
     for a run logged before nanolm recorded them: from its data directory, its config and its
     tokens per step (on a CPU)."""
+    per_rank = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.seq_len
+    tokens = first.get("tokens_per_step")
+    world_size = first.get("world_size")
+    if not (isinstance(world_size, int) and world_size >= 1):
+        world_size = max(1, tokens // per_rank) if isinstance(tokens, int) else 1
+    precision, device_type = first.get("precision", cfg.train.precision), first.get("device_type", "cpu")
     if "data_digest" in first:
-        return first["data_digest"], first["precision"], first["device_type"], first["world_size"]
+        return first["data_digest"], precision, device_type, world_size
     from ..data.shards import PreparedData
 
     try:
         digest = PreparedData(path / "data", verify=False).digest
     except NanolmError:
         digest = "unknown"
-    per_rank = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.seq_len
-    world_size = max(1, int(first.get("tokens_per_step", per_rank)) // per_rank)
-    return digest, first.get("precision", cfg.train.precision), "cpu", world_size
+    return digest, precision, device_type, world_size
 
 
 @dataclass

@@ -12,13 +12,17 @@ approximately.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 from ..errors import NanolmError
+from ..run.directory import refuse_output_inside_a_run
+from ..run.files import atomic_write_text, naming_the_file, replace
 from ..run.final import load_run
 from ..tokenizer import EOS
 
@@ -85,28 +89,45 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def export_run(run_dir, out_dir, log=print) -> Path:
-    """Write ``config.json``, ``model.safetensors`` and the tokenizer files into ``out_dir``."""
+    """Write ``config.json``, ``model.safetensors`` and the tokenizer files into ``out_dir``.
+
+    Everything is written into a scratch directory beside ``out_dir`` and renamed into place
+    once whole: a full disk or a Ctrl-C leaves no half-exported model that a later
+    ``from_pretrained`` would load, nor a non-empty ``out_dir`` that would block the rerun."""
     from safetensors.torch import save_file
 
+    out = Path(out_dir)
+    refuse_output_inside_a_run(out, "--out")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NanolmError(f"{out} exists and is not an empty directory; choose another --out")
     model, tokenizer, _ = load_run(run_dir, "cpu")
     config = hf_config(model)
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise NanolmError(f"{out} exists and is not empty; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
-    config["eos_token_id"] = tokenizer.eos_id
-    config["bos_token_id"] = tokenizer.eos_id  # EOS opens every document in nanolm's data
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(Path(run_dir) / "tokenizer.json", out / "tokenizer.json")
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS,
-        "bos_token": EOS,
-        "model_max_length": model.config.seq_len,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2))
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()][::-1]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
+    try:
+        config["eos_token_id"] = tokenizer.eos_id
+        config["bos_token_id"] = tokenizer.eos_id  # EOS opens every document in nanolm's data
+        atomic_write_text(staging / "config.json", json.dumps(config, indent=2))
+        with naming_the_file(out / "model.safetensors"):
+            save_file(hf_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save(staging / "tokenizer.json")
+        atomic_write_text(staging / "tokenizer_config.json", json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOS,
+            "bos_token": EOS,
+            "model_max_length": model.config.seq_len,
+            "clean_up_tokenization_spaces": False,
+        }, indent=2))
+        atomic_write_text(staging / "generation_config.json", json.dumps(
+            {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2))
+        staging.chmod(0o755)
+        replace(staging, out)  # onto nothing, or onto an empty directory: one atomic rename
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for directory in reversed(made):
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
     log(f"exported {run_dir} as {config['architectures'][0]} to {out}")
     return out

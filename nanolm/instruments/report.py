@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import NanolmError
+from ..run.directory import refuse_output_inside_a_run
 from ..watch.reference import reference_for_digest
 from ..watch.sinks import read_metrics
 
@@ -46,12 +47,16 @@ class Run:
     config: dict = field(default_factory=dict)
 
     def option(self, section: str, key: str, default=None):
-        return self.config.get(section, {}).get(key, default)
+        """A number from config.toml (each one the report uses is), else ``default``: the file
+        is read leniently, an older or damaged one must not stop the plots."""
+        table = self.config.get(section)
+        value = table.get(key, default) if isinstance(table, dict) else default
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
     @property
     def tokens_per_step(self) -> int | None:
         for r in self.rows:
-            if "tokens_per_step" in r:
+            if isinstance(r.get("tokens_per_step"), int):
                 return r["tokens_per_step"]
         seq, batch = self.option("model", "seq_len"), self.option("train", "batch_size")
         accum = self.option("train", "grad_accum")
@@ -107,12 +112,10 @@ def load_run(path) -> Run:
         raise NanolmError(f"{metrics} holds no rows yet")
     config = {}
     if (path / "config.toml").is_file():
-        from ..run.config import tomllib
+        from ..run.documents import read_toml
 
-        try:
-            config = tomllib.loads((path / "config.toml").read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise NanolmError(f"{path / 'config.toml'} is not valid TOML: {e}") from None
+        config = {section: values for section, values in read_toml(path / "config.toml").items()
+                  if isinstance(values, dict)}
     return Run(path, path.name, rows, config)
 
 
@@ -386,6 +389,7 @@ def render(run_dirs, out_dir=None, x: str = "step", dpi: int = 90) -> dict:
     runs = [load_run(d) for d in run_dirs]
     _unique_names(runs)
     out = Path(out_dir) if out_dir else runs[0].path / "report"
+    refuse_output_inside_a_run(out, "--out")
     (out / "panels").mkdir(parents=True, exist_ok=True)
     panels = [p for p in PANELS if p.present(runs)]
 

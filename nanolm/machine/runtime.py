@@ -171,35 +171,74 @@ def configure_threads(threads: int, device: torch.device, log=print, auto: bool 
 
 
 class TrainingInterrupted(Exception):
-    """Training stopped on SIGINT/SIGTERM after saving a checkpoint; ``exit_code`` is 128 + signal."""
+    """Training stopped on a signal (or a closed output) after saving a checkpoint; ``exit_code``
+    is 128 + the signal's number, as a shell reports a process that signal ended."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
 
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+"""What asks a run to stop after its step and save: Ctrl-C, ``kill`` (a scheduler's end of a job)
+and the end of the terminal or SSH session it was started from (SIGHUP, POSIX only)."""
+OUTPUT_CLOSED = getattr(signal, "SIGPIPE", 13)
+"""The stop request of a run whose output went away (``nanolm train | head``): as for SIGPIPE."""
+
+
+def stop_reason(signum: int) -> str:
+    """What stopped a run, as its last line says it: ``SIGTERM``, ``SIGHUP``, or its output closed."""
+    if signum == OUTPUT_CLOSED:
+        return "output closed (SIGPIPE)"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 class StopOnSignal:
-    """Turns SIGINT/SIGTERM into a request to stop after the current step.
+    """Turns SIGINT, SIGTERM and SIGHUP into a request to stop after the current step.
 
     Killing a run mid-step would lose everything since the last checkpoint; instead the
     loop finishes its step, saves a checkpoint and exits. A second Ctrl-C stops at once.
+    Closing the terminal sends SIGHUP, which by default ends a process on the spot: here it
+    is a stop like SIGTERM. A reader that closed the run's output (``| head``) is the same
+    request, made by the command's entry through :meth:`request` (:attr:`active` is the
+    instance in force).
+
+    ``quiet_after_stop`` is the command entry's to set (it owns the process): once a stop was
+    requested, the signals stay ignored when the loop is left, so a further Ctrl-C while the
+    process exits changes nothing. ``train()`` called from Python leaves it False and gets
+    its handlers back as they were.
     """
+
+    active: "StopOnSignal | None" = None
+    quiet_after_stop = False
 
     def __init__(self):
         self.requested: int | None = None
         self._previous = {}
+        self._outer = None
+
+    def request(self, signum: int) -> None:
+        """Stop after this step, as on ``signum`` (the first request is the one reported)."""
+        if self.requested is None:
+            self.requested = signum
 
     def _handle(self, signum, frame):
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = signum
+        self.request(signum)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
+        self._outer, StopOnSignal.active = StopOnSignal.active, self
         return self
 
     def __exit__(self, *exc):
+        StopOnSignal.active = self._outer
+        quiet = self.quiet_after_stop and self.requested is not None
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if quiet else handler)

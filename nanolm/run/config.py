@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..errors import NanolmError
+from ..errors import NanolmError, brief
 from ..model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from ..optim import OPTIMIZERS, muon_available
 from ..precision import PRECISIONS
@@ -31,12 +30,8 @@ from ..tokenizer import EOS
 from ..tokenizer import KINDS as TOKENIZER_KINDS
 from ..watch.guards import NAN_ACTIONS, SPIKE_ACTIONS
 from ..watch.sinks import LOG_SINKS, PROGRESS_MODES, parse_sinks
+from .documents import read_toml
 from .files import require_utf8
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 def option(default, help: str, choices=None, flag: str | None = None, parse=None):
@@ -252,7 +247,7 @@ class RunConfig:
 
         def need(ok: bool, name: str, value, rule: str) -> None:
             if not ok:
-                raise NanolmError(f"--{flag_name(name)} must be {rule}, got {value!r}")
+                raise NanolmError(f"--{flag_name(name)} must be {rule}, got {_brief(value)}")
 
         def finite(x) -> bool:
             return isinstance(x, (int, float)) and math.isfinite(x)
@@ -403,6 +398,16 @@ _OWNER = {f.name: cls for cls in SECTIONS.values() for f in dataclasses.fields(c
 assert len(_OWNER) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values()), "option names must be unique"
 
 
+def _brief(value) -> str:
+    """A value as a message quotes it: a long one (a crafted file's megabyte string) cut short."""
+    return brief(repr(value), 80)
+
+
+def _kind_of(value) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
+            dict: "a table"}.get(type(value), type(value).__name__)
+
+
 def _coerce(name: str, value, source: str):
     f = next(f for f in dataclasses.fields(_OWNER[name]) if f.name == name)
     kind = _field_type(f)
@@ -410,36 +415,38 @@ def _coerce(name: str, value, source: str):
         try:
             value = f.metadata["parse"](value)
         except ValueError:
-            raise NanolmError(f"{name} in {source} must be a {kind.__name__} or auto, got {value!r}") from None
+            raise NanolmError(f"{name} in {source} must be a {kind.__name__} or auto, got {_brief(value)}") from None
     if kind is bool:
         if not isinstance(value, bool):
-            raise NanolmError(f"{name} in {source} must be true or false, got {value!r}")
+            raise NanolmError(f"{name} in {source} must be true or false, got {_brief(value)}")
         return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise NanolmError(f"{name} in {source} must be a {kind.__name__}, got {value!r}")
+        raise NanolmError(f"{name} in {source} must be a {kind.__name__}, got {_brief(value)}")
     return value
 
 
 def load_toml(path) -> dict[str, dict]:
     """Sections and values of a config file, checked against the known options."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise NanolmError(f"config file {path} does not exist")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise NanolmError(f"{path} is not valid TOML: {e}") from None
+    raw = read_toml(path, f"config file {path}")
     out: dict[str, dict] = {}
+    known_sections = ", ".join(f"[{s}]" for s in SECTIONS)
     for section, values in raw.items():
-        if section not in SECTIONS or not isinstance(values, dict):
-            raise NanolmError(f"unknown section [{section}] in {path}; known: {', '.join(f'[{s}]' for s in SECTIONS)}")
+        if section not in SECTIONS:
+            raise NanolmError(f"unknown section [{_brief(section)[1:-1]}] in {path}; known: {known_sections}")
+        if not isinstance(values, dict):
+            raise NanolmError(f"{section} in {path} must be a table of options ([{section}] and its lines), got "
+                              f"{_kind_of(values)}")
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key, value in values.items():
             if key not in known:
                 hint = f" (it belongs in [{_section_of(key)}])" if key in _OWNER else ""
-                raise NanolmError(f"unknown option {key!r} in [{section}] of {path}{hint}; known: {', '.join(sorted(known))}")
+                raise NanolmError(f"unknown option {_brief(key)} in [{section}] of {path}{hint}; "
+                                  f"known: {', '.join(sorted(known))}")
             out.setdefault(section, {})[key] = _coerce(key, value, str(path))
     return out
 
@@ -483,7 +490,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         for name, value in values[section].items():
             choices = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name).metadata["choices"]
             if choices and value not in choices:
-                raise NanolmError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+                raise NanolmError(f"{name} must be one of {', '.join(choices)}, got {_brief(value)}")
     return RunConfig(**{s: SECTIONS[s](**values[s]) for s in SECTIONS}).resolved()
 
 

@@ -39,6 +39,7 @@ on every resume, and prepared again from its source if it was damaged.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -59,13 +60,64 @@ from ..distributed import Distributed
 from ..errors import NanolmError
 from ..tokenizer import Tokenizer
 from .config import RunConfig, load_run_config, resume_differences
-from .files import atomic_write_text, move_directory, probe_writable, read_json
+from .documents import read_json
+from .files import atomic_write_text, move_directory, probe_writable
 from .final import read_final
-from .lock import DirectoryBusy, RunLock, held_by_another
+from .lock import DirectoryBusy, RunLock, busy_refusal, held_by_another
 
 RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "events.jsonl", "model.safetensors", "final.json",
              "checkpoints", "data")
 """Every name nanolm writes at the top of a run directory (besides tensorboard/ and wandb/)."""
+
+
+def _is_run_directory(path: Path) -> bool:
+    """A directory ``nanolm train`` writes: config.toml (written first) and any other run file."""
+    return (path / "config.toml").is_file() and any((path / name).exists() for name in RUN_FILES
+                                                     if name != "config.toml")
+
+
+def _checked_by_manifest(path: Path) -> bool:
+    """A directory whose meta.json lists its files (a checkpoint, prepared data): nanolm refuses
+    it once it holds a file the list does not name."""
+    meta = path / "meta.json"
+    if not meta.is_file():
+        return False
+    try:
+        value = read_json(meta)
+        return isinstance(value, dict) and "files" in value
+    except NanolmError:
+        return True  # damaged, but still nanolm's: nothing of another command belongs there
+
+
+def refuse_output_inside_a_run(path, flag: str) -> None:
+    """Refuse an output path that would land among a run's own files or inside a directory
+    nanolm checks against a manifest, before anything is written.
+
+    ``nanolm export --out RUN/checkpoints/step_000100/hf`` used to succeed, and the run then
+    fell back past its newest checkpoint, which now held a file its manifest did not list; a
+    report, prepared data or a second run inside a run's ``checkpoints/`` or ``data/`` breaks it
+    the same way. Beside them (``RUN/report``, ``RUN/hf``) is fine. The path is followed through
+    symbolic links, so a link into a checkpoint is refused too; a link that points nowhere is
+    refused here in one line rather than by ``mkdir`` as a traceback."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        raise NanolmError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist; remove the "
+                          f"link or choose another {flag}")
+    real = Path(os.path.realpath(path))
+    child = real
+    for ancestor in real.parents:
+        if _checked_by_manifest(ancestor):
+            kind = "a checkpoint" if CHECKPOINTS in ancestor.parts else "prepared data"
+            raise NanolmError(f"{flag} {path} is inside {ancestor}, {kind} whose files nanolm checks against its "
+                              f"manifest: anything written there makes it invalid; choose another {flag}")
+        if child.name in RUN_FILES and _is_run_directory(ancestor):
+            holder = held_by_another(ancestor)
+            if holder is not None:  # name the process writing it: the user may not know it runs
+                raise busy_refusal(path, holder, flag, inside=ancestor)
+            raise NanolmError(f"{flag} {path} is {'inside ' if child != real else ''}{ancestor / child.name}, which "
+                              f"the run in {ancestor} writes; choose a path beside it, such as {ancestor / 'export'}, "
+                              f"or another {flag}")
+        child = ancestor
 
 
 @dataclass
@@ -81,6 +133,7 @@ class RunPlan:
     restart: bool = False
     finished: bool = False
     message: str = ""
+    data_moved: bool = False  # --data names another path that holds the very data the checkpoint trained on
 
 
 def default_name(cfg: RunConfig) -> str:
@@ -114,6 +167,7 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
     """The plan for ``out_dir``, made holding its lock, or (when ``quiet_mismatch``) the
     refused differences of the run it holds, for the caller to try another directory."""
     t = cfg.train
+    refuse_output_inside_a_run(out_dir, "--out-dir")
     probe_writable(out_dir)
     lock.take(out_dir, log=log)
     if not out_dir.exists() or not any((out_dir / name).exists() for name in RUN_FILES):
@@ -133,6 +187,13 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
         raise NanolmError(f"{out_dir} holds a run whose configuration cannot be read ({e}); "
                           f"choose another --out-dir") from None
     refused = _refused_changes(saved, saved_world, cfg, world_size)
+    moved = [line for line in refused if line.startswith("data:")]
+    data_moved = bool(moved) and checkpoint is not None and data_moved_to(cfg, checkpoint)
+    if data_moved:
+        refused = [line for line in refused if line not in moved]
+    elif moved and checkpoint is not None:
+        refused = [f"{line} (not the data the run trained on: compared by content, not by name)" if line in moved
+                   else line for line in refused]
     if refused:
         if quiet_mismatch:
             return refused
@@ -152,7 +213,7 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
             f"{out_dir} finished at step {finished_at} of {t.steps}; nothing to do (raise --steps to train longer, "
             f"or choose another --out-dir for a new run)"))
     if checkpoint is not None:
-        return RunPlan(out_dir, checkpoint=checkpoint)
+        return RunPlan(out_dir, checkpoint=checkpoint, data_moved=data_moved)
     if committed:
         raise NanolmError(f"{out_dir} has checkpoints but none is valid (see the warnings above); starting over "
                           f"would discard the run: move the directory aside to start again, or --resume PATH")
@@ -161,6 +222,22 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
                           f"start a new run with another --out-dir")
     log(f"{out_dir} holds a run that stopped before its first checkpoint was saved; starting it again from step 0")
     return RunPlan(out_dir, restart=True)
+
+
+def data_moved_to(cfg: RunConfig, checkpoint: Path) -> bool:
+    """Whether ``--data`` (at a path other than the run's) gives exactly the data ``checkpoint``
+    trained on: the data is compared by its digest, not its name, so a corpus moved or copied
+    elsewhere continues the run. A raw text file is tokenized again to know (a prepared
+    directory is only read); any problem with it means no."""
+    digest = read_checkpoint_meta(checkpoint).get("data_digest")
+    if digest is None or not cfg.data.data:
+        return False
+    with tempfile.TemporaryDirectory(prefix="nanolm-moved-") as scratch:
+        try:
+            data = load_training_data(cfg, Path(scratch), log=lambda *_: None, compressor_bounds=False)
+        except NanolmError:
+            return False
+        return data.digest == digest
 
 
 def _step(checkpoint: Path) -> int:
@@ -181,7 +258,9 @@ def locate_run(cfg: RunConfig, lock: RunLock, world_size: int = 1, log=print) ->
         if plan.checkpoint is not None and plan.out_dir.resolve() not in checkpoint.resolve().parents:
             raise NanolmError(f"{plan.out_dir} holds checkpoints of its own; --resume {t.resume} continues another "
                               f"run into a new --out-dir")
-        plan = RunPlan(plan.out_dir, checkpoint=checkpoint, restart=plan.restart)
+        saved = load_run_config(checkpoint / "config.toml")
+        moved = saved.data.data != cfg.data.data and data_moved_to(cfg, checkpoint)
+        plan = RunPlan(plan.out_dir, checkpoint=checkpoint, restart=plan.restart, data_moved=moved)
     past = _past_steps(plan.out_dir, _step(plan.checkpoint), t.steps) if plan.checkpoint is not None else ""
     if past:
         log(past)
@@ -308,16 +387,18 @@ def use_prepared_tokenizer(cfg: RunConfig) -> None:
 
 # --------------------------------------------------------------------------- may this checkpoint continue this run?
 def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print,
-                            dist: Distributed | None = None, data: PreparedData | None = None) -> None:
+                            dist: Distributed | None = None, data: PreparedData | None = None,
+                            data_moved: bool = False) -> None:
     """Refuse a resumption that would silently mix two different runs; log allowed changes.
 
     The split of the global batch (batch size, accumulation, world size) may change as long
-    as the global batch itself does not (see ``nanolm.distributed``).
+    as the global batch itself does not (see ``nanolm.distributed``); the path of ``--data``
+    may change when ``data_moved`` says it holds the same data (:func:`data_moved_to`).
     """
     saved = load_run_config(checkpoint / "config.toml")
     meta = read_checkpoint_meta(checkpoint)
     regroup, allowed_split, refused_split = (dist or Distributed()).resume_rules(meta, saved, cfg)
-    allowed, refused = resume_differences(saved, cfg, also_allowed=regroup)
+    allowed, refused = resume_differences(saved, cfg, also_allowed=set(regroup) | ({"data"} if data_moved else set()))
     allowed, refused = allowed + allowed_split, refused + refused_split
     if Tokenizer.load(checkpoint / "tokenizer.json").fingerprint() != tokenizer.fingerprint():
         refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
@@ -327,7 +408,8 @@ def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=pri
         raise NanolmError(f"cannot resume from {checkpoint}: incompatible changes: {'; '.join(refused)}. "
                           f"Keep those settings, or start a new run with another --out-dir")
     for line in allowed:
-        log(f"resume: {line} (allowed)")
+        same = " by its digest: the same data" if line.startswith("data:") else ""
+        log(f"resume: {line} (allowed{same})")
 
 
 def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, log=print) -> PreparedData:
@@ -357,7 +439,7 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
                 f"--seq-len + 1 = {cfg.model.seq_len + 1}; use more text or a smaller --seq-len"
             )
         if checkpoint is not None:
-            check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data)
+            check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data, plan.data_moved)
         data.check_vocab(data.tokenizer.vocab_size)
         check_memory(cfg.model.gpt_config(data.tokenizer.vocab_size), precision, dist, t.batch_size,
                      t.eval_batches * t.batch_size * dist.world_size, cfg.optim.optimizer)

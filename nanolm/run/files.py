@@ -11,7 +11,8 @@ directory cannot be opened to fsync it (NTFS journals the rename itself), and a 
 process holds open (a reader's memory map of the weights) refuses to be replaced for as long as
 it is open: :func:`replace` waits for the reader, a few seconds at most, then names the file.
 
-**Reads are checked.** Every JSON file is parsed with errors that name it; a directory
+**Reads are checked.** Every JSON and TOML file is parsed under guard (``nanolm.run.documents``),
+with errors that name it; a directory
 that nanolm wrote carries a *manifest*, the SHA-256 of each of its files, and is accepted
 only when the files on disk are exactly the listed ones with exactly those checksums. A
 flipped bit, a truncated copy or a swapped file is then named, never silently trained on.
@@ -29,12 +30,14 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import NanolmError
+from ..errors import NanolmError, brief
+
 
 ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO,
                       errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
@@ -53,13 +56,34 @@ def require_utf8(flag: str, value: str, why: str) -> None:
                           f"with a UTF-8 name") from None
 
 
-def describe_os_error(e: OSError) -> str:
-    """``OSError`` as one line: the path, then the cause, then what a user can do."""
+def text_argument(flag: str, value: str) -> str:
+    """Text given on the command line (a prompt), as the UTF-8 the user typed.
+
+    Python decodes the command line with the locale's encoding, keeping each byte it cannot
+    decode as a lone surrogate: under ``LC_ALL=C`` a prompt typed as UTF-8 ("café") arrives
+    as ``caf\\udcc3\\udca9``, and a prompt in Latin-1 arrives that way under any locale. The
+    bytes are recovered and read as UTF-8; bytes that are not UTF-8 are one line, not a
+    tokenizer's ``TypeError``."""
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        raw = os.fsencode(value)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NanolmError(f"{flag} {brief(repr(raw), 80)} is not UTF-8 text (byte {e.start}); type it in UTF-8 or "
+                          f"set your terminal to UTF-8") from None
+
+
+def describe_os_error(e: OSError, flag: str = "--out-dir") -> str:
+    """``OSError`` as one line: the path, then the cause, then what a user can do (``flag``: the
+    option that chose where the command writes)."""
     where = e.filename if e.filename is not None else "a file"
     hint = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space (disk quota)",
-            errno.EROFS: "the file system is read-only; choose another --out-dir",
-            errno.EACCES: "you may not write there; choose another --out-dir",
-            errno.EPERM: "you may not write there; choose another --out-dir",
+            errno.EROFS: f"the file system is read-only; choose another {flag}",
+            errno.EACCES: f"you may not write there; choose another {flag}",
+            errno.EPERM: f"you may not write there; choose another {flag}",
             errno.EFBIG: "the file is larger than this system allows"}.get(e.errno, "")
     return f"cannot write {where}: {e.strerror or e}" + (f" ({hint})" if hint else "")
 
@@ -184,6 +208,56 @@ def move_directory(source, target) -> None:
     shutil.rmtree(source, ignore_errors=True)
 
 
+RENAME_EXCHANGE = 2  # renameat2's flag: swap two paths in one atomic step (Linux >= 3.15)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one atomic step; False where the system cannot
+    (not Linux, an old C library, a file system without it: NFS, some FUSE mounts)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def replace_directory(staging, target, last: str | None = None) -> None:
+    """Make ``target`` hold exactly what ``staging`` (a complete directory beside it) holds, so
+    that a reader, or the next process after a crash, finds the old directory or the new one,
+    never a mix: an absent ``target`` is a rename; an existing one is swapped with ``staging``
+    in one step (``renameat2``'s exchange) and the old content then deleted.
+
+    Where no such swap exists (Windows, macOS, NFS) the files are moved in one at a time:
+    ``last`` (the file that vouches for the others, such as meta.json) is removed first and put
+    back last, so an interruption leaves a directory that says it is incomplete, not a mix that
+    claims to be whole. ``target``'s other entries (its lock file) stay."""
+    staging, target = Path(staging), Path(target)
+    if not target.exists():
+        replace(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)  # what target held before
+    else:
+        if last is not None:
+            (target / last).unlink(missing_ok=True)
+        names = sorted(p.name for p in staging.iterdir() if p.name != last) + ([last] if last else [])
+        for name in names:
+            if (staging / name).exists():
+                replace(staging / name, target / name)
+        shutil.rmtree(staging, ignore_errors=True)
+    fsync_dir(target.parent)
+
+
 def fsync_dir(path) -> None:
     if WINDOWS:  # a directory cannot be opened for fsync there; NTFS journals the rename
         return
@@ -219,21 +293,6 @@ def sha256_file(path, on_block=None) -> str:
             if on_block is not None:
                 on_block(block)
     return h.hexdigest()
-
-
-def read_json(path, what: str | None = None):
-    """A JSON file's value, or a :class:`NanolmError` naming ``what`` (default: the path)."""
-    what = what or str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise NanolmError(f"{what} cannot be read ({e.strerror or e})") from None
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise NanolmError(f"{what} is not UTF-8 text (byte {e.start}); the file is damaged") from None
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise NanolmError(f"{what} is not valid JSON ({e}); the file is damaged") from None
 
 
 def files_under(directory, skip: tuple[str, ...] = ()) -> dict[str, Path]:
@@ -310,7 +369,7 @@ def sealed(meta: dict) -> dict:
 
 
 def check_seal(meta: dict, what: str) -> None:
-    if meta.get(SEAL) != _digest_of(meta):
+    if not isinstance(meta.get(SEAL), str) or meta[SEAL] != _digest_of(meta):
         raise NanolmError(f"{what} is damaged (its seal does not match its content)")
 
 
@@ -337,21 +396,3 @@ def probe_writable(path) -> None:
     except OSError as e:
         raise NanolmError(f"--out-dir {path}: cannot write in {existing} ({e.strerror or e}); "
                           f"choose a directory you can write") from None
-
-
-def read_jsonl(path) -> tuple[list, int]:
-    """(the parsed lines of a JSON-lines file, how many lines were damaged).
-
-    A half-written last line (a crash, a live run) is not counted as damage. Lines are
-    read as bytes, so a byte that is not UTF-8 damages one line, not the file.
-    """
-    with open(path, "rb") as f:
-        lines = [line for line in f if line.strip()]
-    rows, damaged = [], 0
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line.decode("utf-8")))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-            if i < len(lines) - 1 or line.endswith(b"\n"):
-                damaged += 1
-    return rows, damaged

@@ -29,12 +29,12 @@ from ..errors import NanolmError
 from ..model import GPT
 from ..tokenizer import Tokenizer
 from .config import RunConfig, load_run_config
+from .documents import read_json
 from .files import (
     atomic_write_text,
     check_seal,
     is_sha256,
     manifest,
-    read_json,
     sealed,
     sha256_file,
 )

@@ -188,7 +188,7 @@ class RunLock:
         for parent in directory.absolute().parents:
             holder = held_by_another(parent)
             if holder is not None and holder not in _this_process_or_its_parent():  # a run (or its child) writing into its own directory
-                raise _busy(directory, holder, flag, inside=parent)
+                raise busy_refusal(directory, holder, flag, inside=parent)
         self._made = [p for p in (directory, *directory.parents) if not p.exists()][::-1]
         if os.environ.get(NO_LOCK) == "1":
             log(f"warning: {directory} is written without a lock ({NO_LOCK}=1): make sure no other process writes there")
@@ -284,7 +284,8 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _busy(directory: Path, holder: str, flag: str, inside: Path | None = None) -> DirectoryBusy:
+def busy_refusal(directory: Path, holder: str, flag: str, inside: Path | None = None) -> DirectoryBusy:
+    """The one line refusing ``directory`` (or a path ``inside`` a directory) another process writes."""
     pid, _, host = holder.partition("@")
     who = f"process {pid} on {host}" if pid.isdigit() and host else "another process"
     if inside is not None:
@@ -295,7 +296,7 @@ def _busy(directory: Path, holder: str, flag: str, inside: Path | None = None) -
 
 def _refusal(error: OSError, directory: Path, holder: str, flag: str) -> NanolmError:
     if error.errno in HELD:
-        return _busy(directory, holder, flag)
+        return busy_refusal(directory, holder, flag)
     if error.errno in NO_LOCKS_HERE:
         return NanolmError(f"{directory} is on a file system without working locks ({error.strerror}), so nanolm "
                            f"cannot make sure it is the only process writing there; use a local disk or a mount with "

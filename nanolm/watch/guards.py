@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from ..errors import NanolmError
-from ..run.files import naming_the_file, read_jsonl
+from ..run.documents import read_jsonl
+from ..run.files import naming_the_file
 
 NAN_ACTIONS = ("stop", "skip", "rollback")
 SPIKE_ACTIONS = ("off", "warn", "skip", "rollback")
@@ -204,13 +205,44 @@ def _json_number(x: float):
     return x if math.isfinite(x) else str(x)
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+_EVENT_FIELDS = {
+    "step": lambda v: type(v) is int and v >= 0, "kind": lambda v: isinstance(v, str),
+    "action": lambda v: isinstance(v, str), "origin": lambda v: isinstance(v, str), "note": lambda v: isinstance(v, str),
+    "on": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "recent": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+    "to_step": lambda v: type(v) is int, "bad_ids": lambda v: type(v) is int,
+    "loss": lambda v: _is_number(v) or v in ("nan", "inf", "-inf"),
+    "grad_norm": lambda v: _is_number(v) or v in ("nan", "inf", "-inf"),
+}
+"""What each field of an event holds (see :meth:`Guard.check` and :meth:`Guard.record`);
+any other field holds a number, text, a boolean or null."""
+
+
+def _is_event(event) -> bool:
+    """An event every reader may trust: each field of :data:`_EVENT_FIELDS` of its kind, and
+    the step and kind present. Any other shape is damage (left out, counted)."""
+    if not (isinstance(event, dict) and "step" in event and "kind" in event):
+        return False
+    for key, value in event.items():
+        check = _EVENT_FIELDS.get(key)
+        ok = check(value) if check is not None else (value is None or isinstance(value, (str, int, float)))
+        if not ok:
+            return False
+    return True
+
+
 def read_events(run_dir, warn=None) -> list[dict]:
-    """The events of a run; damaged lines are left out (``warn`` hears how many)."""
+    """The events of a run; damaged lines and events of the wrong shape (:func:`_is_event`)
+    are left out (``warn`` hears how many)."""
     path = Path(run_dir) / "events.jsonl"
     if not path.is_file():
         return []
     rows, damaged = read_jsonl(path)
-    events = [e for e in rows if isinstance(e, dict) and isinstance(e.get("step"), int) and isinstance(e.get("kind"), str)]
+    events = [e for e in rows if _is_event(e)]
     if warn is not None and damaged + len(rows) - len(events):
         warn(f"warning: {path}: {damaged + len(rows) - len(events)} damaged line(s) left out")
     return events

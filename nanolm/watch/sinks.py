@@ -36,7 +36,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..run.files import naming_the_file, read_jsonl, replace
+from ..run.documents import read_jsonl
+from ..run.files import naming_the_file, replace
 from .reference import format_band
 
 LOG_SINKS = ("wandb", "tensorboard")
@@ -60,7 +61,9 @@ class MetricsFile:
         self.rows: list[dict] = []
         if resume_step is not None and self.path.exists():
             rows, damaged = read_jsonl(self.path)
-            self.rows = [r for r in rows if _is_step_row(r) and r["step"] <= resume_step]
+            good = [r for r in rows if _is_step_row(r)]
+            damaged += len(rows) - len(good)
+            self.rows = [r for r in good if r["step"] <= resume_step]
             if damaged:
                 log(f"warning: {self.path}: {damaged} damaged line(s) dropped while resuming")
             tmp = self.path.with_name(f".{self.path.name}.tmp")
@@ -87,13 +90,37 @@ class MetricsFile:
         self.file.close()
 
 
+TEXT_KEYS = frozenset({"optimizer", "schedule", "setup_digest", "data_digest", "precision", "device_type",
+                       "reference"})
+"""The keys of a metrics row that hold text (the step-0 row's recipe and setup)."""
+FLAG_KEYS = frozenset({"clipped"})
+"""The keys that hold true or false; every other key holds a number (or null)."""
+
+
 def _is_step_row(row) -> bool:
-    return isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool)
+    """A row every reader may trust without checking again: an object with a whole step >= 0,
+    text under :data:`TEXT_KEYS`, booleans under :data:`FLAG_KEYS` and numbers (or null)
+    everywhere else. A row of any other shape (a damaged copy, a crafted file) is damage: left
+    out and counted, so that no reader (diagnose, compare, report, a resume) meets a string where
+    it adds numbers."""
+    if not (isinstance(row, dict) and type(row.get("step")) is int and row["step"] >= 0):
+        return False
+    for key, value in row.items():
+        if key in TEXT_KEYS:
+            ok = isinstance(value, str)
+        elif key in FLAG_KEYS:
+            ok = isinstance(value, bool)
+        else:
+            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        if not ok:
+            return False
+    return True
 
 
 def read_metrics(path, warn=None) -> list[dict]:
-    """The rows of a ``metrics.jsonl``: damaged lines and rows without an integer step are
-    left out (``warn`` hears how many); a half-written last line is skipped silently."""
+    """The rows of a ``metrics.jsonl``: damaged lines and rows of the wrong shape (see
+    :func:`_is_step_row`) are left out (``warn`` hears how many); a half-written last line is
+    skipped silently."""
     rows, damaged = read_jsonl(path)
     kept = [r for r in rows if _is_step_row(r)]
     lost = damaged + len(rows) - len(kept)

@@ -1,0 +1,149 @@
+"""A terminal's signals, closed pipes and locales end a command quietly, and a run keeps its work.
+
+Students train from a terminal, often over SSH: the session ends (SIGHUP), they press Ctrl-C
+twice, they pipe the log into ``head``, their shell runs under ``LC_ALL=C``. Each must end in
+one line (or none, for a closed pipe, as Unix pipelines expect) with no traceback, and a run
+must leave a checkpoint from which the same command continues.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import run_cli
+
+from nanolm.checkpoint import read_latest
+
+pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals and pipes")
+
+TINY = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
+        "--eval-batches", "2", "--sample-tokens", "0", "--threads", "1", "--log-every", "1"]
+
+
+def _start_training(stories_file, out, *extra):
+    return subprocess.Popen([sys.executable, "-m", "nanolm", "train", "--data", str(stories_file), "--out-dir", str(out),
+                             *TINY, "--steps", "100000", "--eval-every", "1000", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(proc, step: int) -> None:
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"training ended before step {step}: {proc.communicate()[1][-2000:]}")
+        if line.startswith("step") and f" {step}/" in line:
+            return
+    raise AssertionError(f"no step {step} within two minutes")
+
+
+def _resumes(stories_file, out, stopped_at: int):
+    r = run_cli("train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", stopped_at + 2,
+                "--eval-every", 1000)
+    assert r.returncode == 0, r.stderr
+    assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at:06d}'}" in r.stdout
+
+
+def test_sighup_saves_a_checkpoint_at_the_step_it_arrived_and_the_run_resumes(tmp_path, stories_file):
+    """Closing the terminal (or losing the SSH session) sends SIGHUP, whose default ends a
+    process on the spot, losing everything since the last checkpoint."""
+    out = tmp_path / "run"
+    proc = _start_training(stories_file, out)
+    _wait_for_step(proc, 5)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGHUP, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("SIGHUP at step ")
+    stopped_at = int(err.split("SIGHUP at step ")[1].split(":")[0])
+    assert stopped_at >= 5 and read_latest(out).name == f"step_{stopped_at:06d}"
+    _resumes(stories_file, out, stopped_at)
+
+
+def test_further_ctrl_c_while_a_stopped_run_saves_and_exits_print_no_traceback(tmp_path, stories_file):
+    """The first Ctrl-C asks the run to save and stop; impatient users press it again and
+    again. Once the checkpoint is saved, those must change nothing: no traceback from the
+    interpreter's exit, the checkpoint's line and status kept."""
+    out = tmp_path / "run"
+    proc = _start_training(stories_file, out)
+    _wait_for_step(proc, 5)
+    proc.send_signal(signal.SIGINT)
+    saved = ""
+    while "checkpoint saved" not in saved:
+        saved = proc.stderr.readline()
+        assert saved, "the run ended without saying it saved"
+    deadline = time.time() + 60
+    while proc.poll() is None and time.time() < deadline:
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.002)
+    _, err = proc.communicate(timeout=60)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert proc.returncode == 128 + signal.SIGINT
+    stopped_at = int(saved.split("SIGINT at step ")[1].split(":")[0])
+    _resumes(stories_file, out, stopped_at)
+
+
+def test_training_into_a_pipe_that_closes_saves_and_the_same_command_resumes(tmp_path, stories_file):
+    """``nanolm train ... | head`` : once the reader is gone, the run stops after its step and
+    saves, as on SIGTERM, and exits with SIGPIPE's status, quietly."""
+    out = tmp_path / "run"
+    proc = _start_training(stories_file, out)
+    _wait_for_step(proc, 5)
+    proc.stdout.close()  # what head does after its lines
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert proc.returncode == 128 + 13, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    stopped_at = int(err.split("at step ")[1].split(":")[0])
+    assert read_latest(out).name == f"step_{stopped_at:06d}"
+    _resumes(stories_file, out, stopped_at)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, stories_file):
+    out = tmp_path_factory.mktemp("terminal") / "run"
+    r = run_cli("train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", 4, "--eval-every", 2,
+                "--tokenizer", "bpe", "--vocab-size", 300)  # byte-level: any prompt encodes
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize("argv", [
+    ["diagnose", "{run}"], ["diagnose", "--json", "{run}"], ["compare", "{run}", "{run}"],
+    ["sample", "--run", "{run}", "--max-new-tokens", "400"], ["plan", "--preset", "124m"], ["--help"],
+], ids=lambda argv: " ".join(argv[:2]))
+def test_a_reader_whose_output_closes_ends_quietly(finished_run, argv):
+    argv = [a.format(run=finished_run) for a in argv]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "nanolm", *argv], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=300)
+    finally:
+        os.close(write)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert proc.returncode in (0, 128 + 13), proc.stderr
+
+
+def _c_locale() -> dict:
+    """A shell's environment under LC_ALL=C, with Python's own remedies for it switched off."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG", "PYTHONIO"))}
+    return {**env, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+
+
+def test_a_sample_prints_under_an_ascii_locale_with_replacement_characters(finished_run):
+    proc = subprocess.run([sys.executable, "-m", "nanolm", "sample", "--run", str(finished_run), "--prompt",
+                           "Once upon a time, caf\u00e9", "--max-new-tokens", "20"], capture_output=True,
+                          env=_c_locale(), timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b"Traceback" not in proc.stderr
+    assert proc.stdout.startswith(b"Once upon a time, caf?")
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(finished_run):
+    proc = subprocess.run([sys.executable, "-m", "nanolm", "sample", "--run", str(finished_run), "--prompt",
+                           os.fsdecode(b"caf\xe9")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: --prompt")
