@@ -232,6 +232,11 @@ def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = No
     return starts, tail_from
 
 
+DEFAULT_EVAL_WINDOWS = 320
+"""The validation set's size when a run does not say (``--eval-windows``): 20 batches of the
+default 16 windows, as it was first counted; a run continued keeps its own."""
+
+
 def eval_batches(split: Split, seq_len: int, batch_size: int, eos_id: int, max_windows: int | None = None,
                  **pack_options) -> list[Batch]:
     """The validation set as a list of batches, identical at every evaluation."""

@@ -54,7 +54,7 @@ from typing import Callable
 
 import torch
 
-from .batches import TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: the course's name)
+from .batches import DEFAULT_EVAL_WINDOWS, TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: the course's name)
 from .checkpoint import Checkpointer, rollback_checkpoint
 from .distributed import Distributed, Muted, launch
 from .errors import NanolmError
@@ -172,6 +172,8 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
         with settings_restored(), launch(cfg.train.dist, device) as dist, RunLock() as lock:  # one writer per run directory
             log = log if dist.is_main else Muted()
             plan = dist.from_main(lambda: locate_run(cfg, lock, dist.world_size, log))  # rank 0 locks the directory
+            if cfg.train.eval_windows is None:  # not asked for: a run continued keeps its validation set
+                cfg.train.eval_windows = plan.eval_windows or DEFAULT_EVAL_WINDOWS
             if plan.finished:
                 log(plan.message)
                 return {"out_dir": str(plan.out_dir), "finished": True}
@@ -308,8 +310,7 @@ def build_batches(cfg: RunConfig, dist: Distributed, data, components: Component
     sampler = WindowSampler(len(data.train), seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset,
                             rank=dist.rank, world_size=dist.world_size)
     batches = components.batches(data.train.tokens, sampler, seq_len, eos, t.grad_accum, **pack)
-    val_batches = eval_batches(data.val, seq_len, t.batch_size, eos,
-                               max_windows=t.eval_batches * t.batch_size * dist.world_size, **pack)
+    val_batches = eval_batches(data.val, seq_len, t.batch_size, eos, max_windows=t.eval_windows, **pack)
     return batches, val_batches
 
 

@@ -310,3 +310,19 @@ def test_the_speedrun_counts_training_time_from_the_first_step_to_the_target_eva
     assert 0 < run["training_time_to_target_s"] < run["launch_to_exit_s"] - run["before_training_s"] + 0.01
     assert run["before_training_s"] > 0.5  # Python and PyTorch start, at least, are not training
     assert out["median_training_time_to_target_s"] == run["training_time_to_target_s"]
+
+
+def test_every_regression_the_sensitivity_benchmark_plants_breaks_a_line_that_exists_once():
+    """``benchmarks/band_sensitivity.py`` plants regressions by replacing a line of nanolm; a line
+    that moved would make the benchmark measure healthy code and call it a regression."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("band_sensitivity", BENCHMARKS / "band_sensitivity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for name, (plant, flags) in module.REGRESSIONS.items():
+        if plant is None:
+            assert flags and flags[0].startswith("--debug-"), name  # a fault the setup does not count
+            continue
+        file, correct, broken = plant
+        assert correct != broken and (BENCHMARKS.parent / file).read_text().count(correct) == 1, name

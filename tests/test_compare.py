@@ -13,11 +13,12 @@ from conftest import run_cli, tiny_run_config
 from nanolm.instruments.compare import compare_runs, find_parting
 from nanolm.instruments.faults import components
 from nanolm.train import train
+from nanolm.watch.sinks import read_metrics
 
 
-def run(data, out, batch_size=8, grad_accum=1, seed=1, steps=30, **debug):
+def run(data, out, batch_size=8, grad_accum=1, seed=1, steps=30, eval_windows=16, **debug):
     cfg = tiny_run_config(data, out, steps=steps, eval_every=10, seed=seed, batch_size=batch_size,
-                          grad_accum=grad_accum, eval_batches=16 // batch_size, threads=1)
+                          grad_accum=grad_accum, eval_batches=None, eval_windows=eval_windows, threads=1)
     for k, v in debug.items():
         setattr(cfg.debug, k, v)
     train(cfg, log=lambda *_: None, components=components(cfg))
@@ -36,6 +37,18 @@ def test_batch_times_four_equals_batch_with_grad_accum_four(big_batch, stories_f
     assert "the batch is split differently" in result.lines[0]
     proc = run_cli("compare", big_batch, accum)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("verdict: they agree (exit 0)"), proc.stdout
+
+
+def test_a_batch_split_differently_scores_the_same_validation_set_and_compares_it(stories_file, tmp_path):
+    """The validation set is a number of windows, not of batches: batch 8 and batch 2 x
+    grad_accum 4 score the same windows with the options left at their defaults, so the course's
+    exercise compares validation curves too (it used to say "the validation sets differ")."""
+    whole = run(stories_file, tmp_path / "b8", eval_windows=None)
+    split = run(stories_file, tmp_path / "b2x4", batch_size=2, grad_accum=4, eval_windows=None)
+    result = compare_runs(whole, split)
+    assert result.agree and not any("not compared" in line for line in result.lines), result.lines
+    val = [[r["val_loss"] for r in read_metrics(d / "metrics.jsonl") if "val_loss" in r] for d in (whole, split)]
+    assert len(val[0]) == 4 and val[0] == pytest.approx(val[1], rel=1e-4)
 
 
 def test_the_accumulation_bug_parts_the_curves_at_its_first_step(big_batch, stories_file, tmp_path):

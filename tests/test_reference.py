@@ -9,6 +9,7 @@ for their shape and against the configs and data they name, not retrained.
 
 import dataclasses
 import json
+import math
 import shlex
 from pathlib import Path
 
@@ -19,12 +20,16 @@ import nanolm.watch.reference as reference
 from nanolm.instruments.diagnose import diagnose_trace
 from nanolm.run.config import RunConfig, add_run_arguments, config_from_args
 from nanolm.train import train
+from nanolm.watch.curve import curve_from_seeds, seed_curves_from_runs
 from nanolm.watch.reference import (
     Band,
+    BandWatch,
     Reference,
     band_from_seeds,
     bands_from_runs,
+    curve_departure,
     departures,
+    format_band,
     setup_digest,
     setup_of,
     shipped_references,
@@ -32,7 +37,8 @@ from nanolm.watch.reference import (
 from nanolm.watch.sinks import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-SEEDS = (1, 2, 3, 4, 5)
+SEEDS = (1, 2, 3, 4, 5)  # the band's
+CURVE_SEEDS = (1, 2, 3, 4, 5, 11, 12, 13)  # the curve test's (seed 6 stays new to both)
 
 
 def tiny_recipe(data, out, seed, **debug):
@@ -47,12 +53,12 @@ def tiny_recipe(data, out, seed, **debug):
 def tiny_reference(tmp_path_factory, stories_file):
     """Five seeds of the tiny recipe, made into a reference file in a directory of its own."""
     root = tmp_path_factory.mktemp("bands")
-    runs, setups = [], []
-    for seed in SEEDS:
+    runs, setups = {}, []
+    for seed in CURVE_SEEDS:
         out = root / f"seed-{seed}"
         train(tiny_recipe(stories_file, out, seed), log=lambda *_: None)
         rows = read_metrics(out / "metrics.jsonl")
-        runs.append(rows)
+        runs[seed] = rows
         setups.append(rows[0]["setup_digest"])
     assert len(set(setups)) == 1, "the seed must not count in a run's setup"
     cfg = RunConfig.resolved(tiny_recipe(stories_file, root / "x", 1))
@@ -60,8 +66,22 @@ def tiny_reference(tmp_path_factory, stories_file):
 
     setup = setup_of(cfg, PreparedData(root / "seed-1" / "data", verify=False).digest, "fp32", "cpu", 1)
     assert setup_digest(setup) == setups[0]
+    def val(rows):
+        return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+    curve = curve_from_seeds("val_loss", [val(runs[seed]) for seed in CURVE_SEEDS])
+    reruns = {}
+    for seed in SEEDS:  # each once more with its sums in another order
+        out = root / f"seed-{seed}-rerun"
+        cfg = tiny_recipe(stories_file, out, seed)
+        cfg.train.threads = 2
+        train(cfg, log=lambda *_: None)
+        reruns[seed] = val(read_metrics(out / "metrics.jsonl"))
+    own = seed_curves_from_runs("val_loss", {seed: val(runs[seed]) for seed in CURVE_SEEDS}, reruns)
     ref = Reference(name="tiny-fp32", title="the tiny recipe", command="(test)", precision="fp32", seeds=list(SEEDS),
-                    machine="test", date="today", torch="any", setup=setup, bands=bands_from_runs(runs))
+                    machine="test", date="today", torch="any", setup=setup,
+                    bands=bands_from_runs([runs[seed] for seed in SEEDS]), curve=curve, curve_seeds=list(CURVE_SEEDS),
+                    seed_curves=own)
     refs = root / "references"
     refs.mkdir()
     (refs / "tiny-fp32.json").write_text(json.dumps(ref.to_json()))
@@ -98,12 +118,14 @@ def test_the_seed_and_how_a_run_is_watched_do_not_count_in_its_setup(stories_fil
 def test_a_healthy_seed_not_in_the_band_is_recognised_and_stays_inside(using, stories_file, tmp_path):
     lines = []
     train(tiny_recipe(stories_file, tmp_path / "seed-6", 6), log=lines.append)
-    assert any(line.startswith("reference: this is the tiny recipe (fp32, 5 seeds") for line in lines)
+    assert any(line.startswith("reference: this is the tiny recipe (fp32, band over 5 seeds, its curve over 8")
+               for line in lines)
     evals = [line for line in lines if line.startswith("eval step")]
-    assert evals and all(line.endswith("inside") and "| band " in line for line in evals), evals
+    assert evals and all(" inside | " in line and line.endswith(" vs seeds") for line in evals[1:]), evals
     rows = read_metrics(tmp_path / "seed-6" / "metrics.jsonl")
     assert rows[0]["reference"] == "tiny-fp32"
-    assert departures(using, rows) == []
+    assert departures(using, rows) == [] and curve_departure(using, rows) is None
+    assert [r["val_curve_side"] for r in rows if "val_curve_side" in r] == [0, 0, 0]
     assert "left_reference_band" not in [f.name for f in diagnose_trace(rows)]
 
 
@@ -116,12 +138,41 @@ def test_a_broken_run_of_the_recipe_leaves_its_band_and_diagnose_names_the_step(
     assert any(line.startswith("reference: this is the tiny recipe") for line in lines)
     evals = [line for line in lines if line.startswith("eval step")]
     assert "above since step 8" in evals[-1], evals  # copying the input teaches nothing the validation set asks
+    assert "above the seeds' mean since step 8, a healthy run 1 in " in evals[-1], evals
     rows = read_metrics(tmp_path / "broken" / "metrics.jsonl")
     found = {f.name: f for f in diagnose_trace(rows)}
     finding = found["left_reference_band"]
     assert finding.evidence["reference"] == "tiny-fp32" and finding.evidence["step"] <= 8
     lo, hi = finding.evidence["band"]
     assert not lo <= finding.evidence["value"] <= hi
+    assert finding.evidence["curve"]["since"] == 8 and finding.evidence["curve"]["excess_percent"] > 10
+
+
+def test_a_curve_above_the_seeds_at_every_evaluation_is_flagged_though_inside_the_band(using, stories_file, tmp_path):
+    """The per-point band is wide (a seed lands anywhere in it); a curve that sits above the
+    seeds' mean at every evaluation, each point inside the band, is caught by the curve test, in
+    the rows' keys, the evaluation line and diagnose."""
+
+    out = tmp_path / "seed-6"
+    train(tiny_recipe(stories_file, out, 6), log=lambda *_: None)
+    rows = read_metrics(out / "metrics.jsonl")
+    curve, band = using.curve, using.bands["val_loss"]
+    mean = dict(zip(curve.steps, (math.exp(x) for x in curve.mean_log)))
+    sd = math.sqrt(sum(map(sum, curve.cov_log))) / len(curve.steps)
+    shift = math.exp(1.3 * curve.threshold * sd * math.sqrt(1 + 1 / curve.seeds)) - 1
+    for r in rows:
+        if r["step"] in mean:
+            r["val_loss"] = mean[r["step"]] * (1 + shift)
+    assert all(band.side(r["step"], r["val_loss"]) == 0 for r in rows if r["step"] in mean), shift
+    assert departures(using, rows) == []
+    look = curve_departure(using, rows)
+    assert look is not None and look.since == 8 and look.percent == pytest.approx(100 * shift)
+    finding = {f.name: f for f in diagnose_trace(rows)}["left_reference_band"]
+    assert "its validation curve is val_loss +" in finding.message and "key" not in finding.evidence
+    watch = BandWatch(using)
+    watch.resume(rows)  # as after a resume: the state rebuilt from the rows
+    last = {**rows[-1], **watch.update(rows[-1]["step"], rows[-1]["val_loss"])}
+    assert last["val_curve_side"] == 1 and "above the seeds' mean since step 8" in format_band(last)
 
 
 def test_a_run_on_a_setup_without_reference_says_so_once_and_nothing_more(using, stories_file, tmp_path):
@@ -147,7 +198,8 @@ def test_a_resumed_run_remembers_since_when_it_is_outside(using, stories_file, t
     cfg.train.steps = 24  # run on: the band's verdict continues from the rows already written
     lines = []
     train(cfg, log=lines.append, components=components(cfg))
-    assert [line for line in lines if line.startswith("eval step 24")][0].endswith("above since step 8")
+    line = [line for line in lines if line.startswith("eval step 24")][0]
+    assert "above since step 8" in line and "above the seeds' mean since step 8" in line
 
 
 def test_the_report_shades_the_band_behind_a_recognised_run(using, stories_file, tmp_path):
@@ -222,3 +274,25 @@ def test_docs_list_every_shipped_reference():
     text = (ROOT / "docs" / "health.md").read_text(encoding="utf-8")
     for ref in shipped_references():
         assert f"`{ref.name}`" in text, f"docs/health.md does not list {ref.name} (python tools/reference_bands.py --table)"
+
+
+def test_a_rerun_of_a_seed_the_reference_trained_is_judged_against_its_own_curve(using, stories_file, tmp_path):
+    """The recipe's default seed is one the reference trained: its run is compared with its own
+    reference run, which a rerun matches to a fraction of a per cent, so a regression of 2 %,
+    lost among the seeds' spread, stands out."""
+    out = tmp_path / "seed-1"
+    cfg = tiny_recipe(stories_file, out, 1)
+    cfg.train.threads = 3  # a third order of sums: a rerun, not a copy of a run the reference holds
+    lines = []
+    train(cfg, log=lines.append)
+    evals = [line for line in lines if line.startswith("eval step")]
+    assert all(line.endswith(" vs its seed") for line in evals[1:]), evals
+    rows = read_metrics(out / "metrics.jsonl")
+    assert rows[0]["seed"] == 1 and curve_departure(using, rows) is None
+    for r in rows:
+        if r["step"] > 0 and "val_loss" in r:
+            r["val_loss"] *= 1.02
+    look = curve_departure(using, rows)
+    assert look is not None and look.own_seed and look.percent == pytest.approx(2.0, abs=0.5), look
+    finding = {f.name: f for f in diagnose_trace(rows)}["left_reference_band"]
+    assert "above its seed's reference run since step 8" in finding.message and "among all the seeds" in finding.message

@@ -277,7 +277,8 @@ def test_every_option_outside_the_documented_set_is_refused_on_resume_with_its_d
     import dataclasses
     import re
 
-    from nanolm.run.config import COMPATIBLE_ON_RESUME, HIDDEN_SECTIONS, SECTIONS, RunConfig, resume_differences
+    from nanolm.run.config import HIDDEN_SECTIONS, SECTIONS, RunConfig
+    from nanolm.run.resume import COMPATIBLE_ON_RESUME, resume_differences
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text(encoding="utf-8")
     paragraph = doc[doc.index("Some settings may change between a run and its resumption"):
@@ -439,3 +440,30 @@ def test_no_command_writes_inside_prepared_data(straight, stories_file, tmp_path
     from nanolm.data.shards import PreparedData
 
     PreparedData(prepared)
+
+
+# ------------------------------------------------------------------ the validation set a run keeps
+def test_a_continued_run_keeps_its_validation_set_when_the_command_does_not_name_one(tmp_path, stories_file, capsys):
+    """The validation set is counted in windows (320 by default); a run made with another size,
+    by ``--eval-windows`` or by an earlier nanolm's ``--eval-batches``, keeps its own on resume
+    rather than switching sets mid-curve."""
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    i = TINY.index("--eval-batches")
+    command = ["train", "--data", str(stories_file), *TINY[:i], *TINY[i + 2:], "--ckpt-every", "2"]
+    assert main([*command, "--out-dir", str(straight), "--eval-windows", "24"]) == 0
+    killed = run_cli(*command, "--out-dir", out, "--eval-windows", 24, "--debug-kill-after-checkpoint", 4)
+    assert killed.returncode == -signal.SIGKILL
+    assert main([*command, "--out-dir", str(out)]) == 0
+    assert "eval_windows" not in capsys.readouterr().out  # nothing changed, nothing to report
+    val = [[r["val_loss"] for r in read_metrics(d / "metrics.jsonl") if "val_loss" in r] for d in (straight, out)]
+    assert val[0] == val[1] and len(val[0]) == 4
+    assert "eval_windows = 24" in (out / "config.toml").read_text()
+
+
+def test_an_earlier_runs_eval_batches_means_the_same_windows_as_before(tmp_path):
+    from nanolm.run.config import load_run_config
+
+    (tmp_path / "config.toml").write_text("[train]\nbatch_size = 4\neval_batches = 20\n")
+    assert load_run_config(tmp_path / "config.toml").train.eval_windows == 80
+    (tmp_path / "config.toml").write_text("[train]\nbatch_size = 4\n")
+    assert load_run_config(tmp_path / "config.toml").train.eval_windows == 320

@@ -409,3 +409,36 @@ def test_resuming_from_a_live_runs_checkpoint_survives_its_pruning(tmp_path, sto
     monkeypatch.undo()
     assert main(_command(stories_file, "--out-dir", tmp_path / "from_quiet", "--resume", quiet)) == 0
     assert _same_run(tmp_path / "continued", tmp_path / "from_quiet")
+
+
+@pytest.mark.skipif(os.name == "nt", reason="flock")
+def test_a_lock_file_held_by_another_process_is_a_one_line_refusal_and_stays_theirs(tmp_path):
+    """The directory's flock free, ``DIR/.lock`` locked by another process (an older nanolm
+    locked only the file): the refusal was replaced by a traceback from the cleanup, which
+    reached for the lock file's path before the directory was recorded (and would have removed
+    the other process's lock file)."""
+    import fcntl
+
+    directory = tmp_path / "run"
+    directory.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(directory / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, f'{os.getpid()}@elsewhere\\n'.encode())\n"
+        "print('held', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DirectoryBusy, match=f"process {holder.pid}"):
+            with RunLock() as lock:
+                lock.take(directory)
+        assert (directory / LOCK_FILE).read_text().startswith(f"{holder.pid}@")  # still theirs
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the directory's lock was let go
+        finally:
+            os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -5,11 +5,12 @@ data it names, both speedrun tracks) and number format, this trains the recipe o
 exactly as a user would run it (only the seed, the output directory, the thread count and the
 sample at the end differ, none of which the band counts), then writes
 ``nanolm/watch/references/<recipe>-<format>.json``: the runs' shared setup (checked equal across
-seeds), the band of every logged number (``nanolm.watch.reference``), the command, the machine and
-the date.
+seeds), the band of every logged number over ``--seeds`` (``nanolm.watch.reference``), the curve
+test of the validation loss over ``--curve-seeds`` where given (``nanolm.watch.curve``: 20 or more
+seeds make it trustworthy), the command, the machine and the date.
 
     python tools/reference_bands.py --data-dir ../shared/data                      # every recipe, fp32
-    python tools/reference_bands.py --recipes quick --precisions fp32,bf16 --jobs 2
+    python tools/reference_bands.py --recipes quick --precisions fp32,bf16 --jobs 2 --curve-seeds 1337,1-19
     python tools/reference_bands.py --recipes quick --seeds 11,12,13,14,15 --check  # false alarms: judge new seeds, write nothing
     python tools/reference_bands.py --recipes quick --seeds 11 --check --plants lr_one_step_late,betas_swapped
                                     # planted silent bugs (tools/silent_bugs.py), each trained once: does it leave the band?
@@ -41,10 +42,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 from nanolm.instruments.compare import recorded_run  # noqa: E402
 from nanolm.run.config import load_run_config  # noqa: E402
+from nanolm.watch.curve import curve_from_seeds, seed_curves_from_runs  # noqa: E402
 from nanolm.watch.reference import (  # noqa: E402
     REFERENCE_DIR,
     Reference,
     bands_from_runs,
+    curve_departure,
     departures,
     setup_digest,
     setup_of,
@@ -95,26 +98,34 @@ def machine() -> str:
     return f"{cpu}, {torch.backends.cpu.get_cpu_capability()}"
 
 
-def run_dir(work: Path, recipe: str, precision: str, seed: int) -> Path:
-    return work / recipe / precision / f"seed-{seed}"
+REPLICATE_THREADS = 2
+"""A replicate run is the same seed trained with this many threads: its sums in another order."""
+
+
+def run_dir(work: Path, recipe: str, precision: str, seed: int, replicate: bool = False) -> Path:
+    return work / recipe / precision / (f"seed-{seed}-threads{REPLICATE_THREADS}" if replicate else f"seed-{seed}")
 
 
 def train(recipe: str, precision: str, seed: int, work: Path, data_dir: Path, python: str = sys.executable,
-          env=None, cwd: Path = ROOT) -> Path:
-    """One training run of the recipe (skipped when already finished); returns its directory."""
-    out = run_dir(work, recipe, precision, seed)
+          env=None, cwd: Path = ROOT, extra: tuple[str, ...] = (), replicate: bool = False) -> Path:
+    """One training run of the recipe (skipped when already finished); returns its directory.
+    ``extra``: flags a run's setup does not count (the hidden ``--debug-*`` faults); ``replicate``:
+    the same seed once more, with :data:`REPLICATE_THREADS` threads."""
+    out = run_dir(work, recipe, precision, seed, replicate)
+    if replicate:
+        extra = (*extra, "--threads", str(REPLICATE_THREADS))
     if (out / "final.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     args = RECIPES[recipe][1].format(data_dir=data_dir)
     cmd = [python, "-m", "nanolm.train", *shlex.split(args), "--seed", str(seed), "--precision", precision,
-           "--out-dir", str(out), *shlex.split(NOT_COUNTED_FLAGS)]
+           "--out-dir", str(out), *shlex.split(NOT_COUNTED_FLAGS), *extra]
     start = time.perf_counter()
-    with open(out.parent / f"seed-{seed}.log", "w") as log:
+    with open(out.parent / f"{out.name}.log", "w") as log:
         result = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
     if result.returncode != 0:
-        raise SystemExit(f"error: {' '.join(cmd)} failed (exit {result.returncode}); see {out.parent}/seed-{seed}.log")
-    print(f"  {recipe} {precision} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
+        raise SystemExit(f"error: {' '.join(cmd)} failed (exit {result.returncode}); see {out.parent}/{out.name}.log")
+    print(f"  {recipe} {precision} {out.name}: {time.perf_counter() - start:.0f} s", flush=True)
     return out
 
 
@@ -125,22 +136,46 @@ def run_setup(out: Path) -> dict:
     return setup_of(cfg, *recorded_run(out, cfg, read_metrics(out / "metrics.jsonl")[0]))
 
 
-def build(recipe: str, precision: str, dirs: list[Path]) -> Reference:
-    setups = [run_setup(d) for d in dirs]
+def val_curve(out: Path) -> dict[int, float]:
+    return {r["step"]: float(r["val_loss"]) for r in read_metrics(out / "metrics.jsonl")
+            if isinstance(r.get("val_loss"), (int, float))}
+
+
+def build(recipe: str, precision: str, dirs: list[Path], curve_dirs: list[Path],
+          rerun_dirs: dict[int, Path] | None = None) -> Reference:
+    setups = [run_setup(d) for d in dirs + curve_dirs]
     if any(s != setups[0] for s in setups[1:]):
         raise SystemExit(f"error: the {recipe} {precision} runs do not share one setup; remove {dirs[0].parent}")
     runs = [read_metrics(d / "metrics.jsonl") for d in dirs]
     import torch
 
     command = f"nanolm train {RECIPES[recipe][1]}".strip().replace("{data_dir}/", "")
-    seeds = [int(load_run_config(d / "config.toml").train.seed) for d in dirs]
+
+    def seed_of(d):
+        return int(load_run_config(d / "config.toml").train.seed)
+
+    seeds, curve_seeds = [seed_of(d) for d in dirs], [seed_of(d) for d in curve_dirs]
+    curve = curve_from_seeds("val_loss", [val_curve(d) for d in curve_dirs])
+    own = seed_curves_from_runs("val_loss", {s: val_curve(d) for s, d in zip(curve_seeds, curve_dirs)},
+                                {s: val_curve(d) for s, d in (rerun_dirs or {}).items()})
     return Reference(name=f"{recipe}-{precision}", title=RECIPES[recipe][0], command=command, precision=precision,
                      seeds=seeds, machine=machine(),
                      date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], setup=setups[0],
                      bands=bands_from_runs(runs),
                      regenerate=f"python tools/reference_bands.py --recipes {recipe} --precisions {precision} "
                                 f"--seeds {','.join(map(str, seeds))}"
-                                + (" --data-dir DIR" if RECIPES[recipe][2] else ""))
+                                + (f" --curve-seeds {','.join(map(str, curve_seeds))}" if curve else "")
+                                + (" --reruns" if own else "") + (" --data-dir DIR" if RECIPES[recipe][2] else ""),
+                     curve=curve, curve_seeds=curve_seeds if curve else [], seed_curves=own)
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``1337,1-19`` as [1337, 1, 2, ..., 19]."""
+    seeds = []
+    for part in (p for p in text.split(",") if p):
+        first, _, last = part.partition("-")
+        seeds += list(range(int(first), int(last) + 1)) if last else [int(first)]
+    return list(dict.fromkeys(seeds))
 
 
 def main() -> int:
@@ -148,7 +183,13 @@ def main() -> int:
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of: {', '.join(RECIPES)}")
     p.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16 (what --precision auto picks on "
                    "a CPU without and with bf16 units)")
-    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="the seeds a band is measured over (at least 5)")
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="the seeds a band is measured over (at least 5; "
+                   "ranges such as 1-19 allowed)")
+    p.add_argument("--curve-seeds", default="", help="the seeds the curve test is measured over (20 or more; may share "
+                   "the band's); none: no curve test")
+    p.add_argument("--reruns", action="store_true", help="train each curve seed once more with its sums in another "
+                   "order (2 threads): what a rerun of a seed differs by, for judging a run of one of those seeds "
+                   "against its own curve")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "nanolm" / "reference_runs",
                    help="where the runs are kept (reused when finished)")
     p.add_argument("--data-dir", type=Path, default=None, help="directory holding tinyshakespeare.txt, "
@@ -167,7 +208,7 @@ def main() -> int:
         return 0
     recipes = [r for r in args.recipes.split(",") if r]
     precisions = [x for x in args.precisions.split(",") if x]
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    seeds, curve_seeds = parse_seeds(args.seeds), parse_seeds(args.curve_seeds)
     unknown = [r for r in recipes if r not in RECIPES] + [x for x in precisions if x not in ("fp32", "bf16")]
     if unknown:
         raise SystemExit(f"error: unknown recipe or format {unknown[0]!r}")
@@ -180,7 +221,7 @@ def main() -> int:
         if missing:
             skipped.append(f"{recipe} (no {data_dir / missing[0]})")
             continue
-        todo += [(recipe, precision, seed) for precision in precisions for seed in seeds]
+        todo += [(recipe, precision, seed) for precision in precisions for seed in dict.fromkeys(seeds + curve_seeds)]
     for line in skipped:
         print(f"skipped: {line}")
     plants = [x for x in args.plants.split(",") if x]
@@ -191,9 +232,15 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with ThreadPoolExecutor(args.jobs) as pool:
         done = list(pool.map(lambda job: (job, train(*job, args.work, data_dir, env=env)), todo))
-    groups: dict[tuple[str, str], list[Path]] = {}
-    for (recipe, precision, _), out in done:
-        groups.setdefault((recipe, precision), []).append(out)
+    reruns: dict[tuple[str, str], dict[int, Path]] = {}
+    if args.reruns and not args.check:  # two threads each: one at a time
+        for recipe, precision, seed in todo:
+            if seed in curve_seeds:
+                out = train(recipe, precision, seed, args.work, data_dir, env=env, replicate=True)
+                reruns.setdefault((recipe, precision), {})[seed] = out
+    groups: dict[tuple[str, str], dict[int, Path]] = {}
+    for (recipe, precision, seed), out in done:
+        groups.setdefault((recipe, precision), {})[seed] = out
     if args.check:
         from nanolm.watch.reference import shipped_references
 
@@ -203,24 +250,30 @@ def main() -> int:
             if ref is None:
                 print(f"{recipe} {precision}: no shipped reference")
                 continue
-            alarms = 0
-            for d in dirs:
+            alarms = curve_alarms = 0
+            for d in dirs.values():
                 if setup_digest(run_setup(d)) != ref.digest:
                     print(f"  {d}: a different setup than the reference's")
                     continue
-                found = departures(ref, read_metrics(d / "metrics.jsonl"))
+                rows = read_metrics(d / "metrics.jsonl")
+                found, look = departures(ref, rows), curve_departure(ref, rows)
                 alarms += bool(found)
-                print(f"  {d.name}: {'; '.join(x.describe() for x in found) if found else 'inside every band'}")
-            print(f"{recipe} {precision}: {alarms} of {len(dirs)} runs left a band (false alarms)")
+                curve_alarms += look is not None
+                print(f"  {d.name}: {'; '.join(x.describe() for x in found) if found else 'inside every band'}"
+                      + (f"; curve: {look.describe()}" if look else ""))
+            print(f"{recipe} {precision}: {alarms} of {len(dirs)} runs left a band, {curve_alarms} departed by the "
+                  f"curve test (false alarms)")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for (recipe, precision), dirs in groups.items():
-        ref = build(recipe, precision, dirs)
+        ref = build(recipe, precision, [dirs[s] for s in seeds], [dirs[s] for s in curve_seeds],
+                    reruns.get((recipe, precision)))
         path = args.out / f"{ref.name}.json"
         text = json.dumps(ref.to_json(), indent=1)  # one line per array of numbers: a small file that diffs well
         text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
         path.write_text(text + "\n", encoding="utf-8")
-        print(f"wrote {path} ({len(ref.bands)} bands over {len(dirs)} seeds)")
+        print(f"wrote {path} ({len(ref.bands)} bands over {len(seeds)} seeds"
+              + (f", the curve test over {len(ref.curve_seeds)}" if ref.curve else "") + ")")
     return 0
 
 
@@ -233,7 +286,10 @@ def print_table(directory: Path) -> None:
         val, bpb = ref.bands.get("val_loss"), ref.bands.get("val_bpb")
         last = (f"step {val.steps[-1]}: {val.lo[-1]:.4f}..{val.hi[-1]:.4f} (median {val.mid[-1]:.4f}); "
                 f"{bpb.lo[-1]:.3f}..{bpb.hi[-1]:.3f} bpb" if val and bpb else "none")
-        print(f"| `{ref.name}` | {ref.title}: `{ref.command}` | {', '.join(map(str, ref.seeds))} | {last} | "
+        seeds = ", ".join(map(str, ref.seeds))
+        if ref.curve is not None:
+            seeds += f"; curve over {len(ref.curve_seeds)} (threshold \\|t\\| {ref.curve.threshold:.2f})"
+        print(f"| `{ref.name}` | {ref.title}: `{ref.command}` | {seeds} | {last} | "
               f"{ref.date}, {ref.machine}, torch {ref.torch} |")
 
 
@@ -265,12 +321,14 @@ def check_plants(plants: list[str], todo, args, data_dir: Path) -> int:
                 if ref is None:
                     raise SystemExit(f"error: no shipped reference {recipe}-{precision}")
                 out = train(recipe, precision, seed, args.work / f"plant-{name}", data_dir, env=env, cwd=copy)
-                found = departures(ref, read_metrics(out / "metrics.jsonl"))
-                left += bool(found)
+                rows = read_metrics(out / "metrics.jsonl")
+                found, look = departures(ref, rows), curve_departure(ref, rows)
+                left += bool(found) or look is not None
                 verdict = found[0].describe() if found else "stayed inside every band"
+                verdict += f"; curve: {look.describe()}" if look else ""
                 print(f"{name:40s} {recipe} {precision} seed {seed}: {verdict}"
                       + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""), flush=True)
-    print(f"{left} of {len(plants) * len(todo)} planted runs left their band")
+    print(f"{left} of {len(plants) * len(todo)} planted runs left their band or departed by the curve test")
     return 0
 
 

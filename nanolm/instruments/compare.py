@@ -155,8 +155,8 @@ def _same_training(a: RunRecord, b: RunRecord, split: list[str]) -> Comparison:
     if a.val_windows == b.val_windows:
         keys.append("val_loss")
     else:
-        lines.append(f"val_loss not compared: the validation sets differ ({a.val_windows} vs {b.val_windows} windows: "
-                     f"--eval-batches counts batches of --batch-size); give both the same eval_batches x batch_size")
+        lines.append(f"val_loss not compared: the validation sets differ ({a.val_windows} vs {b.val_windows} windows); "
+                     f"give both the same --eval-windows")
     parting, drift_from = find_parting(a.rows, b.rows, keys)
     if parting is not None:
         step, key, x, y, d = parting

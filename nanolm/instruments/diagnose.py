@@ -52,7 +52,8 @@ One rule reads the setup the step-0 row records: when it is a shipped recipe's
 (``nanolm.watch.reference``),
 
 * ``left_reference_band``: a number left the band the recipe's healthy seeds stay in, with
-  the step, the value and the band.
+  the step, the value and the band; or the validation curve as a whole sits farther from the
+  seeds' mean than healthy runs do (``nanolm.watch.curve``), with how far and how rare.
 
 Each finding names the section of ``docs/runbooks.md`` that says what to do, step by step.
 """
@@ -68,7 +69,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import NanolmError
-from ..watch.reference import departures, reference_for_digest
+from ..watch.reference import curve_departure, departures, population_look, reference_for_digest
 
 # ---- thresholds (see docs/health.md for why each value)
 MIN_STEPS = 50  # rules about a run's course need at least this many steps of it
@@ -834,22 +835,42 @@ def rule_left_reference_band(t: Trace) -> Finding | None:
     if ref is None:
         return None
     found = departures(ref, t.rows)
-    if not found:
+    look = curve_departure(ref, t.rows)
+    if not found and look is None:
         return None
-    first = found[0]
-    others = [d.describe() for d in found[1:6]]
+    said = []
+    if look is not None and look.own_seed:
+        among = population_look(ref, t.rows)
+        said.append(f"its validation curve is {look.describe()} (a run of this seed differs from its reference run "
+                    f"by what reruns of the seeds differ, crossing the test's threshold "
+                    f"{100 * ref.seed_curves.false_alarm:g} % of the time"
+                    + (f"; among all the seeds it is {among.percent:+.1f} %, {among.one_in()} for a healthy run"
+                       if among is not None else "") + ")")
+    elif look is not None:
+        said.append(f"its validation curve is {look.describe()} (the seeds' curves over {len(ref.curve_seeds)} seeds; "
+                    f"a healthy run crosses the test's threshold at any evaluation {100 * ref.curve.false_alarm:g} % "
+                    f"of the time)")
+    if found:
+        said.append(found[0].describe() + (f"; also {'; '.join(d.describe() for d in found[1:6])}" if found[1:] else ""))
+    evidence = {"reference": ref.name}
+    if found:
+        first = found[0]
+        evidence.update({"key": first.key, "step": first.step, "value": _r(first.value),
+                         "band": [_r(first.lo), _r(first.hi)], "outside_until": first.until,
+                         "also": [f"{d.key}@{d.step}" for d in found[1:6]] or None})
+    if look is not None:
+        evidence["curve"] = {"excess_percent": _r(look.percent, 3), "since": look.since, "through": look.step,
+                             "t": _r(look.t, 3), "healthy_one_in": look.one_in(),
+                             "against": "its seed's reference run" if look.own_seed else "the seeds' mean"}
     return Finding(
-        "left_reference_band", f"the run left the reference band of {ref.title}",
-        f"This run's setup (configuration, data and number format) is that of {ref.describe()}, whose healthy runs "
-        f"stay inside a band measured over {len(ref.seeds)} seeds. Here {first.describe()}"
-        + (f"; also {'; '.join(others)}" if others else "") + ". A seed alone does not take a run out of its band "
-        "(the band is the seeds' extremes widened by their spread): something differs from the recipe that the "
+        "left_reference_band", f"the run left the reference of {ref.title}",
+        f"This run's setup (configuration, data and number format) is that of {ref.describe()}. Here "
+        + "; and ".join(said) + ". Seeds alone do not do this (the band is the seeds' extremes widened by their "
+        "spread; the curve test is calibrated on their curves): something differs from the recipe that the "
         "configuration does not show, such as changed code (a bug), other library versions, or a very different "
         "machine's arithmetic. Train the recipe again with the installed nanolm (`nanolm compare` says where two runs "
         "part), and compare the code with the one that measured the band. The earliest departure is where to look.",
-        {"reference": ref.name, "key": first.key, "step": first.step, "value": _r(first.value),
-         "band": [_r(first.lo), _r(first.hi)], "outside_until": first.until,
-         "also": [f"{d.key}@{d.step}" for d in found[1:6]] or None})
+        evidence)
 
 
 RULES = [rule_non_finite, rule_guard_actions, rule_loss_stuck, rule_leak, rule_loss_spike, rule_data_spikes,

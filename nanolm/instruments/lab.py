@@ -150,11 +150,11 @@ def base_config(out_dir: Path, steps: int | None = None, quick: bool = False, se
     if quick:
         m.n_layer, m.n_head, m.n_embd, m.seq_len = 2, 2, 32, 32
         d.stories, d.vocab_size = 300, 300
-        t.batch_size, t.steps, t.eval_batches = 8, steps or 200, 4
+        t.batch_size, t.steps, t.eval_windows = 8, steps or 200, 32
     else:
         m.n_layer, m.n_head, m.n_embd, m.seq_len = 4, 4, 128, 64
         d.stories = 2000
-        t.batch_size, t.steps, t.eval_batches = 16, steps or 500, 10
+        t.batch_size, t.steps, t.eval_windows = 16, steps or 500, 160
     t.seed, t.device, t.log_every, t.stats_every, t.precision = seed, "cpu", 1, 10, "fp32"
     t.eval_every = max(10, t.steps // 10)
     t.sample_tokens, t.progress, t.out_dir = 0, "lines", str(out_dir)

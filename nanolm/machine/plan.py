@@ -221,7 +221,7 @@ def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windo
                           f"{c.seq_len}: activations {_gb_text(rows['activations'])}, validation batches "
                           f"{_gb_text(eval_windows * c.seq_len * EVAL_BYTES_PER_TOKEN)}) but {device} has {_gb_text(available)} "
                           f"{source}; lower --batch-size (raise --grad-accum for the same tokens per step) "
-                          f"or --eval-batches")
+                          f"or --eval-windows")
 
 
 def parse_count(text: str) -> float:

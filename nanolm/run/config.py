@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ..batches import DEFAULT_EVAL_WINDOWS
+from ..distributed import torchrun_env
 from ..errors import NanolmError, brief
 from ..model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from ..optim import OPTIMIZERS, muon_available
@@ -138,7 +140,10 @@ class TrainOptions:
     eval_every: int = option(100, "evaluate on the validation set every N steps (and at the end)")
     eval_at_start: bool = option(True, "evaluate the untrained model at step 0: the reference that `nanolm diagnose` "
                                  "compares the run with (val_worse_than_start); skipping it saved 1-3 %% of the CPU speedrun")
-    eval_batches: int = option(20, "validation batches per evaluation and per rank (a fixed set, the same every time)")
+    eval_windows: int | None = option(None, "validation windows per evaluation: one fixed set whatever --batch-size, "
+                                      "--grad-accum or the ranks (default: 320 for a new run, its own for a run continued)")
+    eval_batches: int | None = option(None, "the earlier sizing, still read: N batches of --batch-size per rank "
+                                      "(--eval-windows wins)")
     log_every: int = option(10, "print and record training metrics every N steps")
     stats_every: int = option(50, "record per-layer statistics after step 1 and every N steps: weight and gradient "
                               "norms, update/weight ratios, max attention logit, dead MLP units, activation RMS (0 = never)")
@@ -237,6 +242,8 @@ class RunConfig:
             o.muon_lr = o.lr
         if t.ckpt_every is None:
             t.ckpt_every = t.eval_every
+        if t.eval_windows is None and t.eval_batches:  # counted per rank
+            t.eval_windows = t.eval_batches * t.batch_size * (torchrun_env() or (0, 1, 0))[1]
         cfg.validate()
         return cfg
 
@@ -259,10 +266,12 @@ class RunConfig:
                     require_utf8(f"--{flag_name(f.name)}", value, "the run's config.toml must hold it")
         for name, value in (("steps", t.steps), ("batch_size", t.batch_size), ("grad_accum", t.grad_accum),
                             ("eval_every", t.eval_every), ("log_every", t.log_every),
-                            ("eval_batches", t.eval_batches), ("stories", d.stories), ("n_layer", m.n_layer),
+                            ("stories", d.stories), ("n_layer", m.n_layer),
                             ("n_head", m.n_head), ("n_embd", m.n_embd)):
             need(value > 0, name, value, "positive")
         need(t.ckpt_every is None or t.ckpt_every > 0, "ckpt_every", t.ckpt_every, "positive (a checkpoint every N steps)")
+        need(t.eval_batches is None or t.eval_batches > 0, "eval_batches", t.eval_batches, "positive")
+        need(t.eval_windows is None or t.eval_windows > 0, "eval_windows", t.eval_windows, "positive")
         need(finite(o.lr) and o.lr > 0, "lr", o.lr, "a positive number")
         need(o.min_lr is None or (finite(o.min_lr) and 0 <= o.min_lr <= o.lr), "min_lr", o.min_lr,
              f"between 0 and --lr ({o.lr})")
@@ -352,42 +361,6 @@ def flag_name(field_name: str) -> str:
     return field_name.replace("_", "-")
 
 
-COMPATIBLE_ON_RESUME = {
-    # what may change between a run and its resumption: how long, how often, where, and the
-    # optimizer's knobs (lowering the LR for a restart is a classic); everything else shapes
-    # the model or the data stream, and changing it mid-run would silently mix two runs
-    "train": {"steps", "eval_every", "eval_at_start", "eval_batches", "log_every", "sample_tokens", "out_dir", "device", "tf32",
-              "threads", "process_tuning", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
-              "peak_flops", "target_val_bpb", "dist"},
-    "optim": {"lr", "min_lr", "warmup", "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "clip", "muon_lr",
-              "muon_momentum"},
-    "model": {"loss_chunk"},  # how the head and loss are computed, not what: the same numbers up to rounding
-    "guard": {f.name for f in dataclasses.fields(GuardOptions)},
-}
-
-
-def resume_differences(saved: "RunConfig", new: "RunConfig", also_allowed=()) -> tuple[list[str], list[str]]:
-    """(allowed changes, incompatible changes) between a run's config and a resumption's,
-    each as lines like ``steps: 300 -> 600``. ``also_allowed`` names further options that
-    may change this time (how the global batch is split, when the global batch stays)."""
-    allowed, refused = [], []
-    for section in SECTIONS:
-        if section in HIDDEN_SECTIONS:
-            continue
-        a, b = dataclasses.asdict(getattr(saved, section)), dataclasses.asdict(getattr(new, section))
-        for key in a:
-            if a[key] != b[key]:
-                line = f"{key}: {_shown(a[key])} -> {_shown(b[key])}"
-                ok = key in COMPATIBLE_ON_RESUME.get(section, set()) or key in also_allowed
-                (allowed if ok else refused).append(line)
-    return allowed, refused
-
-
-def _shown(value) -> str:
-    """A value as a person would type it: ``0.0003``, not ``0.00030000000000000003`` (lr/10)."""
-    return f"{value:.12g}" if isinstance(value, float) else repr(value)
-
-
 def _field_type(f) -> type:
     hint = typing.get_type_hints(_OWNER[f.name])[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -399,13 +372,7 @@ assert len(_OWNER) == sum(len(dataclasses.fields(c)) for c in SECTIONS.values())
 
 
 def _brief(value) -> str:
-    """A value as a message quotes it: a long one (a crafted file's megabyte string) cut short."""
-    return brief(repr(value), 80)
-
-
-def _kind_of(value) -> str:
-    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array",
-            dict: "a table"}.get(type(value), type(value).__name__)
+    return brief(repr(value), 80)  # a crafted file's megabyte string is not quoted whole
 
 
 def _coerce(name: str, value, source: str):
@@ -440,7 +407,7 @@ def load_toml(path) -> dict[str, dict]:
             raise NanolmError(f"unknown section [{_brief(section)[1:-1]}] in {path}; known: {known_sections}")
         if not isinstance(values, dict):
             raise NanolmError(f"{section} in {path} must be a table of options ([{section}] and its lines), got "
-                              f"{_kind_of(values)}")
+                              f"{type(values).__name__} {_brief(values)}")
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key, value in values.items():
             if key not in known:
@@ -497,4 +464,6 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 def load_run_config(path) -> RunConfig:
     """The resolved configuration stored in a run directory's ``config.toml``."""
     values = load_toml(path)
-    return RunConfig(**{s: SECTIONS[s](**values.get(s, {})) for s in SECTIONS}).resolved()
+    cfg = RunConfig(**{s: SECTIONS[s](**values.get(s, {})) for s in SECTIONS}).resolved()
+    cfg.train.eval_windows = cfg.train.eval_windows or DEFAULT_EVAL_WINDOWS  # a run writes it; a hand-made file may not
+    return cfg

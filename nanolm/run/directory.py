@@ -56,14 +56,13 @@ from ..checkpoint import (
 )
 from ..data.prepare import load_training_data
 from ..data.shards import PreparedData
-from ..distributed import Distributed
 from ..errors import NanolmError
-from ..tokenizer import Tokenizer
-from .config import RunConfig, load_run_config, resume_differences
+from .config import RunConfig, load_run_config
 from .documents import read_json
 from .files import atomic_write_text, move_directory, probe_writable
 from .final import read_final
 from .lock import DirectoryBusy, RunLock, busy_refusal, held_by_another
+from .resume import check_resume_compatible, data_moved_to, refused_changes
 
 RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "events.jsonl", "model.safetensors", "final.json",
              "checkpoints", "data")
@@ -134,23 +133,11 @@ class RunPlan:
     finished: bool = False
     message: str = ""
     data_moved: bool = False  # --data names another path that holds the very data the checkpoint trained on
+    eval_windows: int | None = None  # the validation set of the run this continues (kept unless asked otherwise)
 
 
 def default_name(cfg: RunConfig) -> str:
     return Path(cfg.data.data.rstrip("/")).stem if cfg.data.data else "stories"
-
-
-def _refused_changes(saved: RunConfig, saved_world: int, cfg: RunConfig, world_size: int) -> list[str]:
-    """Differences that would mix two runs. How the global batch is split over micro-batches
-    and processes may change; the global batch itself may not."""
-    split, refused = resume_differences(saved, cfg, also_allowed={"batch_size", "grad_accum"})
-    s, t = saved.train, cfg.train
-    before, after = s.batch_size * s.grad_accum * saved_world, t.batch_size * t.grad_accum * world_size
-    if before != after:
-        refused += [line for line in split if line.startswith(("batch_size:", "grad_accum:"))]
-        refused.append(f"global batch (batch_size × grad_accum × world size): {s.batch_size}×{s.grad_accum}×"
-                       f"{saved_world} = {before} -> {t.batch_size}×{t.grad_accum}×{world_size} = {after} windows")
-    return refused
 
 
 def _finished(final: dict | None, cfg: RunConfig) -> bool:
@@ -186,7 +173,7 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
             return [f"its config.toml is unreadable ({e})"]
         raise NanolmError(f"{out_dir} holds a run whose configuration cannot be read ({e}); "
                           f"choose another --out-dir") from None
-    refused = _refused_changes(saved, saved_world, cfg, world_size)
+    refused = refused_changes(saved, saved_world, cfg, world_size)
     moved = [line for line in refused if line.startswith("data:")]
     data_moved = bool(moved) and checkpoint is not None and data_moved_to(cfg, checkpoint)
     if data_moved:
@@ -213,7 +200,7 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
             f"{out_dir} finished at step {finished_at} of {t.steps}; nothing to do (raise --steps to train longer, "
             f"or choose another --out-dir for a new run)"))
     if checkpoint is not None:
-        return RunPlan(out_dir, checkpoint=checkpoint, data_moved=data_moved)
+        return RunPlan(out_dir, checkpoint=checkpoint, data_moved=data_moved, eval_windows=saved.train.eval_windows)
     if committed:
         raise NanolmError(f"{out_dir} has checkpoints but none is valid (see the warnings above); starting over "
                           f"would discard the run: move the directory aside to start again, or --resume PATH")
@@ -222,22 +209,6 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
                           f"start a new run with another --out-dir")
     log(f"{out_dir} holds a run that stopped before its first checkpoint was saved; starting it again from step 0")
     return RunPlan(out_dir, restart=True)
-
-
-def data_moved_to(cfg: RunConfig, checkpoint: Path) -> bool:
-    """Whether ``--data`` (at a path other than the run's) gives exactly the data ``checkpoint``
-    trained on: the data is compared by its digest, not its name, so a corpus moved or copied
-    elsewhere continues the run. A raw text file is tokenized again to know (a prepared
-    directory is only read); any problem with it means no."""
-    digest = read_checkpoint_meta(checkpoint).get("data_digest")
-    if digest is None or not cfg.data.data:
-        return False
-    with tempfile.TemporaryDirectory(prefix="nanolm-moved-") as scratch:
-        try:
-            data = load_training_data(cfg, Path(scratch), log=lambda *_: None, compressor_bounds=False)
-        except NanolmError:
-            return False
-        return data.digest == digest
 
 
 def _step(checkpoint: Path) -> int:
@@ -260,7 +231,8 @@ def locate_run(cfg: RunConfig, lock: RunLock, world_size: int = 1, log=print) ->
                               f"run into a new --out-dir")
         saved = load_run_config(checkpoint / "config.toml")
         moved = saved.data.data != cfg.data.data and data_moved_to(cfg, checkpoint)
-        plan = RunPlan(plan.out_dir, checkpoint=checkpoint, restart=plan.restart, data_moved=moved)
+        plan = RunPlan(plan.out_dir, checkpoint=checkpoint, restart=plan.restart, data_moved=moved,
+                       eval_windows=saved.train.eval_windows)
     past = _past_steps(plan.out_dir, _step(plan.checkpoint), t.steps) if plan.checkpoint is not None else ""
     if past:
         log(past)
@@ -302,7 +274,7 @@ def _live_differences(out_dir: Path, cfg: RunConfig, world_size: int) -> list[st
         saved = load_run_config(out_dir / "config.toml")
     except NanolmError:
         return []
-    return _refused_changes(saved, world_size, cfg, world_size)
+    return refused_changes(saved, world_size, cfg, world_size)
 
 
 def resume_checkpoint_at(path: Path, log) -> Path:
@@ -385,33 +357,6 @@ def use_prepared_tokenizer(cfg: RunConfig) -> None:
 
 
 
-# --------------------------------------------------------------------------- may this checkpoint continue this run?
-def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print,
-                            dist: Distributed | None = None, data: PreparedData | None = None,
-                            data_moved: bool = False) -> None:
-    """Refuse a resumption that would silently mix two different runs; log allowed changes.
-
-    The split of the global batch (batch size, accumulation, world size) may change as long
-    as the global batch itself does not (see ``nanolm.distributed``); the path of ``--data``
-    may change when ``data_moved`` says it holds the same data (:func:`data_moved_to`).
-    """
-    saved = load_run_config(checkpoint / "config.toml")
-    meta = read_checkpoint_meta(checkpoint)
-    regroup, allowed_split, refused_split = (dist or Distributed()).resume_rules(meta, saved, cfg)
-    allowed, refused = resume_differences(saved, cfg, also_allowed=set(regroup) | ({"data"} if data_moved else set()))
-    allowed, refused = allowed + allowed_split, refused + refused_split
-    if Tokenizer.load(checkpoint / "tokenizer.json").fingerprint() != tokenizer.fingerprint():
-        refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
-    elif data is not None and meta.get("data_digest", data.digest) != data.digest:
-        refused.append(f"data: {data.dir} is not the data the checkpoint was trained on (its files differ)")
-    if refused:
-        raise NanolmError(f"cannot resume from {checkpoint}: incompatible changes: {'; '.join(refused)}. "
-                          f"Keep those settings, or start a new run with another --out-dir")
-    for line in allowed:
-        same = " by its digest: the same data" if line.startswith("data:") else ""
-        log(f"resume: {line} (allowed{same})")
-
-
 def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, log=print) -> PreparedData:
     """Check everything, then write the run directory; returns the run's data.
 
@@ -442,7 +387,7 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
             check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data, plan.data_moved)
         data.check_vocab(data.tokenizer.vocab_size)
         check_memory(cfg.model.gpt_config(data.tokenizer.vocab_size), precision, dist, t.batch_size,
-                     t.eval_batches * t.batch_size * dist.world_size, cfg.optim.optimizer)
+                     t.eval_windows, cfg.optim.optimizer)
         if dist.is_main:
             out_dir.mkdir(parents=True, exist_ok=True)
             if plan.restart:  # the logs of an attempt that never committed a checkpoint

@@ -171,6 +171,7 @@ class RunLock:
         self._fd: int | None = None  # the lock file: the holder's line (and on Windows, the lock)
         self._dir_fd: int | None = None  # the directory, where it holds the lock
         self._made: list[Path] = []
+        self._taking: Path | None = None  # the directory being locked, until it is (then ``directory``)
 
     def __enter__(self) -> RunLock:
         return self
@@ -194,12 +195,13 @@ class RunLock:
             log(f"warning: {directory} is written without a lock ({NO_LOCK}=1): make sure no other process writes there")
             self.directory = directory
             return
+        self._taking = directory
         try:
             self._take(directory, flag)
         except BaseException:
             self.release()
             raise
-        self.directory = directory
+        self.directory, self._taking = directory, None
 
     def _take(self, directory: Path, flag: str) -> None:
         path = directory / LOCK_FILE
@@ -219,12 +221,14 @@ class RunLock:
                     dir_fd = None  # this file system cannot lock a directory: the lock file holds it
                 self._dir_fd = dir_fd
             if self._dir_fd is not None:
-                self._fd = _open_lock_file(path)
+                fd = _open_lock_file(path)
                 try:  # the file too, as nanolm did before the directory: an older nanolm on this run is refused
-                    _lock(self._fd)
+                    _lock(fd)
                 except OSError as e:
-                    if e.errno in HELD:
+                    if e.errno in HELD:  # the file, and the holder's line in it, are the other process's
+                        os.close(fd)
                         raise _refusal(e, directory, _holder(path), flag) from None
+                self._fd = fd
                 _write_holder(self._fd)
                 return
             try:
@@ -252,7 +256,8 @@ class RunLock:
         made, if nothing was written into them. Nothing here raises: a run directory that
         turned read-only must not have its lock's cleanup hide the error that stopped the run
         (the lock dies with the descriptor in any case)."""
-        path = None if self.directory is None else self.directory / LOCK_FILE
+        where = self.directory or self._taking
+        path = where / LOCK_FILE if where is not None else None
         if self._fd is not None and (fcntl is not None or self._dir_fd is not None):
             _quietly(lambda: path.unlink(missing_ok=True))
             _quietly(lambda: os.close(self._fd))
@@ -267,7 +272,7 @@ class RunLock:
                 made.rmdir()
             except OSError:
                 break
-        self._made, self.directory = [], None
+        self._made, self.directory, self._taking = [], None, None
 
 
 def _quietly(action) -> None:

@@ -79,7 +79,7 @@ class Observer:
                  setup: dict | None = None, reference=None):
         t = cfg.train
         self.setup, self.reference = setup, reference  # the run's setup, and the shipped reference it matches (or None)
-        self.band = BandWatch(reference) if reference is not None else None
+        self.band = BandWatch(reference, cfg.train.seed) if reference is not None else None
         self.optimizer = optimizer
         self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
         self.progress, self.val_batches, self.token_bytes, self.floor = progress, val_batches, token_bytes, floor
@@ -139,6 +139,7 @@ class Observer:
                 **{k: v for k, v in self.setup["run"].items() if k != "val_windows"}}
         if self.reference is not None:
             keys["reference"] = self.reference.name
+            keys["seed"] = self.cfg.train.seed  # a seed the reference trained is judged against its own curve
         return keys
 
     def recipe(self) -> dict:

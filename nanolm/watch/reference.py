@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ..batches import DEFAULT_EVAL_WINDOWS
+from .curve import Curve, Look, SeedCurves
+
 REFERENCE_DIR = Path(__file__).resolve().parent / "references"
 FORMAT = 1
 
@@ -43,7 +46,7 @@ NOT_COUNTED = {
     # and when, how fast it runs, and when it stops early
     "train": {"seed", "out_dir", "log", "log_every", "stats_every", "progress", "threads", "process_tuning", "resume",
               "keep", "ckpt_every", "eval_every", "eval_at_start", "sample_tokens", "peak_flops", "target_val_bpb",
-              "device", "deterministic", "tf32", "dist", "eval_batches",  # eval_batches: as run.val_windows
+              "device", "deterministic", "tf32", "dist", "eval_batches", "eval_windows",  # as run.val_windows
               "precision"},  # as run.precision, what it resolved to: "auto" and "fp32" are one format on such a CPU
     "data": {"data"},
     "model": {"loss_chunk"},  # how the head and loss are computed, not what
@@ -68,7 +71,7 @@ def banded(key: str) -> bool:
 
 def setup_of(cfg, data_digest: str, precision: str, device_type: str, world_size: int) -> dict:
     """What a run's training depends on, as one plain dict: equal dicts train alike up to the seed.
-    The validation set counts by its size in windows (``--eval-batches`` counts batches)."""
+    The validation set counts by its size in windows (``--eval-windows``), however it was asked for."""
     setup = {}
     for section, options in cfg.to_dict().items():
         if section in SECTIONS_NOT_COUNTED:
@@ -77,7 +80,7 @@ def setup_of(cfg, data_digest: str, precision: str, device_type: str, world_size
         setup[section] = {k: v for k, v in options.items() if k not in skip}
     t = cfg.train
     setup["run"] = {"data_digest": data_digest, "precision": precision, "device_type": device_type,
-                    "world_size": world_size, "val_windows": t.eval_batches * t.batch_size * world_size}
+                    "world_size": world_size, "val_windows": t.eval_windows or DEFAULT_EVAL_WINDOWS}
     return setup
 
 
@@ -170,25 +173,37 @@ class Reference:
     setup: dict
     bands: dict[str, Band]
     regenerate: str = ""  # the command that measures this band again
+    curve: Curve | None = None  # the curve test of the validation loss (``nanolm.watch.curve``), over curve_seeds
+    curve_seeds: list[int] = dataclasses.field(default_factory=list)
+    seed_curves: SeedCurves | None = None  # each curve seed's own curve, for a run of that seed
 
     @property
     def digest(self) -> str:
         return setup_digest(self.setup)
 
     def describe(self) -> str:
-        return (f"{self.title} ({self.precision}, {len(self.seeds)} seeds, measured {self.date} on {self.machine})")
+        curve = f", its curve over {len(self.curve_seeds)}" if self.curve is not None else ""
+        return (f"{self.title} ({self.precision}, band over {len(self.seeds)} seeds{curve}, measured {self.date} on "
+                f"{self.machine})")
 
     def to_json(self) -> dict:
-        out = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "bands"}}
+        out = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                    if f.name not in ("bands", "curve", "seed_curves")}}
         out["bands"] = {k: dataclasses.asdict(b) for k, b in sorted(self.bands.items())}
+        for name in ("curve", "seed_curves"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name).to_json()
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> "Reference":
         if data.get("format") != FORMAT:
             raise ValueError(f"reference format {data.get('format')!r}, expected {FORMAT}")
-        fields = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "bands" and f.name in data}  # regenerate may be absent
-        return cls(**fields, bands={k: Band(**b) for k, b in data["bands"].items()})
+        fields = {f.name: data[f.name] for f in dataclasses.fields(cls)
+                  if f.name not in ("bands", "curve", "seed_curves") and f.name in data}  # later fields may be absent
+        return cls(**fields, bands={k: Band(**b) for k, b in data["bands"].items()},
+                   curve=Curve(**data["curve"]) if data.get("curve") else None,
+                   seed_curves=SeedCurves(**data["seed_curves"]) if data.get("seed_curves") else None)
 
 
 def shipped_references(directory=None) -> tuple[Reference, ...]:
@@ -289,43 +304,97 @@ def departures(reference: Reference, rows: list[dict]) -> list[Departure]:
     return sorted(found, key=lambda d: (d.step, d.key not in EVAL_METRICS, d.key))
 
 
+def curve_looks(reference: Reference, rows: list[dict], seed=None) -> list[Look]:
+    """The curve test at each of a run's evaluations: against its seed's own reference run when
+    the reference trained that seed (``seed``, else the one the step-0 row records), else against
+    the seeds' mean; none without a curve in the reference."""
+    if seed is None and rows and rows[0].get("step") == 0:
+        seed = rows[0].get("seed")
+    key = reference.curve.key if reference.curve is not None else "val_loss"
+    values = {row["step"]: row[key] for row in rows if isinstance(row.get(key), (int, float))}
+    if reference.seed_curves is not None and seed is not None:
+        own = reference.seed_curves.looks(seed, values)
+        if own:
+            return own
+    return reference.curve.looks(values) if reference.curve is not None else []
+
+
+def population_look(reference: Reference, rows: list[dict]) -> Look | None:
+    """The run's last look against the seeds' mean, whatever its seed (None without a curve)."""
+    looks = curve_looks(reference, rows, seed=_NO_SEED)
+    return looks[-1] if looks else None
+
+
+_NO_SEED = object()  # a seed no reference trained: the test against the seeds' mean
+
+
+def curve_departure(reference: Reference, rows: list[dict]) -> Look | None:
+    """The latest evaluation at which the run's curve departs from the seeds' (the one with the
+    most evaluations behind it; the test's threshold holds its false-alarm rate over all the
+    looks), or None."""
+    return next((look for look in reversed(curve_looks(reference, rows)) if look.departs), None)
+
+
 class BandWatch:
     """What the evaluation line says of the validation loss against a recognised run's band:
-    inside it, or above or below it since which evaluation. The state is rebuilt from the
-    rows already in ``metrics.jsonl`` when a run resumes."""
+    inside it, or above or below it since which evaluation; and, where the reference has a curve,
+    how far the run's curve is from the seeds' mean since its first evaluation and how rare that
+    is. The state is rebuilt from the rows already in ``metrics.jsonl`` when a run resumes."""
 
     KEY = "val_loss"
 
-    def __init__(self, reference: Reference):
-        self.reference, self.band = reference, reference.bands.get(self.KEY)
+    def __init__(self, reference: Reference, seed: int | None = None):
+        self.reference, self.band, self.seed = reference, reference.bands.get(self.KEY), seed
         self.side, self.since = 0, None
+        self.values: dict[int, float] = {}
 
     def resume(self, rows: list[dict]) -> None:
-        self.side, self.since = 0, None
+        self.side, self.since, self.values = 0, None, {}
         for row in rows:
             if self.KEY in row:
                 self.update(row["step"], row[self.KEY])
 
     def update(self, step: int, value: float) -> dict:
         """The row's band keys for this evaluation ({} where the band has no value at this step)."""
+        self.values[step] = value
+        out = self._curve_keys(step)
         side = self.band.side(step, value) if self.band is not None else None
         if side is None:
-            return {}
+            return out
         if side != self.side:
             self.side, self.since = side, (step if side != 0 else None)
         lo, hi = self.band.at(step)
-        out = {"val_band_lo": lo, "val_band_hi": hi, "val_band_side": side}
+        out.update(val_band_lo=lo, val_band_hi=hi, val_band_side=side)
         if self.since is not None:
             out["val_band_since"] = self.since
         return out
 
+    def _curve_keys(self, step: int) -> dict:
+        looks = curve_looks(self.reference, [{"step": s, self.KEY: v} for s, v in sorted(self.values.items())],
+                            self.seed)
+        if not looks or looks[-1].step != step:
+            return {}
+        look = looks[-1]
+        return {"val_curve_since": look.since, "val_curve_excess": look.excess, "val_curve_t": look.t,
+                "val_curve_tail": look.tail, "val_curve_side": look.side, "val_curve_own_seed": int(look.own_seed)}
+
 
 def format_band(row: dict) -> str:
-    """The evaluation line's verdict: `` | band 0.27..0.29 inside`` or ``... above since step 200``."""
-    if "val_band_side" not in row:
-        return ""
-    text = f" | band {row['val_band_lo']:.4f}..{row['val_band_hi']:.4f} "
-    side = row["val_band_side"]
-    if side == 0:
-        return text + "inside"
-    return text + f"{'above' if side > 0 else 'below'} since step {row['val_band_since']}"
+    """The evaluation line's verdict: `` | band 0.27..0.29 inside`` or ``... above since step 200``,
+    then the curve's: `` | +1.2 % vs seeds`` or `` | +6.1 % above the seeds' mean since step 100, a
+    healthy run 1 in 2,300``."""
+    text = ""
+    if "val_band_side" in row:
+        text = f" | band {row['val_band_lo']:.4f}..{row['val_band_hi']:.4f} "
+        side = row["val_band_side"]
+        text += "inside" if side == 0 else f"{'above' if side > 0 else 'below'} since step {row['val_band_since']}"
+    if "val_curve_excess" in row:
+        look = Look("val_loss", row["val_curve_since"], row["step"], row["val_curve_excess"], row["val_curve_t"],
+                    row["val_curve_tail"], row["val_curve_side"] != 0, bool(row.get("val_curve_own_seed")))
+        if look.departs:
+            where = "above" if look.excess > 0 else "below"
+            text += (f" | {look.percent:+.1f} % {where} {look.against} since step {look.since}, "
+                     f"{'a rerun' if look.own_seed else 'a healthy run'} {look.one_in()}")
+        else:
+            text += f" | {look.percent:+.1f} % vs {'its seed' if look.own_seed else 'seeds'}"
+    return text

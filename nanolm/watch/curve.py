@@ -1,0 +1,277 @@
+"""The curve test: is this run's whole validation curve where healthy seeds put it?
+
+The band (``nanolm.watch.reference``) judges one evaluation at a time, so it must be wide: a
+seed lands anywhere between the seeds' extremes. A bug that costs a few per cent of the loss
+stays inside it at every evaluation. Yet such a run sits above the seeds' mean at *every*
+evaluation, and that is far less likely by chance than any one point: this module asks the
+question of the curve as a whole.
+
+**The statistic.** For each evaluation after step 0, the log of the run's validation loss
+minus the mean of the seeds' logs at that step: how many per cent above (or below) the seeds'
+mean the run is there. Their average over the evaluations so far is the run's *excess*
+(``exp(excess) - 1`` is the "+6.1 %" of the log line). Successive evaluations of one run are
+strongly correlated (a seed that starts high tends to stay high), so averaging them does not
+shrink the noise as it would for independent points: the excess's variance is taken from the
+seeds' own covariance of the evaluations, ``1' C 1 / k²`` over the first ``k`` of them, times
+``1 + 1/N`` because the seeds' mean is itself an estimate from ``N`` seeds. The excess over
+its standard deviation is then a t statistic with ``N - 1`` degrees of freedom (a prediction
+test: is a new draw from the same recipe this far out?), and "a healthy run is this far about
+1 time in M" is its one-sided tail.
+
+**Looking at every evaluation.** A run is judged at each of its evaluations, and a statistic
+checked K times raises K chances of a false alarm. The threshold is therefore not the t
+quantile of one look but that of the largest ``|t|`` over all the looks, computed for the
+correlation the looks really have (the running averages share most of their terms) by
+simulating healthy curves: a multivariate normal with the seeds' covariance, divided by one
+chi-square draw per curve (the covariance is estimated once, for every look). Healthy runs
+then cross it at any evaluation with the stated probability (:data:`FALSE_ALARM`), which
+``benchmarks/band_sensitivity.py`` measures on seeds the curve never saw.
+
+**A seed the reference trained.** Seeds differ: one lands a few per cent above another, for
+good (a better draw of initial weights and data order), so a bug of that size hides among seeds
+whatever the statistic. The same seed trained twice does not: a rerun with its sums in another
+order (another thread count, another CPU's kernels) ends within a few tenths of a per cent of
+the first. So the reference keeps each of its seeds' own curves (:class:`SeedCurves`), and a run
+of one of those seeds (the recipe's default among them) is compared with its own: the same test,
+on the difference from its own curve, against the differences that reruns of the seeds show.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+FALSE_ALARM = 0.01
+"""The share of healthy runs the curve test may flag, at any of their evaluations, either way."""
+SIMULATED_CURVES = 200_000
+
+
+@dataclass
+class Curve:
+    """The seeds' validation curve as the test needs it: at each evaluation step after 0, the
+    mean of the seeds' log values and their covariance; how many seeds; the threshold on |t|."""
+
+    key: str
+    steps: list[int]
+    mean_log: list[float]
+    cov_log: list[list[float]]
+    seeds: int
+    threshold: float
+    false_alarm: float = FALSE_ALARM
+
+    def looks(self, values: dict[int, float]) -> list["Look"]:
+        """The test at each of the run's evaluations (``values``: step -> value), in order: the
+        first k evaluations of the curve, for each k the run has reached without a gap."""
+        return _looks(self.key, self.steps, self.mean_log, np.asarray(self.cov_log), 1 / self.seeds, self.seeds - 1,
+                      self.threshold, values)
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "steps": self.steps, "mean_log": self.mean_log, "cov_log": self.cov_log,
+                "seeds": self.seeds, "threshold": self.threshold, "false_alarm": self.false_alarm}
+
+
+@dataclass
+class SeedCurves:
+    """Each of the reference's seeds' own curve (log values at ``steps``), and what a rerun of a
+    seed differs from its first run by: the covariance of the log differences of ``reruns``
+    pairs (their second moment: a rerun is the same run, its differences have no mean), each
+    step's standard deviation at least :data:`RERUN_FLOOR`."""
+
+    key: str
+    steps: list[int]
+    logs: dict[str, list[float]]
+    rerun_cov: list[list[float]]
+    reruns: int
+    threshold: float
+    false_alarm: float = FALSE_ALARM
+
+    def looks(self, seed, values: dict[int, float]) -> list["Look"]:
+        """The test at each evaluation of a run of ``seed`` (none for a seed the reference lacks)."""
+        own = self.logs.get(str(seed))
+        if own is None:
+            return []
+        return _looks(self.key, self.steps, own, np.asarray(self.rerun_cov), 0.0, self.reruns, self.threshold,
+                      values, own_seed=True)
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "steps": self.steps, "logs": self.logs, "rerun_cov": self.rerun_cov,
+                "reruns": self.reruns, "threshold": self.threshold, "false_alarm": self.false_alarm}
+
+
+RERUN_FLOOR = 0.003
+"""The least standard deviation of a rerun's log difference at a step: 0.3 %. Reruns on one CPU
+measure only another order of sums; another CPU's kernels may round further (the quick run's
+seed 1337 ended 0.2 % apart on two kinds of CPU)."""
+
+
+def seed_curves_from_runs(key: str, firsts: dict[int, dict[int, float]], reruns: dict[int, dict[int, float]],
+                          false_alarm: float = FALSE_ALARM, seed: int = 0) -> SeedCurves | None:
+    """The seeds' own curves (``firsts``: seed -> {step: value}) and what their reruns
+    (``reruns``, some of the same seeds) differ by; None with fewer than 5 reruns."""
+    paired = [s for s in reruns if s in firsts]
+    if len(paired) < 5:
+        return None
+    steps = sorted(set.intersection(*(set(firsts[s]) for s in firsts), *(set(reruns[s]) for s in paired)))
+    steps = [t for t in steps if t > 0]
+    if not steps:
+        return None
+    diffs = np.array([[math.log(reruns[s][t]) - math.log(firsts[s][t]) for t in steps] for s in paired])
+    cov = diffs.T @ diffs / len(paired)
+    sd = np.sqrt(np.diag(cov))
+    floored = np.maximum(sd, RERUN_FLOOR)
+    corr = cov / np.outer(np.maximum(sd, 1e-12), np.maximum(sd, 1e-12))
+    np.fill_diagonal(corr, 1.0)
+    cov = corr * np.outer(floored, floored)
+    threshold = max_t_threshold(cov, len(paired) + 1, false_alarm, seed)  # no mean estimated: n degrees of freedom
+    return SeedCurves(key, steps, {str(s): [_round(math.log(firsts[s][t])) for t in steps] for s in sorted(firsts)},
+                      [[_round(x) for x in row] for row in cov], len(paired), _round(threshold), false_alarm)
+
+
+def _looks(key: str, steps: list[int], centre, cov: np.ndarray, inflation: float, df: int, threshold: float,
+           values: dict[int, float], own_seed: bool = False) -> list["Look"]:
+    """The running-mean test at each evaluation: the mean of log(value) - ``centre`` over the
+    first k steps, over its standard deviation from ``cov`` (times 1 + ``inflation``)."""
+    out, deltas = [], []
+    for i, step in enumerate(steps):
+        value = values.get(step)
+        if value is None:
+            break
+        if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            deltas.append(math.inf)  # a non-finite loss is as far above as it gets
+        else:
+            deltas.append(math.log(value) - centre[i])
+        k = len(deltas)
+        sd = math.sqrt(max(float(cov[:k, :k].sum()), 1e-30) / k**2 * (1 + inflation))
+        excess = sum(deltas) / k
+        t = excess / sd if math.isfinite(excess) else math.inf
+        out.append(Look(key, steps[0], step, excess, t, t_tail(abs(t), df), abs(t) > threshold, own_seed))
+    return out
+
+
+@dataclass
+class Look:
+    """The curve test after one evaluation: the run's mean excess over the seeds' mean since
+    ``since`` (log ratio), its t statistic, how rare that is for a healthy run (one-sided), and
+    whether it crosses the threshold."""
+
+    key: str
+    since: int
+    step: int
+    excess: float
+    t: float
+    tail: float
+    departs: bool
+    own_seed: bool = False  # judged against its own seed's reference run, not the seeds' mean
+
+    @property
+    def percent(self) -> float:
+        return 100 * math.expm1(self.excess) if math.isfinite(self.excess) else math.inf
+
+    @property
+    def side(self) -> int:
+        return (1 if self.t > 0 else -1) if self.departs else 0
+
+    def one_in(self) -> str:
+        """How often a healthy run is this far, as "1 in 2,300" (rounded to two figures)."""
+        if self.tail <= 0:
+            return "never"
+        n = 1 / self.tail
+        return f"1 in {_two_figures(n):,}" if n >= 2 else "1 in 2 or more often"
+
+    @property
+    def against(self) -> str:
+        return "its seed's reference run" if self.own_seed else "the seeds' mean"
+
+    def describe(self) -> str:
+        where = "above" if self.excess > 0 else "below"
+        healthy = "a rerun of that seed" if self.own_seed else "a healthy run"
+        return (f"{self.key} {self.percent:+.1f} % {where} {self.against} since step {self.since} (through step "
+                f"{self.step}); {healthy} is this far about {self.one_in()}")
+
+
+def _two_figures(n: float) -> int:
+    if n >= 1e12:
+        return int(1e12)
+    digits = max(0, int(math.floor(math.log10(n))) - 1)
+    return int(round(n / 10**digits) * 10**digits)
+
+
+def curve_from_seeds(key: str, per_seed: list[dict[int, float]], false_alarm: float = FALSE_ALARM,
+                     seed: int = 0) -> Curve | None:
+    """The curve test for ``key`` from each seed's ``{step: value}``: the evaluations after step 0
+    that every seed logged, finite and positive. None with fewer than 5 seeds or no evaluation."""
+    steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
+    steps = [s for s in steps if s > 0 and all(0 < run[s] < math.inf for run in per_seed)]
+    if len(per_seed) < 5 or not steps:
+        return None
+    logs = np.log(np.array([[run[s] for s in steps] for run in per_seed], dtype=np.float64))
+    cov = np.atleast_2d(np.cov(logs, rowvar=False, ddof=1))
+    threshold = max_t_threshold(cov, len(per_seed), false_alarm, seed)
+    return Curve(key, steps, [_round(x) for x in logs.mean(axis=0)], [[_round(x) for x in row] for row in cov],
+                 len(per_seed), _round(threshold), false_alarm)
+
+
+def prefix_correlation(cov: np.ndarray) -> np.ndarray:
+    """The correlation of the running means (first 1, 2, ... K evaluations) of a curve whose
+    evaluations have covariance ``cov``: the looks the test takes, one per evaluation."""
+    k = cov.shape[0]
+    weights = np.tril(np.ones((k, k))) / np.arange(1, k + 1)[:, None]  # row j averages the first j + 1
+    prefix = weights @ cov @ weights.T
+    sd = np.sqrt(np.maximum(np.diag(prefix), 1e-300))
+    return prefix / np.outer(sd, sd)
+
+
+def max_t_threshold(cov: np.ndarray, seeds: int, false_alarm: float, seed: int = 0,
+                    samples: int = SIMULATED_CURVES) -> float:
+    """The |t| that healthy runs exceed at any of their looks with probability ``false_alarm``:
+    looks drawn as a multivariate t with ``seeds - 1`` degrees of freedom and the looks'
+    correlation (:func:`prefix_correlation`), by simulation with a fixed seed (the same band
+    file gives the same threshold)."""
+    corr = prefix_correlation(np.asarray(cov, dtype=np.float64))
+    rng = np.random.default_rng(seed)
+    values, vectors = np.linalg.eigh(corr)
+    root = vectors * np.sqrt(np.clip(values, 0, None))
+    z = rng.standard_normal((samples, corr.shape[0])) @ root.T
+    scale = np.sqrt(rng.chisquare(seeds - 1, size=samples) / (seeds - 1))
+    largest = np.abs(z / scale[:, None]).max(axis=1)
+    return float(np.quantile(largest, 1 - false_alarm))
+
+
+def t_tail(t: float, df: int) -> float:
+    """P(T > t) for Student's t with ``df`` degrees of freedom (t >= 0)."""
+    if not math.isfinite(t):
+        return 0.0
+    return 0.5 * _incomplete_beta(df / 2, 0.5, df / (df + t * t))
+
+
+def _incomplete_beta(a: float, b: float, x: float) -> float:
+    """The regularised incomplete beta function I_x(a, b), by its continued fraction (modified
+    Lentz), evaluated where it converges fast and mirrored elsewhere."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x > (a + 1) / (a + b + 2):
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 300):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * f / a
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.9g}")

@@ -1,0 +1,135 @@
+"""Mutation testing of the verdict and safety code: which small changes to a module do its tests miss?
+
+A test suite that passes proves little about code it only runs through the middle. ``mutmut``
+changes one operator, constant or condition of a module at a time (a *mutant*: ``<`` for
+``<=``, ``1`` for ``0``, a removed ``not``...), runs the module's own test files on each, and
+counts the mutants some test kills. A mutant no test kills is a change nobody would notice: either
+a test is missing (write it) or the mutant does exactly what the original does (an *equivalent*
+mutant: list it in ``tools/mutation_equivalent.toml`` with the reason). The score is killed /
+(mutants - equivalent).
+
+    python tools/mutation_score.py nanolm/run/lock.py            # one module, against its concern's tests
+    python tools/mutation_score.py --all                         # every module listed below
+    python tools/mutation_score.py nanolm/run/lock.py --show     # and the diff of every survivor
+
+Each run works in a copy of the tree (mutmut writes a ``mutants/`` directory there), so the
+working tree is never touched; ``--jobs`` mutants run at once. Not part of the test suite: a
+module's mutants take minutes to hours. Exit status 1 if a module scores under ``--min``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EQUIVALENT = ROOT / "tools" / "mutation_equivalent.toml"
+
+MODULES = {  # the module, and the test files of its concern
+    "nanolm/watch/reference.py": ("tests/test_reference.py", "tests/test_compare.py"),
+    "nanolm/watch/curve.py": ("tests/test_curve.py", "tests/test_reference.py"),
+    "nanolm/instruments/compare.py": ("tests/test_compare.py",),
+    "nanolm/instruments/diagnose.py": ("tests/test_diagnose.py", "tests/test_reference.py"),
+    "nanolm/watch/guards.py": ("tests/test_guards.py",),
+    "nanolm/run/lock.py": ("tests/test_run_lock.py",),
+    "nanolm/run/files.py": ("tests/test_full_disk.py", "tests/test_untrusted_files.py", "tests/test_checkpoint.py"),
+    "nanolm/run/documents.py": ("tests/test_hostile_files.py", "tests/test_untrusted_files.py"),
+    "nanolm/data/sources.py": ("tests/test_data.py", "tests/test_hostile_files.py"),
+    "nanolm/evaluate.py": ("tests/test_train.py", "tests/test_data.py"),
+    "nanolm/watch/stats.py": ("tests/test_stats.py",),
+}
+ALSO_COPY = ("data", "configs", "tools", "benchmarks", "docs", "README.md")  # what the tests read beside the package
+
+
+def _tree_copy(target: Path) -> None:
+    """The files git tracks and the untracked ones it does not ignore, as the working tree has them."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    for name in listed:
+        source = ROOT / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+
+
+def _equivalents(module: str) -> dict[str, str]:
+    """The mutants of ``module`` listed as equivalent, each with its reason."""
+    if not EQUIVALENT.is_file():
+        return {}
+    sys.path.insert(0, str(ROOT))
+    from nanolm.run.documents import read_toml
+
+    return dict(read_toml(EQUIVALENT).get(module, {}))
+
+
+def score(module: str, tests: tuple[str, ...], jobs: int, show: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="nanolm-mutation-") as tmp:
+        copy = Path(tmp)
+        _tree_copy(copy)
+        quoted = lambda items: "[" + ", ".join(json.dumps(i) for i in items) + "]"  # noqa: E731
+        with open(copy / "pyproject.toml", "a", encoding="utf-8") as f:
+            f.write(f"\n[tool.mutmut]\nsource_paths = [\"nanolm\"]\nonly_mutate = {quoted([module])}\n"
+                    f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
+                    f"pytest_add_cli_args = [\"-p\", \"no:cacheprovider\", \"-x\", \"-q\"]\n"
+                    f"also_copy = {quoted(ALSO_COPY)}\n")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        start = time.perf_counter()
+        ran = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)], cwd=copy, env=env,
+                             capture_output=True, text=True)
+        if ran.returncode != 0:
+            raise SystemExit(f"error: mutmut failed on {module}:\n{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}")
+        listed = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=copy, env=env,
+                                capture_output=True, text=True, check=True).stdout
+        status = dict(re.findall(r"^\s*(\S+): (.+)$", listed, flags=re.M))
+        equivalent = _equivalents(module)
+        survived = sorted(n for n, s in status.items() if s == "survived" and n not in equivalent)
+        untested = sorted(n for n, s in status.items() if s in ("no tests", "not checked") and n not in equivalent)
+        killed = sum(s in ("killed", "timeout", "caught by type check") for s in status.values())
+        counted = len(status) - sum(n in status for n in equivalent)
+        diffs = {}
+        if show:
+            for name in survived + untested:
+                diffs[name] = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=copy, env=env,
+                                             capture_output=True, text=True).stdout
+    result = {"module": module, "tests": list(tests), "mutants": len(status), "killed": killed,
+              "equivalent": sum(n in status for n in equivalent), "survived": survived, "untested": untested,
+              "score": round(100 * killed / counted, 1) if counted else None,
+              "minutes": round((time.perf_counter() - start) / 60, 1)}
+    print(f"{module}: {killed} of {counted} mutants killed ({result['score']} %), {result['equivalent']} listed as "
+          f"equivalent, {len(survived)} survived, {len(untested)} no test ran; {result['minutes']} min", flush=True)
+    for name in survived + untested:
+        print(f"  {'survived' if name in survived else 'no tests'}: {name}")
+        if name in diffs:
+            print("    " + diffs[name].replace("\n", "\n    "))
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("modules", nargs="*", help=f"modules to mutate, of: {', '.join(MODULES)}")
+    p.add_argument("--all", action="store_true", help="every module listed")
+    p.add_argument("--jobs", type=int, default=2, help="mutants tested at once")
+    p.add_argument("--show", action="store_true", help="print the diff of every surviving mutant")
+    p.add_argument("--min", type=float, default=90.0, help="the least score a module must reach (per cent)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args()
+    modules = list(MODULES) if args.all else args.modules
+    unknown = [m for m in modules if m not in MODULES]
+    if unknown or not modules:
+        raise SystemExit(f"error: give modules of {', '.join(MODULES)} (or --all); unknown: {unknown}")
+    results = [score(m, MODULES[m], args.jobs, args.show) for m in modules]
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 1 if any(r["score"] is None or r["score"] < args.min for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
