@@ -7,12 +7,19 @@ named as different at step 1, exit 1. Different seeds agree within seed noise; d
 setups are named; a directory that is not a run is one line, exit 2, as with ``diff``.
 """
 
+from pathlib import Path
+from unittest import mock
+
 import pytest
 from conftest import run_cli, tiny_run_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from nanolm.instruments.compare import compare_runs, find_parting
+from nanolm.errors import NanolmError
+from nanolm.instruments.compare import RunRecord, compare_records, compare_runs, find_parting
 from nanolm.instruments.faults import components
 from nanolm.train import train
+from nanolm.watch.reference import setup_of, shipped_references
 from nanolm.watch.sinks import read_metrics
 
 
@@ -101,3 +108,55 @@ def test_rounding_that_grows_step_by_step_is_not_a_parting_and_a_jump_is():
     parting, drift = find_parting(same, jumping, ["loss"])
     assert parting[:2] == (30, "loss") and drift is None
     assert find_parting(same, same, ["loss"]) == (None, None)
+
+
+_FACTORS = st.sampled_from([0.0, 1e-7, -1e-7, 3e-6, -3e-6, 2e-4, -2e-4, 0.01, -0.01, 0.3, -0.3])
+_SPLITS = [(8, 1), (4, 2), (2, 4)]
+
+
+@st.composite
+def run_pairs(draw):
+    """Two runs' records as compare reads them: the same logged steps (some missing or twice in one),
+    the second run's numbers the first's times 1 + a factor per number, from rounding to a jump;
+    the same or another seed, batch split, validation set size or learning rate."""
+    n = draw(st.integers(4, 30))
+    curve = draw(st.lists(st.floats(0.2, 6.0), min_size=n, max_size=n))
+    first = [{"step": 10 * i, "loss": v, "grad_norm": 1.0 + v / 10, "lr": 1e-3,
+              **({"val_loss": v * 1.05} if i % 3 == 0 else {})} for i, v in enumerate(curve, 1)]
+    second = []
+    for row in first:
+        if draw(st.integers(0, 9)) == 0:
+            continue  # a step the second run did not log
+        second.append({k: (v if k == "step" else v * (1 + draw(_FACTORS))) for k, v in row.items()})
+    if second and draw(st.booleans()):  # a step logged twice (a merged or hand-edited log): its last row counts
+        twice = draw(st.sampled_from(second))
+        second.insert(second.index(twice), {**twice, "loss": twice["loss"] * draw(st.sampled_from([0.7, 0.99, 1.01, 1.3]))})
+    records = []
+    for rows in (first, second):
+        batch, accum = draw(st.sampled_from(_SPLITS))
+        cfg = tiny_run_config("d.txt", "run", seed=draw(st.sampled_from([1, 2])), batch_size=batch, grad_accum=accum,
+                              eval_batches=None, eval_windows=draw(st.sampled_from([16, 16, 32])))
+        cfg.optim.lr = draw(st.sampled_from([1e-3, 1e-3, 1e-3, 2e-3]))
+        cfg = cfg.resolved()
+        records.append(RunRecord(Path("run"), cfg, rows, setup_of(cfg, "digest", "fp32", "cpu", 1)))
+    return records
+
+
+def _verdict(a, b):
+    try:
+        result = compare_records(a, b)
+    except NanolmError as e:
+        return ("refused", str(e))
+    tolerance = [line for line in result.lines if line.startswith("tolerance:")]
+    return (result.kind, result.agree, result.parted_at, tolerance)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pair=run_pairs(), banded=st.booleans())
+def test_compare_gives_the_same_verdict_and_tolerance_whichever_run_is_named_first(pair, banded):
+    """``nanolm compare A B`` and ``nanolm compare B A``: the same kind of comparison, verdict,
+    step where they part and tolerance, with and without a reference band to judge seeds by."""
+    a, b = pair
+    band = shipped_references()[0] if banded else None
+    with mock.patch("nanolm.instruments.compare.find_reference", return_value=band):
+        assert _verdict(a, b) == _verdict(b, a)

@@ -1,9 +1,13 @@
 import json
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_run_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nanolm.data.progress as progress_mod
 import nanolm.data.sources as sources_mod
@@ -159,6 +163,28 @@ def test_each_source_format_gives_the_same_documents(tmp_path):
     assert list(DocumentSource(tmp_path / "d.txt"))[:-1] == DOCS[:-1]
     data = prepare(tmp_path / "d.parquet", tmp_path / "out", "bpe", 300, val_fraction=0.2, progress=False)
     assert _decode_split(data, "train") == DOCS[:4] and _decode_split(data, "val") == DOCS[4:]
+
+
+_LINE = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\r\n\x00"), max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=st.lists(st.one_of(_LINE, st.just(EOS)), min_size=1, max_size=12), ends_with_break=st.booleans(),
+       line_break=st.sampled_from(["\r\n", "\r"]))
+def test_line_breaks_of_any_kind_split_text_into_the_same_documents(lines, ends_with_break, line_break):
+    """Unix, Windows and old Mac line breaks cut a .txt file into the same documents: only the
+    breaks inside each document differ, and the break before a separator line belongs to the
+    separator whichever kind it is (a lone \\r used to stay at the end of each document)."""
+    unix = "\n".join(lines) + ("\n" if ends_with_break else "")
+    if not unix.strip():
+        return  # an empty or blank file is refused, whatever its breaks
+    with tempfile.TemporaryDirectory() as tmp:
+        documents = []
+        for text in (unix, unix.replace("\n", line_break)):
+            path = Path(tmp) / "d.txt"
+            path.write_bytes(text.encode("utf-8"))
+            documents.append(list(DocumentSource(path)))
+    assert documents[1] == [d.replace("\n", line_break) for d in documents[0]]
 
 
 def test_bad_jsonl_lines_are_reported_with_their_line_numbers(tmp_path):

@@ -95,7 +95,8 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
                         ("--peak-flops", "-5"), ("--target-val-bpb", "-1"), ("--spike-threshold", "0"),
                         ("--spike-window", "2"), ("--max-rollbacks", "-1"), ("--rollback-lr-scale", "0"),
                         ("--stories", "0"), ("--vocab-size", "0"), ("--steps", "ten"),
-                        ("--muon-momentum", "1.5"), ("--threads", "many")]:
+                        ("--muon-momentum", "1.5"), ("--threads", "many"), ("--steps", str(10**20)),
+                        ("--eval-windows", "0"), ("--keep", str(2**64))]:
         out.append((f"{flag} {value}", train(flag, value)))
     out += [
         ("sample: not a run", ["sample", "--run", str(d / "empty_dir")]),

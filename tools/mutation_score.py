@@ -46,6 +46,7 @@ MODULES = {  # the module, and the test files of its concern
     "nanolm/evaluate.py": ("tests/test_train.py", "tests/test_data.py"),
     "nanolm/watch/stats.py": ("tests/test_stats.py",),
 }
+TIMEOUT_MARGIN = 600  # CPU seconds a mutant's tests may take beyond mutmut's own estimate
 ALSO_COPY = ("data", "configs", "tools", "benchmarks", "docs", "README.md")  # what the tests read beside the package
 
 
@@ -79,8 +80,16 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool) -> dict:
             f.write(f"\n[tool.mutmut]\nsource_paths = [\"nanolm\"]\nonly_mutate = {quoted([module])}\n"
                     f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
                     f"pytest_add_cli_args = [\"-p\", \"no:cacheprovider\", \"-x\", \"-q\"]\n"
+                    # mutmut limits each mutant's CPU time from its tests' own durations, which leave out
+                    # the module fixtures they share (a tiny reference trained over eight seeds): without a
+                    # margin, a mutant whose tests merely set up would "time out" and count as killed
+                    f"timeout_constant = {TIMEOUT_MARGIN}\n"
                     f"also_copy = {quoted(ALSO_COPY)}\n")
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        # the tests' own `python -m nanolm ...` processes import the mutated copy too (they inherit the
+        # mutant's name from mutmut's environment), whatever directory they run in
+        # (made now: an entry of sys.path that does not exist at start-up is never looked in again)
+        (copy / "mutants").mkdir()
+        env = {**os.environ, "PYTHONPATH": str(copy / "mutants")}
         start = time.perf_counter()
         ran = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)], cwd=copy, env=env,
                              capture_output=True, text=True)
@@ -93,6 +102,7 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool) -> dict:
         survived = sorted(n for n, s in status.items() if s == "survived" and n not in equivalent)
         untested = sorted(n for n, s in status.items() if s in ("no tests", "not checked") and n not in equivalent)
         killed = sum(s in ("killed", "timeout", "caught by type check") for s in status.values())
+        timeouts = sum(s == "timeout" for s in status.values())  # a loop the mutant made endless, most often
         counted = len(status) - sum(n in status for n in equivalent)
         diffs = {}
         if show:
@@ -100,10 +110,12 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool) -> dict:
                 diffs[name] = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=copy, env=env,
                                              capture_output=True, text=True).stdout
     result = {"module": module, "tests": list(tests), "mutants": len(status), "killed": killed,
-              "equivalent": sum(n in status for n in equivalent), "survived": survived, "untested": untested,
+              "equivalent": sum(n in status for n in equivalent), "timeouts": timeouts, "survived": survived,
+              "untested": untested,
               "score": round(100 * killed / counted, 1) if counted else None,
               "minutes": round((time.perf_counter() - start) / 60, 1)}
-    print(f"{module}: {killed} of {counted} mutants killed ({result['score']} %), {result['equivalent']} listed as "
+    print(f"{module}: {killed} of {counted} mutants killed ({result['score']} %; {timeouts} by a timeout), "
+          f"{result['equivalent']} listed as "
           f"equivalent, {len(survived)} survived, {len(untested)} no test ran; {result['minutes']} min", flush=True)
     for name in survived + untested:
         print(f"  {'survived' if name in survived else 'no tests'}: {name}")

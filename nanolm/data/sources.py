@@ -57,10 +57,11 @@ def _txt_documents(path: Path, separator: str) -> Iterator[str]:
 
 
 def _strip_one_line_break(text: str) -> str:
-    """The line break just before a separator line belongs to the separator, not the text."""
+    """The line break just before a separator line belongs to the separator, not the text,
+    whichever kind it is (Unix \\n, Windows \\r\\n, old Mac \\r: the file is read split at all three)."""
     if text.endswith("\r\n"):
         return text[:-2]
-    return text[:-1] if text.endswith("\n") else text
+    return text[:-1] if text.endswith(("\n", "\r")) else text
 
 
 def _jsonl_documents(path: Path, text_field: str, problems: list[str]) -> Iterator[str]:

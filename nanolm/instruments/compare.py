@@ -113,8 +113,11 @@ def relative(a: float, b: float) -> float:
 
 
 def common_rows(a: list[dict], b: list[dict], key: str) -> list[tuple[int, float, float]]:
-    bs = {r["step"]: r[key] for r in b if _number(r.get(key))}
-    return [(r["step"], float(r[key]), float(bs[r["step"]])) for r in a if _number(r.get(key)) and r["step"] in bs]
+    """(step, a's value, b's value) at the steps both runs logged ``key``, in step order. A step
+    logged twice (a hand-edited or merged log) counts with its last row in either run, so the
+    pairs do not depend on which run is named first."""
+    by_step = [{r["step"]: float(r[key]) for r in rows if _number(r.get(key))} for rows in (a, b)]
+    return [(step, by_step[0][step], by_step[1][step]) for step in sorted(by_step[0].keys() & by_step[1].keys())]
 
 
 def _number(x) -> bool:
@@ -122,7 +125,12 @@ def _number(x) -> bool:
 
 
 def compare_runs(path_a, path_b) -> Comparison:
-    a, b = read_run(path_a), read_run(path_b)
+    return compare_records(read_run(path_a), read_run(path_b))
+
+
+def compare_records(a: RunRecord, b: RunRecord) -> Comparison:
+    """The verdict on two runs already read; the same, and with the same tolerance, whichever
+    is named first (only the order of the figures in its lines follows the arguments)."""
     diff = differences(a.setup, b.setup)
     split = [d for d in diff if d in SPLIT_OPTIONS]
     other = [d for d in diff if d not in SPLIT_OPTIONS]

@@ -32,7 +32,7 @@ from ..tokenizer import EOS
 from ..tokenizer import KINDS as TOKENIZER_KINDS
 from ..watch.guards import NAN_ACTIONS, SPIKE_ACTIONS
 from ..watch.sinks import LOG_SINKS, PROGRESS_MODES, parse_sinks
-from .documents import read_toml
+from .documents import LARGEST_INTEGER, read_toml
 from .files import require_utf8
 
 
@@ -264,6 +264,9 @@ class RunConfig:
                 value = getattr(getattr(self, section), f.name)
                 if isinstance(value, str):
                     require_utf8(f"--{flag_name(f.name)}", value, "the run's config.toml must hold it")
+                if isinstance(value, int) and not isinstance(value, bool):  # TOML's integers are 64-bit
+                    need(-LARGEST_INTEGER <= value < LARGEST_INTEGER, f.name, value,
+                         "below 2^63 (the run's config.toml holds 64-bit integers)")
         for name, value in (("steps", t.steps), ("batch_size", t.batch_size), ("grad_accum", t.grad_accum),
                             ("eval_every", t.eval_every), ("log_every", t.log_every),
                             ("stories", d.stories), ("n_layer", m.n_layer),
@@ -349,11 +352,16 @@ class RunConfig:
 
 
 def _toml_value(value) -> str:
+    """A value as TOML writes it. In a string, TOML allows no control character but the tab
+    (a path or separator holding a carriage return would make a config.toml the run itself
+    cannot read back), so those are written as escapes."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    escaped = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    escaped = "".join("\\" + ch if ch in '"\\' else
+                      f"\\u{ord(ch):04x}" if (ord(ch) < 0x20 and ch != "\t") or ord(ch) == 0x7F else ch
+                      for ch in str(value))
     return f'"{escaped}"'
 
 
