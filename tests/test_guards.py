@@ -7,8 +7,10 @@ hidden ``--debug-inject-nan-at`` / ``--debug-inject-spike-at`` switches.
 """
 
 import contextlib
+import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -321,3 +323,230 @@ def test_a_run_cannot_roll_back_more_than_max_rollbacks_whatever_restores_it(tmp
     events = [e for e in read_events(tmp_path / "run") if e["kind"] == "nan"]
     assert [e["action"] for e in events] == ["rollback", "rollback", "stop"]
     assert "already rolled back 2 times" in events[-1]["note"]
+
+
+# --------------------------------------------------------------------------- the edges
+def test_a_flat_history_flags_any_rise_and_judges_its_floor_relative_to_the_median():
+    """A history of one repeated value has no spread: its scale is a floor of 1e-3 of the
+    median (plus a hair, so a history of zeros still has a direction)."""
+    zeros = SpikeDetector(window=50, threshold=6.0, min_history=20)
+    hundreds = SpikeDetector(window=50, threshold=6.0, min_history=20)
+    for _ in range(20):
+        zeros.add(0.0), hundreds.add(100.0)
+    assert zeros.is_spike(1e-9)[0] and not zeros.is_spike(-1.0)[0]
+    assert hundreds.zscore(100.5) == pytest.approx(0.5 / (0.1 + 1e-12))
+
+
+def test_the_robust_zscore_is_taken_from_the_median_and_the_median_absolute_deviation():
+    rng = random.Random(0)
+    for _ in range(50):
+        d = SpikeDetector(window=50, threshold=6.0, min_history=5)
+        values = [rng.uniform(1, 10) for _ in range(rng.randrange(5, 40))]
+        for v in values:
+            d.add(v)
+        history = sorted(values)
+        median = history[len(history) // 2]
+        mad = sorted(abs(v - median) for v in history)[len(history) // 2]
+        assert d.zscore(20.0) == pytest.approx((20.0 - median) / (1.4826 * mad + 1e-3 * median + 1e-12))
+
+
+def test_a_zscore_exactly_at_the_threshold_is_not_a_spike():
+    d = SpikeDetector(threshold=6.0)
+    d.zscore = lambda value: 6.0
+    assert d.is_spike(1.0) == (False, 6.0)
+    d.zscore = lambda value: math.nextafter(6.0, math.inf)
+    assert d.is_spike(1.0)[0]
+
+
+def _guard(tmp_path, **kw):
+    lines = []
+    guard = Guard(out_dir=tmp_path, log=lines.append, **kw)
+    return guard, lines
+
+
+def test_the_guards_rollback_count_and_learning_rate_scale_survive_a_checkpoint(tmp_path):
+    """A resume must not hand a guard fresh rollbacks: --max-rollbacks bounds the run, not each restart."""
+    guard, _ = _guard(tmp_path, rollback_lr_scale=0.5)
+    guard.rolled_back({"step": 25, "kind": "nan", "loss": "nan", "grad_norm": "nan", "lr": 1e-3}, to_step=20)
+    guard.rolled_back({"step": 27, "kind": "nan", "loss": "nan", "grad_norm": "nan", "lr": 1e-3}, to_step=20)
+    assert (guard.rollbacks, guard.lr_scale) == (2, 0.25)  # each rollback multiplies the scale
+    state = json.loads(json.dumps(guard.state_dict()))  # as the checkpoint's meta stores it
+    resumed, _ = _guard(tmp_path)
+    resumed.load_state_dict(state)
+    assert (resumed.rollbacks, resumed.lr_scale) == (2, 0.25)
+    assert isinstance(resumed.rollbacks, int) and isinstance(resumed.lr_scale, float)
+
+
+def test_a_rollback_with_nowhere_to_go_is_a_skip_and_a_healthy_step_asks_for_no_checkpoint(tmp_path):
+    asked = []
+    guard, _ = _guard(tmp_path, rollback_to=lambda: asked.append(1))
+    assert guard.decide(1, 2.0, 1.0, 3e-4) == ("take", None, None) and not asked
+    action, event, checkpoint = guard.decide(2, math.nan, 1.0, 3e-4)
+    assert asked and (action, checkpoint) == ("skip", None)
+    assert event["note"] == "no checkpoint yet: skipped instead of rolled back" and event["lr"] == 3e-4
+    no_source, _ = _guard(tmp_path)  # no rollback_to at all (a replay): the same fallback
+    assert no_source.decide(2, math.nan, 1.0, 3e-4)[0] == "skip"
+
+
+def test_a_spike_with_on_spike_off_is_taken_without_an_event(tmp_path):
+    guard, _ = _guard(tmp_path, on_spike="off", window=50, threshold=6.0)
+    for step in range(30):
+        guard.check(step, 2.0 + 0.01 * (step % 3), 1.0, 1e-3)
+    assert guard.check(30, 1e6, 1e6, 1e-3) == ("take", None)
+    warned, _ = _guard(tmp_path, on_spike="warn")
+    for step in range(30):
+        warned.check(step, 2.0 + 0.01 * (step % 3), 1.0, 1e-3)
+    action, event = warned.check(30, 1e6, 1e6, 2e-3)
+    assert action == "take" and event["on"] == ["loss", "grad_norm"] and event["lr"] == 2e-3
+
+
+class _Result:
+    def __init__(self, step, action, event):
+        self.step, self.action, self.event = step, action, event
+
+
+def test_each_event_is_recorded_in_one_line_naming_what_happened(tmp_path):
+    explained = []
+    guard, lines = _guard(tmp_path, explain_nan=lambda batch: explained.append(batch) or {"origin": "blocks.0.attn"})
+    spike = {"step": 7, "kind": "spike", "on": ["loss", "grad_norm"], "loss": 9.0, "grad_norm": 50.0, "lr": 1e-3}
+    guard.settle(_Result(7, "take", dict(spike)), ["batch"])
+    assert not explained  # only a non-finite step is re-run to find where it was born
+    assert lines[-1] == "guard: loss/grad_norm spike at step 7 (loss 9.0, grad norm 50.0): warn"
+    nan = {"step": 8, "kind": "nan", "loss": "nan", "grad_norm": "nan", "lr": 1e-3}
+    guard.settle(_Result(8, "skip", dict(nan)), ["batch"])
+    assert explained == ["batch"]
+    assert lines[-1] == ("guard: non-finite loss or gradient at step 8 (loss nan, grad norm nan; first non-finite: "
+                         "blocks.0.attn): skip")
+    plain, plain_lines = _guard(tmp_path)
+    plain.record(dict(nan), "skip")
+    assert plain_lines[-1] == "guard: non-finite loss or gradient at step 8 (loss nan, grad norm nan): skip"
+
+
+@pytest.mark.parametrize("extra,cause", [({"origin": "blocks.1.mlp"}, "blocks.1.mlp"),
+                                         ({"note": "already rolled back 3 times"}, "already rolled back 3 times"),
+                                         ({}, "see events.jsonl")])
+def test_a_stop_names_its_step_and_its_cause(tmp_path, extra, cause):
+    guard, _ = _guard(tmp_path)
+    event = {"step": 9, "kind": "spike", "on": ["loss"], "loss": 9.0, "grad_norm": 1.0, "lr": 1e-3, **extra}
+    with pytest.raises(NanolmError) as e:
+        guard.settle(_Result(9, "stop", event), ["batch"])
+    assert str(e.value) == (f"training stopped at step 9 on a spike event ({cause}); "
+                            f"run `nanolm diagnose {tmp_path}`")
+
+
+def test_noted_events_are_read_back_and_damaged_ones_counted(tmp_path):
+    guard, _ = _guard(tmp_path)
+    guard.note("resume", 5, from_step=3)
+    warnings = []
+    assert read_events(tmp_path, warn=warnings.append) == [{"step": 5, "kind": "resume", "from_step": 3}]
+    assert warnings == []  # nothing damaged: nothing said
+    with open(tmp_path / "events.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"step": 6, "kind": "resume"}\n{"broken\n{"step": 7}\n{"step": 8, "kind": "nan", "loss": "abc"}\n')
+    assert [e["step"] for e in read_events(tmp_path, warn=warnings.append)] == [5, 6]
+    assert warnings == [f"warning: {tmp_path / 'events.jsonl'}: 3 damaged line(s) left out"]
+    assert [e["step"] for e in read_events(tmp_path)] == [5, 6]  # no one to warn: read all the same
+
+
+@pytest.mark.parametrize("event", [
+    ["step", "kind"], {"step": 1}, {"kind": "nan"}, {"step": 1, "kind": "nan", "loss": True},
+    {"step": 1, "kind": "nan", "loss": "1.5"}, {"step": 1, "kind": "nan", "extra": {"a": 1}},
+    {"step": 1, "kind": "nan", "extra": [1]}, {"step": -1, "kind": "nan"}, {"step": 1, "kind": "nan", "on": "loss"},
+])
+def test_an_event_of_the_wrong_shape_is_damage(tmp_path, event):
+    (tmp_path / "events.jsonl").write_text(json.dumps(event) + "\n", encoding="utf-8")
+    assert read_events(tmp_path) == []
+
+
+def test_an_event_with_every_field_of_its_kind_is_kept(tmp_path):
+    event = {"step": 3, "kind": "nan", "action": "rollback", "origin": "blocks.0.attn", "note": "n", "on": ["loss"],
+             "recent": [{"step": 2}], "to_step": 2, "bad_ids": 1, "loss": "inf", "grad_norm": 2.5, "lr": None,
+             "z_loss": 7.0, "extra": "text"}
+    (tmp_path / "events.jsonl").write_text(json.dumps(event) + "\n", encoding="utf-8")
+    assert read_events(tmp_path) == [event]
+
+
+def test_a_guard_left_at_its_defaults_is_the_command_lines_guard():
+    """Guard() called from Python (a replay, a notebook) behaves as `nanolm train` with no guard flags."""
+    from nanolm.run.config import GuardOptions
+
+    options, guard = GuardOptions(), Guard(out_dir=None)
+    assert (guard.on_nan, guard.on_spike, guard.max_rollbacks, guard.rollback_lr_scale) == (
+        options.on_nan, options.on_spike, options.max_rollbacks, options.rollback_lr_scale)
+    for detector in (guard.loss, guard.grad):
+        assert (detector.threshold, detector.values.maxlen) == (options.spike_threshold, options.spike_window)
+    assert guard.history.maxlen == options.spike_window
+
+
+def test_a_guard_remembers_a_window_of_steps_and_judges_gradients_as_ratios(tmp_path):
+    guard, _ = _guard(tmp_path, window=30, threshold=4.0)
+    assert (guard.loss.threshold, guard.grad.threshold) == (4.0, 4.0)
+    assert not guard.loss.log_scale and guard.grad.log_scale is True
+    for step in range(100):
+        guard.check(step, 2.0, 1.0 + 0.1 * (step % 2), 1e-3)
+    assert len(guard.history) == len(guard.loss.values) == len(guard.grad.values) == 30
+    assert guard.out_dir == tmp_path and guard.events_path == tmp_path / "events.jsonl"
+
+
+def test_a_guard_without_a_run_directory_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    guard = Guard(out_dir=None, log=lambda line: None)
+    guard.note("resume", 1)
+    guard.record({"step": 2, "kind": "nan", "loss": "nan", "grad_norm": "nan", "lr": 1e-3}, "skip")
+    assert guard.events_path is None and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("bad_row", [0, 63])  # the first and the last id of a vocabulary of 64
+def test_nan_origin_finds_a_fault_that_only_one_sequence_of_the_batch_meets(bad_row):
+    """Sequence 0 is clean; sequence 1 holds the one token whose embedding is broken, at the
+    vocabulary's edge: ids clamped into range must still reach that row, and a module's whole
+    output (not its first sequence) is what is checked."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.embed.weight[bad_row] = float("nan")
+    clean = [i for i in range(1, 63)][:32]
+    report = nan_origin(model, _batch([clean, clean[:5] + [bad_row] + clean[6:]]), contextlib.nullcontext, 64)
+    assert report["origin"] == "the output of embed"
+    assert all(p.grad is None for p in model.parameters())  # it leaves no gradient behind
+
+
+def test_nan_origin_names_the_loss_when_the_logits_are_finite_and_the_cross_entropy_is_not():
+    """Logits of +-2e38 are finite in fp32, but the cross-entropy of a target at -2e38 is 4e38: inf."""
+    model = tiny_model()
+    handle = model.lm_head.register_forward_hook(lambda module, args, output: output.sign() * 2e38)
+    try:
+        report = nan_origin(model, _batch([[1, 2, 3, 4] * 8]), contextlib.nullcontext, vocab_size=64)
+    finally:
+        handle.remove()
+    assert report == {"origin": "the loss (finite logits, non-finite cross-entropy)"}
+
+
+def test_nan_origin_survives_ids_and_targets_on_both_sides_of_the_vocabulary():
+    model = tiny_model()
+    batch = _batch([[1, 2, 3, 4] * 8])
+    batch.idx[0, 3], batch.idx[0, 9] = -7, 70
+    batch.targets[0, 4], batch.targets[0, 10] = -3, 99
+    report = nan_origin(model, batch, contextlib.nullcontext, vocab_size=64)
+    assert report["bad_ids"] == 2 and report["origin"].startswith("none on a re-run")
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_nan_origin_re_runs_the_batch_at_its_own_positions():
+    """Two documents of 16 tokens sit at positions 0-15 each: a fault in the rotary table at
+    position 20 is not met by this batch, and the re-run must not meet it either (positions
+    counted 0-31 along the row would)."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.rope_cos[20] = float("nan")
+    ids = [list(range(1, 33))]
+    batch = Batch(torch.tensor(ids), torch.roll(torch.tensor(ids), -1, dims=1), torch.ones(1, 32, dtype=torch.bool),
+                  doc_ids=torch.tensor([[0] * 16 + [1] * 16]), positions=torch.tensor([list(range(16)) * 2]))
+    assert nan_origin(model, batch, contextlib.nullcontext, vocab_size=64)["origin"].startswith("none on a re-run")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full (a file every write to fails)")
+def test_an_event_that_cannot_be_written_names_the_events_file(tmp_path):
+    guard, _ = _guard(tmp_path)
+    guard.events_path = Path("/dev/full")
+    with pytest.raises(OSError) as e:
+        guard.note("resume", 1)
+    assert e.value.filename == "/dev/full"

@@ -10,11 +10,14 @@ for their shape and against the configs and data they name, not retrained.
 import dataclasses
 import json
 import math
+import random
 import shlex
 from pathlib import Path
 
 import pytest
 from conftest import tiny_run_config
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import nanolm.watch.reference as reference
 from nanolm.instruments.diagnose import diagnose_trace
@@ -296,3 +299,24 @@ def test_a_rerun_of_a_seed_the_reference_trained_is_judged_against_its_own_curve
     assert look is not None and look.own_seed and look.percent == pytest.approx(2.0, abs=0.5), look
     finding = {f.name: f for f in diagnose_trace(rows)}["left_reference_band"]
     assert "above its seed's reference run since step 8" in finding.message and "among all the seeds" in finding.message
+
+
+_SEED_VALUES = st.lists(st.floats(-1e9, 1e9, allow_nan=False), min_size=2, max_size=8)
+_BANDED_KEYS = st.sampled_from(["loss", "lr", "grad_norm", "clipped_frac", "val_loss", "val_bpb", "update_ratio/embed"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(key=_BANDED_KEYS, values=_SEED_VALUES, extra=st.floats(-1e9, 1e9, allow_nan=False), order=st.randoms())
+@example(key="clipped_frac", values=[100000000.25, 100000000.25], extra=0.0, order=random.Random(0))  # rounding > floor
+def test_every_seed_a_band_is_built_from_lies_inside_it_whatever_their_values_and_order(key, values, extra, order):
+    """The band's edges hold its own seeds (rounded to nine figures, never past a seed), do not
+    depend on the order the seeds come in, and only widen when a seed is added."""
+    band = band_from_seeds(key, [{100: v} for v in values])
+    assert all(band.side(100, v) == 0 for v in values), (band.lo, band.hi)
+    shuffled = list(values)
+    order.shuffle(shuffled)
+    assert band_from_seeds(key, [{100: v} for v in shuffled]) == band
+    wider = band_from_seeds(key, [{100: v} for v in values + [extra]])
+    assert wider.lo[0] <= band.lo[0] and wider.hi[0] >= band.hi[0]
+    below, above = math.nextafter(band.lo[0], -math.inf), math.nextafter(band.hi[0], math.inf)
+    assert band.side(100, below) == -1 and band.side(100, above) == 1  # one float past an edge is outside

@@ -54,6 +54,34 @@ def test_layer_statistics_match_hand_computed_norms_and_update_ratios(tie):
     assert sum(len(ps) for ps in layer_groups(model).values()) == len(list(model.parameters()))
 
 
+def test_a_parameter_without_a_gradient_counts_as_a_zero_gradient():
+    """Statistics taken before any backward pass (or of a layer no loss reached) read 0, not an error."""
+    model = tiny_model()
+    row = LayerStats(model).capture().after_update()
+    grads = {k: v for k, v in row.items() if k.startswith("grad_norm/")}
+    assert grads and all(v == 0.0 for v in grads.values())
+    assert all(v > 0 for k, v in row.items() if k.startswith("weight_norm/"))
+
+
+def test_the_statistics_of_bf16_weights_are_taken_in_fp32():
+    """Norms of bf16 weights summed in bf16 would be off by a few parts in a thousand, and an
+    update, the difference of two nearly equal weights, rounded away: both are taken in fp32."""
+    model = tiny_model().to(torch.bfloat16)
+    batch = _random_batch()
+    model(batch.idx, batch.targets)[1].backward()
+    stats = LayerStats(model).capture()
+    before = {n: p.detach().double() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=0.05).step()
+    row = stats.after_update()
+    blocks = [n for n in before if n.startswith("blocks.0.")]
+    w = _norm(before[n] for n in blocks)
+    g = _norm(dict(model.named_parameters())[n].grad for n in blocks)
+    moved = _norm(dict(model.named_parameters())[n].detach().double() - before[n] for n in blocks)
+    assert row["weight_norm/0"] == pytest.approx(w, rel=1e-6)
+    assert row["grad_norm/0"] == pytest.approx(g, rel=1e-6)
+    assert row["update_ratio/0"] == pytest.approx(moved / w, rel=1e-5)
+
+
 def test_per_layer_gradient_norms_are_taken_before_clipping(observed_run):
     """With a clip threshold, the groups' norms still add up to the unclipped global norm logged beside them."""
     rows = [r for r in read_metrics(observed_run / "metrics.jsonl") if "grad_norm/0" in r]

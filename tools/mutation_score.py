@@ -44,9 +44,8 @@ MODULES = {  # the module, and the test files of its concern
     "nanolm/run/documents.py": ("tests/test_hostile_files.py", "tests/test_untrusted_files.py"),
     "nanolm/data/sources.py": ("tests/test_data.py", "tests/test_hostile_files.py"),
     "nanolm/evaluate.py": ("tests/test_train.py", "tests/test_data.py"),
-    "nanolm/watch/stats.py": ("tests/test_stats.py",),
+    "nanolm/watch/stats.py": ("tests/test_stats.py", "tests/test_devices.py"),
 }
-TIMEOUT_MARGIN = 600  # CPU seconds a mutant's tests may take beyond mutmut's own estimate
 ALSO_COPY = ("data", "configs", "tools", "benchmarks", "docs", "README.md")  # what the tests read beside the package
 
 
@@ -71,7 +70,7 @@ def _equivalents(module: str) -> dict[str, str]:
     return dict(read_toml(EQUIVALENT).get(module, {}))
 
 
-def score(module: str, tests: tuple[str, ...], jobs: int, show: bool) -> dict:
+def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="nanolm-mutation-") as tmp:
         copy = Path(tmp)
         _tree_copy(copy)
@@ -80,10 +79,14 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool) -> dict:
             f.write(f"\n[tool.mutmut]\nsource_paths = [\"nanolm\"]\nonly_mutate = {quoted([module])}\n"
                     f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
                     f"pytest_add_cli_args = [\"-p\", \"no:cacheprovider\", \"-x\", \"-q\"]\n"
-                    # mutmut limits each mutant's CPU time from its tests' own durations, which leave out
-                    # the module fixtures they share (a tiny reference trained over eight seeds): without a
-                    # margin, a mutant whose tests merely set up would "time out" and count as killed
-                    f"timeout_constant = {TIMEOUT_MARGIN}\n"
+                    # mutmut limits each mutant's time to (its tests' measured time + margin) x 2; the
+                    # measured time leaves out the module fixtures they share (a tiny reference trained
+                    # over eight seeds): without a margin, a mutant whose tests merely set up would "time
+                    # out" and count as killed, with mutmut's x15 an endless loop holds a core for minutes
+                    f"timeout_constant = {margin}\ntimeout_multiplier = 2.0\n"
+                    # each mutant in a child of a fresh server process: a child forked from the process
+                    # that ran the tests has PyTorch's thread pool started, and hangs in its first matmul
+                    f"process_isolation = \"forkserver\"\n"
                     f"also_copy = {quoted(ALSO_COPY)}\n")
         # the tests' own `python -m nanolm ...` processes import the mutated copy too (they inherit the
         # mutant's name from mutmut's environment), whatever directory they run in
@@ -130,6 +133,9 @@ def main() -> int:
     p.add_argument("--all", action="store_true", help="every module listed")
     p.add_argument("--jobs", type=int, default=2, help="mutants tested at once")
     p.add_argument("--show", action="store_true", help="print the diff of every surviving mutant")
+    p.add_argument("--timeout-margin", type=float, default=15.0,
+                   help="CPU seconds a mutant's tests may take beyond their measured time before it counts as "
+                        "killed by a timeout (an endless loop); more where the tests share slow fixtures")
     p.add_argument("--min", type=float, default=90.0, help="the least score a module must reach (per cent)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args()
@@ -137,7 +143,7 @@ def main() -> int:
     unknown = [m for m in modules if m not in MODULES]
     if unknown or not modules:
         raise SystemExit(f"error: give modules of {', '.join(MODULES)} (or --all); unknown: {unknown}")
-    results = [score(m, MODULES[m], args.jobs, args.show) for m in modules]
+    results = [score(m, MODULES[m], args.jobs, args.show, args.timeout_margin) for m in modules]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 1 if any(r["score"] is None or r["score"] < args.min for r in results) else 0

@@ -404,6 +404,20 @@ BUGS = [
         '    by_step = [{r["step"]: float(r[key]) for r in rows if _number(r.get(key))} for rows in (a, b)]',
         '    by_step = [{r["step"]: float(r[key]) for r in rows if _number(r.get(key))} for rows in (a[::-1], b)]',
         tests=("test_compare",)),
+    Bug("band_edge_rounded_inward", "a band's edges rounded to nine figures toward its middle: with no spread to "
+        "widen it, a seed the band was built from (and a healthy run equal to it) lands outside by rounding",
+        "nanolm/watch/reference.py", "        lo.append(_round(values[0] - widen, -1))",
+        "        lo.append(_round(values[0] - widen))", tests=("test_reference",)),
+    # edges found by mutation testing (tools/mutation_score.py)
+    Bug("guard_scale_forgotten_on_resume", "a resumed run's guard starts again at the full learning rate: the "
+        "scale that earlier rollbacks lowered (--rollback-lr-scale) is lost with each restart",
+        "nanolm/watch/guards.py",
+        '        self.rollbacks, self.lr_scale = int(state["rollbacks"]), float(state["lr_scale"])',
+        '        self.rollbacks, self.lr_scale = int(state["rollbacks"]), 1.0', tests=("test_guards",)),
+    Bug("layer_norms_summed_in_bf16", "per-layer weight and gradient norms of bf16 weights summed in bf16: off by "
+        "parts in a thousand, and the update ratio with them", "nanolm/watch/stats.py",
+        "    squares = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()",
+        "    squares = torch.stack(torch._foreach_norm(tensors, 2)).square()", tests=("test_stats",)),
     # the layout: what a reader (and a plain run) meets
     Bug("faults_imported_by_a_plain_train", "every plain nanolm train imports the lab's broken components: the "
         "production path carries the fault models, and their imports, for nothing",

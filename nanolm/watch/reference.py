@@ -136,14 +136,19 @@ def band_from_seeds(key: str, per_seed: list[dict[int, float]]) -> Band | None:
         spread = values[-1] - values[0]
         floor = (GROUP_RELATIVE_FLOOR if key.startswith(GROUP_METRICS) else RELATIVE_FLOOR.get(key, 0.0)) * abs(median)
         widen = max(WIDEN * spread, floor, ABSOLUTE_FLOOR.get(key, 0.0))
-        lo.append(_round(values[0] - widen))
+        lo.append(_round(values[0] - widen, -1))
         mid.append(_round(median))
-        hi.append(_round(values[-1] + widen))
+        hi.append(_round(values[-1] + widen, +1))
     return Band(steps, lo, mid, hi)
 
 
-def _round(x: float) -> float:
-    return float(f"{x:.9g}")
+def _round(x: float, outward: int = 0) -> float:
+    """``x`` to nine significant figures (the reference files stay readable); an edge of a band
+    rounded ``outward`` (-1 down, +1 up), so that rounding never leaves one of its own seeds outside."""
+    r = float(f"{x:.9g}")
+    if not outward or not math.isfinite(x) or (r - x) * outward >= 0:
+        return r
+    return float(f"{r + outward * 10.0 ** (math.floor(math.log10(abs(x))) - 8):.9g}")
 
 
 def bands_from_runs(runs: list[list[dict]]) -> dict[str, Band]:
