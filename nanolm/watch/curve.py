@@ -102,8 +102,8 @@ class SeedCurves:
 
 RERUN_FLOOR = 0.003
 """The least standard deviation of a rerun's log difference at a step: 0.3 %. Reruns on one CPU
-measure only another order of sums; another CPU's kernels may round further (the quick run's
-seed 1337 ended 0.2 % apart on two kinds of CPU)."""
+measure only another order of sums; another CPU's kernels may round further, and the floor keeps
+the test from calling that a bug (docs/benchmarks.md, the curve test)."""
 
 
 def seed_curves_from_runs(key: str, firsts: dict[int, dict[int, float]], reruns: dict[int, dict[int, float]],
@@ -125,8 +125,8 @@ def seed_curves_from_runs(key: str, firsts: dict[int, dict[int, float]], reruns:
     np.fill_diagonal(corr, 1.0)
     cov = corr * np.outer(floored, floored)
     threshold = max_t_threshold(cov, len(paired) + 1, false_alarm, seed)  # no mean estimated: n degrees of freedom
-    return SeedCurves(key, steps, {str(s): [_round(math.log(firsts[s][t])) for t in steps] for s in sorted(firsts)},
-                      [[_round(x) for x in row] for row in cov], len(paired), _round(threshold), false_alarm)
+    return SeedCurves(key, steps, {str(s): [nine_figures(math.log(firsts[s][t])) for t in steps] for s in sorted(firsts)},
+                      [[nine_figures(x) for x in row] for row in cov], len(paired), nine_figures(threshold), false_alarm)
 
 
 def _looks(key: str, steps: list[int], centre, cov: np.ndarray, inflation: float, df: int, threshold: float,
@@ -209,8 +209,8 @@ def curve_from_seeds(key: str, per_seed: list[dict[int, float]], false_alarm: fl
     logs = np.log(np.array([[run[s] for s in steps] for run in per_seed], dtype=np.float64))
     cov = np.atleast_2d(np.cov(logs, rowvar=False, ddof=1))
     threshold = max_t_threshold(cov, len(per_seed), false_alarm, seed)
-    return Curve(key, steps, [_round(x) for x in logs.mean(axis=0)], [[_round(x) for x in row] for row in cov],
-                 len(per_seed), _round(threshold), false_alarm)
+    return Curve(key, steps, [nine_figures(x) for x in logs.mean(axis=0)], [[nine_figures(x) for x in row] for row in cov],
+                 len(per_seed), nine_figures(threshold), false_alarm)
 
 
 def prefix_correlation(cov: np.ndarray) -> np.ndarray:
@@ -273,5 +273,7 @@ def _incomplete_beta(a: float, b: float, x: float) -> float:
     return front * f / a
 
 
-def _round(x: float) -> float:
+def nine_figures(x: float) -> float:
+    """``x`` to nine significant figures: what the reference files store (readable, and far
+    finer than any seed's spread)."""
     return float(f"{x:.9g}")

@@ -35,7 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ..batches import DEFAULT_EVAL_WINDOWS
-from .curve import Curve, Look, SeedCurves
+from .curve import Curve, Look, SeedCurves, nine_figures
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "references"
 FORMAT = 1
@@ -145,10 +145,10 @@ def band_from_seeds(key: str, per_seed: list[dict[int, float]]) -> Band | None:
 def _round(x: float, outward: int = 0) -> float:
     """``x`` to nine significant figures (the reference files stay readable); an edge of a band
     rounded ``outward`` (-1 down, +1 up), so that rounding never leaves one of its own seeds outside."""
-    r = float(f"{x:.9g}")
+    r = nine_figures(x)
     if not outward or not math.isfinite(x) or (r - x) * outward >= 0:
         return r
-    return float(f"{r + outward * 10.0 ** (math.floor(math.log10(abs(x))) - 8):.9g}")
+    return nine_figures(r + outward * 10.0 ** (math.floor(math.log10(abs(x))) - 8))
 
 
 def bands_from_runs(runs: list[list[dict]]) -> dict[str, Band]:
