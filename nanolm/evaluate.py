@@ -75,12 +75,8 @@ def evaluate_file(run_dir, path, batch_size: int = 16, device: str = "auto") -> 
     texts = list(DocumentSource(path, config.data.separator, config.data.text_field))
     if not texts:
         raise NanolmError(f"{path} holds no text")
-    tokens = join_documents(tokenizer.encode_batch(texts), tokenizer.eos_id)
-    seq_len = config.model.seq_len
-    if len(tokens) < seq_len + 1:
-        seq_len = len(tokens) - 1
-    if seq_len < 1:
-        raise NanolmError(f"{path} is too short to evaluate")
+    tokens = join_documents(tokenizer.encode_batch(texts), tokenizer.eos_id)  # EOS doc EOS: at least 2 tokens
+    seq_len = min(config.model.seq_len, len(tokens) - 1)  # a file shorter than a window is one window
     split = Split(tokens, np.zeros(0, dtype=np.int64), sum(len(t.encode("utf-8")) for t in texts))
     d = config.data
     batches = eval_batches(split, seq_len, batch_size, tokenizer.eos_id, doc_mask=d.doc_mask,

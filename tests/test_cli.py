@@ -202,7 +202,7 @@ def test_config_file_sets_options_and_flags_win(tmp_path, capsys, stories_file):
     ("[train\n", "not valid TOML"),
     ("model = 3\n", "model in"),  # was "unknown section [model] ... known: [model], ..."
     ("[train]\nsteps = " + "1" * 5000 + "\n", "holds a value Python cannot read"),
-    ("[train]\nsteps = 0x" + "f" * 5000 + "\n", "holds an integer of 20000 bits"),
+    ("[train]\nsteps = 0x" + "f" * 5000 + "\n", "holds an integer of 20001 bits"),
     ("[train]\nsteps = " + "[" * 3000 + "]" * 3000 + "\n", "deeper than Python can parse"),
     ("[train]\nsteps = '" + "x" * 5000 + "'\n", "(5002 characters)"),  # the value quoted, not a page of it
 ])

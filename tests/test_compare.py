@@ -7,6 +7,9 @@ named as different at step 1, exit 1. Different seeds agree within seed noise; d
 setups are named; a directory that is not a run is one line, exit 2, as with ``diff``.
 """
 
+import json
+import math
+import statistics
 from pathlib import Path
 from unittest import mock
 
@@ -16,7 +19,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanolm.errors import NanolmError
-from nanolm.instruments.compare import RunRecord, compare_records, compare_runs, find_parting
+from nanolm.instruments.compare import (
+    RunRecord,
+    _loss_noise,
+    _smoothed,
+    compare_records,
+    compare_runs,
+    find_parting,
+    format_comparison,
+    read_run,
+    recorded_run,
+    relative,
+)
 from nanolm.instruments.faults import components
 from nanolm.train import train
 from nanolm.watch.reference import setup_of, shipped_references
@@ -160,3 +174,271 @@ def test_compare_gives_the_same_verdict_and_tolerance_whichever_run_is_named_fir
     band = shipped_references()[0] if banded else None
     with mock.patch("nanolm.instruments.compare.find_reference", return_value=band):
         assert _verdict(a, b) == _verdict(b, a)
+
+
+# ------------------------------------------------------------------ reading a run, at its edges
+
+
+def _run_dir(path, rows, lines=(), data_dir=False, **train):
+    cfg = tiny_run_config("d.txt", str(path), batch_size=4, grad_accum=2, **train).resolved()
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text(cfg.to_toml())
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(lines))
+    return cfg
+
+
+def test_a_run_is_read_with_the_setup_its_first_row_records_and_damage_is_a_warning(tmp_path, capsys):
+    first = {"step": 0, "loss": 3.0, "data_digest": "abc", "precision": "bf16", "device_type": "cuda", "world_size": 2}
+    _run_dir(tmp_path / "a", [first, {"step": 1, "loss": 2.9, "data_digest": "later"}], lines=["{broken\n"])
+    record = read_run(tmp_path / "a")
+    assert record.path == tmp_path / "a" and [r["step"] for r in record.rows] == [0, 1]
+    assert record.setup["run"] == {"data_digest": "abc", "precision": "bf16", "device_type": "cuda", "world_size": 2,
+                                   "val_windows": record.val_windows}
+    assert capsys.readouterr().err == f"warning: {tmp_path / 'a' / 'metrics.jsonl'}: 1 damaged line(s) left out\n"
+
+
+def test_a_run_logged_before_its_setup_was_recorded_gets_it_from_its_config_and_tokens(tmp_path):
+    cfg = _run_dir(tmp_path / "old", [{"step": 0, "loss": 3.0}])
+    per_rank = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.seq_len
+    assert recorded_run(tmp_path / "old", cfg, {"step": 0}) == ("unknown", cfg.train.precision, "cpu", 1)
+    for tokens, world in ((3 * per_rank, 3), (per_rank // 2, 1), (per_rank, 1)):
+        found = recorded_run(tmp_path / "old", cfg, {"tokens_per_step": tokens})[3]
+        assert found == world and type(found) is int
+    for bad in (0, True, 1.5, "2"):  # not a world size: from the tokens instead
+        assert recorded_run(tmp_path / "old", cfg, {"world_size": bad, "tokens_per_step": 2 * per_rank})[3] == 2
+    assert recorded_run(tmp_path / "old", cfg, {"world_size": 4, "tokens_per_step": 2 * per_rank})[3] == 4
+    assert recorded_run(tmp_path / "old", cfg, {"world_size": 1, "tokens_per_step": 2 * per_rank})[3] == 1
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.mkdir(), "{p} is not a run directory (no config.toml); give directories written by nanolm train"),
+    (lambda p: (_run_dir(p, []), (p / "metrics.jsonl").unlink()), "{p} has no metrics.jsonl: the run logged nothing "
+                                                                   "to compare"),
+    (lambda p: _run_dir(p, [], lines=["{broken\n"]), "{p}/metrics.jsonl holds no rows"),
+])
+def test_what_is_not_a_run_is_named_in_one_line(tmp_path, make, message):
+    make(tmp_path / "r")
+    with pytest.raises(NanolmError) as e:
+        read_run(tmp_path / "r")
+    assert str(e.value) == message.format(p=tmp_path / "r")
+
+
+# ------------------------------------------------------------------ the verdict's words and figures
+
+
+def _record(rows, seed=1, batch=8, accum=1, windows=16, lr=1e-3):
+    cfg = tiny_run_config("d.txt", "run", seed=seed, batch_size=batch, grad_accum=accum, eval_batches=None,
+                          eval_windows=windows)
+    cfg.optim.lr = lr
+    cfg = cfg.resolved()
+    return RunRecord(Path("run"), cfg, rows, setup_of(cfg, "digest", "fp32", "cpu", 1))
+
+
+def _curve(n=20, scale=1.0, noise=0.0, val_every=5, val_scale=1.0):
+    return [{"step": s, "loss": scale * (3.0 - 0.05 * s + (noise if s % 2 else -noise)), "grad_norm": 1.0, "lr": 1e-3,
+             **({"val_loss": val_scale * (3.1 - 0.05 * s)} if s % val_every == 0 else {})} for s in range(1, n + 1)]
+
+
+def test_two_splits_of_one_batch_that_agree_say_so_with_the_tolerance_and_the_steps_counted():
+    result = compare_records(_record(_curve()), _record(_curve(), batch=4, accum=2))
+    assert result.lines == [
+        "same seed (1), data and recipe; the batch is split differently (train.batch_size 8 vs 4, train.grad_accum 1 "
+        "vs 2): each step sees the same windows, so the curves must agree to floating-point rounding (relative 0.0001)",
+        "agree at every common logged step (20) within 0.0001"]
+    assert result.agree and result.kind == "same_training" and result.exit_code() == 0
+    assert format_comparison("A", "B", result).splitlines() == ["compare A B", *result.lines, "verdict: they agree (exit 0)"]
+    alike = compare_records(_record(_curve()), _record(_curve(), windows=32))
+    assert alike.lines[0].startswith("same seed (1), data and recipe; the same setup: each step")
+    assert alike.lines[1] == ("val_loss not compared: the validation sets differ (16 vs 32 windows); give both the same "
+                              "--eval-windows")
+
+
+def test_a_parting_names_its_step_its_number_both_values_and_their_ratio():
+    parted = _curve()
+    parted[9]["grad_norm"] = 1.5  # step 10
+    result = compare_records(_record(_curve()), _record(parted))
+    assert result.kind == "same_training" and result.agree is False and result.parted_at == 10
+    assert result.exit_code() == 1
+    assert result.lines[-1] == ("they part at step 10: grad_norm 1 vs 1.5 (3.3e-01 relative, 0.667x), against a "
+                                "rounding tolerance of 0.0001, with no drift before it")
+    zero = _curve()
+    zero[4]["val_loss"] = 0.0
+    assert "(1.0e+00 relative, infx)" in compare_records(_record(_curve()), _record(zero)).lines[-1]
+    assert format_comparison("A", "B", result).endswith("verdict: they differ (exit 1)")
+
+
+def test_rounding_that_takes_over_hands_the_rest_to_the_seed_test():
+    drifting = [dict(r, loss=r["loss"] * (1 + 1e-6 * 10 ** (r["step"] / 5))) for r in _curve()]  # 1e-6 ... 1e-2
+    result = compare_records(_record(_curve(noise=0.01)), _record([dict(d, loss=d["loss"] + (0.01 if d["step"] % 2 else -0.01))
+                                                                    for d in drifting]))
+    assert result.lines[1] == ("agree to rounding until step 10, where their rounding differences, growing step by "
+                               "step, pass 0.0001: from there on they are compared as two seeds are")
+    assert result.lines[2].startswith("tolerance: ") and result.agree and result.parted_at is None
+
+
+def test_the_seed_noise_is_the_scatter_of_the_second_half_of_each_run():
+    rows = [{"step": s, "loss": 5.0 - s * 0.1 + (0.02 if s % 2 else 0.0)} for s in range(1, 21)]  # steps 11-20: +-0.02
+    half = [r["loss"] for r in rows][10:]
+    diffs = sorted(abs(a - b) for a, b in zip(half, half[1:]))
+    assert _loss_noise(rows) == [1.4826 * diffs[len(diffs) // 2] / math.sqrt(2)]
+    assert _loss_noise(rows[:9]) == [] and _loss_noise(rows[:10]) != []  # ten logged losses at least
+    assert _loss_noise([{"step": 1, "loss": None}] * 20) == []
+
+
+def test_training_losses_are_compared_as_running_means_of_five_logged_steps_after_the_parting():
+    rows = [{"step": 10 * s, "loss": float(s)} for s in range(1, 9)]
+    assert _smoothed(rows, 0) == {50: 3.0, 60: 4.0, 70: 5.0, 80: 6.0}
+    assert _smoothed(rows, 20) == {70: 5.0, 80: 6.0}  # windows that start after step 20
+    assert _smoothed(rows[:4], 0) == {}
+
+
+def test_two_seeds_without_a_reference_are_judged_by_a_tolerance_from_their_own_noise():
+    with mock.patch("nanolm.instruments.compare.find_reference", return_value=None):
+        agree = compare_records(_record(_curve(noise=0.02)), _record(_curve(noise=0.02), seed=2))
+        assert agree.lines[0] == "different seeds (1, 2) of the same setup: the curves must agree within seed noise"
+        sigma = statistics.median(_loss_noise(_curve(noise=0.02)) * 2)
+        assert agree.lines[1] == (f"tolerance: {4 * sigma * math.sqrt(2 / 5):.3g} nats (no reference band for this "
+                                  f"setup; estimated from the runs: the step-to-step scatter of their training loss, "
+                                  f"sigma {sigma:.3g}, for a mean over 5 logged steps; 4 sigma)")
+        assert agree.agree and agree.lines[-1] == "agree within that tolerance at every common step"
+        lower = compare_records(_record(_curve(noise=0.02)), _record(_curve(noise=0.02, scale=0.9), seed=2))
+        assert lower.kind == "seeds" and lower.agree is False
+        assert lower.lines[-1].startswith(f"they differ at step {lower.parted_at}: mean training loss")
+        val = compare_records(_record(_curve(noise=0.02)), _record(_curve(noise=0.02, val_scale=1.1), seed=2))
+        assert val.parted_at == 5 and val.lines[-1] == "they differ at step 5: val_loss 2.8500 vs 3.1350"
+        assert val.kind == "seeds" and val.agree is False
+        other_val_set = compare_records(_record(_curve(noise=0.02)), _record(_curve(noise=0.02, val_scale=1.1), seed=2,
+                                                                               windows=32))
+        assert other_val_set.agree  # validation sets of other sizes: their losses are not compared
+        with pytest.raises(NanolmError) as e:
+            compare_records(_record(_curve(n=9)), _record(_curve(n=9), seed=2))
+        assert str(e.value) == ("too few logged training steps to estimate the seed noise (at least 10 each); log more "
+                                "often (--log-every) or compare against a recognised recipe")
+
+
+def _banded_rows(band, key, where=None, by=0.0, others=1.0):
+    """Rows at the band's first steps of ``key``: 0 everywhere, ``by`` at step ``where``; every other
+    banded number (and one the comparison leaves out) at ``others`` times a step-dependent value."""
+    steps = band.bands[key].steps[1:4]
+    rows = [{"step": s, key: (by if s == where else 0.0), "val_bpb": others * s} for s in steps]
+    return steps, rows
+
+
+@pytest.mark.parametrize("key", ["loss", "val_loss", "grad_norm", "lr"])
+def test_two_seeds_of_a_recipe_with_a_reference_differ_where_a_number_is_further_apart_than_its_band_is_wide(key):
+    band = shipped_references()[0]
+    steps, rows = _banded_rows(band, key)
+    lo, hi = band.bands[key].at(steps[1])
+    with mock.patch("nanolm.instruments.compare.find_reference", return_value=band) as found:
+        near = compare_records(_record(rows), _record(_banded_rows(band, key, others=9.0)[1], seed=2))
+        found.assert_called_with(_record(rows).setup)
+        assert near.kind == "seeds" and near.agree is True and near.parted_at is None  # val_bpb is not compared
+        assert near.lines[1] == f"tolerance: the width of the reference band of {band.describe()} at each step"
+        assert near.lines[-1] == "agree within the band's width at every common step"
+        on_edge = compare_records(_record(rows), _record(_banded_rows(band, key, steps[1], hi - lo)[1], seed=2))
+        assert on_edge.agree is True  # exactly the band's width apart
+        past = math.nextafter(hi - lo, math.inf)
+        apart = compare_records(_record(rows), _record(_banded_rows(band, key, steps[1], past)[1], seed=2))
+        assert apart.kind == "seeds" and apart.agree is False and apart.parted_at == steps[1]
+        assert apart.lines[-1] == (f"they differ at step {steps[1]}: {key} 0 vs {past:.6g}, more than the band's "
+                                   f"width {hi - lo:.4g}")
+
+
+def test_after_rounding_takes_over_a_band_judges_only_the_steps_after_it():
+    band = shipped_references()[0]
+    steps = band.bands["loss"].steps[1:5]  # 2, 3, 10, ...
+    base = [{"step": s, "loss": 2.0} for s in steps]
+    later = [{"step": s, "loss": 2.0 * (1 + d)} for s, d in zip(steps, (0.0, 2e-6, 0.3, 0.0))]  # drifts at the 2nd
+    with mock.patch("nanolm.instruments.compare.find_reference", return_value=band):
+        result = compare_records(_record(base), _record(later))
+        assert result.lines[1].startswith(f"agree to rounding until step {steps[2]}")
+        assert result.agree is True  # the step where rounding took over is not judged as a seed's
+        far = [dict(r) for r in later]
+        far[3]["loss"] = 9.0
+        assert compare_records(_record(base), _record(far)).parted_at == steps[3]  # the steps after it are
+
+
+def test_two_seeds_differ_at_the_first_logged_steps_too():
+    rows = _curve(noise=0.02)
+    first = [dict(r) for r in rows]
+    first[0]["loss"] += 5.0  # step 1 only: in the first running mean of five, from step 1 to 5
+    with mock.patch("nanolm.instruments.compare.find_reference", return_value=None):
+        result = compare_records(_record(rows), _record(first, seed=2))
+    assert result.kind == "seeds" and result.agree is False and result.parted_at == 5
+
+
+def test_different_setups_are_named_option_by_option_and_a_different_step_size_too():
+    result = compare_records(_record(_curve()), _record(_curve(), lr=2e-3))
+    assert result.lines == ["different setups: optim.lr (0.001 vs 0.002), optim.min_lr (0.0001 vs 0.0002); they did not "
+                            "train the same thing"]
+    assert result.kind == "different_setups" and result.agree is False
+    both = compare_records(_record(_curve()), _record(_curve(), batch=4, lr=2e-3))
+    assert both.lines == ["different setups: optim.lr (0.001 vs 0.002), optim.min_lr (0.0001 vs 0.0002), sequences "
+                          "per step (8 vs 4); they did not train the same thing"]
+    bigger = compare_records(_record(_curve()), _record(_curve(), batch=4))
+    assert bigger.lines == ["different setups: sequences per step (8 vs 4); they did not train the same thing"]
+    assert relative(2.0, 2.0) == 0.0 and relative(0.0, 1e-13) == pytest.approx(0.1)  # over 1e-12 at least
+    assert relative(-1.0, 1.0) == 2.0 and relative(1.0, 3.0) == pytest.approx(2 / 3)
+
+
+def test_an_old_runs_data_is_known_by_its_manifest_without_reading_every_shard(tmp_path, stories_file):
+    from nanolm.data.prepare import prepare
+
+    cfg = _run_dir(tmp_path / "old", [{"step": 0, "loss": 3.0}])
+    data = prepare(stories_file, tmp_path / "old" / "data", "char", progress=False)
+    shard = next(p for p in sorted((tmp_path / "old" / "data").iterdir()) if p.suffix == ".bin")
+    raw = bytearray(shard.read_bytes())
+    raw[0] ^= 1  # damage compare would only find by hashing every shard, which it does not do
+    shard.write_bytes(bytes(raw))
+    from nanolm.data.shards import PreparedData
+
+    with pytest.raises(NanolmError, match="corrupt"):
+        PreparedData(tmp_path / "old" / "data")  # verified, the damage is found
+    assert recorded_run(tmp_path / "old", cfg, {"step": 0})[0] == data.digest
+    assert read_run(tmp_path / "old").setup["run"]["data_digest"] == data.digest
+
+
+def test_two_seeds_validation_losses_are_compared_from_the_first_evaluation_after_step_0():
+    rows = _curve(noise=0.02)
+    with mock.patch("nanolm.instruments.compare.find_reference", return_value=None):
+        untrained = [{"step": 0, "val_loss": 4.0}] + rows  # another seed's untrained model: another start
+        assert compare_records(_record(untrained), _record([{"step": 0, "val_loss": 9.0}] + rows, seed=2)).agree is True
+        first = [dict(r) for r in rows]
+        first[0]["val_loss"] = 9.0  # step 1's evaluation
+        early = compare_records(_record([dict(r, val_loss=3.0) if r["step"] == 1 else r for r in rows]),
+                                _record(first, seed=2))
+        assert early.agree is False and early.parted_at == 1
+
+
+def _pair(values_a, values_b, key="loss"):
+    return ([{"step": 10 * i, key: v} for i, v in enumerate(values_a, 1)],
+            [{"step": 10 * i, key: v} for i, v in enumerate(values_b, 1)])
+
+
+def test_a_difference_of_exactly_the_rounding_tolerance_is_rounding_and_a_drift_of_exactly_its_floor_is_a_drift():
+    assert find_parting(*_pair([10000.0, 5.0], [9999.0, 5.0]), ["loss"]) == (None, None)  # 1e-4 exactly: not past it
+    parting, _ = find_parting(*_pair([10000.0, 5.0], [math.nextafter(9999.0, 0), 5.0]), ["loss"])
+    assert parting[:2] == (10, "loss")
+    # 1e-6 exactly at step 10, then past 1e-4: rounding that grew, not a parting
+    assert find_parting(*_pair([1e6, 2.0], [1e6 - 1, 2.1]), ["loss"]) == (None, 20)
+
+
+def test_the_first_parting_and_the_first_drift_over_all_numbers_decide():
+    a = [{"step": s, "loss": 2.0, "grad_norm": 1.0} for s in (10, 20, 30, 40)]
+    drift_loss_early = [dict(r) for r in a]
+    drift_loss_early[0]["loss"] *= 1 + 2e-6
+    drift_loss_early[1]["loss"] *= 1.01  # loss: rounding takes over at step 20
+    drift_loss_early[2]["grad_norm"] *= 1 + 2e-6
+    drift_loss_early[3]["grad_norm"] *= 1.01  # grad_norm: at step 40
+    assert find_parting(a, drift_loss_early, ["loss", "grad_norm"]) == (None, 20)
+    both_jump = [dict(r) for r in a]
+    both_jump[2].update(loss=2.2, grad_norm=1.5)  # two numbers part at one step: the first key names it
+    assert find_parting(a, both_jump, ["loss", "grad_norm"])[0] == (30, "loss", 2.0, 2.2, pytest.approx(0.2 / 2.2))
+    same_step = [dict(r) for r in a]
+    same_step[1]["loss"] *= 1 + 2e-6
+    same_step[2]["loss"] *= 1.01  # loss drifts past at step 30 ...
+    same_step[2]["grad_norm"] = 1.5  # ... where grad_norm jumps: a parting, not hidden by the drift
+    assert find_parting(a, same_step, ["loss", "grad_norm"])[0][:2] == (30, "grad_norm")
+    drift_first = [dict(r) for r in same_step]
+    drift_first[2]["grad_norm"], drift_first[3]["grad_norm"] = 1.0, 1.5  # the jump after the drift: judged as seeds
+    assert find_parting(a, drift_first, ["loss", "grad_norm"]) == (None, 30)

@@ -162,3 +162,68 @@ def test_a_run_of_a_seed_the_reference_trained_is_judged_against_its_own_curve()
     looks = own.looks(3, broken[3])
     assert looks[-1].own_seed and "its seed's reference run" in looks[-1].describe()
     assert own.looks(99, broken[3]) == []  # a seed the reference never trained: no own curve
+
+
+# ------------------------------------------------------------------ the words and edges of a look
+
+
+def _look(excess=0.05, t=4.0, tail=1e-3, departs=True, own_seed=False):
+    from nanolm.watch.curve import Look
+
+    return Look("val_loss", 100, 300, excess, t, tail, departs, own_seed)
+
+
+@pytest.mark.parametrize("tail, words", [(0.0, "never"), (-1.0, "never"), (0.6, "1 in 2 or more often"),
+                                          (0.5, "1 in 2"), (1 / 99, "1 in 99"), (1 / 1234, "1 in 1,200"),
+                                          (1 / 2349, "1 in 2,300"), (1 / 2351, "1 in 2,400"),
+                                          (1e-20, "1 in 1,000,000,000,000")])
+def test_how_rare_a_look_is_reads_in_two_figures(tail, words):
+    assert _look(tail=tail).one_in() == words
+
+
+def test_a_look_has_a_side_only_when_it_departs_and_says_against_what():
+    assert (_look().side, _look(t=-4.0).side, _look(departs=False).side) == (1, -1, 0)
+    assert _look(excess=math.inf).percent == math.inf and _look(excess=math.log(0.9)).percent == pytest.approx(-10.0)
+    assert _look().against == "the seeds' mean" and _look(own_seed=True).against == "its seed's reference run"
+    assert _look(excess=math.log(0.97), t=-4.0, own_seed=True).describe() == (
+        "val_loss -3.0 % below its seed's reference run since step 100 (through step 300); a rerun of that seed is "
+        "this far about 1 in 1,000")
+
+
+def test_a_curve_keeps_the_evaluations_every_seed_logged_finite_and_positive_after_step_0():
+    rng = np.random.default_rng(4)
+    runs = as_runs(healthy_curves(6, rng))
+    for run in runs:
+        run[0] = 9.0  # step 0: the untrained model, not part of the test
+    runs[2][300] = math.inf
+    runs[3][500] = 0.0
+    runs[4][700] = -1.0
+    del runs[5][900]
+    curve = curve_from_seeds("val_loss", runs)
+    assert curve.steps == [100, 200, 400, 600, 800, 1000]
+    assert curve_from_seeds("val_loss", runs[:4]) is None and curve_from_seeds("val_loss", []) is None
+    assert curve_from_seeds("val_loss", [{0: 1.0}] * 6) is None  # no evaluation after step 0
+
+
+def test_a_seeds_own_curve_needs_five_reruns_of_seeds_it_has_and_a_floor_on_their_noise():
+    from nanolm.watch.curve import RERUN_FLOOR, seed_curves_from_runs
+
+    firsts = {s: {100: 1.0 + s / 100, 200: 0.8 + s / 100} for s in range(6)}
+    same = {s: dict(c) for s, c in firsts.items()}
+    assert seed_curves_from_runs("val_loss", firsts, {s: same[s] for s in range(4)} | {99: same[0]}) is None
+    own = seed_curves_from_runs("val_loss", firsts, {s: same[s] for s in range(5)} | {99: same[0]})
+    assert own.reruns == 5 and own.steps == [100, 200] and sorted(own.logs) == [str(s) for s in range(6)]
+    assert np.sqrt(np.diag(own.rerun_cov)) == pytest.approx([RERUN_FLOOR, RERUN_FLOOR])  # identical reruns: the floor
+    assert own.looks(7, {100: 1.0}) == [] and own.looks(3, {100: 1.03})[0].own_seed
+    assert seed_curves_from_runs("val_loss", {s: {0: 1.0} for s in range(6)}, {s: {0: 1.0} for s in range(6)}) is None
+
+
+def test_the_tail_is_a_half_at_zero_none_at_infinity_and_the_threshold_repeats_for_its_seed():
+    assert t_tail(0.0, 5) == pytest.approx(0.5) and t_tail(math.inf, 5) == 0.0
+    cov = np.array([[1.0, 0.9], [0.9, 1.0]])
+    assert max_t_threshold(cov, 10, 0.01, seed=1, samples=20_000) == max_t_threshold(cov, 10, 0.01, seed=1,
+                                                                                     samples=20_000)
+    assert max_t_threshold(cov, 10, 0.05, samples=20_000) < max_t_threshold(cov, 10, 0.01, samples=20_000)
+    from nanolm.watch.curve import nine_figures
+
+    assert nine_figures(1 / 3) == 0.333333333 and nine_figures(123456789.87) == 123456790.0

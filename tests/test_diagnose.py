@@ -10,6 +10,7 @@ produce honestly (fp16 overflow, a loss that climbs back, dead units) are synthe
 import gzip
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -271,3 +272,236 @@ def test_the_recipe_gated_rules_stay_silent_on_healthy_runs_that_record_their_re
         found = {f.name for f in diagnose_trace(rows, load(name)["events"])}
         assert not found & {"no_clipping", "slow_second_moment", "no_lr_decay", "decay_on_norms"}, (name, found)
 
+
+
+# --------------------------------------------------------------------------- each threshold at its edge
+# A rule's threshold is a number someone chose (docs/diagnose.md says why); these tests put the
+# measured quantity exactly on it, where the rule fires, and one float short of it, where it does
+# not, so that a threshold moved or a >= turned into > is a failing test, not a silent change.
+
+
+def _fires(name, rows, events=None):
+    return name in [f.name for f in diagnose_trace(rows, events)]
+
+
+def _below(x):
+    return math.nextafter(x, -math.inf)
+
+
+def test_attention_logits_fire_from_their_threshold_on():
+    def with_logit(value):
+        rows = _rows(_falling(60))
+        for r in rows[::10]:
+            r["attn_logit_max/0"], r["attn_logit_max/1"] = 10.0, 12.0
+        rows[30]["attn_logit_max/1"] = value
+        return rows
+
+    assert _fires("attention_logits", with_logit(dg.ATTENTION_LOGIT_MAX))
+    assert not _fires("attention_logits", with_logit(_below(dg.ATTENTION_LOGIT_MAX)))
+    finding = {f.name: f for f in diagnose_trace(with_logit(150.0))}["attention_logits"]
+    assert finding.evidence["block"] == "1" and finding.evidence["step"] == 31 and finding.evidence["max_logit"] == 150.0
+    assert "reached 150 in block 1 at step 31 (last: 12.0 at step 51)" in finding.message
+
+
+def test_dead_units_fire_when_the_median_of_the_last_third_reaches_the_threshold():
+    def with_dead(share, n=9):
+        rows = _rows(_falling(90))
+        for k, r in enumerate(rows[::10][:n]):
+            r["mlp_dead_frac/0"] = 0.0
+            r["mlp_dead_frac/1"] = share if k >= n - n // 3 else 0.9  # dead early (recovered) does not count
+        return rows
+
+    assert _fires("dead_units", with_dead(dg.DEAD_FRACTION))
+    assert not _fires("dead_units", with_dead(_below(dg.DEAD_FRACTION)))
+    assert not _fires("dead_units", with_dead(0.5, n=2))  # two statistics steps say nothing yet
+    found = {f.name: f for f in diagnose_trace(with_dead(0.25))}["dead_units"]
+    assert found.evidence["block"] == "1" and found.evidence["steps"] == [61, 81]
+    assert found.evidence["per_block"] == {"0": 0.0, "1": 0.25}
+
+
+def test_fp16_overflow_fires_on_two_percent_of_steps_skipped_and_five_at_least_or_a_scale_fallen_256_fold():
+    def skipping(n_steps, skipped, low_scale=1024.0):
+        rows = _rows(_falling(n_steps))
+        for r in rows:
+            r["loss_scale"], r["skipped_steps"] = 65536.0, 0
+        rows[-1]["skipped_steps"], rows[-1]["loss_scale"] = skipped, low_scale
+        return rows
+
+    assert _fires("fp16_overflow", skipping(250, 5))  # 5 = 2 % of 250
+    assert not _fires("fp16_overflow", skipping(250, 4))  # under 2 %, and under 5
+    assert not _fires("fp16_overflow", skipping(300, 5))  # five, but under 2 % of 300
+    assert _fires("fp16_overflow", skipping(100, 5))  # 5 % of 100
+    assert not _fires("fp16_overflow", skipping(100, 4))  # 4 % of 100, but fewer than five
+    assert _fires("fp16_overflow", skipping(300, 0, low_scale=65536.0 * dg.SCALE_COLLAPSE))
+    assert not _fires("fp16_overflow", skipping(300, 0, low_scale=2 * 65536.0 * dg.SCALE_COLLAPSE))
+    found = {f.name: f for f in diagnose_trace(skipping(250, 7))}["fp16_overflow"]
+    assert found.evidence["logged_steps_with_new_skips"] == [250] and found.evidence["min_loss_scale"] == 1024.0
+
+
+def test_fp16_underflow_fires_on_a_median_share_at_its_threshold_over_five_logged_steps():
+    def subnormal(share, n=5):
+        rows = _rows(_falling(60))
+        for r in rows[-n:]:
+            r["grad_subnormal_frac"] = share
+        return rows
+
+    assert _fires("fp16_underflow", subnormal(dg.UNDERFLOW_SHARE))
+    assert not _fires("fp16_underflow", subnormal(_below(dg.UNDERFLOW_SHARE)))
+    assert not _fires("fp16_underflow", subnormal(0.9, n=4))  # four logged steps: too few, and no older sign either
+
+
+def test_zero_gradients_rising_fire_past_their_floor_and_growth():
+    def zeros(early, late):
+        rows = _rows(_falling(60))
+        for k, r in enumerate(rows[::6]):
+            r["grad_zero_frac"] = early if k < 5 else late
+        return rows
+
+    assert _fires("fp16_underflow", zeros(1e-4, dg.UNDERFLOW_LATE))  # 5 x its early share, at the floor
+    assert not _fires("fp16_underflow", zeros(1e-4, _below(dg.UNDERFLOW_LATE)))
+    assert _fires("fp16_underflow", zeros(2e-3, 6e-3))  # exactly 3 x
+    assert not _fires("fp16_underflow", zeros(2e-3, _below(6e-3)))
+
+
+def test_a_resume_jolt_fires_at_two_and_a_half_times_the_norm_before():
+    def resumed(ratio):
+        rows = _rows(_falling(200), grad_norm=0.5)
+        rows[101]["grad_norm"] = 0.5 * ratio  # step 102
+        return rows
+
+    assert _fires("resume_jump", resumed(dg.RESUME_GRAD_RATIO), [{"step": 100, "kind": "resume"}])
+    assert not _fires("resume_jump", resumed(_below(dg.RESUME_GRAD_RATIO)), [{"step": 100, "kind": "resume"}])
+    rows = resumed(4.0)
+    rows[103]["grad_norm"] = 0.5 * 4.0  # step 104: past the three steps after the resume
+    found = {f.name: f for f in diagnose_trace(resumed(4.0), [{"step": 100, "kind": "resume"}])}["resume_jump"]
+    assert found.evidence["grad_norm_after_step"] == 102 and found.evidence["grad_norm_median_before"] == 0.5
+    late = _rows(_falling(200), grad_norm=0.5)
+    late[103]["grad_norm"] = 2.0
+    assert not _fires("resume_jump", late, [{"step": 100, "kind": "resume"}])
+
+
+def test_the_training_loss_rising_fires_at_its_factor_plus_its_margin():
+    def climbing(end):
+        losses = [2.0 - 0.01 * i for i in range(100)]  # down to 1.01
+        return _rows(losses + [end] * 12)
+
+    best = statistics.median([2.0 - 0.01 * i for i in range(91, 100)])  # the smoothed best: a 9-row median
+    threshold = dg.RISING_FACTOR * best + dg.RISING_MIN
+    assert _fires("train_loss_rising", climbing(threshold))
+    assert not _fires("train_loss_rising", climbing(_below(threshold)))
+
+
+def test_clipping_counts_after_warmup_and_fires_from_half_the_steps():
+    def clipped(every):
+        rows = _rows([3.0 - 0.01 * i for i in range(120)])
+        for r in rows:
+            r["lr"] = 3e-3 * min(1.0, r["step"] / 20)
+            r["clipped"] = r["step"] > 20 and r["step"] % every == 0
+        total = 0
+        for r in rows:
+            total += r["clipped"]
+            r["clipped_steps"] = total
+        return rows
+
+    assert _fires("clipped_most_steps", clipped(2))  # 50 of the 100 steps after warmup
+    assert not _fires("clipped_most_steps", clipped(3))
+    found = {f.name: f for f in diagnose_trace(clipped(2))}["clipped_most_steps"]
+    assert found.evidence["warmup_end_step"] == 20 and found.evidence["clipped_fraction_after_warmup"] == 0.5
+
+
+def test_a_stuck_loss_is_one_that_stays_above_nine_tenths_of_where_it_started():
+    def flat(late_share, steps=60):
+        return _rows([6.0] * 5 + [6.0 * late_share] * (steps - 5))
+
+    assert _fires("loss_stuck", flat(dg.STUCK_FRACTION))
+    assert not _fires("loss_stuck", flat(_below(dg.STUCK_FRACTION)))
+    assert not _fires("loss_stuck", flat(1.0, steps=dg.MIN_STEPS - 1))  # too short to say
+    assert _fires("loss_stuck", flat(1.0, steps=dg.MIN_STEPS))
+
+
+def test_memorising_fires_from_a_rise_of_five_percent_and_two_hundredths_of_a_nat():
+    def evals(last):
+        rows = _rows([3.0 - 0.01 * i for i in range(200)])
+        for step, v in ((50, 2.0), (100, 1.0), (150, last - 0.001), (200, last)):
+            rows[step - 1]["val_loss"] = v
+        return rows
+
+    assert _fires("memorising", evals(1.0 + dg.MEMORISE_RISE * 1.0))
+    assert not _fires("memorising", evals(_below(1.0 + dg.MEMORISE_RISE * 1.0)))
+
+
+def test_no_clipping_fires_from_a_norm_ten_times_its_median_and_only_with_clipping_off():
+    def unclipped(ratio, clip=0):
+        rows = [{"step": 0, "clip": clip, "peak_lr": 3e-3}] + _rows(_falling(60), grad_norm=0.5)
+        rows[30]["grad_norm"] = 0.5 * ratio
+        return rows
+
+    assert _fires("no_clipping", unclipped(dg.UNCLIPPED_SPIKE))
+    assert not _fires("no_clipping", unclipped(_below(dg.UNCLIPPED_SPIKE)))
+    assert not _fires("no_clipping", unclipped(50.0, clip=1.0))
+    found = {f.name: f for f in diagnose_trace(unclipped(20.0))}["no_clipping"]
+    assert found.evidence == {"clip": 0, "grad_norm_max": 10.0, "grad_norm_max_step": 30, "grad_norm_median": 0.5,
+                              "ratio": 20.0}
+
+
+def test_a_slow_second_moment_needs_beta2_of_099_a_warmup_under_a_tenth_of_its_memory_and_an_early_burst():
+    def recipe(beta2=0.999, warmup=50, burst=dg.EARLY_INSTABILITY):
+        rows = [{"step": 0, "beta2": beta2, "warmup_steps": warmup, "peak_lr": 3e-3}] + _rows(_falling(400), grad_norm=0.5)
+        rows[10]["grad_norm"] = 0.5 * burst  # step 10: early
+        return rows
+
+    assert _fires("slow_second_moment", recipe())  # memory 1000 steps, warmup 50 < 100
+    assert not _fires("slow_second_moment", recipe(burst=_below(dg.EARLY_INSTABILITY)))
+    assert not _fires("slow_second_moment", recipe(warmup=100))  # exactly a tenth of the memory is enough
+    assert _fires("slow_second_moment", recipe(beta2=dg.SLOW_BETA2, warmup=9))  # memory 100: 9 < 10
+    assert not _fires("slow_second_moment", recipe(beta2=_below(dg.SLOW_BETA2), warmup=0))
+
+
+def test_no_lr_decay_fires_on_a_last_rate_at_nine_tenths_of_the_peak():
+    def schedule(last_share, steps=200):
+        rows = _rows(_falling(steps))
+        rows[-1]["lr"] = 3e-3 * last_share
+        return rows
+
+    assert _fires("no_lr_decay", schedule(dg.NO_DECAY_SHARE))
+    assert not _fires("no_lr_decay", schedule(_below(dg.NO_DECAY_SHARE)))
+    assert not _fires("no_lr_decay", schedule(1.0, steps=2 * dg.MIN_STEPS))  # 100 steps after a warmup ending at 1
+    assert _fires("no_lr_decay", schedule(1.0, steps=2 * dg.MIN_STEPS + 1))
+
+
+def test_a_wsd_run_is_missing_its_decay_only_when_its_rate_is_above_the_line_it_should_be_on():
+    def wsd(decay_end, last_lr=1.0):
+        rows = [{"step": 0, "decay_start_step": 100, "decay_end_step": decay_end, "min_lr": 0.0, "peak_lr": 1.0}]
+        rows += _rows(_falling(200), lr=1.0)
+        rows[-1]["lr"] = last_lr
+        return rows
+
+    assert not _fires("no_lr_decay", wsd(1100))  # at step 200 its line is at exactly 0.9 x the peak: on schedule
+    assert _fires("no_lr_decay", wsd(1099))  # a line a little lower: a rate still at the peak is missing its decay
+    assert not _fires("no_lr_decay", wsd(300, last_lr=0.5))  # on its line, half the peak
+
+
+def test_a_leak_is_a_validation_loss_under_085_of_the_floor_or_a_training_median_of_five_under_it():
+    def evals(val):
+        rows = _rows(_falling(60))
+        rows[0]["floor_loss"] = 1.0
+        rows[49]["val_loss"] = val
+        return rows
+
+    limit = dg.LEAK_FRACTION * 1.0
+    assert _fires("leak", evals(_below(limit))) and not _fires("leak", evals(limit))
+
+    def train(below):
+        losses = [3.0] * 20
+        for i in range(below):
+            losses[8 + 2 * i] = 0.5  # every other row: a median of five is below once three of them are
+        rows = _rows(losses)
+        rows[0]["floor_loss"] = 1.0
+        return rows
+
+    assert _fires("leak", train(3)) and not _fires("leak", train(2))
+    found = {f.name: f for f in diagnose_trace(train(3))}["leak"]
+    assert found.evidence == {"floor_loss": 1.0, "train_below_floor_from_step": 11, "train_loss": 0.5}  # the middle
+    honest = train(3) + [{"step": 0, "val_loss": 3.0}, {"step": 21, "val_loss": _below(0.7 * 3.0)}]
+    assert not _fires("leak", honest)  # validation learned too: memorising, not a leak
+    assert _fires("leak", train(3) + [{"step": 0, "val_loss": 3.0}, {"step": 21, "val_loss": 0.7 * 3.0}])

@@ -320,3 +320,245 @@ def test_every_seed_a_band_is_built_from_lies_inside_it_whatever_their_values_an
     assert wider.lo[0] <= band.lo[0] and wider.hi[0] >= band.hi[0]
     below, above = math.nextafter(band.lo[0], -math.inf), math.nextafter(band.hi[0], math.inf)
     assert band.side(100, below) == -1 and band.side(100, above) == 1  # one float past an edge is outside
+
+
+# ------------------------------------------------------------------ the band's rules at their edges
+
+
+def test_a_bands_middle_is_the_seeds_median_and_its_width_at_least_the_numbers_floor():
+    even = band_from_seeds("val_loss", [{5: 1.0}, {5: 1.2}, {5: 1.4}, {5: 2.0}])
+    assert even.mid == [1.3]  # the mean of the middle two
+    assert band_from_seeds("val_loss", [{5: 1.0}, {5: 1.4}, {5: 2.0}]).mid == [1.4]
+    same = [{5: 2.0}] * 3  # no spread: the floor alone sets the width
+    assert band_from_seeds("loss", same).at(5) == pytest.approx((2.0 - 0.01, 2.0 + 0.01))  # 0.5 % of the median
+    assert band_from_seeds("update_ratio/embed", same).at(5) == pytest.approx((2.0 - 0.04, 2.0 + 0.04))  # 2 %
+    assert band_from_seeds("clipped_frac", [{5: 0.5}] * 3).at(5) == pytest.approx((0.4, 0.6))  # 0.1 absolute
+    assert band_from_seeds("tokens", same).at(5) == (2.0, 2.0)  # no floor for a number without one
+    assert band_from_seeds("loss", [{5: -2.0}] * 3).at(5) == pytest.approx((-2.01, -1.99))  # of |median|
+
+
+def test_a_band_has_the_steps_every_seed_logged_finitely_and_needs_two_seeds():
+    band = band_from_seeds("loss", [{1: 2.0, 2: 1.5, 3: 1.0}, {1: 2.1, 2: math.nan, 3: 1.1}, {1: 2.2, 3: 1.2, 4: 9.0}])
+    assert band.steps == [1, 3]
+    assert band_from_seeds("loss", [{1: 2.0}]) is None and band_from_seeds("loss", []) is None
+    assert band_from_seeds("loss", [{1: 2.0}, {2: 2.0}]) is None  # no step in common
+
+
+def test_a_value_on_a_bands_edge_is_inside_and_a_non_finite_one_above():
+    band = Band([10], [1.0], [1.5], [2.0])
+    assert [band.side(10, v) for v in (1.0, 2.0, math.nan, math.inf, -math.inf)] == [0, 0, 1, 1, 1]
+    assert band.side(10, None) is None and band.side(20, 1.5) is None and band.at(20) is None
+
+
+def test_only_banded_numbers_get_bands_and_a_number_logged_as_a_string_is_not_one():
+    runs = [[{"step": 1, "loss": 2.0 + s, "tokens": 5, "update_ratio/embed": 0.01, "val_loss": "n/a"}] for s in (0, 0.1)]
+    assert sorted(bands_from_runs(runs)) == ["loss", "update_ratio/embed"]
+
+
+def _banded(**bands):
+    return Reference("r", "a tiny recipe", "nanolm train", "fp32", [1, 2, 3, 4, 5], "a CPU", "2026-12-05", "2.13",
+                     {"run": {}}, {k: Band(steps, lo, [(a + b) / 2 for a, b in zip(lo, hi)], hi)
+                                   for k, (steps, lo, hi) in bands.items()})
+
+
+def test_a_training_number_must_stay_out_two_logged_steps_running_and_an_evaluation_once():
+    ref = _banded(loss=([1, 2, 3, 4, 5], [0.0] * 5, [1.0] * 5), val_loss=([2, 4], [0.0] * 2, [1.0] * 2),
+                  lr=([1, 2, 3], [0.0] * 3, [1.0] * 3))
+    one_batch = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 0.5}]
+    assert departures(ref, one_batch) == []  # one noisy batch is not a departure
+    flipping = [{"step": 1, "loss": 1.5}, {"step": 2, "loss": -0.5}, {"step": 3, "loss": 0.5}]
+    assert departures(ref, flipping) == []  # above then below: two departures of one step each
+    lasting = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.6}, {"step": 4, "loss": 1.7},
+               {"step": 5, "loss": 0.5}]
+    (d,) = departures(ref, lasting)
+    assert (d.key, d.step, d.value, d.lo, d.hi, d.side, d.until) == ("loss", 2, 1.5, 0.0, 1.0, 1, 4)
+    assert d.describe() == "loss above its band from step 2 (1.5 against 0..1)"
+    evals = [{"step": 2, "val_loss": -0.1}, {"step": 3, "lr": 2.0}, {"step": 4, "val_loss": 0.5}]
+    found = departures(ref, evals)
+    assert [(d.key, d.step, d.side, d.until) for d in found] == [("val_loss", 2, -1, 2), ("lr", 3, 1, 3)]
+    assert found[0].describe().startswith("val_loss below its band from step 2")
+    skipped = [{"step": 2, "loss": True}, {"step": 3, "loss": None}, {"step": 3, "loss": "x"}]
+    assert departures(ref, skipped) == []
+
+
+def test_departures_come_earliest_first_an_evaluation_before_a_training_number_at_one_step():
+    ref = _banded(loss=([1, 2, 3], [0.0] * 3, [1.0] * 3), grad_norm=([1, 2, 3], [0.0] * 3, [1.0] * 3),
+                  val_loss=([2], [0.0], [1.0]), val_bpb=([2], [0.0], [1.0]))
+    rows = [{"step": 1, "loss": 0.5, "grad_norm": 2.0}, {"step": 2, "loss": 2.0, "grad_norm": 2.0, "val_loss": 2.0,
+                                                          "val_bpb": 2.0}, {"step": 3, "loss": 2.0, "grad_norm": 0.5}]
+    assert [(d.key, d.step) for d in departures(ref, rows)] == [
+        ("grad_norm", 1), ("val_bpb", 2), ("val_loss", 2), ("loss", 2)]
+
+
+def test_the_closest_reference_differs_in_at_most_three_options_on_the_same_data_and_format():
+    def setup(**train):
+        return {"run": {"data_digest": "d", "precision": "fp32"}, "train": {"lr": 1, "steps": 10, **train}}
+
+    def ref(name, s):
+        return dataclasses.replace(_banded(), name=name, title=f"recipe {name}", setup=s)
+
+    refs = [ref("b", setup(lr=2)), ref("a", setup(lr=3)), ref("c", setup(lr=2, steps=20, x=1, y=2)),
+            ref("other", {**setup(), "run": {"data_digest": "e", "precision": "fp32"}})]
+    found = reference.closest_reference(setup(), refs)
+    assert found[0].name == "a" and found[1] == ["train.lr"]  # one option each: the first by name
+    assert reference.closest_reference(setup(), refs[2:3]) is None  # four options apart
+    assert reference.closest_reference(setup(lr=2, steps=20, x=1), refs[2:3])[1] == ["train.y"]
+    assert reference.closest_reference(setup(), refs[3:]) is None  # other data: not close, whatever the options
+    assert reference.no_reference_line(setup(), refs).endswith("; the closest, recipe a (fp32), differs in train.lr")
+    assert reference.no_reference_line(setup(), []).endswith("no band is checked")
+    assert reference.differences({"a": {"x": 1}}, {"a": {"x": 1, "y": 2}, "b": {"z": 3}}) == ["a.y", "b.z"]
+    assert reference.differences({"a": {"x": 1}, "c": {"w": 1}}, {"a": {"x": 2}}) == ["a.x", "c.w"]
+    assert reference.closest_reference(setup(x=1), refs[2:3])[1] == ["train.lr", "train.steps", "train.y"]  # three
+    assert reference.closest_reference(setup(), [refs[3], *refs[:2]])[0].name == "a"  # past one on other data
+    assert reference.no_reference_line(setup(x=1), refs[2:3]).endswith("differs in train.lr, train.steps, train.y")
+
+
+def test_a_reference_of_another_format_is_refused_and_one_without_a_curve_says_so():
+    data = _banded(loss=([1], [0.0], [1.0])).to_json()
+    assert Reference.from_json(data).describe() == ("a tiny recipe (fp32, band over 5 seeds, measured 2026-12-05 on "
+                                                    "a CPU)")
+    with pytest.raises(ValueError, match="reference format 2, expected 1"):
+        Reference.from_json({**data, "format": 2})
+    with pytest.raises(ValueError, match="reference format None"):
+        Reference.from_json({k: v for k, v in data.items() if k != "format"})
+
+
+def test_the_band_watch_says_since_when_it_is_outside_and_forgets_it_back_inside():
+    watch = BandWatch(_banded(val_loss=([1, 2, 3, 4], [0.0] * 4, [1.0] * 4)))
+    assert watch.update(1, 0.5) == {"val_band_lo": 0.0, "val_band_hi": 1.0, "val_band_side": 0}
+    assert watch.update(2, 1.5)["val_band_since"] == 2
+    assert watch.update(3, 1.7)["val_band_since"] == 2  # still above: since its first step outside
+    below = watch.update(4, -1.0)
+    assert below["val_band_side"] == -1 and below["val_band_since"] == 4
+    assert watch.update(9, 0.5) == {}  # no band at this step
+    first_above = BandWatch(watch.reference)
+    assert first_above.update(1, 1.5)["val_band_since"] == 1  # outside from its first evaluation
+    first_above.resume([{"step": 1, "val_loss": 1.5}])
+    assert (first_above.side, first_above.since) == (1, 1)
+    watch.resume([{"step": 1, "val_loss": 0.5}, {"step": 2, "val_loss": 1.5}, {"step": 3, "loss": 9.0}])
+    assert (watch.side, watch.since) == (1, 2) and watch.update(3, 0.5) == {"val_band_lo": 0.0, "val_band_hi": 1.0,
+                                                                            "val_band_side": 0}
+    assert format_band({"val_band_lo": 0.25, "val_band_hi": 0.5, "val_band_side": 0}) == " | band 0.2500..0.5000 inside"
+    assert format_band({"val_band_lo": 0.25, "val_band_hi": 0.5, "val_band_side": -1, "val_band_since": 4}) == \
+        " | band 0.2500..0.5000 below since step 4"
+    assert format_band({"val_band_lo": 0.25, "val_band_hi": 0.5, "val_band_side": 1, "val_band_since": 2}) == \
+        " | band 0.2500..0.5000 above since step 2"
+    assert format_band({}) == ""
+
+
+def _curve_row(excess, side, own_seed, t=5.0, tail=1e-4):
+    return {"step": 300, "val_curve_since": 100, "val_curve_excess": excess, "val_curve_t": t, "val_curve_tail": tail,
+            "val_curve_side": side, "val_curve_own_seed": own_seed}
+
+
+def test_the_evaluation_line_gives_the_curves_departure_in_words():
+    assert format_band(_curve_row(math.log(1.062), 1, 0)) == \
+        " | +6.2 % above the seeds' mean since step 100, a healthy run 1 in 10,000"
+    assert format_band(_curve_row(math.log(0.95), -1, 1, t=-5.0)) == \
+        " | -5.0 % below its seed's reference run since step 100, a rerun 1 in 10,000"
+    assert format_band(_curve_row(math.log(1.001), 0, 0, t=0.3, tail=0.4)) == " | +0.1 % vs seeds"
+    assert format_band(_curve_row(math.log(1.001), 0, 1, t=0.3, tail=0.4)) == " | +0.1 % vs its seed"
+    both = {**_curve_row(math.log(1.001), 0, 1, t=0.3, tail=0.4), "val_band_lo": 0.25, "val_band_hi": 0.5,
+            "val_band_side": 0}
+    assert format_band(both) == " | band 0.2500..0.5000 inside | +0.1 % vs its seed"
+
+
+def test_a_run_is_judged_against_its_own_seed_when_the_reference_trained_it_else_against_the_seeds():
+    rng = random.Random(3)
+    steps = (100, 200, 300)
+    firsts = {s: {t: 2.0 / (1 + t / 100) * (1 + rng.gauss(0, 0.02)) for t in steps} for s in range(1, 9)}
+    reruns = {s: {t: v * (1 + rng.gauss(0, 0.001)) for t, v in c.items()} for s, c in firsts.items()}
+    ref = dataclasses.replace(_banded(), curve=curve_from_seeds("val_loss", list(firsts.values())),
+                              curve_seeds=list(firsts), seed_curves=seed_curves_from_runs("val_loss", firsts, reruns))
+    rows = [{"step": 0, "seed": 3, "val_loss": 9.0}] + [{"step": t, "val_loss": v * 1.03} for t, v in firsts[3].items()]
+    own = reference.curve_looks(ref, rows)
+    assert [look.step for look in own] == [100, 200, 300] and all(look.own_seed for look in own)
+    assert reference.curve_departure(ref, rows) == own[-1] and own[-1].departs  # 3 % against its own run: the latest look
+    among = reference.curve_looks(ref, rows[1:])  # no step-0 row: the seed is unknown
+    assert not any(look.own_seed for look in among) and reference.population_look(ref, rows) == among[-1]
+    assert not reference.curve_looks(ref, rows, seed=42)[-1].own_seed  # a seed the reference never trained
+    assert reference.curve_looks(ref, rows, seed=5)[-1].own_seed  # the seed given wins over the row's
+    assert reference.curve_departure(ref, [{"step": t, "val_loss": v} for t, v in firsts[3].items()]) is None
+    own_only = dataclasses.replace(ref, curve=None)  # its seeds' own curves without the test among seeds
+    assert [look.own_seed for look in reference.curve_looks(own_only, rows)] == [True] * 3
+    bpb = dataclasses.replace(ref, curve=curve_from_seeds("val_bpb", list(firsts.values())), seed_curves=None)
+    bpb_rows = [{"step": t, "val_bpb": v * 1.03} for t, v in firsts[3].items()]
+    assert len(reference.curve_looks(bpb, bpb_rows)) == 3  # the curve's own number, whatever it is
+    bare = dataclasses.replace(ref, curve=None, seed_curves=None)
+    assert reference.curve_looks(bare, rows) == [] and reference.population_look(bare, rows) is None
+    assert reference.curve_departure(bare, rows) is None
+    watch = BandWatch(ref, seed=3)
+    keys = [watch.update(t, v * 1.03) for t, v in firsts[3].items()][-1]
+    assert keys["val_curve_own_seed"] == 1 and keys["val_curve_since"] == 100 and keys["val_curve_side"] == 1
+    assert keys["val_curve_excess"] == pytest.approx(math.log(1.03), abs=0.002) and keys["val_curve_tail"] < 0.01
+    assert BandWatch(ref).update(150, 1.0) == {}  # not an evaluation of the curve
+    assert ref.describe() == "a tiny recipe (fp32, band over 5 seeds, its curve over 8, measured 2026-12-05 on a CPU)"
+    assert reference.reference_for_digest(ref.digest, [ref]) is ref and reference.find_reference(ref.setup, [ref]) is ref
+    assert reference.reference_for_digest(None, [ref]) is None and reference.reference_for_digest("", [ref]) is None
+    assert reference.reference_for_digest("0" * 16, [ref]) is None
+    assert Reference.from_json(json.loads(json.dumps(ref.to_json()))) == ref  # the curve and the seeds' own curves too
+
+
+def _changed(value):
+    """Another value of the same kind, for any option's value."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value * 2 + 1
+    if isinstance(value, str):
+        return value + "x"
+    if value is None:
+        return 7
+    return [*value, 1] if isinstance(value, (list, tuple)) else {"other": 1}
+
+
+def test_every_option_counts_in_a_runs_setup_except_those_named_not_to():
+    """Option by option: changing one the reference does not count (the seed, where a run writes,
+    what it logs, how fast it runs...) leaves the setup as it was; changing any other one makes a
+    different setup, so a band is never applied to a run it was not measured on."""
+    base = RunConfig.resolved(tiny_recipe("d.txt", "out", 1))
+    before = setup_of(base, "d", "fp32", "cpu", 1)
+    for section, options in base.to_dict().items():
+        for option, value in options.items():
+            part = dataclasses.replace(getattr(base, section), **{option: _changed(value)})
+            after = setup_of(dataclasses.replace(base, **{section: part}), "d", "fp32", "cpu", 1)
+            ignored = section in reference.SECTIONS_NOT_COUNTED or option in reference.NOT_COUNTED.get(section, set())
+            ignored &= (section, option) != ("train", "eval_windows")  # counted as run.val_windows, its size
+            assert (after == before) == ignored, f"{section}.{option}"
+    assert setup_of(base, "d", "fp32", "cpu", 2) != before and setup_of(base, "d", "fp32", "cuda", 1) != before
+    assert before["run"]["val_windows"] == (base.train.eval_windows or reference.DEFAULT_EVAL_WINDOWS)
+    unset = dataclasses.replace(base, train=dataclasses.replace(base.train, eval_windows=None))
+    assert setup_of(unset, "d", "fp32", "cpu", 1)["run"]["val_windows"] == reference.DEFAULT_EVAL_WINDOWS
+    assert reference.setup_digest(before) == reference.setup_digest(setup_of(base, "d", "fp32", "cpu", 1))
+    reordered = {section: dict(reversed(list(options.items()))) for section, options in reversed(list(before.items()))}
+    assert reference.setup_digest(reordered) == reference.setup_digest(before)  # a setup read back from a file
+    assert len(reference.setup_digest(before)) == 16 and reference.setup_digest(before) != reference.setup_digest(
+        setup_of(base, "e", "fp32", "cpu", 1))
+
+
+def test_a_bands_middle_is_the_median_of_any_number_of_seeds_rounded_to_nine_figures():
+    five = band_from_seeds("val_loss", [{5: v} for v in (1.0, 1.1, 1.7, 1.2, 1.5)])
+    assert five.mid == [1.2]
+    odd_digits = band_from_seeds("val_loss", [{5: v} for v in (1.00000000041, 1.00000000042, 1.00000000043)])
+    assert odd_digits.mid == [1.0]  # the middle is rounded to nine figures, not pushed outward like an edge
+    assert reference._round(math.inf, +1) == math.inf and reference._round(-math.inf, -1) == -math.inf
+    assert reference._round(1.0000000004, +1) == 1.00000001 and reference._round(1.0000000004, -1) == 1.0
+    assert reference._round(-2.0000000004, -1) == -2.00000001 and reference._round(123.4567891, 0) == 123.456789
+
+
+def test_a_departure_is_found_after_rows_without_the_number_and_across_a_flip_of_sides():
+    ref = _banded(loss=([1, 2, 3, 4], [0.0] * 4, [1.0] * 4), val_loss=([2, 4], [0.0] * 2, [1.0] * 2))
+    sparse = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.5}, {"step": 4, "val_loss": 3.0}]
+    assert [(d.key, d.step) for d in departures(ref, sparse)] == [("val_loss", 4)]
+    later_band = _banded(loss=([2, 3, 4], [0.0] * 3, [1.0] * 3))  # no band at step 1
+    unbanded_first = [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.6}]
+    assert [(d.key, d.step) for d in departures(later_band, unbanded_first)] == [("loss", 2)]
+    flip = [{"step": 1, "loss": 1.5}, {"step": 2, "loss": -0.5}, {"step": 3, "loss": -0.6}]
+    (d,) = departures(ref, flip)
+    assert (d.step, d.side, d.until) == (2, -1, 3) and d.describe().startswith("loss below its band from step 2")
+
+
+def test_a_reference_without_a_curve_writes_none():
+    data = _banded(loss=([1], [0.0], [1.0])).to_json()
+    assert "curve" not in data and "seed_curves" not in data and set(data["bands"]) == {"loss"}
+    assert set(data["bands"]["loss"]) == {"steps", "lo", "mid", "hi"}

@@ -12,6 +12,7 @@ import errno
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -442,3 +443,294 @@ def test_a_lock_file_held_by_another_process_is_a_one_line_refusal_and_stays_the
     finally:
         holder.kill()
         holder.wait()
+
+
+# ------------------------------------------------------------------ each rule at its edge, in one process
+
+
+@pytest.mark.parametrize("holder, who", [("123@node7", "process 123 on node7"), ("", "another process"),
+                                         ("x1@node7", "another process"), ("123@", "another process"),
+                                         ("123", "another process")])
+def test_a_refusal_names_the_holder_only_when_its_line_names_a_process_and_a_host(holder, who, tmp_path):
+    busy = nanolm.run.lock.busy_refusal(tmp_path / "run", holder, "--out")
+    assert isinstance(busy, DirectoryBusy)
+    assert str(busy) == f"{tmp_path / 'run'} is being written by {who}; wait for it to end, or choose another --out"
+    inside = nanolm.run.lock.busy_refusal(tmp_path / "run" / "data", holder, "--out", inside=tmp_path / "run")
+    assert str(inside) == (f"{tmp_path / 'run' / 'data'} is inside {tmp_path / 'run'}, which is being written by "
+                           f"{who}: writing there would change that run under it; wait for it to end, or choose "
+                           f"another --out")
+
+
+def test_each_way_taking_a_lock_fails_has_its_own_line(tmp_path):
+    refusal = nanolm.run.lock._refusal
+    held = refusal(OSError(errno.EWOULDBLOCK, "busy"), tmp_path, "5@h", "--out-dir")
+    assert isinstance(held, DirectoryBusy) and "process 5 on h" in str(held)
+    none = refusal(OSError(errno.ENOSYS, "Function not implemented"), tmp_path, "", "--out-dir")
+    assert str(none) == (f"{tmp_path} is on a file system without working locks (Function not implemented), so "
+                         f"nanolm cannot make sure it is the only process writing there; use a local disk or a mount "
+                         f"with locks, or set {NO_LOCK}=1 to write without one") and not isinstance(none, DirectoryBusy)
+    other = refusal(OSError(errno.EIO, "Input/output error"), tmp_path, "", "--out-dir")
+    assert str(other) == f"cannot lock {tmp_path / LOCK_FILE}: Input/output error"
+
+
+def test_a_file_where_the_directory_should_be_is_named_with_the_flag_that_chose_it(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NanolmError) as e:
+        RunLock().take(tmp_path / "f", flag="--out")
+    assert str(e.value) == f"--out {tmp_path / 'f'} is a file, not a directory; choose another --out"
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_a_directory_inside_a_live_run_is_refused_unless_the_run_itself_writes_there(tmp_path):
+    with RunLock() as run:
+        run.take(tmp_path / "run")
+        with RunLock() as mine:  # the holder writing into its own directory (its data, its checkpoints)
+            mine.take(tmp_path / "run" / "data")
+        (tmp_path / "run" / LOCK_FILE).write_text("4242@elsewhere\n")  # as another process's line reads
+        with pytest.raises(DirectoryBusy) as e:
+            RunLock().take(tmp_path / "run" / "data" / "deeper", flag="--out")
+        assert str(e.value) == (f"{tmp_path / 'run' / 'data' / 'deeper'} is inside {tmp_path / 'run'}, which is being "
+                                f"written by process 4242 on elsewhere: writing there would change that run under it; "
+                                f"wait for it to end, or choose another --out")
+        assert not (tmp_path / "run" / "data").exists()  # refused before anything was made
+
+
+def test_a_lock_taken_again_lets_go_of_the_first_and_keeps_what_was_written(tmp_path):
+    lock = RunLock()
+    lock.take(tmp_path / "a" / "b")
+    (tmp_path / "a" / "b" / "metrics.jsonl").write_text("{}\n")
+    lock.take(tmp_path / "c")  # the first directory is let go: its lock file goes, what was written stays
+    assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["metrics.jsonl"]
+    assert lock.directory == tmp_path / "c" and nanolm.run.lock.held_by_another(tmp_path / "a" / "b") is None
+    RunLock().take(tmp_path / "a" / "b")  # free
+    lock.release()
+    lock.release()  # twice is harmless
+    assert lock.directory is None and not (tmp_path / "c").exists()
+
+
+def test_who_holds_a_directory_is_read_from_its_lock_file_while_the_lock_is_held(tmp_path):
+    held_by_another = nanolm.run.lock.held_by_another
+    assert held_by_another(tmp_path / "nothing") is None and held_by_another(tmp_path) is None
+    with RunLock() as lock:
+        lock.take(tmp_path / "run")
+        assert held_by_another(tmp_path / "run") == f"{os.getpid()}@{socket.gethostname()}"
+        (tmp_path / "run" / LOCK_FILE).write_text("  7@h\n" + "x" * 1000)
+        assert held_by_another(tmp_path / "run") == "7@h\n" + "x" * (nanolm.run.lock.HOLDER_BYTES - 6)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK_FILE).write_text("9@dead\n")  # left by a process killed with -9: means nothing
+    assert held_by_another(tmp_path / "run") is None
+
+
+def test_without_locks_allowed_a_directory_is_written_with_a_warning_and_no_lock_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(NO_LOCK, "1")
+    said = []
+    with RunLock() as lock:
+        lock.take(tmp_path / "run", log=said.append)
+        assert lock.directory == tmp_path / "run" and not (tmp_path / "run" / LOCK_FILE).exists()
+    assert said == [f"warning: {tmp_path / 'run'} is written without a lock ({NO_LOCK}=1): make sure no other process "
+                    f"writes there"]
+    monkeypatch.setenv(NO_LOCK, "0")  # only "1" turns the lock off
+    with RunLock() as lock:
+        lock.take(tmp_path / "run", log=said.append)
+        assert (tmp_path / "run" / LOCK_FILE).is_file() and len(said) == 1
+
+
+def test_a_directory_that_cannot_be_locked_is_locked_through_its_lock_file(tmp_path, monkeypatch):
+    """NFS locks only files opened for writing: flock on the directory fails with EBADF, and the
+    lock file carries the lock instead, refusing a second writer the same way."""
+    real = nanolm.run.lock.fcntl.flock
+
+    def files_only(fd, operation):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(fd, operation)
+
+    monkeypatch.setattr(nanolm.run.lock.fcntl, "flock", files_only)
+    with RunLock() as first:
+        first.take(tmp_path / "run")
+        assert first._dir_fd is None and first._fd is not None
+        with pytest.raises(DirectoryBusy, match=f"process {os.getpid()} on"):
+            RunLock().take(tmp_path / "run")
+        assert (tmp_path / "run" / LOCK_FILE).read_text().startswith(f"{os.getpid()}@")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_lock_file_is_readable_by_all_and_written_by_its_owner_only(tmp_path):
+    with RunLock() as lock:
+        lock.take(tmp_path / "run")
+        mode = stat.S_IMODE((tmp_path / "run" / LOCK_FILE).stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o644 & ~umask
+
+
+def test_a_system_without_o_nofollow_or_o_nonblock_still_takes_the_lock(tmp_path, monkeypatch):
+    monkeypatch.delattr(os, "O_NOFOLLOW", raising=False)  # as on Windows
+    monkeypatch.delattr(os, "O_NONBLOCK", raising=False)
+    with RunLock() as lock:
+        lock.take(tmp_path / "run")
+        assert (tmp_path / "run" / LOCK_FILE).is_file()
+
+
+def test_what_stands_where_the_lock_file_should_be_is_named_by_its_kind(tmp_path):
+    import socket as sockets
+
+    not_a_lock_file = nanolm.run.lock._not_a_lock_file
+    (tmp_path / "target").write_text("x")
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    os.mkdir(tmp_path / "dir")
+    made = {"link": "a symbolic link", "dir": "a directory"}
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        made["fifo"] = "a FIFO"
+    if hasattr(sockets, "AF_UNIX") and len(str(tmp_path / "sock")) < 100:  # a socket's path has a short limit
+        server = sockets.socket(sockets.AF_UNIX)
+        server.bind(str(tmp_path / "sock"))
+        made["sock"] = "not a plain file"
+    for name, kind in made.items():
+        assert str(not_a_lock_file(tmp_path / name)) == (f"{tmp_path / name} is {kind}, not the lock file nanolm writes "
+                                                         f"there; remove it, then run the same command again")
+
+
+def test_a_lock_file_removed_after_it_was_opened_is_not_the_one_there_now(tmp_path):
+    path = tmp_path / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        assert nanolm.run.lock._same_file(fd, path)
+        path.unlink()
+        assert not nanolm.run.lock._same_file(fd, path)
+        path.write_text("")  # another writer's new file under the same name
+        assert not nanolm.run.lock._same_file(fd, path)
+    finally:
+        os.close(fd)
+
+
+def test_the_holder_is_read_from_a_plain_lock_file_only_and_never_waits(tmp_path, monkeypatch):
+    import threading
+
+    holder = nanolm.run.lock._holder
+    (tmp_path / "elsewhere").write_text("123@not-a-lock\n")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "link")
+    assert holder(tmp_path / "link") == ""  # a link is not followed: it could point anywhere
+    assert holder(tmp_path / "absent") == ""
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        read = []
+        reader = threading.Thread(target=lambda: read.append(holder(tmp_path / "fifo")), daemon=True)
+        reader.start()
+        reader.join(10)
+        assert read == [""]  # opened without waiting for a writer, and refused by its kind
+    (tmp_path / "plain").write_text("  42@node\n")
+    monkeypatch.delattr(os, "O_NOFOLLOW", raising=False)  # as on Windows
+    monkeypatch.delattr(os, "O_NONBLOCK", raising=False)
+    assert holder(tmp_path / "plain") == "42@node"
+
+
+def _removed_once(monkeypatch, name):
+    """``nanolm.run.lock.<name>`` finding its path gone the first time (removed by a writer that let go
+    at that very moment), as usual after; returns the paths it was called with."""
+    real, calls = getattr(nanolm.run.lock, name), []
+
+    def removed_once(path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+        return real(path)
+
+    monkeypatch.setattr(nanolm.run.lock, name, removed_once)
+    return calls
+
+
+def test_a_directory_removed_while_it_is_locked_is_made_again_and_locked(tmp_path, monkeypatch):
+    """A refused writer removes the empty directory it had made; a writer locking it at that very
+    moment makes it again and goes on, and one whose lock file is replaced every time gives up in
+    one line."""
+    calls = _removed_once(monkeypatch, "_open_directory")
+    with RunLock() as lock:
+        lock.take(tmp_path / "run")
+        assert len(calls) == 2 and (tmp_path / "run" / LOCK_FILE).is_file()
+    monkeypatch.setattr(nanolm.run.lock, "_open_directory", lambda d: None)  # the lock file holds the lock
+    monkeypatch.setattr(nanolm.run.lock, "_same_file", lambda fd, path: False)  # replaced each time
+    with pytest.raises(NanolmError, match=r"cannot lock .*\.lock: it keeps being replaced; is another program"):
+        RunLock().take(tmp_path / "again")
+
+
+def test_an_older_nanolm_holding_only_the_lock_file_is_refused_by_name(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    run = tmp_path / "run"
+    run.mkdir()
+    fd = os.open(run / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, b"77@oldhost\n")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as nanolm did before it locked the directory
+        with pytest.raises(DirectoryBusy) as e:
+            RunLock().take(run, flag="--out")
+        assert str(e.value) == f"{run} is being written by process 77 on oldhost; wait for it to end, or choose another --out"
+        assert (run / LOCK_FILE).read_text() == "77@oldhost\n"  # its line, left as it was
+    finally:
+        os.close(fd)
+
+
+def _lock_file_only(monkeypatch, flock=None):
+    """As where directories cannot be opened (Windows) or locked: the lock file carries the lock."""
+    monkeypatch.setattr(nanolm.run.lock, "_open_directory", lambda directory: None)
+    if flock is not None:
+        monkeypatch.setattr(nanolm.run.lock.fcntl, "flock", flock)
+
+
+def test_where_only_the_lock_file_can_be_locked_a_second_writer_is_refused_by_name(tmp_path, monkeypatch):
+    _lock_file_only(monkeypatch)
+    with RunLock() as first:
+        first.take(tmp_path / "run")
+        assert first._dir_fd is None and first._fd is not None
+        with pytest.raises(DirectoryBusy) as e:
+            RunLock().take(tmp_path / "run", flag="--out")
+        assert str(e.value) == (f"{tmp_path / 'run'} is being written by process {os.getpid()} on "
+                                f"{socket.gethostname()}; wait for it to end, or choose another --out")
+    assert not (tmp_path / "run").exists()
+
+
+def test_where_only_the_lock_file_could_lock_and_locks_fail_nothing_is_left_behind(tmp_path, monkeypatch):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    _lock_file_only(monkeypatch, no_locks)
+    with pytest.raises(NanolmError) as e:
+        RunLock().take(tmp_path / "run")
+    assert "is on a file system without working locks (No locks available)" in str(e.value)
+    assert not (tmp_path / "run").exists()  # the lock file this call made, and the directory, removed
+    (tmp_path / "held").mkdir()
+    (tmp_path / "held" / LOCK_FILE).write_text("5@other\n")  # a holder's line: not this call's file
+    with pytest.raises(NanolmError):
+        RunLock().take(tmp_path / "held")
+    assert (tmp_path / "held" / LOCK_FILE).read_text() == "5@other\n"
+
+
+def test_where_only_the_lock_file_can_lock_a_directory_removed_meanwhile_is_made_again(tmp_path, monkeypatch):
+    _lock_file_only(monkeypatch)
+    calls = _removed_once(monkeypatch, "_open_lock_file")
+    with RunLock() as lock:
+        lock.take(tmp_path / "run")
+        assert len(calls) == 2 and (tmp_path / "run" / LOCK_FILE).read_text().startswith(f"{os.getpid()}@")
+
+
+def test_a_lock_that_fails_after_writing_its_file_leaves_nothing_and_forgets_its_directory(tmp_path, monkeypatch):
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(nanolm.run.lock, "_write_holder", disk_full)
+    lock = RunLock()
+    with pytest.raises(OSError):
+        lock.take(tmp_path / "new" / "run")
+    assert not (tmp_path / "new").exists()  # its lock file and the directories it made, removed
+    monkeypatch.undo()
+    lock.take(tmp_path / "kept")
+    (tmp_path / "kept" / "metrics.jsonl").write_text("{}\n")
+    lock.release()
+    assert (lock.directory, lock._made) == (None, []) and sorted(os.listdir(tmp_path / "kept")) == ["metrics.jsonl"]
+
+
+def test_a_holder_line_that_is_not_utf8_is_read_without_a_traceback(tmp_path):
+    (tmp_path / LOCK_FILE).write_bytes(b"\xff\xfe@host\n")
+    assert nanolm.run.lock._holder(tmp_path / LOCK_FILE) == "\ufffd\ufffd@host"
+    assert "another process" in str(nanolm.run.lock.busy_refusal(tmp_path, "\ufffd\ufffd@host", "--out-dir"))

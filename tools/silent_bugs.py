@@ -390,6 +390,21 @@ BUGS = [
         "the break before its separator line, so the same text prepares to other tokens than with \\n or \\r\\n",
         "nanolm/data/sources.py", '    return text[:-1] if text.endswith(("\\n", "\\r")) else text',
         '    return text[:-1] if text.endswith("\\n") else text', tests=("test_data",)),
+    Bug("text_read_in_the_locale_encoding", "data files opened in the system's encoding (cp1252 on Windows, ASCII "
+        "under a C locale): the same corpus prepares to other characters, or is refused, depending on the machine",
+        "nanolm/data/sources.py", '        with open(path, encoding="utf-8", newline="") as f:',
+        '        with open(path, newline="") as f:', tests=("test_sources",)),
+    Bug("single_document_cut_at_its_end_raises", "a one-document corpus with a tiny --val-fraction cuts at its last "
+        "byte and reads one past it: an IndexError traceback instead of a prepared corpus", "nanolm/data/sources.py",
+        "    while 0 < cut < len(data) and (data[cut] & 0xC0) == 0x80:",
+        "    while cut > 0 and (data[cut] & 0xC0) == 0x80:", tests=("test_sources",)),
+    Bug("tiny_val_fraction_overflows", "--val-fraction 1e-320 (or any share whose inverse overflows a float) "
+        "raises OverflowError: a traceback instead of a corpus with its last document held out",
+        "nanolm/data/sources.py", "    k = max(2, round(min(1 / val_fraction, 2**62))) if val_fraction > 0 else 0",
+        "    k = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0", tests=("test_sources",)),
+    Bug("nul_past_the_head_read_as_text", "a text file damaged past its first 8 KiB (NUL bytes from a broken "
+        "download) trains on the NULs as characters", "nanolm/data/sources.py",
+        '                if "\\x00" in line:', '                if False:', tests=("test_sources",)),
     Bug("control_character_written_raw_into_config", "a separator or path holding a carriage return is written raw "
         "into config.toml, which TOML forbids: the run cannot be continued (its configuration cannot be read)",
         "nanolm/run/config.py", '''f"\\\\u{ord(ch):04x}" if (ord(ch) < 0x20 and ch != "\\t") or ord(ch) == 0x7F else ch''',
@@ -434,7 +449,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config").split()
+              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate").split()
 
 
 # where each bug's file belongs, by the start of its path: the test files of that concern, run
@@ -446,16 +461,17 @@ CONCERN_TESTS = {
     "nanolm/train.py": ("test_train", "test_layout"),
     "nanolm/optim.py": ("test_optim",),
     "nanolm/precision.py": ("test_precision",),
-    "nanolm/evaluate.py": ("test_train", "test_data"),
+    "nanolm/evaluate.py": ("test_evaluate", "test_train", "test_data"),
     "nanolm/tokenizer.py": ("test_tokenizer",),
     "nanolm/checkpoint.py": ("test_checkpoint", "test_untrusted_files"),
     "nanolm/distributed.py": ("test_distributed",),
+    "nanolm/data/sources.py": ("test_sources", "test_data"),
     "nanolm/data/": ("test_data", "test_corpus"),
     "nanolm/run/directory.py": ("test_run_directory", "test_run_lock"),
     "nanolm/run/resume.py": ("test_run_directory", "test_checkpoint"),
     "nanolm/run/lock.py": ("test_run_lock",),
-    "nanolm/run/files.py": ("test_full_disk", "test_untrusted_files", "test_checkpoint"),
-    "nanolm/run/documents.py": ("test_hostile_files", "test_untrusted_files", "test_checkpoint"),
+    "nanolm/run/files.py": ("test_files", "test_full_disk", "test_untrusted_files", "test_checkpoint"),
+    "nanolm/run/documents.py": ("test_documents", "test_hostile_files", "test_untrusted_files", "test_checkpoint"),
     "nanolm/run/config.py": ("test_config", "test_cli"),
     "nanolm/run/": ("test_checkpoint", "test_cli"),
     "nanolm/machine/threads.py": ("test_threads",),

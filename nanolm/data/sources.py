@@ -19,17 +19,24 @@ from ..tokenizer import EOS
 
 SEPARATOR = EOS
 MAX_DOC_CHARS = 1 << 24  # 16 Mi characters; longer documents are split at a line boundary
+BINARY_SNIFF_BYTES = 8192  # a file whose head holds a NUL byte is binary, named before its bytes fail as UTF-8
 
 
 def _open_text_lines(path: Path):
-    """Lines of a UTF-8 text file, with errors that name the problem."""
+    """Lines of a UTF-8 text file (whatever the system's locale: Windows would read cp1252), with
+    errors that name the problem. A NUL byte is no text: a binary file is named as one from its
+    head (before its bytes fail as UTF-8), and a NUL further on (a damaged download) too, at its line."""
     with open(path, "rb") as f:
-        head = f.read(8192)
+        head = f.read(BINARY_SNIFF_BYTES)
     if b"\x00" in head:
         raise NanolmError(f"{path} looks like a binary file (it contains NUL bytes); pass a UTF-8 text file")
     try:
         with open(path, encoding="utf-8", newline="") as f:
-            yield from f
+            for lineno, line in enumerate(f, start=1):
+                if "\x00" in line:
+                    raise NanolmError(f"{path} looks like a binary file (line {lineno} contains a NUL byte); "
+                                      f"pass a UTF-8 text file")
+                yield line
     except UnicodeDecodeError as e:
         raise NanolmError(f"{path} is not valid UTF-8 ({e.reason} near byte {e.start}); convert it to UTF-8") from None
 
@@ -156,7 +163,7 @@ def split_single_document(text: str, val_fraction: float) -> tuple[str, str]:
     ``val_fraction`` of its UTF-8 bytes (moved back to a character boundary) is validation."""
     data = text.encode("utf-8")
     cut = int(len(data) * (1 - val_fraction))
-    while cut > 0 and (data[cut] & 0xC0) == 0x80:
+    while 0 < cut < len(data) and (data[cut] & 0xC0) == 0x80:  # back off a continuation byte
         cut -= 1
     return data[:cut].decode("utf-8"), data[cut:].decode("utf-8")
 
@@ -165,31 +172,31 @@ def split_documents(docs: Iterator[str], val_fraction: float) -> Iterator[tuple[
     """(split, text) for every document: every k-th document (k = round(1 / val_fraction))
     is held out for validation. A corpus of a single document is split by bytes instead
     (its last ``val_fraction``), one with fewer than k documents gives its last one."""
-    k = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
+    k = max(2, round(min(1 / val_fraction, 2**62))) if val_fraction > 0 else 0  # 1 / 1e-320 is inf
     iterator = iter(docs)
     first = next(iterator, None)
     if first is None:
         return
     second = next(iterator, None)
     if second is None:
-        train, val = split_single_document(first, val_fraction) if k else (first, "")
+        train, val = split_single_document(first, val_fraction)
         yield "train", train
         if val:
             yield "val", val
         return
-    pending, n_val, i = None, 0, 0
+    pending, any_val, i = None, False, 0
     for doc in _chain([first, second], iterator):
         if pending is not None:
             yield "train", pending
             pending = None
         if k and i % k == k - 1:
-            n_val += 1
+            any_val = True
             yield "val", doc
         else:
             pending = doc
         i += 1
     if pending is not None:
-        yield ("val" if k and n_val == 0 else "train"), pending
+        yield ("val" if k and not any_val else "train"), pending
 
 
 def _chain(first, rest):

@@ -42,6 +42,7 @@ SPLIT_OPTIONS = {"train.batch_size", "train.grad_accum", "run.world_size",  # ho
 SAME_TRAINING_KEYS = ("loss", "grad_norm", "lr")
 SEED_NOISE_SIGMAS = 4.0  # different seeds: the smoothed training losses may differ by this many noise units
 SMOOTHING = 5  # logged steps averaged before two seeds' training losses are compared
+MIN_NOISE_STEPS = 10  # logged training losses a run needs for its noise to be estimated (from its second half)
 
 
 @dataclass
@@ -81,8 +82,8 @@ def recorded_run(path: Path, cfg, first: dict) -> tuple[str, str, str, int]:
     per_rank = cfg.train.batch_size * cfg.train.grad_accum * cfg.model.seq_len
     tokens = first.get("tokens_per_step")
     world_size = first.get("world_size")
-    if not (isinstance(world_size, int) and world_size >= 1):
-        world_size = max(1, tokens // per_rank) if isinstance(tokens, int) else 1
+    if not (type(world_size) is int and world_size >= 1):  # not a bool: True is an int to Python
+        world_size = max(1, tokens // per_rank) if type(tokens) is int else 1
     precision, device_type = first.get("precision", cfg.train.precision), first.get("device_type", "cpu")
     if "data_digest" in first:
         return first["data_digest"], precision, device_type, world_size
@@ -133,24 +134,24 @@ def compare_records(a: RunRecord, b: RunRecord) -> Comparison:
     is named first (only the order of the figures in its lines follows the arguments)."""
     diff = differences(a.setup, b.setup)
     split = [d for d in diff if d in SPLIT_OPTIONS]
-    other = [d for d in diff if d not in SPLIT_OPTIONS]
+    other = [f"{d} ({_value(a.setup, d)} vs {_value(b.setup, d)})" for d in diff if d not in SPLIT_OPTIONS]
     tokens = [r.setup["train"]["batch_size"] * r.setup["train"]["grad_accum"] * r.setup["run"]["world_size"]
               for r in (a, b)]
     if tokens[0] != tokens[1]:
-        other += [f"sequences per step ({tokens[0]} vs {tokens[1]})"]
+        other.append(f"sequences per step ({tokens[0]} vs {tokens[1]})")
     if other:
-        shown = ", ".join(f"{d} ({_value(a.setup, d)} vs {_value(b.setup, d)})" if "." in d and " " not in d else d
-                          for d in other)
         return Comparison("different_setups", False,
-                          [f"different setups: {shown}; they did not train the same thing"])
+                          [f"different setups: {', '.join(other)}; they did not train the same thing"])
     if a.seed == b.seed:
         return _same_training(a, b, split)
     return _seeds(a, b)
 
 
 def _value(setup: dict, dotted: str):
-    section, key = dotted.split(".", 1)
-    return setup.get(section, {}).get(key)
+    """The value of ``section.option`` in a setup (every setup has every section; no option's name
+    holds a dot)."""
+    section, key = dotted.split(".")
+    return setup[section].get(key)
 
 
 def _same_training(a: RunRecord, b: RunRecord, split: list[str]) -> Comparison:
@@ -223,7 +224,7 @@ def _seeds(a: RunRecord, b: RunRecord, after: int = 0) -> Comparison:
         return Comparison("seeds", True, lines)
     noise = _loss_noise(a.rows) + _loss_noise(b.rows)
     if not noise:
-        raise NanolmError("too few logged training steps to estimate the seed noise (at least 10 each); "
+        raise NanolmError(f"too few logged training steps to estimate the seed noise (at least {MIN_NOISE_STEPS} each); "
                           "log more often (--log-every) or compare against a recognised recipe")
     sigma = statistics.median(noise)
     tolerance = SEED_NOISE_SIGMAS * sigma * math.sqrt(2 / SMOOTHING)
@@ -248,9 +249,9 @@ def _loss_noise(rows: list[dict]) -> list[float]:
     """The training loss's step-to-step scatter, from the second half of the run (where the
     trend is slow): 1.48 x the median absolute successive difference / sqrt 2 per run."""
     losses = [r["loss"] for r in rows if _number(r.get("loss"))]
-    half = losses[len(losses) // 2:]
-    if len(half) < 5:
+    if len(losses) < MIN_NOISE_STEPS:
         return []
+    half = losses[len(losses) // 2:]
     diffs = [abs(x - y) for x, y in zip(half, half[1:])]
     return [1.4826 * statistics.median(diffs) / math.sqrt(2)]
 

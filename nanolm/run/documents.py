@@ -42,12 +42,8 @@ def _shape_problem(value) -> str | None:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, bool) or item is None:
-            continue
-        if isinstance(item, int):
-            if not -LARGEST_INTEGER <= item < LARGEST_INTEGER:
-                return f"an integer of {item.bit_length()} bits (nanolm writes 64-bit integers)"
-            continue
+        if isinstance(item, int) and not -LARGEST_INTEGER <= item < LARGEST_INTEGER:  # (a bool is a small int)
+            return f"an integer of {item.bit_length() + 1} bits (nanolm writes 64-bit integers)"  # with its sign
         if isinstance(item, (dict, list)):
             if depth > MAX_NESTING:
                 return f"values nested more than {MAX_NESTING} levels deep"
