@@ -224,8 +224,8 @@ def _seeds(a: RunRecord, b: RunRecord, after: int = 0) -> Comparison:
         return Comparison("seeds", True, lines)
     noise = _loss_noise(a.rows) + _loss_noise(b.rows)
     if not noise:
-        raise NanolmError(f"too few logged training steps to estimate the seed noise (at least {MIN_NOISE_STEPS} each); "
-                          "log more often (--log-every) or compare against a recognised recipe")
+        raise NanolmError(f"too few logged training steps to estimate the seed noise (at least {MIN_NOISE_STEPS} "
+                          f"each); log more often (--log-every) or compare against a recognised recipe")
     sigma = statistics.median(noise)
     tolerance = SEED_NOISE_SIGMAS * sigma * math.sqrt(2 / SMOOTHING)
     lines.append(f"tolerance: {tolerance:.3g} nats (no reference band for this setup; estimated from the runs: the "
