@@ -143,7 +143,7 @@ def metrics(run: Path) -> list[dict]:
 
 
 def events(run: Path) -> list[dict]:
-    from nanolm.run.documents import read_jsonl
+    from nanolm.base.documents import read_jsonl
 
     return read_jsonl(run / "events.jsonl")[0] if (run / "events.jsonl").exists() else []
 

@@ -32,13 +32,8 @@ import time
 import torch
 
 from nanolm.batches import Batch
-from nanolm.model import (
-    GPT,
-    GPTConfig,
-    head_cross_entropy_sum,
-    loss_chunk_positions,
-    masked_cross_entropy_sum,
-)
+from nanolm.fused_loss import head_cross_entropy_sum, loss_chunk_positions
+from nanolm.model import GPT, GPTConfig, masked_cross_entropy_sum
 from nanolm.step import accumulate_gradients, summed_token_loss
 
 

@@ -50,7 +50,7 @@ def worker(args) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from nanolm.model import GPT, GPTConfig
-    from nanolm.run.sharded import _untied, load_sharded, save_sharded
+    from nanolm.base.sharded import _untied, load_sharded, save_sharded
 
     dist.init_process_group("gloo")
     torch.manual_seed(0 if args.action == "save" else 1)  # a load starts from other weights
@@ -105,7 +105,7 @@ def plain_load(args) -> None:
     import torch
 
     from nanolm.model import GPT, GPTConfig
-    from nanolm.run.sharded import load_sharded
+    from nanolm.base.sharded import load_sharded
 
     model = GPT(GPTConfig(**_shape(args.big)))
     start = time.perf_counter()

@@ -19,7 +19,7 @@ state; counters (tokens seen, best validation loss); the resolved config and the
   the SHA-256 of every other file.
 
 Under ``--dist fsdp`` the weights and the optimizer state go to ``sharded/`` instead, one file
-per rank (``nanolm.run.sharded``).
+per rank (``nanolm.base.sharded``).
 
 **A checkpoint is valid** only when ``meta.json`` parses, every field has its type, its step
 agrees with the directory's name, its layout is known, and the files in the directory are
@@ -54,8 +54,8 @@ import torch
 from .errors import NanolmError, brief
 from .machine.runtime import capture_rng, derived_seed, restore_rng, seed_everything
 from .model import GPT
-from .run.documents import read_json
-from .run.files import (
+from .base.documents import read_json
+from .base.files import (
     ENVIRONMENT_ERRNOS,
     atomic_write_text,
     check_manifest,
@@ -68,7 +68,7 @@ from .run.files import (
     save_torch,
     sealed,
 )
-from .run.sharded import SHARDS, load_sharded, save_sharded
+from .base.sharded import SHARDS, load_sharded, save_sharded
 from .tokenizer import Tokenizer
 
 CHECKPOINTS = "checkpoints"

@@ -55,7 +55,7 @@ the norm is computed over DTensors and completed across ranks before clipping.
 **Checkpoints.** DDP writes the single-process format (rank 0 writes; the others wait):
 ``model.safetensors`` and ``state.pt``. FSDP writes the weights and optimizer state as
 shards with ``torch.distributed.checkpoint`` in its safetensors storage (``sharded/``: one
-safetensors file per rank, no pickled index; see ``nanolm.run.sharded``), and the run's
+safetensors file per rank, no pickled index; see ``nanolm.base.sharded``), and the run's
 final ``model.safetensors`` is gathered into one file so ``nanolm sample/eval/export`` work. Every rank's random state is saved (each rank draws its own
 dropout masks) and each rank restores its own. The sampler's state is global, the same on
 every rank.

@@ -137,7 +137,7 @@ def summed_token_loss(model, batch: Batch) -> torch.Tensor:
     """The forward pass over one micro-batch: the sum of its counted tokens' losses.
 
     nanolm's GPT computes its output head and the loss together, a chunk of positions at a
-    time (``nanolm.model.head_cross_entropy_sum``), so the logits are never held whole.
+    time (``nanolm.fused_loss.head_cross_entropy_sum``), so the logits are never held whole.
     """
     _, total = model(batch.idx, targets=batch.targets, loss_mask=batch.loss_mask,
                      doc_ids=batch.doc_ids, positions=batch.positions, reduction="sum")
@@ -239,6 +239,14 @@ class StepResult:
     rollback_to: object = None
     watch: object = None
 
+
+def discarded_pass(model, batch: Batch, autocast=contextlib.nullcontext) -> None:
+    """One forward and backward pass of the step on ``batch``, its gradients thrown away: what
+    ``--threads auto`` times at each thread count (``nanolm/machine/threads.py``). The weights
+    and the optimizer are untouched; the caller keeps the random state."""
+    accumulate_gradients(model, [batch], max(1, int(batch.counted)), autocast)
+    for p in model.parameters():
+        p.grad = None
 
 def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepResult:
     """Optimizer step number ``step`` (1 for the first) on ``micro_batches``.

@@ -143,7 +143,7 @@ class Tokenizer:
 
     def save(self, path) -> None:
         """Write ``tokenizer.json`` atomically (a crash leaves the old file or the new one)."""
-        from .run.files import atomic_write_text
+        from .base.files import atomic_write_text
 
         atomic_write_text(path, self.hf.to_str(pretty=True))
 

@@ -3,8 +3,8 @@
 For every optimizer step, in order (this is the one place the sequence is told):
 
 1. **draw the step's micro-batches**: ``grad_accum`` packed batches of windows per process
-   (``nanolm/batches.py``; under ``--threads auto`` the stream may first time the step at a few
-   thread counts and keep the fastest, ``nanolm/machine/threads.py``);
+   (``nanolm/batches.py``); under ``--threads auto`` the thread tuner may then time the step's
+   pass on them at a few thread counts and keep the fastest (``nanolm/machine/threads.py``);
 2. **take one optimizer step**, :func:`~nanolm.step.train_step` (``nanolm/step.py``):
 
    a. set the learning rate: the schedule's rate for the step number (warmup, then a cosine
@@ -71,16 +71,16 @@ from .machine.runtime import (
     settings_restored,
     stop_reason,
 )
-from .machine.threads import ThreadTuner, TunedBatches
+from .machine.threads import ThreadTuner
 from .model import GPT
 from .optim import get_param_groups, optimizer_for  # noqa: F401 (get_param_groups: the course's name)
 from .precision import DynamicLossScaler, Precision, cast_weights_, resolve_precision
 from .run.config import RunConfig
 from .run.directory import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
 from .run.final import clear_final, save_final_weights
-from .run.lock import RunLock
+from .base.lock import RunLock
 from .sample import sample_text
-from .step import StepSetup, cosine_lr, learning_rate, summed_token_loss, train_step  # noqa: F401 (cosine_lr: the course's)
+from .step import StepSetup, cosine_lr, discarded_pass, learning_rate, summed_token_loss, train_step  # noqa: F401 (cosine_lr: the course's)
 from .watch.guards import Guard, nan_origin, reads_every_step
 from .watch.observer import Observer
 from .watch.reference import find_reference, setup_of
@@ -139,7 +139,8 @@ class Run:
     out_dir: Path
     model: torch.nn.Module
     step_setup: StepSetup
-    batches: TrainBatches | TunedBatches
+    batches: TrainBatches
+    threads: ThreadTuner  # --threads auto's trials between steps; does nothing on every other run
     progress: Progress
     guard: Guard
     observer: Observer
@@ -164,7 +165,7 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
     if missing:
         raise NanolmError(f"--log {missing[0]} needs the {missing[0]} package: pip install 'nanolm[{missing[0]}]'")
     if cfg.train.dist == "fsdp":
-        from .run.sharded import require_sharded_storage
+        from .base.sharded import require_sharded_storage
 
         require_sharded_storage()
     use_prepared_tokenizer(cfg)
@@ -195,8 +196,9 @@ def run_loop(run: Run, log=print) -> dict:
     with StopOnSignal() as stop, contextlib.closing(observer):
         while progress.step < t.steps and not run.finishing:
             step = progress.step + 1
-            # 1. the step's micro-batches
+            # 1. the step's micro-batches (--threads auto: maybe first a trial of thread counts on them)
             batches = run.batches.next(step)
+            run.threads.before_step(batches)
             # 2. one optimizer step (a-e)
             result = train_step(run.step_setup, step, batches)
             # 3. the guard's event
@@ -267,9 +269,10 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
     if not val_batches:
         log("warning: the validation split is shorter than one window; no validation loss will be reported")
     log(observer.describe_mfu())
+    threads = ThreadTuner.fixed()
     if auto_threads:  # --threads auto: on a busy CPU, the thread count that is fastest now
-        batches = TunedBatches(batches, ThreadTuner(trainable.step_model, precision.autocast, observer.write))
-    return Run(cfg=cfg, dist=dist, out_dir=plan.out_dir, model=model, step_setup=step_setup, batches=batches,
+        threads = ThreadTuner(partial(discarded_pass, trainable.step_model, autocast=precision.autocast), observer.write)
+    return Run(cfg=cfg, dist=dist, out_dir=plan.out_dir, model=model, step_setup=step_setup, batches=batches, threads=threads,
                progress=progress, guard=guard, observer=observer, checkpointer=checkpointer,
                tokenizer=data.tokenizer, tokens_per_step=observer.tokens_per_step, finishing=finishing)
 

@@ -26,7 +26,7 @@ from nanolm.checkpoint import (
 from nanolm.errors import NanolmError
 from nanolm.instruments.cli import main
 from nanolm.optim import muon_available
-from nanolm.run.files import sha256_file
+from nanolm.base.files import sha256_file
 from nanolm.run.final import load_run
 from nanolm.tokenizer import train_char
 from nanolm.watch.sinks import read_metrics

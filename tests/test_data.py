@@ -324,7 +324,7 @@ def test_a_changed_token_inside_the_vocabulary_is_refused(tmp_path):
 def test_token_ids_outside_the_vocabulary_are_refused_before_training_even_when_vouched_for(tmp_path):
     """The largest id is read from the shards themselves, not from meta.json: a lying
     max_id (with the manifest and seal recomputed) cannot smuggle in an IndexError."""
-    from nanolm.run.files import sealed, sha256_file
+    from nanolm.base.files import sealed, sha256_file
 
     src = _write_txt(tmp_path / "d.txt", DOCS * 4)
     data = prepare(src, tmp_path / "out", "char", progress=False)
@@ -496,7 +496,7 @@ def test_an_interrupted_prepare_leaves_out_as_it_was(tmp_path, monkeypatch, inte
 def test_a_prepare_replaces_a_prepared_directory_whole(tmp_path, monkeypatch):
     """On a system without an atomic directory swap the files are moved in one by one, meta.json
     last; either way the result is exactly what a prepare into a new directory gives."""
-    import nanolm.run.files as files_mod
+    import nanolm.base.files as files_mod
 
     fresh, replaced, by_file = tmp_path / "fresh", tmp_path / "replaced", tmp_path / "by_file"
     new_source = _write_txt(tmp_path / "e.txt", DOCS * 8)

@@ -385,7 +385,7 @@ def test_the_cpu_bf16_peak_behind_mfu_is_timed_on_products_large_enough_to_reach
 
 
 def test_doctor_says_what_this_machine_would_pick_and_refuses_what_it_cannot_do(monkeypatch):
-    from nanolm.machine.device import device_choices
+    from nanolm.instruments.doctor import device_choices
 
     lines = device_choices("cpu", "auto", "auto", tf32=True, deterministic=False, compile=False)
     assert [line.split()[0] for line in lines] == ["device", "precision", "attention", "batches"]

@@ -32,7 +32,7 @@ from nanolm.instruments.cli import main
 from nanolm.optim import build_optimizer, muon_available
 from nanolm.run.config import RunConfig
 from nanolm.run.final import load_run
-from nanolm.run.lock import LOCK_FILE, RunLock
+from nanolm.base.lock import LOCK_FILE, RunLock
 from nanolm.step import StepSetup, accumulate_gradients, counted_tokens, train_step
 from nanolm.tokenizer import train_char
 from nanolm.watch.sinks import read_metrics
@@ -226,7 +226,7 @@ def test_a_crafted_pickle_in_any_file_of_a_sharded_checkpoint_runs_nothing(fsdp_
     import pickle
     import shutil
 
-    from nanolm.run.files import sealed, sha256_file
+    from nanolm.base.files import sealed, sha256_file
 
     _Exploit.marker = tmp_path / "code-ran"
     original = fsdp_run / "checkpoints" / "step_000006"

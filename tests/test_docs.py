@@ -2,7 +2,7 @@
 
 A document that names a test that was renamed, a module that moved or a file that is gone
 sends a student the wrong way; a placeholder left in a doc is a promise nobody kept. These
-checks read README.md and docs/*.md as text.
+checks read README.md, CONTRIBUTING.md and docs/*.md as text.
 """
 
 import argparse
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _text(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""The guarded readers of nanolm/run/documents.py at their limits: the largest integer, the deepest
+"""The guarded readers of nanolm/base/documents.py at their limits: the largest integer, the deepest
 nesting and the largest file accepted and the first refused, each refusal's one line, and which
 lines of a JSON-lines log count as damage. test_hostile_files.py throws generated documents at
 every reader; these tests pin each limit to its exact value."""
@@ -9,7 +9,7 @@ import os
 import pytest
 
 from nanolm.errors import NanolmError
-from nanolm.run.documents import (
+from nanolm.base.documents import (
     LARGEST_INTEGER,
     MAX_NESTING,
     parse_json,

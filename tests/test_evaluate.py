@@ -11,7 +11,8 @@ from conftest import tiny_model, tiny_run_config
 
 from nanolm.batches import Batch
 from nanolm.errors import NanolmError
-from nanolm.evaluate import estimate_loss, evaluate_file
+from nanolm.evaluate import estimate_loss
+from nanolm.instruments.trained import evaluate_file
 from nanolm.model import masked_cross_entropy_sum
 from nanolm.train import train
 

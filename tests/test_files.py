@@ -1,4 +1,4 @@
-"""Writing files whole and reading them back checked (nanolm/run/files.py), rule by rule at its
+"""Writing files whole and reading them back checked (nanolm/base/files.py), rule by rule at its
 edges: what a failed write leaves, a directory moved across file systems or swapped when the
 system cannot swap, a manifest's every refusal, a seal, names that are not UTF-8, and what each
 OS error says. test_full_disk.py and test_untrusted_files.py test the same code through whole
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import nanolm.run.files as files
+import nanolm.base.files as files
 from nanolm.errors import NanolmError
 
 
@@ -426,7 +426,7 @@ def test_a_file_is_written_as_utf8_whatever_the_locale(tmp_path):
 
     files.atomic_write_text(tmp_path / "here.toml", "out_dir = \"runs/café\"\n")
     assert (tmp_path / "here.toml").read_bytes() == "out_dir = \"runs/café\"\n".encode()
-    code = ("import sys; from nanolm.run.files import atomic_write_text; "
+    code = ("import sys; from nanolm.base.files import atomic_write_text; "
             "atomic_write_text(sys.argv[1], 'out_dir = \"runs/caf\\u00e9\"\\n')")
     env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}
     result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.toml")], capture_output=True, text=True,

@@ -125,7 +125,7 @@ def test_a_write_error_without_a_file_name_gets_the_name_of_the_file_written():
 
     from safetensors import SafetensorError
 
-    from nanolm.run.files import naming_the_file
+    from nanolm.base.files import naming_the_file
 
     with pytest.raises(OSError) as caught, naming_the_file("runs/x/metrics.jsonl"):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -145,7 +145,7 @@ def test_torch_save_on_a_disk_that_fills_at_any_point_is_an_oserror_naming_the_f
     import errno
     import io
 
-    from nanolm.run.files import save_torch
+    from nanolm.base.files import save_torch
 
     mount, leave = small_disk
     state = {"moments": torch.arange(300_000, dtype=torch.float32), "step": 7}

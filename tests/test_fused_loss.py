@@ -8,11 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from nanolm.model import (
-    head_cross_entropy_sum,
-    loss_chunk_positions,
-    masked_cross_entropy_sum,
-)
+from nanolm.fused_loss import head_cross_entropy_sum, loss_chunk_positions
+from nanolm.model import masked_cross_entropy_sum
 
 
 def _head_and_loss_both_ways(hidden, weight, targets, mask, chunk, autocast=False, factor=0.37):

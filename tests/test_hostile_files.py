@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from nanolm.errors import NanolmError
-from nanolm.run.documents import parse_json
-from nanolm.run.files import sealed
+from nanolm.base.documents import parse_json
+from nanolm.base.files import sealed
 
 EXPLORE = bool(os.environ.get("NANOLM_EXPLORE"))
 """Set NANOLM_EXPLORE=1 to search far longer, with fresh random examples each time, and to shrink
@@ -132,7 +132,7 @@ def test_any_bytes_are_parsed_or_refused_in_one_line(raw):
 @given(data=st.data())
 def test_any_config_toml_is_read_or_refused_in_one_line(tmp_path_factory, run_dir, data):
     from nanolm.run.config import config_from_args, load_toml
-    from nanolm.run.documents import read_toml
+    from nanolm.base.documents import read_toml
 
     real = read_toml(run_dir / "config.toml")
     text = data.draw(st.one_of(toml_texts(), st.just(None)), label="text")
@@ -258,7 +258,7 @@ def test_diagnose_and_compare_read_a_metrics_log_and_a_config_of_any_shape(work,
     (work / "events.jsonl").write_text("\n".join(events) + "\n")
     config = (work / "config.toml").read_text()
     if data.draw(st.integers(0, 3), label="a hostile config.toml") == 0:
-        from nanolm.run.documents import parse_toml
+        from nanolm.base.documents import parse_toml
 
         config = data.draw(st.one_of(toml_texts(), st.just(to_toml(mutated(parse_toml(config, "it"), data)))),
                            label="config")

@@ -204,9 +204,9 @@ def test_flex_attention_document_mask_matches_the_sdpa_reference():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert flex.uses_flex_attention("cpu") and not sdpa.uses_flex_attention("cuda")
     with pytest.MonkeyPatch.context() as mp:  # auto: FlexAttention on CUDA where Triton builds its kernel
-        mp.setattr("nanolm.model.has_triton", lambda: True)
+        mp.setattr("nanolm.machine.device.has_triton", lambda: True)
         assert tiny_model().uses_flex_attention("cuda") and not tiny_model().uses_flex_attention("cpu")
-        mp.setattr("nanolm.model.has_triton", lambda: False)
+        mp.setattr("nanolm.machine.device.has_triton", lambda: False)
         assert not tiny_model().uses_flex_attention("cuda")
 
 

@@ -37,8 +37,8 @@ def test_a_recheck_keeps_the_earlier_verdicts_and_counts_a_survivor_listed_since
 
 def test_a_recheck_needs_the_very_source_it_rechecks(tmp_path):
     tool = _tool()
-    earlier = {"module": "nanolm/run/lock.py", "source_sha256": "0" * 16, "survived": [], "untested": [], "killed": 1,
+    earlier = {"module": "nanolm/base/lock.py", "source_sha256": "0" * 16, "survived": [], "untested": [], "killed": 1,
                "equivalent": 0, "timeouts": 0}
     with pytest.raises(SystemExit, match="changed since the run being rechecked"):
-        tool.score("nanolm/run/lock.py", ("tests/test_run_lock.py",), 1, False, 15.0, earlier)
-    assert tool.source_digest("nanolm/run/lock.py") != "0" * 16 and len(tool.source_digest("nanolm/run/lock.py")) == 16
+        tool.score("nanolm/base/lock.py", ("tests/test_run_lock.py",), 1, False, 15.0, earlier)
+    assert tool.source_digest("nanolm/base/lock.py") != "0" * 16 and len(tool.source_digest("nanolm/base/lock.py")) == 16

@@ -8,7 +8,7 @@ from conftest import tiny_run_config
 
 import nanolm.model
 from nanolm.instruments.cli import main
-from nanolm.machine.plan import (
+from nanolm.run.plan import (
     PRESETS,
     activation_bytes_per_token,
     count_parameters,
@@ -156,7 +156,7 @@ def test_plan_refuses_what_cannot_run(capsys):
 def test_muon_state_is_counted_as_one_momentum_per_hidden_matrix_weight():
     """The memory check is a lower bound: under --optimizer muon the hidden matrices hold one
     fp32 momentum (4 bytes), not AdamW's two moments, and exactly the parameters Muon takes."""
-    from nanolm.machine.plan import hidden_matrix_parameters
+    from nanolm.run.plan import hidden_matrix_parameters
     from nanolm.optim import split_for_muon
 
     c = GPTConfig(vocab_size=512, seq_len=64, n_layer=3, n_head=4, n_embd=128)
@@ -172,11 +172,11 @@ def test_muon_state_is_counted_as_one_momentum_per_hidden_matrix_weight():
 def test_the_memory_check_of_a_muon_run_counts_muons_state(stories_file, tmp_path, monkeypatch):
     """The check before a run starts gets the run's optimizer, so a Muon run is not refused
     for AdamW's larger state (the check promises a lower bound)."""
-    import nanolm.machine.plan
+    import nanolm.run.plan
     from nanolm.train import train
 
     seen = []
-    monkeypatch.setattr(nanolm.machine.plan, "check_memory", lambda *args, **kw: seen.append(args[5:] or kw))
+    monkeypatch.setattr(nanolm.run.plan, "check_memory", lambda *args, **kw: seen.append(args[5:] or kw))
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=1, eval_every=1)
     cfg.optim.optimizer = "muon"
     train(cfg, log=lambda *_: None)

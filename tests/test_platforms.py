@@ -26,7 +26,7 @@ def test_nanolm_imports_nothing_posix_only():
     code = ("import importlib, pkgutil, nanolm, sys\n"
             "names = [m.name for m in pkgutil.walk_packages(nanolm.__path__, 'nanolm.') if not m.name.endswith('__main__')]\n"
             "for name in names: importlib.import_module(name)\n"
-            "from nanolm.run.lock import fcntl; assert fcntl is None, 'the lock still found fcntl'\n"
+            "from nanolm.base.lock import fcntl; assert fcntl is None, 'the lock still found fcntl'\n"
             "print(len(names), 'modules')")
     done = _windows_like("-c", code)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -35,8 +35,8 @@ def test_nanolm_imports_nothing_posix_only():
 
 def test_the_launcher_refuses_what_windows_lacks():
     """The stand-in is not vacuous: nanolm's own import of ``fcntl`` fails under it."""
-    done = _windows_like("-c", "import nanolm.run.lock, sys\n"
-                               "sys.modules.pop('nanolm.run.lock')\n"
+    done = _windows_like("-c", "import nanolm.base.lock, sys\n"
+                               "sys.modules.pop('nanolm.base.lock')\n"
                                "g = {'__name__': 'nanolm.probe'}\n"
                                "exec('import fcntl', g)")
     assert done.returncode != 0 and "POSIX only; refused as on Windows" in done.stderr
@@ -56,7 +56,7 @@ def test_train_resume_and_a_second_writer_refused_without_posix_modules(tmp_path
     assert "resum" in resumed.stdout.lower() + resumed.stderr.lower()
     assert load_toml(out / "config.toml")["train"]["steps"] == 6
     holder = subprocess.Popen([sys.executable, str(LAUNCHER), "-c",
-                               "import sys, time; from nanolm.run.lock import RunLock; RunLock().take(sys.argv[1]); "
+                               "import sys, time; from nanolm.base.lock import RunLock; RunLock().take(sys.argv[1]); "
                                "print('held', flush=True); time.sleep(600)", str(out)],
                               stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:

@@ -22,7 +22,7 @@ import nanolm.checkpoint as ckpt
 from nanolm.checkpoint import list_checkpoints
 from nanolm.instruments.cli import main
 from nanolm.run.final import read_final
-from nanolm.run.lock import LOCK_FILE
+from nanolm.base.lock import LOCK_FILE
 from nanolm.watch.sinks import read_metrics
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
@@ -198,7 +198,7 @@ def test_a_directory_that_cannot_be_written_is_one_line_before_anything_is_writt
         return real(*a, dir=dir, **k)
 
     (tmp_path / "ro").mkdir()
-    monkeypatch.setattr("nanolm.run.files.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("nanolm.base.files.tempfile.mkstemp", read_only)
     assert main(_command(stories_file, "--out-dir", tmp_path / "ro" / "run")) == 2
     assert "Read-only file system" in _one_error_line(capsys)
     assert list((tmp_path / "ro").iterdir()) == []

@@ -23,11 +23,11 @@ from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
 import nanolm.run.final as final
-import nanolm.run.lock
+import nanolm.base.lock
 from nanolm.errors import NanolmError
 from nanolm.instruments.cli import main
 from nanolm.run.final import load_run, read_final
-from nanolm.run.lock import LOCK_FILE, NO_LOCK, DirectoryBusy, RunLock
+from nanolm.base.lock import LOCK_FILE, NO_LOCK, DirectoryBusy, RunLock
 from nanolm.watch.sinks import read_metrics
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
@@ -130,7 +130,7 @@ def test_the_lock_leaves_no_trace_when_it_is_let_go(tmp_path):
 def test_the_lock_dies_with_its_holder(tmp_path):
     """``kill -9``: no handler runs, and the lock is free at once. Its file stays behind, naming
     a dead process, and means nothing: the flock decides."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanolm.run.lock import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanolm.base.lock import RunLock; "
                                "RunLock().take(sys.argv[1]); print('held', flush=True); time.sleep(600)",
                                str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -147,7 +147,7 @@ def test_a_file_system_without_locks_is_refused_unless_told_otherwise(tmp_path, 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(nanolm.run.lock.fcntl, "flock", no_locks)
+    monkeypatch.setattr(nanolm.base.lock.fcntl, "flock", no_locks)
     with pytest.raises(NanolmError, match=f"without working locks .*set {NO_LOCK}=1"):
         RunLock().take(tmp_path / "run")
     assert not (tmp_path / "run").exists()
@@ -452,17 +452,17 @@ def test_a_lock_file_held_by_another_process_is_a_one_line_refusal_and_stays_the
                                          ("x1@node7", "another process"), ("123@", "another process"),
                                          ("123", "another process")])
 def test_a_refusal_names_the_holder_only_when_its_line_names_a_process_and_a_host(holder, who, tmp_path):
-    busy = nanolm.run.lock.busy_refusal(tmp_path / "run", holder, "--out")
+    busy = nanolm.base.lock.busy_refusal(tmp_path / "run", holder, "--out")
     assert isinstance(busy, DirectoryBusy)
     assert str(busy) == f"{tmp_path / 'run'} is being written by {who}; wait for it to end, or choose another --out"
-    inside = nanolm.run.lock.busy_refusal(tmp_path / "run" / "data", holder, "--out", inside=tmp_path / "run")
+    inside = nanolm.base.lock.busy_refusal(tmp_path / "run" / "data", holder, "--out", inside=tmp_path / "run")
     assert str(inside) == (f"{tmp_path / 'run' / 'data'} is inside {tmp_path / 'run'}, which is being written by "
                            f"{who}: writing there would change that run under it; wait for it to end, or choose "
                            f"another --out")
 
 
 def test_each_way_taking_a_lock_fails_has_its_own_line(tmp_path):
-    refusal = nanolm.run.lock._refusal
+    refusal = nanolm.base.lock._refusal
     held = refusal(OSError(errno.EWOULDBLOCK, "busy"), tmp_path, "5@h", "--out-dir")
     assert isinstance(held, DirectoryBusy) and "process 5 on h" in str(held)
     none = refusal(OSError(errno.ENOSYS, "Function not implemented"), tmp_path, "", "--out-dir")
@@ -501,7 +501,7 @@ def test_a_lock_taken_again_lets_go_of_the_first_and_keeps_what_was_written(tmp_
     (tmp_path / "a" / "b" / "metrics.jsonl").write_text("{}\n")
     lock.take(tmp_path / "c")  # the first directory is let go: its lock file goes, what was written stays
     assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["metrics.jsonl"]
-    assert lock.directory == tmp_path / "c" and nanolm.run.lock.held_by_another(tmp_path / "a" / "b") is None
+    assert lock.directory == tmp_path / "c" and nanolm.base.lock.held_by_another(tmp_path / "a" / "b") is None
     RunLock().take(tmp_path / "a" / "b")  # free
     lock.release()
     lock.release()  # twice is harmless
@@ -509,13 +509,13 @@ def test_a_lock_taken_again_lets_go_of_the_first_and_keeps_what_was_written(tmp_
 
 
 def test_who_holds_a_directory_is_read_from_its_lock_file_while_the_lock_is_held(tmp_path):
-    held_by_another = nanolm.run.lock.held_by_another
+    held_by_another = nanolm.base.lock.held_by_another
     assert held_by_another(tmp_path / "nothing") is None and held_by_another(tmp_path) is None
     with RunLock() as lock:
         lock.take(tmp_path / "run")
         assert held_by_another(tmp_path / "run") == f"{os.getpid()}@{socket.gethostname()}"
         (tmp_path / "run" / LOCK_FILE).write_text("  7@h\n" + "x" * 1000)
-        assert held_by_another(tmp_path / "run") == "7@h\n" + "x" * (nanolm.run.lock.HOLDER_BYTES - 6)
+        assert held_by_another(tmp_path / "run") == "7@h\n" + "x" * (nanolm.base.lock.HOLDER_BYTES - 6)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / LOCK_FILE).write_text("9@dead\n")  # left by a process killed with -9: means nothing
     assert held_by_another(tmp_path / "run") is None
@@ -538,14 +538,14 @@ def test_without_locks_allowed_a_directory_is_written_with_a_warning_and_no_lock
 def test_a_directory_that_cannot_be_locked_is_locked_through_its_lock_file(tmp_path, monkeypatch):
     """NFS locks only files opened for writing: flock on the directory fails with EBADF, and the
     lock file carries the lock instead, refusing a second writer the same way."""
-    real = nanolm.run.lock.fcntl.flock
+    real = nanolm.base.lock.fcntl.flock
 
     def files_only(fd, operation):
         if stat.S_ISDIR(os.fstat(fd).st_mode):
             raise OSError(errno.EBADF, "Bad file descriptor")
         return real(fd, operation)
 
-    monkeypatch.setattr(nanolm.run.lock.fcntl, "flock", files_only)
+    monkeypatch.setattr(nanolm.base.lock.fcntl, "flock", files_only)
     with RunLock() as first:
         first.take(tmp_path / "run")
         assert first._dir_fd is None and first._fd is not None
@@ -575,7 +575,7 @@ def test_a_system_without_o_nofollow_or_o_nonblock_still_takes_the_lock(tmp_path
 def test_what_stands_where_the_lock_file_should_be_is_named_by_its_kind(tmp_path):
     import socket as sockets
 
-    not_a_lock_file = nanolm.run.lock._not_a_lock_file
+    not_a_lock_file = nanolm.base.lock._not_a_lock_file
     (tmp_path / "target").write_text("x")
     os.symlink(tmp_path / "target", tmp_path / "link")
     os.mkdir(tmp_path / "dir")
@@ -596,11 +596,11 @@ def test_a_lock_file_removed_after_it_was_opened_is_not_the_one_there_now(tmp_pa
     path = tmp_path / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
     try:
-        assert nanolm.run.lock._same_file(fd, path)
+        assert nanolm.base.lock._same_file(fd, path)
         path.unlink()
-        assert not nanolm.run.lock._same_file(fd, path)
+        assert not nanolm.base.lock._same_file(fd, path)
         path.write_text("")  # another writer's new file under the same name
-        assert not nanolm.run.lock._same_file(fd, path)
+        assert not nanolm.base.lock._same_file(fd, path)
     finally:
         os.close(fd)
 
@@ -608,7 +608,7 @@ def test_a_lock_file_removed_after_it_was_opened_is_not_the_one_there_now(tmp_pa
 def test_the_holder_is_read_from_a_plain_lock_file_only_and_never_waits(tmp_path, monkeypatch):
     import threading
 
-    holder = nanolm.run.lock._holder
+    holder = nanolm.base.lock._holder
     (tmp_path / "elsewhere").write_text("123@not-a-lock\n")
     os.symlink(tmp_path / "elsewhere", tmp_path / "link")
     assert holder(tmp_path / "link") == ""  # a link is not followed: it could point anywhere
@@ -627,9 +627,9 @@ def test_the_holder_is_read_from_a_plain_lock_file_only_and_never_waits(tmp_path
 
 
 def _removed_once(monkeypatch, name):
-    """``nanolm.run.lock.<name>`` finding its path gone the first time (removed by a writer that let go
+    """``nanolm.base.lock.<name>`` finding its path gone the first time (removed by a writer that let go
     at that very moment), as usual after; returns the paths it was called with."""
-    real, calls = getattr(nanolm.run.lock, name), []
+    real, calls = getattr(nanolm.base.lock, name), []
 
     def removed_once(path):
         calls.append(path)
@@ -637,7 +637,7 @@ def _removed_once(monkeypatch, name):
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
         return real(path)
 
-    monkeypatch.setattr(nanolm.run.lock, name, removed_once)
+    monkeypatch.setattr(nanolm.base.lock, name, removed_once)
     return calls
 
 
@@ -649,8 +649,8 @@ def test_a_directory_removed_while_it_is_locked_is_made_again_and_locked(tmp_pat
     with RunLock() as lock:
         lock.take(tmp_path / "run")
         assert len(calls) == 2 and (tmp_path / "run" / LOCK_FILE).is_file()
-    monkeypatch.setattr(nanolm.run.lock, "_open_directory", lambda d: None)  # the lock file holds the lock
-    monkeypatch.setattr(nanolm.run.lock, "_same_file", lambda fd, path: False)  # replaced each time
+    monkeypatch.setattr(nanolm.base.lock, "_open_directory", lambda d: None)  # the lock file holds the lock
+    monkeypatch.setattr(nanolm.base.lock, "_same_file", lambda fd, path: False)  # replaced each time
     with pytest.raises(NanolmError, match=r"cannot lock .*\.lock: it keeps being replaced; is another program"):
         RunLock().take(tmp_path / "again")
 
@@ -673,9 +673,9 @@ def test_an_older_nanolm_holding_only_the_lock_file_is_refused_by_name(tmp_path)
 
 def _lock_file_only(monkeypatch, flock=None):
     """As where directories cannot be opened (Windows) or locked: the lock file carries the lock."""
-    monkeypatch.setattr(nanolm.run.lock, "_open_directory", lambda directory: None)
+    monkeypatch.setattr(nanolm.base.lock, "_open_directory", lambda directory: None)
     if flock is not None:
-        monkeypatch.setattr(nanolm.run.lock.fcntl, "flock", flock)
+        monkeypatch.setattr(nanolm.base.lock.fcntl, "flock", flock)
 
 
 def test_where_only_the_lock_file_can_be_locked_a_second_writer_is_refused_by_name(tmp_path, monkeypatch):
@@ -718,7 +718,7 @@ def test_a_lock_that_fails_after_writing_its_file_leaves_nothing_and_forgets_its
     def disk_full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(nanolm.run.lock, "_write_holder", disk_full)
+    monkeypatch.setattr(nanolm.base.lock, "_write_holder", disk_full)
     lock = RunLock()
     with pytest.raises(OSError):
         lock.take(tmp_path / "new" / "run")
@@ -732,5 +732,5 @@ def test_a_lock_that_fails_after_writing_its_file_leaves_nothing_and_forgets_its
 
 def test_a_holder_line_that_is_not_utf8_is_read_without_a_traceback(tmp_path):
     (tmp_path / LOCK_FILE).write_bytes(b"\xff\xfe@host\n")
-    assert nanolm.run.lock._holder(tmp_path / LOCK_FILE) == "\ufffd\ufffd@host"
-    assert "another process" in str(nanolm.run.lock.busy_refusal(tmp_path, "\ufffd\ufffd@host", "--out-dir"))
+    assert nanolm.base.lock._holder(tmp_path / LOCK_FILE) == "\ufffd\ufffd@host"
+    assert "another process" in str(nanolm.base.lock.busy_refusal(tmp_path, "\ufffd\ufffd@host", "--out-dir"))

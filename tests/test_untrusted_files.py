@@ -20,7 +20,7 @@ import pytest
 from conftest import tiny_run_config
 
 from nanolm.instruments.cli import main
-from nanolm.run.files import sealed, sha256_file
+from nanolm.base.files import sealed, sha256_file
 
 MARKER_NAME = "code-ran"
 

@@ -8,11 +8,11 @@ a test is missing (write it) or the mutant does exactly what the original does (
 mutant: list it in ``tools/mutation_equivalent.toml`` with the reason). The score is killed /
 (mutants - equivalent).
 
-    python tools/mutation_score.py nanolm/run/lock.py            # one module, against its concern's tests
+    python tools/mutation_score.py nanolm/base/lock.py            # one module, against its concern's tests
     python tools/mutation_score.py --all                         # every module listed below
-    python tools/mutation_score.py nanolm/run/lock.py --show     # and the diff of every survivor
-    python tools/mutation_score.py nanolm/run/lock.py --json lock.json   # keep the result, then after new tests:
-    python tools/mutation_score.py nanolm/run/lock.py --recheck lock.json --json lock.json   # its survivors only
+    python tools/mutation_score.py nanolm/base/lock.py --show     # and the diff of every survivor
+    python tools/mutation_score.py nanolm/base/lock.py --json lock.json   # keep the result, then after new tests:
+    python tools/mutation_score.py nanolm/base/lock.py --recheck lock.json --json lock.json   # its survivors only
 
 Each run works in a copy of the tree (mutmut writes a ``mutants/`` directory there), so the
 working tree is never touched; ``--jobs`` mutants run at once. Not part of the test suite: a
@@ -45,11 +45,12 @@ MODULES = {
     "nanolm/instruments/compare.py": ("tests/test_compare.py",),
     "nanolm/instruments/diagnose.py": ("tests/test_diagnose.py", "tests/test_reference.py"),
     "nanolm/watch/guards.py": ("tests/test_guards.py",),
-    "nanolm/run/lock.py": ("tests/test_run_lock.py",),
-    "nanolm/run/files.py": ("tests/test_files.py", "tests/test_full_disk.py"),
-    "nanolm/run/documents.py": ("tests/test_documents.py", "tests/test_hostile_files.py"),
+    "nanolm/base/lock.py": ("tests/test_run_lock.py",),
+    "nanolm/base/files.py": ("tests/test_files.py", "tests/test_full_disk.py"),
+    "nanolm/base/documents.py": ("tests/test_documents.py", "tests/test_hostile_files.py"),
     "nanolm/data/sources.py": ("tests/test_sources.py", "tests/test_data.py", "tests/test_hostile_files.py"),
     "nanolm/evaluate.py": ("tests/test_evaluate.py", "tests/test_train.py", "tests/test_data.py"),
+    "nanolm/instruments/trained.py": ("tests/test_evaluate.py", "tests/test_cli.py"),
     "nanolm/watch/stats.py": ("tests/test_stats.py", "tests/test_devices.py"),
 }
 ALSO_COPY = ("data", "configs", "tools", "benchmarks", "docs", "README.md")  # what the tests read beside the package
@@ -95,7 +96,7 @@ def _equivalents(module: str) -> dict[str, str]:
     if not EQUIVALENT.is_file():
         return {}
     sys.path.insert(0, str(ROOT))
-    from nanolm.run.documents import read_toml
+    from nanolm.base.documents import read_toml
 
     return dict(read_toml(EQUIVALENT).get(module, {}))
 

@@ -17,14 +17,20 @@ miss is still caught, and reported with the file that caught it, wherever that i
     python tools/silent_bugs.py                     # every bug, the fast test files (once per bug: far longer than the suite)
     python tools/silent_bugs.py --only lr_one_step_late,missing_zero_grad
     python tools/silent_bugs.py --list
+    python tools/silent_bugs.py --only targets_not_shifted --reformat   # the package reformatted first
 
 Exit status 1 if a bug survives. ``tests/test_silent_bugs.py`` checks, in the normal suite,
 that every planted line still exists in the code, so this list cannot rot unnoticed.
+
+A bug is found in a Python file by its tokens, not its text (:func:`planted`): spaces, line
+breaks, comments, quotes, a formatter's parentheses and trailing commas do not matter, so a file
+reformatted by black (or by hand) keeps every bug plantable; what must stay is the code itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -112,19 +118,19 @@ BUGS = [
     Bug("loss_in_low_precision", "under bf16 the cross-entropy is computed in bf16: noisy loss and gradients",
         "nanolm/model.py", "        logits.reshape(-1, logits.shape[-1]).float(),", "        logits.reshape(-1, logits.shape[-1]),"),
     Bug("loss_chunk_tail_dropped", "the fused head and loss skip the positions of a short last chunk: fewer tokens train",
-        "nanolm/model.py", "for start in range(0, hidden.shape[0], chunk):", "for start in range(0, hidden.shape[0] - chunk + 1, chunk):"),
+        "nanolm/fused_loss.py", "for start in range(0, hidden.shape[0], chunk):", "for start in range(0, hidden.shape[0] - chunk + 1, chunk):"),
     Bug("masked_positions_get_gradient", "padding and prompt positions still push the weights though their loss is not counted",
-        "nanolm/model.py", "h_counted = torch.where(counted, h, torch.zeros_like(h))", "h_counted = h"),
+        "nanolm/fused_loss.py", "h_counted = torch.where(counted, h, torch.zeros_like(h))", "h_counted = h"),
     Bug("fused_loss_in_low_precision", "under bf16 the fused loss takes its log-softmax in bf16: noisy loss and gradients",
-        "nanolm/model.py", "torch.log_softmax(logits.float(), dim=-1)", "torch.log_softmax(logits, dim=-1)"),
+        "nanolm/fused_loss.py", "torch.log_softmax(logits.float(), dim=-1)", "torch.log_softmax(logits, dim=-1)"),
     Bug("fused_loss_ignores_the_backward_factor", "the step's 1/token count never reaches the gradients: all are count times too large, clipping hides it",
-        "nanolm/model.py", "return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),",
+        "nanolm/fused_loss.py", "return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),",
         "return (grad_hidden.to(hidden_dtype), grad_weight.to(weight_dtype),"),
     Bug("fused_loss_fp16_gradients_unscaled", "under fp16 the head's weight gradient overflows before the loss scale can help: the scaler shrinks until the run stops",
-        "nanolm/model.py", "token_scale = _fp16_scale((probs.t() @ largest).index_add_(0, safe_t[:, 0], largest))",
+        "nanolm/fused_loss.py", "token_scale = _fp16_scale((probs.t() @ largest).index_add_(0, safe_t[:, 0], largest))",
         "token_scale = torch.ones(probs.shape[1], device=probs.device)"),
     Bug("fused_loss_fp16_one_scale_for_every_token", "under fp16 the head's gradient rows of rare tokens lose their digits below fp16's normal range: those rows train on rounding noise",
-        "nanolm/model.py", ".index_add_(0, safe_t[:, 0], largest))", ".index_add_(0, safe_t[:, 0], largest).amax().expand(probs.shape[1]))"),
+        "nanolm/fused_loss.py", ".index_add_(0, safe_t[:, 0], largest))", ".index_add_(0, safe_t[:, 0], largest).amax().expand(probs.shape[1]))"),
     # optimizer and schedule
     Bug("decay_on_everything", "norm gains and embeddings are pulled toward zero",
         "nanolm/optim.py", "if p.dim() >= 2 and id(p) not in embedding_params:", "if True:"),
@@ -221,9 +227,9 @@ BUGS = [
         "self.dist.device, reduce=self.dist.sum_tensors)", tests=("test_devices",)),
     # checkpoints and guards
     Bug("checksum_ignored", "a corrupted checkpoint or data shard is loaded as if whole",
-        "nanolm/run/files.py", "        if digest != files[name]:", "        if False:", tests=("test_checkpoint",)),
+        "nanolm/base/files.py", "        if digest != files[name]:", "        if False:", tests=("test_checkpoint",)),
     Bug("unlisted_files_accepted", "a file slipped into a checkpoint (a pickle, a stray shard) is read unchecked",
-        "nanolm/run/files.py", "    if unlisted:\n", "    if False:\n", tests=("test_checkpoint",)),
+        "nanolm/base/files.py", "    if unlisted:\n", "    if False:\n", tests=("test_checkpoint",)),
     Bug("meta_step_trusted", "a meta.json that claims another step makes a resume skip or repeat steps",
         "nanolm/checkpoint.py", '    if meta["step"] != step_of(path):', "    if False:"),
     Bug("data_not_verified", "a changed token in the run's data/ resumes silently on different data",
@@ -237,7 +243,7 @@ BUGS = [
         "nanolm/run/directory.py", '    finished_at = final["step"] if _finished(final, cfg) else None',
         "    finished_at = _step(checkpoint) if checkpoint is not None and _step(checkpoint) >= t.steps else None"),
     Bug("lock_taken_but_not_checked", "a second train on a live run trains over it: both exit 0, the run is a mix of two",
-        "nanolm/run/lock.py", "                raise _refusal(e, directory, holder, flag) from None",
+        "nanolm/base/lock.py", "                raise _refusal(e, directory, holder, flag) from None",
         "                return  # refused or not, go ahead", tests=("test_platforms",)),
     Bug("nan_model_exits_0", "a run whose final model outputs NaN is reported as a success",
         "nanolm/train.py", "    if progress.val_loss is not None and not math.isfinite(progress.val_loss):", "    if False:"),
@@ -268,21 +274,21 @@ BUGS = [
     Bug("replay_skips_the_steps_between", "a replayed step starts from the checkpoint's weights: not the step the run took",
         "nanolm/instruments/replay.py", "    for s in range(start + 1, step):", "    for s in range(start + 1, start + 1):"),
     Bug("full_disk_in_safetensors_words", "a full disk while saving weights ends in a traceback (safetensors' own "
-        "error type) instead of one line naming the file", "nanolm/run/files.py",
+        "error type) instead of one line naming the file", "nanolm/base/files.py",
         "found = _OS_ERROR_IN_WORDS.search(str(e))", "found = None"),
     Bug("full_disk_at_the_state_is_a_traceback", "a disk that fills while the optimizer state is saved ends in torch's "
-        "'unexpected pos' traceback instead of one line naming the file", "nanolm/run/files.py",
+        "'unexpected pos' traceback instead of one line naming the file", "nanolm/base/files.py",
         "            if writer.error is not None:\n                raise writer.error from None\n",
         "            if False:  # the disk's refusal forgotten\n                raise writer.error from None\n"),
     Bug("run_data_moved_half", "a disk that fills while the prepared data moves into the run directory ends in "
         "shutil's traceback listing every file, with half a data directory left behind", "nanolm/run/directory.py",
         "move_directory(data.dir, run_data)", "shutil.move(str(data.dir), run_data)", tests=("test_full_disk",)),
     Bug("lock_on_the_file_only", "the run's lock is held on RUN/.lock: deleting that leftover-looking file lets a "
-        "second writer train beside the first, both exit 0", "nanolm/run/lock.py",
+        "second writer train beside the first, both exit 0", "nanolm/base/lock.py",
         "    if fcntl is None:\n        return None\n    return os.open(directory",
         "    if True:\n        return None\n    return os.open(directory"),
     Bug("prepare_into_a_live_run", "nanolm prepare --out RUN/data rewrites the shards under a training run: it ends "
-        "having trained on other data than it recorded", "nanolm/run/lock.py",
+        "having trained on other data than it recorded", "nanolm/base/lock.py",
         "if holder is not None and holder not in _this_process_or_its_parent():", "if False:"),
     Bug("resume_reads_a_live_checkpoint_in_place", "--resume of a live run reads its checkpoint in place: pruned "
         "under it, the command fails half-way", "nanolm/run/directory.py", "holder = held_by_another(run_dir)",
@@ -337,7 +343,7 @@ BUGS = [
         "nanolm/instruments/compare.py", "if previous >= DRIFT:", "if False:"),
     Bug("lab_child_refused_inside_the_lab", "a process the lock's holder started is refused inside the holder's "
         "directory: nanolm lab's resume variant dies in its first part, and the lab reports a variant it never ran",
-        "nanolm/run/lock.py", "holder not in _this_process_or_its_parent()", "holder != _this_process()"),
+        "nanolm/base/lock.py", "holder not in _this_process_or_its_parent()", "holder != _this_process()"),
     Bug("threads_switch_on_noise", "--threads auto switches for any gain, so an idle run's count (and arithmetic) wanders",
         "nanolm/machine/threads.py", "times[best] < (1 - SWITCH_GAIN) * base", "times[best] < base"),
     # hostile input: files nanolm did not write itself, a terminal's signals and pipes, where outputs land
@@ -362,13 +368,13 @@ BUGS = [
         "            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))",
         "            ok = True", tests=("test_hostile_files",)),
     Bug("long_integers_unguarded", "a metadata file holding an integer of 5,000 digits (a crafted final.json, a damaged "
-        "meta.json) is a ValueError traceback instead of one line and a fallback", "nanolm/run/documents.py",
+        "meta.json) is a ValueError traceback instead of one line and a fallback", "nanolm/base/documents.py",
         "    except ValueError as e:  # an integer of more than 4,300 digits",
         "    except MemoryError as e:  # an integer of more than 4,300 digits", tests=("test_hostile_files",)),
     Bug("moved_data_refused", "a corpus moved to another path cannot continue its run, though the data is compared by "
         "content", "nanolm/run/resume.py", "        return data.digest == digest", "        return data.digest == digest[::-1]"),
     Bug("lock_file_of_another_removed", "a run directory whose .lock an older nanolm holds: the refusal's cleanup took "
-        "the file as its own and removed it (and was a traceback), so the next writer could pass", "nanolm/run/lock.py",
+        "the file as its own and removed it (and was a traceback), so the next writer could pass", "nanolm/base/lock.py",
         "                fd = _open_lock_file(path)\n                try:  # the file too",
         "                fd = self._fd = _open_lock_file(path)\n                try:  # the file too"),
     Bug("validation_set_counted_in_batches", "the validation set is --eval-windows batches of --batch-size: batch 8 "
@@ -441,6 +447,14 @@ BUGS = [
         "fails: the student's first command is an ImportError", "nanolm/train.py",
         "from .evaluate import estimate_loss  # noqa: F401 (the course's name)\n",
         "from .evaluate import estimate_loss as _estimate_loss  # noqa: F401\n"),
+    Bug("weights_drawn_in_another_order", "a refactor that reorders the model's parameters draws the same "
+        "initial distribution in another order: other numbers and a run as good; only numbers compared with before show it",
+        "nanolm/model.py", "        for name, p in self.named_parameters():\n            if p.dim() < 2:",
+        "        for name, p in sorted(self.named_parameters()):\n            if p.dim() < 2:", tests=("test_golden",)),
+    Bug("thread_tuner_imports_the_step_again", "the machine's room imports the course's step above it: it works, "
+        "until the step needs the machine and the two cannot be read, tested or moved apart",
+        "nanolm/machine/threads.py", "from typing import Callable\n",
+        "from typing import Callable\n\nfrom ..step import discarded_pass  # noqa: F401\n", tests=("test_layout",)),
     Bug("readme_tree_names_a_moved_file", "the README's map of the files names a module that is not there: the "
         "newcomer's first search finds nothing", "README.md", "    shards.py       the prepared data on disk",
         "    shard.py        the prepared data on disk"),
@@ -449,7 +463,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate").split()
+              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden").split()
 
 
 # where each bug's file belongs, by the start of its path: the test files of that concern, run
@@ -457,6 +471,7 @@ FAST_TESTS = ("test_model test_fused_loss test_optim test_data test_train test_t
 CONCERN_TESTS = {
     "nanolm/batches.py": ("test_data", "test_model"),
     "nanolm/model.py": ("test_model", "test_fused_loss"),
+    "nanolm/fused_loss.py": ("test_fused_loss", "test_model"),
     "nanolm/step.py": ("test_train", "test_optim"),
     "nanolm/train.py": ("test_train", "test_layout"),
     "nanolm/optim.py": ("test_optim",),
@@ -469,18 +484,20 @@ CONCERN_TESTS = {
     "nanolm/data/": ("test_data", "test_corpus"),
     "nanolm/run/directory.py": ("test_run_directory", "test_run_lock"),
     "nanolm/run/resume.py": ("test_run_directory", "test_checkpoint"),
-    "nanolm/run/lock.py": ("test_run_lock",),
-    "nanolm/run/files.py": ("test_files", "test_full_disk", "test_untrusted_files", "test_checkpoint"),
-    "nanolm/run/documents.py": ("test_documents", "test_hostile_files", "test_untrusted_files", "test_checkpoint"),
+    "nanolm/base/lock.py": ("test_run_lock",),
+    "nanolm/base/files.py": ("test_files", "test_full_disk", "test_untrusted_files", "test_checkpoint"),
+    "nanolm/base/documents.py": ("test_documents", "test_hostile_files", "test_untrusted_files", "test_checkpoint"),
     "nanolm/run/config.py": ("test_config", "test_cli"),
+    "nanolm/run/plan.py": ("test_plan",),
     "nanolm/run/": ("test_checkpoint", "test_cli"),
     "nanolm/machine/threads.py": ("test_threads",),
-    "nanolm/machine/": ("test_devices", "test_plan"),
+    "nanolm/machine/": ("test_devices",),
     "nanolm/watch/reference.py": ("test_reference", "test_compare"),
     "nanolm/watch/curve.py": ("test_curve", "test_reference"),
     "nanolm/watch/guards.py": ("test_guards",),
     "nanolm/watch/": ("test_stats", "test_sinks", "test_host_reads", "test_platforms"),
     "nanolm/instruments/compare.py": ("test_compare",),
+    "nanolm/instruments/trained.py": ("test_evaluate", "test_cli"),
     "nanolm/instruments/doctor.py": ("test_doctor",),
     "nanolm/instruments/replay.py": ("test_replay",),
     "nanolm/instruments/process.py": ("test_process_tuning",),
@@ -497,14 +514,133 @@ def tests_for(bug: Bug, tests: list[str]) -> list[str]:
     return first + [t for t in tests if t not in first]
 
 
+@functools.lru_cache(maxsize=256)  # each file is read for many bugs
+def _tokens(text: str) -> tuple[tuple[str, int, int], ...]:
+    """``text``'s Python tokens as (what, start, end) character offsets, without what a formatter
+    changes: layout (spaces, line breaks, indentation), comments, a trailing comma before a
+    closing bracket, and the quotes of a string (strings and numbers compare by value). A
+    fragment that ends inside brackets is read up to where it ends."""
+    import ast
+    import io
+    import tokenize
+
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    found = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT,
+                            tokenize.ENDMARKER):
+                continue
+            what = tok.string
+            if tok.type in (tokenize.STRING, tokenize.NUMBER):
+                try:
+                    what = repr(ast.literal_eval(tok.string))
+                except (ValueError, SyntaxError):  # an f-string: its quotes as the file has them
+                    what = tok.string.replace("'", '"')
+            found.append((what, starts[tok.start[0] - 1] + tok.start[1], starts[tok.end[0] - 1] + tok.end[1]))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass  # a fragment: its tokens up to where it stops
+    closing = (")", "]", "}")
+    return tuple(t for i, t in enumerate(found) if not (t[0] == "," and i + 1 < len(found) and found[i + 1][0] in closing))
+
+
+PARENS = ("(", ")")  # a formatter adds or drops them around an expression it wraps: not compared
+
+
+def _matches(text: str, anchor: str) -> list[list[int | None]]:
+    """Every place ``anchor``'s tokens are in ``text``'s: for each, the index of each of the
+    anchor's tokens among the text's. Parentheses may differ: the text may have more (a formatter
+    wrapped a long line in them; they are skipped) or fewer (it dropped redundant ones: None)."""
+    want, every = [t[0] for t in _tokens(anchor)], _tokens(text)
+    if not [w for w in want if w not in PARENS]:
+        return []
+    found = []
+    for start in (k for k, t in enumerate(every) if t[0] == want[0]):
+        at, i, j = [], 0, start
+        while i < len(want) and j < len(every):
+            if want[i] == every[j][0]:
+                at.append(j)
+                i, j = i + 1, j + 1
+            elif every[j][0] in PARENS:  # a parenthesis the formatter added
+                j += 1
+            elif want[i] in PARENS:  # one it dropped
+                at.append(None)
+                i += 1
+            else:
+                break
+        if i == len(want):
+            found.append(at)
+    return found
+
+
+def locate(text: str, anchor: str, python: bool = True) -> list[tuple[int, int]]:
+    """Where ``anchor`` is in ``text``, as (start, end) character offsets: every place. For a
+    Python file, by its tokens (:func:`_tokens`), so that reformatting the file (a formatter's
+    quotes, line breaks, parentheses, trailing commas) does not lose it. Elsewhere (the README),
+    by its exact text."""
+    if not python:
+        spans, at = [], text.find(anchor)
+        while at >= 0:
+            spans.append((at, at + len(anchor)))
+            at = text.find(anchor, at + 1)
+        return spans
+    every = _tokens(text)
+    return [(every[known[0]][1], every[known[-1]][2])
+            for known in ([j for j in at if j is not None] for at in _matches(text, anchor))]
+
+
+def planted(text: str, bug: Bug) -> str:
+    """``text`` (the file ``bug.file``) with the bug planted. In a Python file, the tokens that
+    ``bug.broken`` changes of ``bug.correct`` (what lies between the tokens the two share at their
+    start and at their end) are found by their tokens and replaced, whatever the file's layout
+    around them; elsewhere the exact text."""
+    python = bug.file.endswith(".py")
+    spans = locate(text, bug.correct, python)
+    if len(spans) != 1:
+        raise SystemExit(f"error: {bug.name}: the code to break is found {len(spans)} times in {bug.file}, not "
+                         f"once; update BUGS in {Path(__file__).name}")
+    if not python:
+        start, end = spans[0]
+        return text[:start] + bug.broken + text[end:]
+    (at,), a, b, every = _matches(text, bug.correct), _tokens(bug.correct), _tokens(bug.broken), _tokens(text)
+    shared = min(len(a), len(b))
+    head = 0
+    while head < shared and a[head][0] == b[head][0] and at[head] is not None:
+        head += 1
+    tail = 0
+    while tail < shared - head and a[-1 - tail][0] == b[-1 - tail][0] and at[-1 - tail] is not None:
+        tail += 1
+    changed = [j for j in at[head:len(a) - tail] if j is not None]
+    # the file's text from the end of the last shared token (or the first changed one) to the
+    # start of the first shared token after (or the end of the last changed one), replaced by
+    # the broken text between the same tokens
+    added = {j for j, t in enumerate(every) if t[0] in PARENS} - set(at)  # the formatter's own: kept
+    if head:
+        last = at[head - 1]
+        while last + 1 in added:
+            last += 1
+        start = every[last][2]
+    else:
+        start = every[changed[0]][1] if changed else every[at[0]][1]
+    if tail:
+        first = at[len(a) - tail]
+        while first - 1 in added and every[first - 1][1] >= start:
+            first -= 1
+        end = every[first][1]
+    else:
+        end = every[changed[-1]][2] if changed else start
+    new_start = b[head - 1][2] if head else b[0][1]
+    new_end = b[len(b) - tail][1] if tail else b[-1][2]
+    return text[:start] + bug.broken[new_start:new_end] + text[end:]
+
+
 def plant(copy: Path, bug: Bug) -> str:
-    """Write the broken line into the copy; returns the original file text."""
+    """Write the broken code into the copy; returns the original file text."""
     path = copy / bug.file
     text = path.read_text()
-    if text.count(bug.correct) != 1:
-        raise SystemExit(f"error: {bug.name}: the line to break is not found exactly once in {bug.file}; "
-                         f"update BUGS in {Path(__file__).name}")
-    path.write_text(text.replace(bug.correct, bug.broken))
+    path.write_text(planted(text, bug))
     return text
 
 
@@ -532,6 +668,8 @@ def main() -> int:
     p.add_argument("--tests", default=",".join(FAST_TESTS), help="test files to run, without .py")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per planted bug")
     p.add_argument("--list", action="store_true", help="list the bugs and exit")
+    p.add_argument("--reformat", action="store_true",
+                   help="reformat the copy's package with black before planting: a bug is found by its tokens, not its layout")
     args = p.parse_args()
     if args.list:
         for bug in BUGS:
@@ -552,6 +690,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "nanolm"
         shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "runs", "*.egg-info", "__pycache__"))
+        if args.reformat:
+            subprocess.run([sys.executable, "-m", "black", "-q", str(copy / "nanolm")], check=True)
         for bug in chosen:
             original = plant(copy, bug)
             try:

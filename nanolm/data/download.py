@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import NanolmError
-from ..run.files import replace, sha256_file
+from ..base.files import replace, sha256_file
 
 
 @dataclass(frozen=True)

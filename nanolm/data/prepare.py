@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import NanolmError
-from ..run.documents import read_json
-from ..run.files import atomic_write_text, manifest, replace_directory, sealed
-from ..run.lock import LOCK_FILE
+from ..base.documents import read_json
+from ..base.files import atomic_write_text, manifest, replace_directory, sealed
+from ..base.lock import LOCK_FILE
 from ..tokenizer import Tokenizer, train_tokenizer
 from .corpus import entropy_path, write_stories
 from .download import resolve_data_path

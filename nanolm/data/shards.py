@@ -18,8 +18,8 @@ import numpy as np
 
 from ..batches import Split
 from ..errors import NanolmError, brief
-from ..run.documents import read_json
-from ..run.files import check_manifest, check_seal, naming_the_file
+from ..base.documents import read_json
+from ..base.files import check_manifest, check_seal, naming_the_file
 from ..tokenizer import Tokenizer
 
 META_FILE = "meta.json"

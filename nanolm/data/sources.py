@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import NanolmError
-from ..run.documents import parse_json
+from ..base.documents import parse_json
 from ..tokenizer import EOS
 
 SEPARATOR = EOS

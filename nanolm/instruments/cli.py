@@ -33,14 +33,14 @@ def _train(args) -> None:
 
 
 def _sample(args) -> None:
-    from ..sample import generate
+    from .trained import generate
 
     print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature,
                    args.top_k if args.top_k else None, args.top_p, args.seed, args.device))
 
 
 def _eval(args) -> None:
-    from ..evaluate import evaluate_file
+    from .trained import evaluate_file
 
     r = evaluate_file(args.run, args.data, args.batch_size, args.device)
     print(f"{args.data}: loss {r['loss']:.4f} nats/token | perplexity {r['ppl']:.2f} | "
@@ -52,8 +52,8 @@ def _eval(args) -> None:
 def _prepare(args) -> None:
     from ..data.prepare import prepare, remove_abandoned_attempts
     from ..run.directory import refuse_output_inside_a_run
-    from ..run.files import require_utf8
-    from ..run.lock import RunLock
+    from ..base.files import require_utf8
+    from ..base.lock import RunLock
 
     if not 0 <= args.val_fraction < 1:
         raise NanolmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
@@ -131,7 +131,7 @@ def _doctor(args) -> int:
 def _plan(args) -> None:
     import dataclasses
 
-    from ..machine.plan import PRESETS, format_plan, make_plan, parse_count
+    from ..run.plan import PRESETS, format_plan, make_plan, parse_count
     from ..model import GPTConfig
     from ..run.config import DataOptions, ModelOptions, load_toml
 
@@ -409,7 +409,7 @@ def _add_other_commands(sub) -> None:
                    help="horizontal axis: optimizer steps, training tokens, or seconds (default: step)")
     p.set_defaults(func=_report)
 
-    from ..machine.plan import GPUS, PRECISIONS, PRESETS
+    from ..run.plan import GPUS, PRECISIONS, PRESETS
 
     p = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU and time to train, before launching",
                        description="Size a run: parameters, training FLOPs per token, memory per GPU (weights, "
@@ -556,7 +556,7 @@ def _run(args) -> int:
     except OutputClosed:  # a reader closed the pipe: end quietly, as Unix pipelines expect
         return 128 + 13
     except OSError as e:  # a full disk, a read-only or foreign directory: the machine's state, not a bug
-        from ..run.files import ENVIRONMENT_ERRNOS, describe_os_error
+        from ..base.files import ENVIRONMENT_ERRNOS, describe_os_error
 
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 import sys
 import tempfile
 import time
@@ -27,9 +28,10 @@ import torch
 
 from ..batches import Batch, WindowSampler, pack_windows
 from ..errors import NanolmError
-from ..machine.device import device_choices
-from ..model import GPT, GPTConfig
+from ..machine.device import has_cpp_compiler, has_triton, refuse_what_the_device_cannot_do, resolve_device, tf32_capable
+from ..model import GPT, GPTConfig, flex_attention_chosen
 from ..optim import get_param_groups
+from ..precision import resolve_precision
 from ..run.config import RunConfig
 from ..step import learning_rate, wsd_decay_start
 
@@ -356,3 +358,32 @@ def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list
     log(f"{len(results) - failed - skipped} passed, {skipped} skipped, {failed} failed in "
         f"{time.perf_counter() - started:.1f}s")
     return results
+
+
+def device_choices(device_name: str, precision_name: str, attention: str, tf32: bool,
+                   deterministic: bool, compile: bool) -> list[str]:
+    """What a run with these options would pick on this machine, and why, one line each
+    (``nanolm doctor`` prints them). Raises the run's own one-line error for what the
+    device cannot do."""
+    device = resolve_device(device_name)
+    refuse_what_the_device_cannot_do(device, deterministic, compile, attention)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        where = f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
+    elif device.type == "mps":
+        where = "Apple GPU (Metal)"
+    else:
+        where = f"{os.cpu_count()} cores"
+    why = " (auto: cuda > mps > cpu)" if device_name == "auto" else ""
+    precision = resolve_precision(precision_name, device)
+    flex = flex_attention_chosen(attention, device)
+    lines = [f"device     {device} ({where}){why}",
+             f"precision  {precision.describe()}",
+             f"attention  {'FlexAttention block mask' if flex else 'SDPA with a boolean mask'} for the document mask"
+             f" ({'requested' if attention != 'auto' else 'auto: FlexAttention on CUDA with Triton, SDPA elsewhere'})"]
+    if precision.name == "fp32" and tf32_capable(device):
+        lines.append(f"tf32       {'on: fp32 matrix products on TF32 tensor cores' if tf32 else 'off (--no-tf32)'}")
+    lines.append(f"batches    {'through pinned host memory (overlaps the copy)' if device.type == 'cuda' else 'no pinning'}"
+                 f" | compile {'available' if (has_triton() if device.type == 'cuda' else has_cpp_compiler()) else 'unavailable'}"
+                 f"{' (asked)' if compile else ''}")
+    return lines

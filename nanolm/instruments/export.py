@@ -22,7 +22,7 @@ import torch
 
 from ..errors import NanolmError
 from ..run.directory import refuse_output_inside_a_run
-from ..run.files import atomic_write_text, naming_the_file, replace
+from ..base.files import atomic_write_text, naming_the_file, replace
 from ..run.final import load_run
 from ..tokenizer import EOS
 

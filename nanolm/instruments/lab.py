@@ -41,7 +41,7 @@ from typing import Callable
 
 from ..errors import NanolmError
 from ..run.config import RunConfig
-from ..run.lock import RunLock
+from ..base.lock import RunLock
 
 
 @dataclass
@@ -191,7 +191,7 @@ def _subprocess_env() -> dict:
 def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bool = False, seed: int = 1337,
                 log_lines: list[str] | None = None) -> tuple[Path, str | None]:
     """Train one variant into ``out/<name>``; returns (run dir, error message or None)."""
-    from ..run.lock import DirectoryBusy
+    from ..base.lock import DirectoryBusy
     from ..train import train
     from .faults import components
 

@@ -112,7 +112,7 @@ def load_run(path) -> Run:
         raise NanolmError(f"{metrics} holds no rows yet")
     config = {}
     if (path / "config.toml").is_file():
-        from ..run.documents import read_toml
+        from ..base.documents import read_toml
 
         config = {section: values for section, values in read_toml(path / "config.toml").items()
                   if isinstance(values, dict)}

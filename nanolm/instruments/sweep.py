@@ -94,7 +94,7 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
     """Train at every rate in ``lrs`` into ``out/lr_<value>``; returns the table and the
     recommendation (see the module docstring for the rule)."""
     from ..run.config import load_toml
-    from ..run.lock import RunLock
+    from ..base.lock import RunLock
 
     if not 0 <= tolerance < 10:
         raise NanolmError(f"--tolerance must be a fraction such as 0.1, got {tolerance}")
@@ -112,7 +112,7 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
 
 
 def _sweep(configs: dict, out: Path, tolerance: float, report: bool, log) -> dict:
-    from ..run.lock import DirectoryBusy
+    from ..base.lock import DirectoryBusy
     from ..train import train
     from .diagnose import diagnose
 

@@ -4,7 +4,7 @@
 honour (deterministic kernels on MPS, ``--compile`` without its toolchain, FlexAttention off
 CUDA) is refused here in one line, before anything is written, rather than met as an error
 deep inside the first step. ``nanolm doctor`` prints what a run would pick and why
-(:func:`device_choices`).
+(``nanolm/instruments/doctor.py``).
 """
 
 from __future__ import annotations
@@ -82,39 +82,6 @@ def refuse_what_the_device_cannot_do(device: torch.device, deterministic: bool, 
     if attention == "flex" and not has_triton():
         raise NanolmError("--attention flex on a CUDA GPU needs Triton, which this PyTorch lacks: "
                           "pip install triton, or use --attention sdpa (or auto)")
-
-
-def device_choices(device_name: str, precision_name: str, attention: str, tf32: bool,
-                   deterministic: bool, compile: bool) -> list[str]:
-    """What a run with these options would pick on this machine, and why, one line each
-    (``nanolm doctor`` prints them). Raises the run's own one-line error for what the
-    device cannot do."""
-    from ..precision import (
-        resolve_precision,  # precision imports nothing of this module's users
-    )
-
-    device = resolve_device(device_name)
-    refuse_what_the_device_cannot_do(device, deterministic, compile, attention)
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        where = f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
-    elif device.type == "mps":
-        where = "Apple GPU (Metal)"
-    else:
-        where = f"{os.cpu_count()} cores"
-    why = " (auto: cuda > mps > cpu)" if device_name == "auto" else ""
-    precision = resolve_precision(precision_name, device)
-    flex = attention == "flex" or (attention == "auto" and device.type == "cuda" and has_triton())
-    lines = [f"device     {device} ({where}){why}",
-             f"precision  {precision.describe()}",
-             f"attention  {'FlexAttention block mask' if flex else 'SDPA with a boolean mask'} for the document mask"
-             f" ({'requested' if attention != 'auto' else 'auto: FlexAttention on CUDA with Triton, SDPA elsewhere'})"]
-    if precision.name == "fp32" and tf32_capable(device):
-        lines.append(f"tf32       {'on: fp32 matrix products on TF32 tensor cores' if tf32 else 'off (--no-tf32)'}")
-    lines.append(f"batches    {'through pinned host memory (overlaps the copy)' if device.type == 'cuda' else 'no pinning'}"
-                 f" | compile {'available' if (has_triton() if device.type == 'cuda' else has_cpp_compiler()) else 'unavailable'}"
-                 f"{' (asked)' if compile else ''}")
-    return lines
 
 
 def is_out_of_memory(error: BaseException) -> bool:

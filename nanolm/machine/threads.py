@@ -34,11 +34,9 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import Callable
 
 import torch
-
-from ..batches import Batch
-from ..step import accumulate_gradients
 
 SWITCH_GAIN = 0.10  # switch only for at least this much faster
 DRIFT = 1.3  # steps this much slower (or faster) than at the decision: measure again
@@ -53,11 +51,15 @@ def candidate_counts(cores: int) -> list[int]:
 
 class ThreadTuner:
     """Chooses ``torch.set_num_threads`` between steps when ``--threads auto`` applies (a CPU run
-    in one process, not ``--deterministic``); :meth:`fixed` does nothing, for every other run."""
+    in one process, not ``--deterministic``); :meth:`fixed` does nothing, for every other run.
 
-    def __init__(self, model: torch.nn.Module | None, autocast=None, log=print, cores: int | None = None,
+    ``trial_pass(batch)`` is what a trial times: the step's own forward and backward pass on one
+    micro-batch, its gradients thrown away (``nanolm.step.discarded_pass``). The loop calls
+    :meth:`before_step` by name, between drawing a step's batches and taking the step."""
+
+    def __init__(self, trial_pass: Callable | None, log=print, cores: int | None = None,
                  clock=time.perf_counter, load=None, enabled: bool = True):
-        self.model, self.autocast, self.log, self.clock = model, autocast, log, clock
+        self.trial_pass, self.log, self.clock = trial_pass, log, clock
         self.load = load or (lambda: os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
         self.cores = cores or os.cpu_count() or 1
         self.enabled = enabled and self.cores > 1
@@ -75,7 +77,7 @@ class ThreadTuner:
         return cls(None, enabled=False)
 
     # ---------------------------------------------------------------- when
-    def before_step(self, batches: list[Batch]) -> None:
+    def before_step(self, batches: list) -> None:
         """Called before each step with its micro-batches: maybe measure, maybe switch."""
         if not self.enabled:
             return
@@ -106,7 +108,7 @@ class ThreadTuner:
         return False
 
     # ---------------------------------------------------------------- how
-    def trial(self, batch: Batch) -> int:
+    def trial(self, batch) -> int:
         """Time a forward and backward pass at each candidate count; keep the fastest if it
         is clearly faster than the current count. Returns the count chosen."""
         current = torch.get_num_threads()
@@ -130,30 +132,7 @@ class ThreadTuner:
             self.log(f"threads: {current} -> {chosen} (a forward and backward pass at {shown}; --threads N fixes it)")
         return chosen
 
-    def _time_pass(self, batch: Batch) -> float:
+    def _time_pass(self, batch) -> float:
         start = self.clock()
-        accumulate_gradients(self.model, [batch], max(1, int(batch.counted)), self.autocast)  # the step's own pass
-        elapsed = self.clock() - start
-        for p in self.model.parameters():
-            p.grad = None
-        return elapsed
-
-
-class TunedBatches:
-    """The training stream under ``--threads auto``: before handing over a step's micro-batches,
-    the tuner may time a trial on the first of them (:meth:`ThreadTuner.before_step`). The
-    loop draws batches as always; the stream's state is the wrapped stream's."""
-
-    def __init__(self, batches, tuner: ThreadTuner):
-        self.batches, self.tuner = batches, tuner
-
-    def next(self, step: int) -> list[Batch]:
-        micro_batches = self.batches.next(step)
-        self.tuner.before_step(micro_batches)
-        return micro_batches
-
-    def state_dict(self) -> dict:
-        return self.batches.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.batches.load_state_dict(state)
+        self.trial_pass(batch)
+        return self.clock() - start

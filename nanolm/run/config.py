@@ -32,8 +32,8 @@ from ..tokenizer import EOS
 from ..tokenizer import KINDS as TOKENIZER_KINDS
 from ..watch.guards import NAN_ACTIONS, SPIKE_ACTIONS
 from ..watch.sinks import LOG_SINKS, PROGRESS_MODES, parse_sinks
-from .documents import LARGEST_INTEGER, read_toml
-from .files import require_utf8
+from ..base.documents import LARGEST_INTEGER, read_toml
+from ..base.files import require_utf8
 
 
 def option(default, help: str, choices=None, flag: str | None = None, parse=None):

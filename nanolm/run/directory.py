@@ -26,7 +26,7 @@ Then, in order:
   committed (killed, out of memory, disk full...): it is started again from step 0 in
   place, replacing only the files nanolm writes.
 
-**One writer.** The plan is made while holding the directory's lock (``nanolm.run.lock``), and
+**One writer.** The plan is made while holding the directory's lock (``nanolm.base.lock``), and
 the lock is held until the run ends: a second command on a live run is refused in one line
 naming the process that writes it, instead of planning from a state that is changing under
 it. A numbered directory that another process is writing is skipped when it holds a
@@ -58,10 +58,10 @@ from ..data.prepare import load_training_data
 from ..data.shards import PreparedData
 from ..errors import NanolmError
 from .config import RunConfig, load_run_config
-from .documents import read_json
-from .files import atomic_write_text, move_directory, probe_writable
+from ..base.documents import read_json
+from ..base.files import atomic_write_text, move_directory, probe_writable
 from .final import read_final
-from .lock import DirectoryBusy, RunLock, busy_refusal, held_by_another
+from ..base.lock import DirectoryBusy, RunLock, busy_refusal, held_by_another
 from .resume import check_resume_compatible, data_moved_to, refused_changes
 
 RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "events.jsonl", "model.safetensors", "final.json",
@@ -366,7 +366,7 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
     touched. Then rank 0 writes ``config.toml`` first (it marks the directory as a nanolm
     run), the tokenizer, and moves the data in; the other ranks read what it wrote.
     """
-    from ..machine.plan import check_memory
+    from .plan import check_memory
 
     t, out_dir, checkpoint = cfg.train, plan.out_dir, plan.checkpoint
     with dist.main_first(), tempfile.TemporaryDirectory(prefix="nanolm-", ignore_cleanup_errors=True) as scratch:

@@ -29,8 +29,8 @@ from ..errors import NanolmError
 from ..model import GPT
 from ..tokenizer import Tokenizer
 from .config import RunConfig, load_run_config
-from .documents import read_json
-from .files import (
+from ..base.documents import read_json
+from ..base.files import (
     atomic_write_text,
     check_seal,
     is_sha256,
@@ -38,7 +38,7 @@ from .files import (
     sealed,
     sha256_file,
 )
-from .sharded import load_sharded
+from ..base.sharded import load_sharded
 
 FINAL = "final.json"
 

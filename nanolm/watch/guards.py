@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from ..errors import NanolmError
-from ..run.documents import read_jsonl
-from ..run.files import naming_the_file
+from ..base.documents import read_jsonl
+from ..base.files import naming_the_file
 
 NAN_ACTIONS = ("stop", "skip", "rollback")
 SPIKE_ACTIONS = ("off", "warn", "skip", "rollback")

@@ -36,8 +36,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..run.documents import read_jsonl
-from ..run.files import naming_the_file, replace
+from ..base.documents import read_jsonl
+from ..base.files import naming_the_file, replace
 from .reference import format_band
 
 LOG_SINKS = ("wandb", "tensorboard")

@@ -47,8 +47,9 @@ import math
 from pathlib import Path
 
 from ..errors import NanolmError
-from ..model import GPTConfig, loss_chunk_positions
-from .hardware import BY_KEY as GPUS
+from ..fused_loss import loss_chunk_positions
+from ..machine.hardware import BY_KEY as GPUS
+from ..model import GPTConfig
 
 # Shapes in nanolm's architecture (RoPE, RMSNorm, no biases). The GPT-2/3 sizes use GELU and
 # a tied head; "7b"/"13b" follow Llama 2 (SwiGLU, untied), with nanolm's SwiGLU width rule

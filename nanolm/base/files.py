@@ -11,7 +11,7 @@ directory cannot be opened to fsync it (NTFS journals the rename itself), and a 
 process holds open (a reader's memory map of the weights) refuses to be replaced for as long as
 it is open: :func:`replace` waits for the reader, a few seconds at most, then names the file.
 
-**Reads are checked.** Every JSON and TOML file is parsed under guard (``nanolm.run.documents``),
+**Reads are checked.** Every JSON and TOML file is parsed under guard (``nanolm.base.documents``),
 with errors that name it; a directory
 that nanolm wrote carries a *manifest*, the SHA-256 of each of its files, and is accepted
 only when the files on disk are exactly the listed ones with exactly those checksums. A
