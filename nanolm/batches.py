@@ -109,6 +109,13 @@ def pack_windows(
     return Batch(idx, targets, loss_mask, doc_ids, positions)
 
 
+def fewer_tokens_than_a_window(n_tokens: int, seq_len: int) -> NanolmError:
+    """The refusal of a training split too short to cut one window from (the run's directory
+    checks it before anything is written; the sampler, where the windows are cut)."""
+    return NanolmError(f"the training split holds {n_tokens} tokens, fewer than one window of --seq-len + 1 = "
+                       f"{seq_len + 1}; use more text or a smaller --seq-len")
+
+
 class WindowSampler:
     """Seeded, epoch-based, without replacement: every window once per epoch.
 
@@ -129,10 +136,7 @@ class WindowSampler:
         self.random_offset, self.rank, self.world_size = random_offset, rank, world_size
         self.n_windows = (n_tokens - 1 - (seq_len if random_offset else 0)) // seq_len
         if self.n_windows < 1:
-            raise NanolmError(
-                f"the training split holds {n_tokens} tokens, fewer than one window of "
-                f"seq_len + 1 = {seq_len + 1}; use more text or a smaller --seq-len"
-            )
+            raise fewer_tokens_than_a_window(n_tokens, seq_len)
         self.epoch, self.cursor = 0, 0
         self._order = None
 

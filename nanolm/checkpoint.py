@@ -1,39 +1,12 @@
 """Checkpoints written as if the machine could crash at any moment, read as if they were hostile.
 
-**What a checkpoint holds** — everything that decides what happens next, so that a resumed
-run is indistinguishable from one that never stopped: the weights; the optimizer state
-(Adam's m and v *and* its step count t, which sets the bias correction); the training step
-(the learning rate is a pure function of it); the sampler's position in the data; every
-random number generator (Python, NumPy, torch CPU, the run's CUDA or MPS device); the loss scaler's
-state; counters (tokens seen, best validation loss); the resolved config and the tokenizer.
-
-**Layout** — one directory per checkpoint, ``checkpoints/step_000500/``:
-
-* ``model.safetensors`` — the weights, raw tensors only;
-* ``state.pt`` — the rest, readable with ``torch.load(weights_only=True)``: tensors, numbers,
-  strings, lists and dicts only. Loading refuses anything else, so an untrusted checkpoint
-  cannot run code (a pickle can);
-* ``config.toml``, ``tokenizer.json`` — so a checkpoint stands alone;
-* ``meta.json`` — the format, the step, the validation loss, a hash of the config, the
-  layout and world size that wrote it, a digest of the training data, and the *manifest*:
-  the SHA-256 of every other file.
-
-Under ``--dist fsdp`` the weights and the optimizer state go to ``sharded/`` instead, one file
-per rank (``nanolm.base.sharded``).
-
-**A checkpoint is valid** only when ``meta.json`` parses, every field has its type, its step
-agrees with the directory's name, its layout is known, and the files in the directory are
-exactly those of the manifest, each with its checksum. Which layout to load is read from
-the validated ``meta.json``, never guessed from the files present. Anything else is treated
-like any corruption: named, and skipped in favour of the previous valid checkpoint.
-
-**Crash safety** — a checkpoint is written into a temporary directory, every file fsynced,
-then renamed into place (a rename is atomic), and only then is ``checkpoints/latest`` (a
-one-line file naming the newest checkpoint) replaced, itself atomically. A crash at any
-moment leaves the previous checkpoint and pointer intact. Weights that are not finite are
-never saved.
-
-A finished run's final weights, and loading a run, are ``nanolm.run.final``'s.
+A checkpoint holds everything that decides what happens next (weights, the optimizer's moments
+and step count, the step, the sampler's position, every random generator, the loss scaler,
+the counters, the config and tokenizer), so that a resumed run is indistinguishable from one
+that never stopped. Its layout, what makes one valid, and how a write survives a crash are
+told once, in docs/checkpoints.md; the functions below say what each guarantees. Under
+``--dist fsdp`` the weights and optimizer state are sharded (``nanolm.base.sharded``); a
+finished run's final weights, and loading a run, are ``nanolm.run.final``'s.
 """
 
 from __future__ import annotations
@@ -471,13 +444,14 @@ class Checkpointer:
         return save_run_checkpoint(self.dist, self.run_dir, step, self.model, self.optimizer, state, self.config_toml,
                                    self.tokenizer, val_loss, self.keep, meta_extra={"data_digest": self.data_digest})
 
-    def restore(self, path: Path, data_position: bool = True) -> int:
+    def restore(self, path: Path, keep_data_position: bool = False) -> int:
         """Load checkpoint ``path`` into the live run; returns its step. A rollback
-        (``data_position=False``) keeps the sampler and the random streams where they are."""
+        (``keep_data_position=True``) keeps the sampler and the random streams where they are,
+        so the batches that led to the bad step are not drawn again."""
         state = load_state(path)
-        load_run_checkpoint(self.dist, path, state, self.model, self.optimizer, self.log, rng=data_position)
+        load_run_checkpoint(self.dist, path, state, self.model, self.optimizer, self.log, rng=not keep_data_position)
         for name, component in self.stateful.items():
-            if data_position or name not in self.kept_by_rollback:
+            if not keep_data_position or name not in self.kept_by_rollback:
                 try:
                     component.load_state_dict(state[name])
                 except NanolmError:

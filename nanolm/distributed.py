@@ -1,72 +1,14 @@
 """Data parallelism under torchrun: DDP and FSDP2, numerically the same run as one process.
 
-**The idea.** N processes (*ranks*), usually one per GPU, each hold the model, each take a
-different slice of every batch, and combine their gradients before the optimizer steps.
-Done right, the step is the step one process would take on the whole batch: the same loss,
-the same gradient, the same weights afterwards, only faster. nanolm checks exactly that.
-
-**Launching.** PyTorch's launcher starts the processes and tells each one who it is
-through environment variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``…)::
+N processes (ranks) each take a slice of every batch and combine their gradients before the
+optimizer steps; done right, the step is the one a single process would take on the whole
+batch, and nanolm's tests check exactly that. Without torchrun nanolm is one process and none
+of this module does anything. How the loss is normalised across ranks (one all-reduce of the
+token count, gradients *summed*, not averaged), why the reduction runs once per step, how
+clipping, checkpoints and a resume on another world size work: docs/distributed.md, told once;
+the functions below say what each guarantees.
 
     torchrun --nproc_per_node 8 -m nanolm.train --dist ddp ...
-
-Without torchrun, nanolm is one process and none of this module does anything. Across
-machines, torchrun's rendezvous finds the other nodes (docs/distributed.md shows the
-commands). The backend is gloo on CPU and NCCL on CUDA (each process takes the GPU
-``cuda:LOCAL_RANK``).
-
-**The two modes.**
-
-* ``--dist ddp`` (DistributedDataParallel): every rank holds all the weights, gradients and
-  optimizer state; after the backward pass the gradients are summed across ranks
-  (all-reduce), so every rank applies the same update and the replicas stay identical.
-* ``--dist fsdp`` (FSDP2, ``fully_shard``): each rank *stores* only 1/N of every weight,
-  gradient and optimizer state. Before a block computes, its weights are gathered from all
-  ranks (all-gather) and freed after; gradients are summed and split back into the shards
-  (reduce-scatter). Memory per GPU for the model state falls by N, at the price of more
-  communication. Every transformer block is a unit of its own, so only one block's full
-  weights exist at a time.
-
-**The loss, normalised once for the whole step.** The gradient nanolm wants is the gradient
-of the mean loss over every counted token of the step, on every rank. Each rank counts its
-tokens, one all-reduce sums the counts, and each rank backpropagates (the sum of its token
-losses) ÷ (the global count). Summing those gradients across ranks gives exactly the
-gradient of the global mean. So the gradient reduction must *sum*, not average: DDP and
-FSDP divide by N by default, which is right only if every rank divides by its own count and
-all counts are equal. With ``--mask-boundary`` or short documents they are not, and
-averaging per-rank means would weigh a token on a rank with few counted tokens more than one
-on a busy rank. nanolm gives DDP a communication hook that sums (``_sum_gradients``) and
-tells FSDP2 to divide by 1, with sum-only collectives (``set_gradient_divide_factor(1.0)``,
-``set_force_sum_reduction_for_comms(True)``). Why not multiply the loss by N and let DDP
-divide? For N not a power of two, multiplying and then dividing by N rounds twice; a plain
-sum is the same arithmetic one process does when it accumulates micro-batches.
-
-**Communicate once per step.** With gradient accumulation, only the last micro-batch's
-backward pass may reduce gradients: DDP's ``no_sync()`` and FSDP2's
-``set_requires_gradient_sync(False)`` hold the others local (see :func:`gradient_sync`).
-For DDP this matters for correctness, not only speed: the reduction sums the whole
-accumulated ``.grad``, so reducing after every micro-batch would add the first micro-batch's
-global gradient N times.
-
-**Clipping** needs the norm of the *global* gradient. Under DDP every rank holds the whole
-reduced gradient, so the usual norm is already global. Under FSDP each rank holds a shard;
-the norm is computed over DTensors and completed across ranks before clipping.
-
-**Checkpoints.** DDP writes the single-process format (rank 0 writes; the others wait):
-``model.safetensors`` and ``state.pt``. FSDP writes the weights and optimizer state as
-shards with ``torch.distributed.checkpoint`` in its safetensors storage (``sharded/``: one
-safetensors file per rank, no pickled index; see ``nanolm.base.sharded``), and the run's
-final ``model.safetensors`` is gathered into one file so ``nanolm sample/eval/export`` work. Every rank's random state is saved (each rank draws its own
-dropout masks) and each rank restores its own. The sampler's state is global, the same on
-every rank.
-
-**Resuming on another world size** continues the same run when the global batch
-(``batch_size × grad_accum × world size`` windows per step) is unchanged: the data stream is
-global, DDP's replicas are whole, and FSDP's checkpoint reshards itself on load. Only the
-random streams cannot be mapped from N ranks onto M; they are re-derived from (seed, step,
-rank), so the continuation is correct but not bit for bit. A different global batch is
-refused. A sharded (FSDP) checkpoint can be resumed by any mode; a full (DDP or
-single-process) checkpoint cannot be resumed under FSDP.
 """
 
 from __future__ import annotations
@@ -129,12 +71,6 @@ def _sum_gradients(process_group, bucket):
     """
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def at_least_one(count: int | torch.Tensor) -> int | torch.Tensor:
-    """``count``, or 1 when it is 0 (a step with nothing to count divides by 1, adding zero),
-    as a number for a number and a tensor for a tensor."""
-    return count.clamp(min=1) if torch.is_tensor(count) else max(1, count)
 
 
 @dataclass

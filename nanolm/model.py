@@ -509,10 +509,8 @@ class GPT(nn.Module):
 #     sum over counted positions of -log p(target)   /   number of counted positions
 #
 # and masked positions contribute nothing at all, whatever their logits hold. The division is
-# kept apart (masked_cross_entropy_sum returns both) because with gradient accumulation the
-# right denominator is the count of the *whole optimizer step*, not of one micro-batch:
-# averaging micro-batch means would give a short micro-batch's tokens more weight than a long
-# one's (nanolm/step.py).
+# kept apart (masked_cross_entropy_sum returns both): which count divides is the step's to
+# decide (``nanolm.step.accumulate_gradients`` says why it is the whole step's).
 
 
 def masked_cross_entropy_sum(logits, targets, mask=None):

@@ -1,5 +1,5 @@
 """The optimizers (AdamW, or Muon for the hidden matrices beside AdamW for the rest; under
-``--precision bf16-pure``, ``nanolm.precision.BF16AdamW``) and the parameters each one updates.
+``--precision bf16-pure``, :class:`BF16AdamW`) and the parameters each one updates.
 The learning rate each step sets is ``nanolm.step``'s schedule.
 
 The last part of this file, :class:`GroupedMuon`, is only how Muon is made fast:
@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .precision import BF16AdamW
+from .precision import rounding_seed, stochastic_round_to_bf16
 
 
 def get_param_groups(model: nn.Module, weight_decay: float):
@@ -174,7 +174,7 @@ def optimizer_for(model: nn.Module, cfg, precision) -> torch.optim.Optimizer:
     """The optimizer of a run (``cfg``, its resolved :class:`~nanolm.run.config.RunConfig`), in its
     number format ``precision``: AdamW over :func:`get_param_groups`, or Muon beside AdamW
     (``--optimizer muon``). Under ``--precision bf16-pure`` the weights themselves are bf16, and
-    their AdamW keeps fp32 master copies or rounds stochastically (``nanolm.precision.BF16AdamW``)."""
+    their AdamW keeps fp32 master copies or rounds stochastically (:class:`BF16AdamW`)."""
     o = cfg.optim
     betas = (o.beta1, o.beta2)
     if precision.pure_bf16:
@@ -183,6 +183,163 @@ def optimizer_for(model: nn.Module, cfg, precision) -> torch.optim.Optimizer:
     if o.optimizer == "muon":
         return MuonWithAdamW(model, o.lr, o.weight_decay, betas, muon_lr=o.muon_lr, momentum=o.muon_momentum)
     return build_optimizer(model, o.lr, o.weight_decay, betas=betas)
+
+
+# --------------------------------------------------------------------------- AdamW for bf16 weights
+class BF16AdamW(torch.optim.Optimizer):
+    """AdamW for weights stored in bf16: fp32 arithmetic, fp32 moments, careful write-back.
+
+    The update is the same as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
+    moments), computed in fp32 from the bf16 weight and gradient. How the new fp32 weight
+    gets back into the bf16 parameter is the point:
+
+    * default: :func:`stochastic_round_to_bf16`. No fp32 copy of the weights is kept (12
+      bytes per parameter: bf16 weight and gradient, fp32 moments), and updates far smaller
+      than a bf16 gap still move the weight *on average*. The rounding noise at step t is
+      drawn from a generator seeded by :func:`rounding_seed` (``seed``, t, index of the
+      first parameter of its bucket), so a run is repeatable and a resumed one needs nothing
+      but the optimizer state.
+    * ``master_weights=True``: an fp32 master copy lives in the optimizer state (16 bytes per
+      parameter, as with autocast); AdamW updates it, and the bf16 weight is its
+      round-to-nearest copy. Nothing is ever lost; the forward pass sees the master rounded.
+
+    Parameters that are not bf16 are updated in place in their own dtype (for fp32, this is
+    exactly AdamW), which is also how the arithmetic is tested against PyTorch's.
+    """
+
+    bucket_elements = 1 << 24
+    """The most elements one bucket updates at once on a GPU: its fp32 temporaries (the flat
+    weights and gradients of bf16 parameters, the denominators, the rounding noise) stay under
+    ~300 MB."""
+    cpu_bucket_elements = 1 << 16
+    """On a CPU, where a ``_foreach_*`` call is a loop over its tensors anyway, a bucket small
+    enough to stay in cache through its ~17 operations: one bucket for a whole model sweeps
+    every parameter through memory once per operation, slower than updating one tensor at a
+    time (measured in docs/benchmarks.md)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 master_weights: bool = False, seed: int = 0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.master_weights = master_weights
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore exactly, keeping the fp32 moments and master copy in fp32.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating-point state to each
+        parameter's dtype, which would round the fp32 moments of a bf16 weight to bf16 and
+        make a resumed run drift from an uninterrupted one.
+        """
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, param in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if torch.is_tensor(value) and key != "step":
+                    self.state[param][key] = value.to(param.device).clone()
+
+    def _generator(self, device, seed: int) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device].manual_seed(seed)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW update of every parameter with a gradient, a bucket of them at a time.
+
+        Parameters that share a group, device, dtype, way of writing back and step count
+        form a bucket of at most :attr:`bucket_elements` elements (:attr:`cpu_bucket_elements`
+        on a CPU; one larger tensor is a bucket of its own); each bucket is updated with
+        ``torch._foreach_*`` calls, so a GPU step is a few kernel launches per bucket rather
+        than ~10 per parameter tensor. The arithmetic per element is the loop's of
+        ``torch.optim.AdamW``, operation for operation. bf16 weights and gradients are cast to
+        fp32 in one flat buffer per bucket, and the stochastic rounding draws one noise tensor
+        for the whole bucket, from a generator seeded by :func:`rounding_seed` (``seed``,
+        step, index of the bucket's first parameter).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        buckets: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        index = -1
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                    if self.master_weights and p.dtype != torch.float32:
+                        state["master"] = p.detach().float()
+                state["step"] += 1
+                write_back = ("in place" if p.dtype == torch.float32 else "from master" if "master" in state
+                              else "stochastic" if p.dtype == torch.bfloat16 else "nearest")
+                buckets.setdefault((g, p.device, p.dtype, write_back, state["step"]), []).append((index, p))
+        for (g, device, _, write_back, t), members in buckets.items():
+            limit = self.cpu_bucket_elements if device.type == "cpu" else self.bucket_elements
+            for bucket in _bounded(members, limit):
+                self._update(self.param_groups[g], bucket, write_back, t, device)
+        return loss
+
+    def _update(self, group: dict, bucket: list[tuple[int, torch.Tensor]], write_back: str, t: int, device) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        params = [p for _, p in bucket]
+        states = [self.state[p] for p in params]
+        grads = [p.grad for p in params]
+        if any(g.dtype != torch.float32 for g in grads):
+            grads = _flat_fp32(grads)[1]
+        if write_back == "in place":
+            weights = params
+        elif write_back == "from master":
+            weights = [s["master"] for s in states]
+        else:
+            flat, weights = _flat_fp32(params)
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(weights, 1 - lr * wd)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, math.sqrt(1 - beta2**t))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(weights, exp_avgs, denom, value=-lr / (1 - beta1**t))
+        if write_back == "stochastic":
+            rounded = stochastic_round_to_bf16(flat, self._generator(device, rounding_seed(self.seed, t, bucket[0][0])))
+            torch._foreach_copy_(params, _views(rounded, params))
+        elif write_back != "in place":
+            torch._foreach_copy_(params, weights)  # round to nearest
+
+
+def _views(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into views shaped like ``like``, one after another."""
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in like]), like)]
+
+
+def _flat_fp32(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """fp32 copies of ``tensors``: one flat buffer (one cast for all of them) and its views."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].detach().reshape(-1)
+    flat = flat.float() if flat.dtype != torch.float32 else flat.clone()
+    return flat, _views(flat, tensors)
+
+
+def _bounded(members: list, limit: int) -> list[list]:
+    """``members`` (index, tensor) cut into consecutive runs of at most ``limit`` elements each
+    (a larger tensor alone)."""
+    runs, run, size = [], [], 0
+    for member in members:
+        n = member[1].numel()
+        if run and size + n > limit:
+            runs.append(run)
+            run, size = [], 0
+        run.append(member)
+        size += n
+    return runs + ([run] if run else [])
 
 
 # --------------------------------------------------------------------------- Muon, made fast

@@ -223,21 +223,23 @@ class StepSetup:
 @dataclass
 class StepResult:
     """What a step did. ``loss`` (the mean over every counted token of the step, all ranks)
-    and ``grad_norm`` (the global norm before clipping) are device tensors, or floats when
-    the guard read them. ``updated`` is False when the guard did not take the step or an fp16
-    gradient overflowed. ``action``/``event``: the guard's decision and its evidence;
-    ``rollback_to``: the checkpoint a rollback returns to. ``watch``: what was read of the
-    gradients (None when nothing was)."""
+    and ``grad_norm`` (the global norm before clipping) are device tensors; ``read`` is the
+    two as host numbers when the guard read them this step (None when nothing was read: the
+    observer reads them on a logged step only). ``updated`` is False when the guard did not
+    take the step or an fp16 gradient overflowed. ``action``/``event``: the guard's decision
+    and its evidence; ``rollback_to``: the checkpoint a rollback returns to. ``watch``: what
+    was read of the gradients (None when nothing was)."""
 
     step: int
     lr: float
-    loss: torch.Tensor | float
-    grad_norm: torch.Tensor | float
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
     updated: bool
     action: str = "take"
     event: dict | None = None
     rollback_to: object = None
     watch: object = None
+    read: tuple[float, float] | None = None
 
 
 def discarded_pass(model, batch: Batch, autocast=contextlib.nullcontext) -> None:
@@ -278,15 +280,16 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
                  else torch.nn.utils.clip_grad_norm_(setup.model.parameters(), max_norm))
 
     # d. the guard decides, on the step's global numbers (every rank alike)
-    action, event, rollback_to = "take", None, None
+    action, event, rollback_to, read = "take", None, None, None
     if setup.guard is not None and setup.guard.reads_every_step:
-        loss, grad_norm = torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist()  # the one read
-        if not (setup.scaler.enabled and not math.isfinite(grad_norm)):  # an fp16 overflow is the scaler's to skip
-            action, event, rollback_to = setup.guard.decide(step, loss, grad_norm, lr)
+        read = tuple(torch.stack([loss.float(), grad_norm.float().to(loss.device)]).tolist())  # the one read
+        if not (setup.scaler.enabled and not math.isfinite(read[1])):  # an fp16 overflow is the scaler's to skip
+            action, event, rollback_to = setup.guard.decide(step, read[0], read[1], lr)
 
     # e. update and zero
-    updated = action == "take" and (not setup.scaler.enabled or setup.scaler.update(grad_norm))
+    updated = action == "take" and (not setup.scaler.enabled or setup.scaler.update(grad_norm if read is None
+                                                                                      else read[1]))
     if updated:
         setup.optimizer.step()
     setup.optimizer.zero_grad(set_to_none=True)
-    return StepResult(step, lr, loss, grad_norm, updated, action, event, rollback_to, watch)
+    return StepResult(step, lr, loss, grad_norm, updated, action, event, rollback_to, watch, read)

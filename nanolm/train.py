@@ -21,13 +21,16 @@ For every optimizer step, in order (this is the one place the sequence is told):
 3. **settle the guard's event**, if any: record it with its evidence, roll back to the last
    checkpoint (keeping the data position, so the bad batches are not replayed), or stop;
 4. **log the step** when due (``metrics.jsonl``, the terminal, wandb/TensorBoard), with
-   per-layer statistics every ``--stats-every`` steps, and evaluate on the validation set when due;
+   per-layer statistics every ``--stats-every`` steps, and **evaluate** on the validation set
+   when due (its figures join the step's row);
 5. **save a checkpoint** when due, and on SIGINT/SIGTERM (then stop, resumable);
 6. **end** at ``--steps``, or as soon as an evaluation reaches ``--target-val-bpb``.
 
 Then the final weights are written, with ``final.json`` that vouches for them, and a sample
 is printed. Each concern other than the step itself is a component that owns its schedule:
-the :class:`~nanolm.watch.observer.Observer` (what to log and evaluate, and when), the
+the :class:`~nanolm.machine.threads.ThreadTuner` (``--threads auto``: when to time the step at
+other thread counts), the :class:`~nanolm.watch.observer.Observer` (what to log, and when), the
+:class:`~nanolm.watch.validator.Validator` (when to evaluate), the
 :class:`~nanolm.checkpoint.Checkpointer` (when to save, what state, how to come back), the
 :class:`~nanolm.watch.guards.Guard` (take, skip, roll back or stop, and its fallbacks). Everything
 else is built once, before the loop, by :func:`build_run`.
@@ -85,6 +88,7 @@ from .watch.guards import Guard, nan_origin, reads_every_step
 from .watch.observer import Observer
 from .watch.reference import find_reference, setup_of
 from .watch.sinks import missing_sink_packages, parse_sinks
+from .watch.validator import Validator
 
 
 @dataclass
@@ -144,6 +148,7 @@ class Run:
     progress: Progress
     guard: Guard
     observer: Observer
+    validator: Validator
     checkpointer: Checkpointer
     tokenizer: object
     tokens_per_step: int
@@ -189,10 +194,10 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
 
 def run_loop(run: Run, log=print) -> dict:
     """The loop: the six steps of this module's docstring, then the final weights."""
-    t, dist, progress, guard, observer, checkpointer = (run.cfg.train, run.dist, run.progress, run.guard,
-                                                         run.observer, run.checkpointer)
+    t, dist, progress, guard, observer, validator, checkpointer = (run.cfg.train, run.dist, run.progress, run.guard,
+                                                                    run.observer, run.validator, run.checkpointer)
     row: dict = {}
-    observer.start()
+    observer.start(validator.evaluate(0) if progress.step == 0 and validator.due(0) else None)
     with StopOnSignal() as stop, contextlib.closing(observer):
         while progress.step < t.steps and not run.finishing:
             step = progress.step + 1
@@ -205,13 +210,16 @@ def run_loop(run: Run, log=print) -> dict:
             if result.event is not None:
                 guard.settle(result, batches)  # raises on "stop"
             if result.action == "rollback":
-                progress.step = checkpointer.restore(result.rollback_to, data_position=False)
+                progress.step = checkpointer.restore(result.rollback_to, keep_data_position=True)
                 guard.rolled_back(result.event, progress.step)
                 observer.rewound(progress.step)
                 continue
             progress.advance(step, run.tokens_per_step)
             # 4. log and evaluate when due
-            row = observer.observe(result)
+            row = observer.observe(result)  # the step's figures when it is logged, else {}
+            if validator.due(step):
+                row.update(validator.evaluate(step))
+            observer.record_step(row)
             # 5. save when due, and on SIGINT/SIGTERM
             reached = observer.target_reached(row)
             stop_signal = dist.first_signal(stop.requested)  # every rank stops after the same step
@@ -250,8 +258,9 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
     data = set_up_run_directory(cfg, dist, plan, precision.name, log)
     trainable = build_model(cfg, dist, precision, data.tokenizer.vocab_size, components, log)
     batches, val_batches = build_batches(cfg, dist, data, components)
-    observer, guard, step_setup, checkpointer = build_components(cfg, dist, plan.out_dir, data, precision, trainable,
-                                                                 batches, val_batches, components, log)
+    observer, validator, guard, step_setup, checkpointer = build_components(cfg, dist, plan.out_dir, data, precision,
+                                                                            trainable, batches, val_batches,
+                                                                            components, log)
     progress, model = observer.progress, trainable.model
 
     # resume, or start
@@ -273,7 +282,7 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
     if auto_threads:  # --threads auto: on a busy CPU, the thread count that is fastest now
         threads = ThreadTuner(partial(discarded_pass, trainable.step_model, autocast=precision.autocast), observer.write)
     return Run(cfg=cfg, dist=dist, out_dir=plan.out_dir, model=model, step_setup=step_setup, batches=batches, threads=threads,
-               progress=progress, guard=guard, observer=observer, checkpointer=checkpointer,
+               progress=progress, guard=guard, observer=observer, validator=validator, checkpointer=checkpointer,
                tokenizer=data.tokenizer, tokens_per_step=observer.tokens_per_step, finishing=finishing)
 
 
@@ -319,9 +328,10 @@ def build_batches(cfg: RunConfig, dist: Distributed, data, components: Component
 
 def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, precision: Precision,
                      trainable: Trainable, batches, val_batches, components: Components, log=print):
-    """The observer, the guard, the step's setup and the checkpointer, each given what it
-    needs when it is built: the observer first (the others write their lines through it,
-    above the progress bar; it holds the run's :class:`Progress`), then the guard (it rolls
+    """The observer, the validator, the guard, the step's setup and the checkpointer, each given
+    what it needs when it is built: the validator first (the observer logs every step it
+    evaluates), then the observer (the others write their lines through it, above the progress
+    bar), then the guard (it rolls
     back to the checkpointer's latest checkpoint, found by
     :func:`~nanolm.checkpoint.rollback_checkpoint`), then the step, then the checkpointer (it
     saves the state of every other component)."""
@@ -331,16 +341,17 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
     peak = peak_flops(dist.device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
     setup = setup_of(cfg, data.digest, precision.name, dist.device.type, dist.world_size)
     progress = Progress()
+    validator = Validator(model=model, dist=dist, precision=precision, batches=val_batches,
+                          token_bytes=torch.from_numpy(tokenizer.token_bytes()), progress=progress, every=t.eval_every,
+                          last_step=t.steps, at_start=t.eval_at_start, floor=data.meta.get("floor"))
     observer = Observer(cfg=cfg, dist=dist, out_dir=out_dir, model=model, precision=precision, scaler=scaler,
-                        progress=progress, val_batches=val_batches, token_bytes=torch.from_numpy(tokenizer.token_bytes()),
-                        floor=data.meta.get("floor"), tokens_per_step=tokens_per_step, peak=peak,
+                        progress=progress, evaluates=validator.due, tokens_per_step=tokens_per_step, peak=peak,
                         loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer,
                         setup=setup, reference=find_reference(setup))
-    guard = Guard(out_dir=out_dir if dist.is_main else None, on_nan=g.on_nan, on_spike=g.on_spike,
-                  window=g.spike_window, threshold=g.spike_threshold, max_rollbacks=g.max_rollbacks,
-                  rollback_lr_scale=g.rollback_lr_scale, log=observer.write,
-                  rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
-                  explain_nan=lambda batch: nan_origin(model, batch, precision.autocast, tokenizer.vocab_size))
+    guard = Guard.from_options(g, out_dir=out_dir if dist.is_main else None, log=observer.write,
+                               rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
+                               explain_nan=lambda batch: nan_origin(model, batch, precision.autocast,
+                                                                    tokenizer.vocab_size))
     step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
                            step_model=trainable.step_model, scaler=scaler, autocast=precision.autocast, dist=dist,
                            guard=guard, loss_fn=components.loss_fn, watch=observer.gradient_watch)
@@ -349,7 +360,7 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
         stateful={"sampler": batches, "scaler": scaler, "progress": progress, "guard": guard, "observer": observer},
         config_toml=cfg.to_toml(), tokenizer=tokenizer, data_digest=data.digest, every=t.ckpt_every,
         last_step=t.steps, keep=t.keep, log=observer.write)
-    return observer, guard, step_setup, checkpointer
+    return observer, validator, guard, step_setup, checkpointer
 
 
 def finish(run: Run, row: dict, log=print) -> dict:

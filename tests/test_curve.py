@@ -227,3 +227,122 @@ def test_the_tail_is_a_half_at_zero_none_at_infinity_and_the_threshold_repeats_f
     from nanolm.watch.curve import nine_figures
 
     assert nine_figures(1 / 3) == 0.333333333 and nine_figures(123456789.87) == 123456790.0
+
+
+# ------------------------------------------------------------------ the arithmetic, checked by hand
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.floats(0.5, 200), st.floats(0.5, 200), st.floats(1e-6, 1 - 1e-6))
+def test_the_incomplete_beta_agrees_with_an_arbitrary_precision_one(a, b, x):
+    """The t tail rests on the regularised incomplete beta function; mpmath computes it to 30
+    digits, so ours must agree to ten wherever the test may ask (both sides of the mirror)."""
+    import mpmath
+
+    from nanolm.watch.curve import _incomplete_beta
+
+    mpmath.mp.dps = 30
+    exact = float(mpmath.betainc(a, b, 0, x, regularized=True))
+    assert _incomplete_beta(a, b, x) == pytest.approx(exact, rel=1e-10, abs=1e-300)
+
+
+def test_the_incomplete_beta_is_zero_and_one_at_its_ends():
+    from nanolm.watch.curve import _incomplete_beta
+
+    assert _incomplete_beta(2.5, 0.5, 0.0) == 0.0 and _incomplete_beta(2.5, 0.5, -0.1) == 0.0
+    assert _incomplete_beta(2.5, 0.5, 1.0) == 1.0 and _incomplete_beta(2.5, 0.5, 1.5) == 1.0
+
+
+def _by_hand(values, centre, cov, inflation, df, threshold, steps):
+    """The looks as the module's docstring defines them, one at a time."""
+    out, deltas = [], []
+    for i, step in enumerate(steps):
+        deltas.append(math.log(values[step]) - centre[i])
+        k = len(deltas)
+        sd = math.sqrt(float(np.asarray(cov)[:k, :k].sum()) / k**2 * (1 + inflation))
+        t = (sum(deltas) / k) / sd
+        out.append((sum(deltas) / k, t, t_tail(abs(t), df), abs(t) > threshold))
+    return out
+
+
+def test_a_look_is_the_running_mean_excess_over_its_standard_deviation_with_the_seeds_inflation():
+    rng = np.random.default_rng(8)
+    curve = curve_from_seeds("val_loss", as_runs(healthy_curves(7, rng)))
+    run = {s: v * 1.015 for s, v in zip(STEPS, LEVELS)}
+    expected = _by_hand(run, curve.mean_log, curve.cov_log, 1 / 7, 6, curve.threshold, STEPS)
+    looks = curve.looks(run)
+    assert [look.key for look in looks] == ["val_loss"] * len(STEPS) and {look.since for look in looks} == {100}
+    for look, (excess, t, tail, departs) in zip(looks, expected):
+        assert (look.excess, look.t, look.tail, look.departs) == (pytest.approx(excess, rel=1e-12),
+                                                                    pytest.approx(t, rel=1e-12),
+                                                                    pytest.approx(tail, rel=1e-9), departs)
+
+
+def test_a_look_at_a_seeds_own_curve_has_no_inflation_and_as_many_degrees_of_freedom_as_reruns():
+    from nanolm.watch.curve import SeedCurves
+
+    own = SeedCurves("val_bpb", [100, 200], {"3": [0.1, -0.2]}, [[4e-4, 3e-4], [3e-4, 5e-4]], 6, 3.5)
+    run = {100: math.exp(0.13), 200: math.exp(-0.16)}
+    looks = own.looks(3, run)
+    expected = _by_hand(run, [0.1, -0.2], own.rerun_cov, 0.0, 6, 3.5, [100, 200])
+    assert [look.key for look in looks] == ["val_bpb", "val_bpb"] and all(look.own_seed for look in looks)
+    for look, (excess, t, tail, departs) in zip(looks, expected):
+        assert (look.t, look.tail, look.departs) == (pytest.approx(t, rel=1e-12), pytest.approx(tail, rel=1e-9), departs)
+
+
+def test_a_look_departs_beyond_the_threshold_not_on_it():
+    from nanolm.watch.curve import SeedCurves
+
+    value = math.exp(0.06)
+    t = (math.log(value) - 0.0) / math.sqrt(max(float(np.asarray([[4e-4]])[:1, :1].sum()), 1e-30) / 1 * (1 + 0.0))
+    on = SeedCurves("val_loss", [100], {"0": [0.0]}, [[4e-4]], 5, t)
+    assert not on.looks(0, {100: value})[0].departs
+    beyond = SeedCurves("val_loss", [100], {"0": [0.0]}, [[4e-4]], 5, math.nextafter(t, 0.0))
+    assert beyond.looks(0, {100: value})[0].departs
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, "1.0", float("nan"), math.inf])
+def test_a_loss_that_is_not_a_finite_positive_number_is_as_far_above_as_it_gets(value):
+    rng = np.random.default_rng(9)
+    curve = curve_from_seeds("val_loss", as_runs(healthy_curves(6, rng)))
+    look = curve.looks({100: value})[0]
+    assert look.t == math.inf and look.departs and look.excess == math.inf
+
+
+def test_a_curve_is_the_seeds_mean_and_covariance_of_log_values_with_a_threshold_that_can_be_recomputed():
+    """The reference file is reproducible: its threshold is the default simulation's for its own
+    covariance (the same seed of the simulation), and its mean and covariance are the plain
+    sample ones (n - 1) of the logs, from five seeds on and from step 1 on."""
+    rng = np.random.default_rng(10)
+    curves = healthy_curves(5, rng)
+    runs = [{1: 2.0 * float(row[0]), **{s: float(v) for s, v in zip(STEPS, row)}} for row in curves]
+    curve = curve_from_seeds("val_loss", runs, false_alarm=0.05)
+    assert curve.steps == [1, *STEPS] and curve.seeds == 5 and curve.false_alarm == 0.05
+    logs = np.log(np.array([[run[s] for s in curve.steps] for run in runs]))
+    assert curve.mean_log == pytest.approx(logs.mean(axis=0), rel=1e-8)
+    assert np.array(curve.cov_log) == pytest.approx(np.cov(logs, rowvar=False), rel=1e-7)
+    assert curve.threshold == pytest.approx(max_t_threshold(np.array(curve.cov_log), 5, 0.05), rel=2e-5)  # cov rounded
+
+
+def test_a_seeds_own_curve_is_the_second_moment_of_rerun_differences_floored_and_reproducible():
+    from nanolm.watch.curve import RERUN_FLOOR, seed_curves_from_runs
+
+    rng = np.random.default_rng(11)
+    steps = [1, 100, 200, 300]
+    firsts = {s: {t: float(v) for t, v in zip(steps, rng.uniform(0.5, 2.0, size=4))} for s in range(7)}
+    reruns = {s: {t: v * math.exp(rng.normal(0, 0.01)) for t, v in firsts[s].items()} for s in range(6)}
+    for s in range(6):  # step 400: every rerun and its first run have it, the seventh first run not
+        firsts[s][400] = reruns[s][400] = 1.0
+    for s in range(7):  # step 500: every first run has it, one rerun not
+        firsts[s][500] = 1.0
+        if s != 2:
+            reruns.get(s, {})[500] = 1.0
+    own = seed_curves_from_runs("val_loss", firsts, reruns, false_alarm=0.05)
+    assert own.key == "val_loss" and own.steps == steps and own.false_alarm == 0.05 and own.reruns == 6
+    diffs = np.array([[math.log(reruns[s][t]) - math.log(firsts[s][t]) for t in steps] for s in range(6)])
+    second = diffs.T @ diffs / 6
+    sd = np.sqrt(np.diag(second))
+    floored = np.maximum(sd, RERUN_FLOOR)
+    expected = second / np.outer(sd, sd) * np.outer(floored, floored)
+    assert np.array(own.rerun_cov) == pytest.approx(expected, rel=1e-7)
+    assert own.threshold == pytest.approx(max_t_threshold(np.array(own.rerun_cov), 7, 0.05), rel=2e-5)

@@ -57,6 +57,46 @@ def test_the_sums_are_combined_across_ranks_before_dividing():
     assert both["loss"] == pytest.approx(alone["loss"], rel=1e-12) and both["bpb"] == pytest.approx(alone["bpb"])
 
 
+def test_the_combined_sums_keep_tokens_and_bytes_apart():
+    model, batches = tiny_model(), _batches()
+    token_bytes = 1 + torch.arange(64) % 3  # tokens of 1 to 3 bytes: the two counts differ
+    alone = estimate_loss(model, batches, token_bytes)
+    both = estimate_loss(model, batches, token_bytes,
+                         reduce=lambda nats, tokens, n_bytes: torch.stack([nats, tokens.double(), n_bytes.double()]))
+    assert alone["tokens"] != alone["bytes"]
+    assert (both["tokens"], both["bytes"], both["loss"], both["bpb"]) == (alone["tokens"], alone["bytes"],
+                                                                         pytest.approx(alone["loss"]),
+                                                                         pytest.approx(alone["bpb"]))
+
+
+def test_one_counted_token_of_one_byte_divides_by_one():
+    model = tiny_model()
+    idx = torch.tensor([[5, 6, 7, 8]])
+    targets = torch.tensor([[6, 7, 8, 9]])
+    mask = torch.tensor([[False, False, True, False]])
+    token_bytes = torch.zeros(64, dtype=torch.long)
+    token_bytes[8] = 1
+    result = estimate_loss(model, [Batch(idx, targets, mask)], token_bytes)
+    with torch.no_grad():
+        nats = masked_cross_entropy_sum(model(idx)[0], targets, mask)[0].item()
+    assert (result["tokens"], result["bytes"]) == (1, 1)
+    assert result["loss"] == pytest.approx(nats) and result["bpb"] == pytest.approx(nats / math.log(2))
+
+
+def test_the_rotary_positions_of_a_batch_are_the_ones_scored():
+    """A batch whose positions restart at a document (``--reset-positions``) is scored at those
+    positions, as the model trained on it."""
+    model, (batch, _) = tiny_model(), _batches()
+    positions = torch.cat([torch.arange(6), torch.arange(10)]).repeat(2, 1)
+    with_positions = Batch(batch.idx, batch.targets, batch.loss_mask, positions=positions)
+    result = estimate_loss(model, [with_positions], torch.ones(64, dtype=torch.long))
+    with torch.no_grad():
+        nats = masked_cross_entropy_sum(model(batch.idx, positions=positions)[0], batch.targets, batch.loss_mask)[0]
+        plain = masked_cross_entropy_sum(model(batch.idx)[0], batch.targets, batch.loss_mask)[0]
+    assert result["loss"] * result["tokens"] == pytest.approx(nats.item(), rel=1e-6)
+    assert not math.isclose(nats.item(), plain.item(), rel_tol=1e-6)  # the positions do change the loss
+
+
 def test_no_batches_give_zeros_not_a_division_by_zero():
     assert estimate_loss(tiny_model(), [], torch.ones(64, dtype=torch.long)) == {"loss": 0.0, "bpb": 0.0, "tokens": 0,
                                                                                  "bytes": 0}
@@ -144,3 +184,132 @@ def test_a_run_that_leaves_each_documents_first_token_uncounted_is_scored_so(tmp
     (tmp_path / "ab.txt").write_text("the cat\n<|endoftext|>\na dog")
     result = evaluate_file(tmp_path / "run", tmp_path / "ab.txt", device="cpu")
     assert result["tokens"] == len("the cat") + len("a dog")  # EOS t h e _ c a t EOS a _ d o g EOS, less 2 firsts
+
+
+# ------------------------------------------------------------------ the validator: when, and what it keeps
+
+
+def _validator(batches, **schedule):
+    from nanolm.distributed import Distributed
+    from nanolm.precision import resolve_precision
+    from nanolm.train import Progress
+    from nanolm.watch.validator import Validator
+
+    progress = Progress()
+    options = {"every": 50, "last_step": 120, "at_start": True, "floor": None} | schedule
+    validator = Validator(model=tiny_model(), dist=Distributed(), precision=resolve_precision("fp32", torch.device("cpu")),
+                          batches=batches, token_bytes=torch.ones(64, dtype=torch.int64), progress=progress, **options)
+    return validator, progress
+
+
+def test_the_validator_evaluates_every_eval_every_steps_at_the_last_and_at_step_0_only_when_asked():
+    validator, _ = _validator(_batches())
+    assert [s for s in range(0, 130) if validator.due(s)] == [0, 50, 100, 120]
+    late, _ = _validator(_batches(), at_start=False, every=60, last_step=120)
+    assert [s for s in range(0, 130) if late.due(s)] == [60, 120]
+
+
+def test_an_evaluation_gives_the_rows_figures_and_is_kept_in_the_runs_progress():
+    validator, progress = _validator(_batches(), floor={"bpb": 0.5, "nats_per_token": 0.3})
+    first = validator.evaluate(50)
+    assert list(first) == ["step", "val_loss", "val_bpb", "val_ppl", "floor_bpb", "floor_loss"]
+    assert first["step"] == 50 and first["val_ppl"] == pytest.approx(math.exp(first["val_loss"]))
+    assert (first["floor_bpb"], first["floor_loss"]) == (0.5, 0.3)
+    assert (progress.val_loss, progress.val_bpb, progress.best_val_loss) == (first["val_loss"], first["val_bpb"],
+                                                                              first["val_loss"])
+
+
+def test_a_validation_split_without_a_window_gives_no_figures_and_leaves_the_progress_alone():
+    validator, progress = _validator([])
+    assert validator.due(50) and validator.evaluate(50) == {}
+    assert progress.val_loss is None and progress.best_val_loss is None
+
+
+# ------------------------------------------------------------------ nanolm sample: a trained run's text
+
+
+@pytest.mark.parametrize("options, refusal", [
+    ({"max_new_tokens": 0}, "--max-new-tokens must be positive, got 0"),
+    ({"temperature": -0.01}, "--temperature must be >= 0 (0 = greedy), got -0.01"),
+    ({"temperature": math.nan}, "--temperature must be >= 0 (0 = greedy), got nan"),
+    ({"temperature": math.inf}, "--temperature must be >= 0 (0 = greedy), got inf"),
+    ({"top_k": -1}, "--top-k must be >= 0 (0 = every token), got -1"),
+    ({"top_p": 0.0}, "--top-p must be in (0, 1], got 0.0"),
+    ({"top_p": 1.0000001}, "--top-p must be in (0, 1], got 1.0000001"),
+    ({"seed": -1}, "--seed must be in [0, 2^63), got -1"),
+    ({"seed": 2**63}, "--seed must be in [0, 2^63), got 9223372036854775808"),
+])
+def test_sample_refuses_each_option_just_past_its_range_in_one_line(tiny_run, options, refusal):
+    from nanolm.instruments.trained import generate
+
+    import re
+
+    with pytest.raises(NanolmError, match=f"^{re.escape(refusal)}$"):
+        generate(tiny_run, "a", **{"max_new_tokens": 3, "device": "cpu", **options})
+
+
+def test_sample_takes_each_option_at_its_edge_and_is_repeatable_for_a_seed(tiny_run):
+    from nanolm.instruments.trained import generate
+
+    edges = [{"max_new_tokens": 1}, {"temperature": 0.0}, {"top_k": 0}, {"top_k": None}, {"top_p": 1.0},
+             {"top_p": None}, {"seed": 0}, {"seed": 2**63 - 1}]
+    for options in edges:
+        text = generate(tiny_run, "the", **{"max_new_tokens": 4, "device": "cpu", **options})
+        assert text.startswith("the"), options
+    one = generate(tiny_run, "the", max_new_tokens=20, seed=5, device="cpu")
+    assert one == generate(tiny_run, "the", max_new_tokens=20, seed=5, device="cpu")
+
+
+def test_sample_continues_the_prompt_with_the_runs_weights_as_sample_text_does(tiny_run):
+    """``nanolm sample`` is the course's ``sample_text`` on the run's final weights, with every
+    option passed through (temperature, top-k, top-p, seed, the number of tokens)."""
+    from nanolm.instruments.trained import generate
+    from nanolm.run.final import load_run
+    from nanolm.sample import sample_text
+
+    model, tokenizer, _ = load_run(tiny_run, torch.device("cpu"))
+    for options in ({"temperature": 1.3, "top_k": 7, "top_p": 0.9, "seed": 11}, {"temperature": 0.0, "top_k": None}):
+        expected = sample_text(model, tokenizer, torch.device("cpu"), 12, "the cat", **options)
+        assert generate(tiny_run, "the cat", max_new_tokens=12, device="cpu", **options) == expected
+    assert generate(tiny_run, max_new_tokens=12, device="cpu", seed=3) == sample_text(
+        model, tokenizer, torch.device("cpu"), 12, "", 0.8, 50, None, 3)  # the defaults: 0.8, top-k 50, no top-p
+
+
+def test_sample_refuses_a_prompt_that_is_not_text(tiny_run):
+    from nanolm.instruments.trained import generate
+
+    with pytest.raises(NanolmError, match="^--prompt b'a\\\\xffb' is not UTF-8 text"):
+        generate(tiny_run, "a\udcffb", max_new_tokens=2, device="cpu")
+
+
+def test_sample_passes_every_option_on_to_sample_text(tiny_run, monkeypatch):
+    import nanolm.instruments.trained as trained
+
+    seen = []
+    monkeypatch.setattr(trained, "sample_text", lambda *args: seen.append(args[3:]) or "")
+    trained.generate(tiny_run, "the", max_new_tokens=7, temperature=1.5, top_k=3, top_p=0.75, seed=9, device="cpu")
+    assert seen == [(7, "the", 1.5, 3, 0.75, 9)]
+
+
+def test_sample_from_python_has_the_commands_defaults():
+    """``generate`` called from Python samples as ``nanolm sample`` with no options does."""
+    import inspect
+
+    from nanolm.instruments.cli import build_parser
+    from nanolm.instruments.trained import generate
+
+    command = vars(build_parser().parse_args(["sample", "--run", "r"]))
+    defaults = {k: v.default for k, v in inspect.signature(generate).parameters.items() if k != "run_dir"}
+    assert defaults == {k: command[k] for k in defaults}
+
+
+def test_sample_from_python_with_no_options_samples_with_the_commands_defaults(tiny_run, monkeypatch):
+    import nanolm.instruments.trained as trained
+    from nanolm.instruments.cli import build_parser
+    from nanolm.machine.device import resolve_device
+
+    seen = []
+    monkeypatch.setattr(trained, "sample_text", lambda *args: seen.append(args[2:]) or "")
+    trained.generate(tiny_run)
+    c = build_parser().parse_args(["sample", "--run", "r"])
+    assert seen == [(resolve_device(c.device), c.max_new_tokens, c.prompt, c.temperature, c.top_k, c.top_p, c.seed)]

@@ -477,6 +477,19 @@ def test_a_guard_left_at_its_defaults_is_the_command_lines_guard():
     assert guard.history.maxlen == options.spike_window
 
 
+def test_a_guard_built_from_its_section_takes_every_option_of_it(tmp_path):
+    """The run and a replay build their guard from the ``[guard]`` section: each option reaches it."""
+    from nanolm.run.config import GuardOptions
+
+    options = GuardOptions(on_nan="skip", on_spike="rollback", spike_window=17, spike_threshold=3.5, max_rollbacks=7,
+                           rollback_lr_scale=0.25)
+    guard = Guard.from_options(options, out_dir=tmp_path, log=print, rollback_to=list, explain_nan=len)
+    assert (guard.on_nan, guard.on_spike, guard.max_rollbacks, guard.rollback_lr_scale) == ("skip", "rollback", 7, 0.25)
+    for detector in (guard.loss, guard.grad):
+        assert (detector.threshold, detector.values.maxlen) == (3.5, 17)
+    assert guard.out_dir == tmp_path and guard.rollback_to is list and guard.explain_nan is len
+
+
 def test_a_guard_remembers_a_window_of_steps_and_judges_gradients_as_ratios(tmp_path):
     guard, _ = _guard(tmp_path, window=30, threshold=4.0)
     assert (guard.loss.threshold, guard.grad.threshold) == (4.0, 4.0)

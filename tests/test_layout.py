@@ -26,6 +26,7 @@ WEEKS_FILES = {"train.py", "step.py", "model.py", "fused_loss.py", "batches.py"}
 # default on a CPU: whether a trial of thread counts is due, and the trial when it is).
 COMPONENTS = {"watch/guards.py": {"decide", "check", "is_spike", "zscore", "add", "_scaled"},
               "watch/observer.py": {"gradient_watch", "logs", "is_stats_step"},
+              "watch/validator.py": {"due"},  # the observer logs every evaluation step: it asks the schedule
               "machine/threads.py": {"before_step", "_due", "<lambda>", "trial", "candidate_counts", "_time_pass"}}
 
 

@@ -1,9 +1,8 @@
 """Preparing a corpus once: documents → tokenizer → token shards, with what a run needs to know of them.
 
 :func:`prepare` trains the tokenizer and tokenizes once into the shards of
-``nanolm/data/shards.py``. The stream is ``EOS doc EOS doc ... doc EOS``: every document sits
-between two EOS tokens, so every one of its tokens, and its end, is predicted. Beside the
-shards it records two references for the loss: the bits per byte that zlib and xz need for the
+``nanolm/data/shards.py`` (whose :func:`~nanolm.data.shards.join_documents` says how the
+documents are laid out in the stream). Beside the shards it records two references for the loss: the bits per byte that zlib and xz need for the
 validation text, and, for the built-in stories, their exact entropy. :func:`load_training_data`
 is what a run does with ``--data``: the built-in corpus, shards prepared before, a corpus
 downloaded by name, or a file prepared now.

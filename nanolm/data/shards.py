@@ -3,7 +3,7 @@
 ``nanolm prepare`` (``nanolm/data/prepare.py``) writes each split as one flat token file
 (``train.bin``/``val.bin``, uint16 when the vocabulary fits, else uint32), read back through
 ``np.memmap``: the OS pages in only what a batch touches, so a corpus larger than memory
-trains fine. The stream is ``EOS doc EOS doc ... doc EOS``. Beside the shards: where each
+trains fine. The stream's layout is :func:`join_documents`'s. Beside the shards: where each
 document starts (for the document mask), the tokenizer, and ``meta.json`` with every file's
 checksum. :class:`PreparedData` opens such a directory and checks it before anything trains on it.
 """
@@ -182,6 +182,8 @@ class SplitWriter:
 
 
 def join_documents(ids_list: list[np.ndarray], eos_id: int) -> np.ndarray:
-    """One token stream ``EOS doc EOS doc ... EOS`` from encoded documents."""
+    """One token stream ``EOS doc EOS doc ... doc EOS`` from encoded documents: every document
+    sits between two EOS tokens, so every one of its tokens, and its end, is predicted (the
+    EOS before it is the context of its first token)."""
     eos = np.array([eos_id])
     return np.concatenate([eos] + [part for ids in ids_list for part in (ids, eos)])

@@ -15,5 +15,6 @@ settings (``process``) and the lab's list of variants, for ``--help``:
 * ``replay``: one logged step again, fully instrumented;
 * ``sweep``: short runs at several learning rates;
 * ``report``: plots and a self-contained HTML page;
-* ``export``: a run as a Hugging Face ``transformers`` model.
+* ``export``: a run as a Hugging Face ``transformers`` model;
+* ``trained``: a trained run put to use: ``nanolm sample`` and ``nanolm eval``.
 """

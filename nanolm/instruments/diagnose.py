@@ -1,61 +1,16 @@
 """``nanolm diagnose RUN_DIR``: say in plain words what went wrong in a run, with the numbers.
 
-A run's record is two files: ``metrics.jsonl`` (loss, learning rate, gradient norm, clipping,
-per-layer statistics, evaluations with the data's floor, fp16 loss scale; see
-``docs/observability.md``) and ``events.jsonl`` (what the guards saw and did, and when the run
-was resumed; see ``nanolm.watch.guards``). Diagnosis reads those two files and nothing else: not
-the configuration, and certainly not the hidden ``--debug-*`` switches that the lab uses to
-break runs on purpose. A rule that only fired because it knew how the run was broken would
-teach nothing; each rule here has to recognise a failure the way a person reading the
-curves would, from the numbers alone.
+Diagnosis reads a run's two records, ``metrics.jsonl`` and ``events.jsonl``, and nothing else:
+not the configuration, and certainly not the hidden ``--debug-*`` switches the lab breaks runs
+with. A rule that fired because it knew how the run was broken would teach nothing; each rule
+recognises a failure the way a person reading the curves would, from the numbers alone, and a
+rule that is unsure stays silent (a false alarm on a healthy run costs more trust than a missed
+subtle problem). Each returns a :class:`Finding`: a name, what was seen and what it usually
+means, the evidence, and the section of docs/runbooks.md that says what to do.
 
-Each rule looks for one pattern that experienced practitioners know by sight, and returns a
-:class:`Finding`: a short name, a message (what was seen, what it usually means, what to do)
-and the evidence (steps and values) it rests on. The thresholds are module constants, chosen
-so that healthy runs of several seeds give no finding at all (``tests/test_diagnose.py`` holds
-recorded healthy and broken traces and checks both directions). A rule that is unsure stays
-silent: a false alarm on a healthy run costs more trust than a missed subtle problem.
-
-The rules and what they look for (``docs/health.md`` has the long version):
-
-* ``non_finite``: a NaN/inf loss or gradient (guard events, or non-finite rows).
-* ``guard_actions``: steps the guard skipped or rolled back because of a spike.
-* ``loss_stuck``: the loss never left its starting value (≈ ln V, uniform guessing).
-* ``leak``: the loss went below the data's entropy floor, which no honest model can.
-* ``loss_spike``: a loss spike preceded by a gradient-norm spike (an LR too high, often at
-  the end of warmup).
-* ``data_spikes``: the loss jumps up on isolated steps without any gradient-norm warning
-  and falls straight back (some batches are unlike the rest: corrupt or foreign data).
-* ``clipped_most_steps``: the gradient norm is above the clip threshold on most steps after
-  warmup (LR too high, or a gradient scaled up, e.g. a loss summed instead of averaged).
-* ``memorising``: the validation loss rises while the training loss falls.
-* ``val_worse_than_start``: the validation loss ends above the untrained model's while the
-  training loss falls (a shortcut that exists only in training batches).
-* ``train_loss_rising``: the training loss ended well above its best.
-* ``resume_jump``: right after a resume, a burst in the gradient norm and the loss (the
-  optimizer state was not restored: Adam's first step is full size).
-* ``fp16_overflow``: many steps skipped for overflow, or the loss scale collapsing.
-* ``fp16_underflow``: under fp16, a good share of the gradient values below fp16's normal range.
-* ``attention_logits``: attention logits grown far beyond a healthy range (QK-norm).
-* ``dead_units``: a large share of MLP units that never open, for good.
-
-Four rules read the recipe the step-0 row records (the optimizer's settings as run: clip,
-betas, schedule, which tensors are decayed), because some mistakes are choices, not curves:
-
-* ``no_clipping``: clipping is off and a gradient norm reached 10x its median.
-* ``slow_second_moment``: beta2 near 1 with a warmup far shorter than the second moment's
-  memory, and an early burst of the gradient norm or the attention logits.
-* ``no_lr_decay``: the learning rate ends at its peak (a constant schedule).
-* ``decay_on_norms``: weight decay on norm gains, biases or embeddings.
-
-One rule reads the setup the step-0 row records: when it is a shipped recipe's
-(``nanolm.watch.reference``),
-
-* ``left_reference_band``: a number left the band the recipe's healthy seeds stay in, with
-  the step, the value and the band; or the validation curve as a whole sits farther from the
-  seeds' mean than healthy runs do (``nanolm.watch.curve``), with how far and how rare.
-
-Each finding names the section of ``docs/runbooks.md`` that says what to do, step by step.
+The rules, their thresholds (the module constants below, set so that healthy runs of several
+seeds, rhythms, a clean resume and fp16 give no finding: ``tests/test_diagnose.py`` holds both
+directions) and how spikes are found are told once, in docs/health.md ("nanolm diagnose").
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ import torch
 from ..batches import TrainBatches
 from ..checkpoint import Checkpointer
 from ..model import GPT, Attention
-from ..precision import BF16AdamW, DynamicLossScaler
+from ..optim import BF16AdamW
+from ..precision import DynamicLossScaler
 from ..run.config import RunConfig
 from ..step import summed_token_loss
 
@@ -135,10 +136,10 @@ class ForgetfulCheckpointer(Checkpointer):
     """Restores everything but the optimizer state: Adam's first update after a resume is
     full size again, a visible jolt in the loss and gradient norm."""
 
-    def restore(self, path, data_position: bool = True) -> int:
+    def restore(self, path, keep_data_position: bool = False) -> int:
         optimizer, self.optimizer = self.optimizer, None  # load_run_checkpoint then leaves it as it is
         try:
-            return super().restore(path, data_position)
+            return super().restore(path, keep_data_position)
         finally:
             self.optimizer = optimizer
 

@@ -110,9 +110,7 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
                             random_offset=d.random_offset)
     batches = components.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum,
                             doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
-    guard = Guard(out_dir=None, on_nan=g.on_nan, on_spike=g.on_spike, window=g.spike_window,
-                  threshold=g.spike_threshold, max_rollbacks=g.max_rollbacks, rollback_lr_scale=g.rollback_lr_scale,
-                  log=log)
+    guard = Guard.from_options(g, out_dir=None, log=log)
     checkpointer = Checkpointer(dist=Distributed("none", dev), run_dir=run_dir, model=model, optimizer=optimizer,
                                 stateful={"sampler": batches, "scaler": scaler, "progress": Progress(), "guard": guard,
                                           "observer": _Ignored()},

@@ -45,6 +45,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..batches import fewer_tokens_than_a_window
 from ..checkpoint import (
     CHECKPOINTS,
     check_training_state,
@@ -379,10 +380,7 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
         else:
             data = load_training_data(cfg, scratch, log, compressor_bounds=False)  # nothing in a run reads them
         if len(data.train) < cfg.model.seq_len + 1:
-            raise NanolmError(
-                f"the training split holds {len(data.train)} tokens, fewer than one window of "
-                f"--seq-len + 1 = {cfg.model.seq_len + 1}; use more text or a smaller --seq-len"
-            )
+            raise fewer_tokens_than_a_window(len(data.train), cfg.model.seq_len)
         if checkpoint is not None:
             check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data, plan.data_moved)
         data.check_vocab(data.tokenizer.vocab_size)

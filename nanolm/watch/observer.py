@@ -1,7 +1,8 @@
 """The observer: what a run shows of itself, and when.
 
-One component owns every decision about watching a run, so that the training loop makes
-one call per step (:meth:`Observer.observe`) and reads no schedule of its own:
+One component owns every decision about watching a run, so that the training loop makes two
+calls per step (:meth:`Observer.observe`, then :meth:`Observer.record_step` with the
+validator's figures when it evaluated) and reads no schedule of its own:
 
 * **when to log**: every ``--log-every`` steps, the first step, every step right after a
   (re)start, statistics steps, evaluation steps and the last one;
@@ -9,8 +10,9 @@ one call per step (:meth:`Observer.observe`) and reads no schedule of its own:
   tokens/s, MFU, memory: ``nanolm.watch.meter``), the loss scaler's under fp16, and on statistics
   steps the per-layer figures, taken by a :class:`GradientWatch` inside the step (the gradients
   before clipping) and after the update (how far each layer moved);
-* **when to evaluate**: every ``--eval-every`` steps and at the end, on the fixed validation
-  set (``nanolm.evaluate``);
+* **what an evaluation adds**: the band's verdict on its validation loss, when the run is a
+  shipped recipe's (the evaluation itself is the validator's, ``nanolm.watch.validator``,
+  which the loop calls; every evaluation step is logged);
 * **where it goes**: ``metrics.jsonl``, the terminal, wandb/TensorBoard (``nanolm.watch.sinks``).
 
 Reading numbers from the device costs a synchronisation, so the observer reads once per
@@ -25,12 +27,11 @@ from pathlib import Path
 import torch
 
 from ..errors import NanolmError
-from ..evaluate import estimate_loss
 from ..precision import grad_subnormal_fraction, grad_zero_fraction
 from ..step import wsd_decay_start
 from .meter import StepMeter
 from .reference import BandWatch, no_reference_line, setup_digest
-from .sinks import Monitor, parse_sinks, perplexity
+from .sinks import Monitor, parse_sinks
 from .stats import LayerStats
 
 
@@ -66,23 +67,23 @@ class GradientWatch:
 
 
 class Observer:
-    """Logs, per-layer statistics, evaluation: when each is due and what it records.
+    """Logs and per-layer statistics: when each is due and what it records.
 
-    Rank 0 writes (``metrics.jsonl``, the terminal, the sinks); every rank evaluates its
-    share of the validation set. ``state_dict()`` holds what a resume continues: the count
-    of clipped steps and the training time so far.
+    Rank 0 writes (``metrics.jsonl``, the terminal, the sinks). ``evaluates(step)`` is the
+    validator's schedule (:meth:`nanolm.watch.validator.Validator.due`): an evaluation step is
+    always logged. ``state_dict()`` holds what a resume continues: the count of clipped steps
+    and the training time so far.
     """
 
-    def __init__(self, *, cfg, dist, out_dir: Path, model, precision, scaler, progress, val_batches: list,
-                 token_bytes: torch.Tensor, floor: dict | None, tokens_per_step: int,
-                 peak: tuple[float | None, str], loss_read_every_step: bool, log=print, optimizer=None,
-                 setup: dict | None = None, reference=None):
+    def __init__(self, *, cfg, dist, out_dir: Path, model, precision, scaler, progress, evaluates,
+                 tokens_per_step: int, peak: tuple[float | None, str], loss_read_every_step: bool, log=print,
+                 optimizer=None, setup: dict | None = None, reference=None):
         t = cfg.train
         self.setup, self.reference = setup, reference  # the run's setup, and the shipped reference it matches (or None)
         self.band = BandWatch(reference, cfg.train.seed) if reference is not None else None
         self.optimizer = optimizer
         self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
-        self.progress, self.val_batches, self.token_bytes, self.floor = progress, val_batches, token_bytes, floor
+        self.progress, self.evaluates = progress, evaluates
         self.tokens_per_step, self.log, self.out_dir = tokens_per_step, log, out_dir
         # one device's peak FLOP/s and where the figure comes from (``nanolm.machine.hardware.peak_flops``); MFU
         # is measured against every rank's together
@@ -98,10 +99,10 @@ class Observer:
         return f"MFU: {self.model.flops_per_token() / 1e6:.2f} MFLOP per token, against {peak} ({self.peak_source})"
 
     # ---------------------------------------------------------------- the run's start
-    def start(self) -> None:
+    def start(self, evaluation: dict | None = None) -> None:
         """Open the logs where the run stands (a resumed run's ``metrics.jsonl`` is cut back to
-        its checkpoint's step), start the clocks, and for a new run record the untrained
-        model's evaluation as its step-0 row."""
+        its checkpoint's step), start the clocks, and for a new run record its step-0 row: the
+        recipe and setup, with the untrained model's ``evaluation`` when there is one."""
         t, step = self.t, self.progress.step
         if self.dist.is_main:
             self.monitor = Monitor(self.out_dir, t.steps, parse_sinks(t.log), self.cfg.to_dict(), self.log, t.progress,
@@ -115,7 +116,7 @@ class Observer:
         if step == 0:
             row = {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(), **self.meter.constants(),
                    **self.recipe(), **self.reference_keys()}
-            self.record(self.evaluate(0, row) if t.eval_at_start else row)
+            self.record(self.judged({**row, **evaluation}) if evaluation else row)
         self.meter.lap(step)
 
     def announce_reference(self) -> None:
@@ -163,7 +164,7 @@ class Observer:
     # ---------------------------------------------------------------- one step
     def logs(self, step: int) -> bool:
         t = self.t
-        return (step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps or step == 1
+        return (step % t.log_every == 0 or self.evaluates(step) or step == t.steps or step == 1
                 or is_stats_step(step, t.stats_every) or step - self.restarted_at <= 3)  # a (re)start: all shown
 
     def gradient_watch(self, step: int, micro_batches) -> GradientWatch | None:
@@ -176,13 +177,14 @@ class Observer:
 
     def observe(self, result) -> dict:
         """After a step that stands: count it; on a logged step, read its figures (one host
-        sync), evaluate when due, and record the row. Returns the row ({} when not logged)."""
+        sync) and return its row, for :meth:`record_step` ({} when the step is not logged)."""
         step = result.step
+        loss, grad_norm = result.read if result.read is not None else (result.loss, result.grad_norm)  # read once
         if result.updated:
-            self.meter.count_clipped(result.grad_norm)
+            self.meter.count_clipped(grad_norm)
         if not self.logs(step):
             return {}
-        row = self.meter.row(step, result.loss, result.lr, result.grad_norm)  # the one host sync of a logged step
+        row = self.meter.row(step, loss, result.lr, grad_norm)  # the one host sync of a logged step
         row["tokens"] = self.progress.tokens_seen
         if self.dist.device.type == "cpu":
             row["threads"] = torch.get_num_threads()  # --threads auto may change it mid-run
@@ -192,26 +194,21 @@ class Observer:
         if not (self.loss_read_every_step or self.scaler.enabled or math.isfinite(row["loss"])):
             self.record(row)  # a guard that reads no step sees the loss only here (fp16: the scaler's to skip)
             raise NanolmError(f"the loss became {row['loss']} at step {row['step']}; lower --lr or raise --warmup")
-        if step % self.t.eval_every == 0 or step == self.t.steps:
-            row = self.evaluate(step, row)
-        self.record(row)
-        self.meter.lap(step)
         return row
 
-    def evaluate(self, step: int, row: dict) -> dict:
-        """The validation loss and bits per byte, on every rank's share of the fixed set."""
-        if not self.val_batches:
-            return row
-        with self.precision.autocast():
-            result = estimate_loss(self.model, self.dist.share_of(self.val_batches), self.token_bytes,
-                                   self.dist.device, reduce=self.dist.sum_tensors if self.dist.active else None)
-        self.dist.reshard(self.model)
-        row.update(step=step, val_loss=result["loss"], val_bpb=result["bpb"], val_ppl=perplexity(result["loss"]))
-        if self.floor:
-            row.update(floor_bpb=self.floor["bpb"], floor_loss=self.floor["nats_per_token"])
-        if self.band is not None:
-            row.update(self.band.update(step, result["loss"]))
-        self.progress.evaluated(result["loss"], result["bpb"])
+    def record_step(self, row: dict) -> None:
+        """Record a logged step's row, with the validator's figures when it evaluated (and the
+        band's verdict on them), and start the next step's clock. Nothing for a step not logged."""
+        if not row:
+            return
+        self.record(self.judged(row))
+        self.meter.lap(row["step"])
+
+    def judged(self, row: dict) -> dict:
+        """``row`` with the band's verdict on its validation loss, when it holds one and the run
+        is a shipped recipe's."""
+        if self.band is not None and "val_loss" in row:
+            row.update(self.band.update(row["step"], row["val_loss"]))
         return row
 
     def target_reached(self, row: dict) -> bool:
