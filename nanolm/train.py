@@ -84,7 +84,7 @@ from .run.final import clear_final, save_final_weights
 from .base.lock import RunLock
 from .sample import sample_text
 from .step import StepSetup, cosine_lr, discarded_pass, learning_rate, summed_token_loss, train_step  # noqa: F401 (cosine_lr: the course's)
-from .watch.guards import Guard, nan_origin, reads_every_step
+from .watch.guards import Guard, nan_origin
 from .watch.observer import Observer
 from .watch.reference import find_reference, setup_of
 from .watch.sinks import missing_sink_packages, parse_sinks
@@ -337,7 +337,6 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
     saves the state of every other component)."""
     t, o, g, tokenizer = cfg.train, cfg.optim, cfg.guard, data.tokenizer
     model, optimizer, scaler = trainable.model, trainable.optimizer, trainable.scaler
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
     peak = peak_flops(dist.device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
     setup = setup_of(cfg, data.digest, precision.name, dist.device.type, dist.world_size)
     progress = Progress()
@@ -345,8 +344,7 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
                           token_bytes=torch.from_numpy(tokenizer.token_bytes()), progress=progress, every=t.eval_every,
                           last_step=t.steps, at_start=t.eval_at_start, floor=data.meta.get("floor"))
     observer = Observer(cfg=cfg, dist=dist, out_dir=out_dir, model=model, precision=precision, scaler=scaler,
-                        progress=progress, evaluates=validator.due, tokens_per_step=tokens_per_step, peak=peak,
-                        loss_read_every_step=reads_every_step(g.on_nan, g.on_spike), log=log, optimizer=optimizer,
+                        progress=progress, evaluates=validator.due, peak=peak, log=log, optimizer=optimizer,
                         setup=setup, reference=find_reference(setup))
     guard = Guard.from_options(g, out_dir=out_dir if dist.is_main else None, log=observer.write,
                                rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),

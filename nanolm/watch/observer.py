@@ -30,6 +30,7 @@ from ..errors import NanolmError
 from ..precision import grad_subnormal_fraction, grad_zero_fraction
 from ..step import wsd_decay_start
 from .meter import StepMeter
+from .guards import reads_every_step
 from .reference import BandWatch, no_reference_line, setup_digest
 from .sinks import Monitor, parse_sinks
 from .stats import LayerStats
@@ -76,20 +77,21 @@ class Observer:
     """
 
     def __init__(self, *, cfg, dist, out_dir: Path, model, precision, scaler, progress, evaluates,
-                 tokens_per_step: int, peak: tuple[float | None, str], loss_read_every_step: bool, log=print,
-                 optimizer=None, setup: dict | None = None, reference=None):
+                 peak: tuple[float | None, str], log=print, optimizer=None, setup: dict | None = None, reference=None):
         t = cfg.train
         self.setup, self.reference = setup, reference  # the run's setup, and the shipped reference it matches (or None)
         self.band = BandWatch(reference, cfg.train.seed) if reference is not None else None
         self.optimizer = optimizer
         self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
         self.progress, self.evaluates = progress, evaluates
+        # every rank's windows of every micro-batch: the tokens one optimizer step trains on
+        tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
         self.tokens_per_step, self.log, self.out_dir = tokens_per_step, log, out_dir
         # one device's peak FLOP/s and where the figure comes from (``nanolm.machine.hardware.peak_flops``); MFU
         # is measured against every rank's together
         (self.device_peak, self.peak_source), self.cfg = peak, cfg
         self.peak = self.device_peak * dist.world_size if self.device_peak else None
-        self.loss_read_every_step = loss_read_every_step  # the guard's (``nanolm.watch.guards.reads_every_step``)
+        self.loss_read_every_step = reads_every_step(cfg.guard.on_nan, cfg.guard.on_spike)  # the guard reads each step
         self.monitor, self.meter, self.resumed = None, None, {}
         self.restarted_at = 0
 
