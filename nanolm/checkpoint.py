@@ -436,6 +436,17 @@ class Checkpointer:
         self.stateful, self.config_toml, self.tokenizer, self.data_digest = stateful, config_toml, tokenizer, data_digest
         self.every, self.last_step, self.keep, self.log = every, last_step, keep, log
 
+    @classmethod
+    def for_run(cls, cfg, *, dist, run_dir, model, optimizer, stateful: dict, tokenizer, data_digest: str,
+                log=print) -> "Checkpointer":
+        """The checkpointer of a run configured by ``cfg``: its ``[train]`` section says how
+        often (``ckpt_every``), until which step, and how many to keep; the config is saved
+        in every checkpoint."""
+        t = cfg.train
+        return cls(dist=dist, run_dir=run_dir, model=model, optimizer=optimizer, stateful=stateful,
+                   config_toml=cfg.to_toml(), tokenizer=tokenizer, data_digest=data_digest, every=t.ckpt_every,
+                   last_step=t.steps, keep=t.keep, log=log)
+
     def due(self, step: int, stop_signal: int | None = None, target_reached: bool = False) -> bool:
         return step % self.every == 0 or step == self.last_step or bool(stop_signal) or target_reached
 

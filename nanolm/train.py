@@ -122,7 +122,8 @@ class Progress:
 class Components:
     """What a run builds its parts with, nanolm's own by default: ``model(GPTConfig)``,
     ``optimizer(model, cfg, precision)``, ``batches(tokens, sampler, seq_len, eos_id, grad_accum,
-    ...)``, ``loss_fn(model, batch)``, ``scaler(enabled=...)``, ``checkpointer(...)``. The lab
+    ...)``, ``loss_fn(model, batch)``, ``scaler(enabled=...)``, ``checkpointer`` (a
+    :class:`~nanolm.checkpoint.Checkpointer` class: ``checkpointer.for_run(cfg, ...)``). The lab
     (``nanolm.instruments.faults``) passes broken ones, to break a run the way real bugs do,
     and tests pass stand-ins; nothing else in the loop changes."""
 
@@ -353,11 +354,10 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
     step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
                            step_model=trainable.step_model, scaler=scaler, autocast=precision.autocast, dist=dist,
                            guard=guard, loss_fn=components.loss_fn, watch=observer.gradient_watch)
-    checkpointer = components.checkpointer(
-        dist=dist, run_dir=out_dir, model=model, optimizer=optimizer,
+    checkpointer = components.checkpointer.for_run(
+        cfg, dist=dist, run_dir=out_dir, model=model, optimizer=optimizer, tokenizer=tokenizer,
         stateful={"sampler": batches, "scaler": scaler, "progress": progress, "guard": guard, "observer": observer},
-        config_toml=cfg.to_toml(), tokenizer=tokenizer, data_digest=data.digest, every=t.ckpt_every,
-        last_step=t.steps, keep=t.keep, log=observer.write)
+        data_digest=data.digest, log=observer.write)
     return observer, validator, guard, step_setup, checkpointer
 
 

@@ -382,3 +382,20 @@ def test_the_mps_random_state_is_saved_and_restored_when_there_is_an_mps_device(
     assert torch.equal(state["mps"], saved["state"])
     runtime.restore_rng(state, "mps")
     assert torch.equal(saved["restored"], saved["state"])
+
+
+def test_a_checkpointer_built_for_a_run_takes_its_schedule_and_config_from_the_train_section(tmp_path):
+    """The run, the lab's broken checkpointers and a replay all build theirs from the config."""
+    from nanolm.checkpoint import Checkpointer
+    from nanolm.distributed import Distributed
+    from nanolm.instruments.faults import ForgetfulCheckpointer
+    from nanolm.run.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.train.ckpt_every, cfg.train.steps, cfg.train.keep = 7, 50, 2
+    for kind in (Checkpointer, ForgetfulCheckpointer):
+        c = kind.for_run(cfg, dist=Distributed(), run_dir=tmp_path, model=None, optimizer=None, stateful={},
+                         tokenizer=None, data_digest="d", log=print)
+        assert type(c) is kind and (c.every, c.last_step, c.keep, c.data_digest) == (7, 50, 2, "d")
+        assert c.config_toml == cfg.to_toml() and c.run_dir == tmp_path
+        assert [s for s in range(1, 51) if c.due(s)] == [7, 14, 21, 28, 35, 42, 49, 50]

@@ -111,11 +111,10 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
     batches = components.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum,
                             doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
     guard = Guard.from_options(g, out_dir=None, log=log)
-    checkpointer = Checkpointer(dist=Distributed("none", dev), run_dir=run_dir, model=model, optimizer=optimizer,
-                                stateful={"sampler": batches, "scaler": scaler, "progress": Progress(), "guard": guard,
-                                          "observer": _Ignored()},
-                                config_toml="", tokenizer=tokenizer, data_digest=data.digest, every=t.ckpt_every,
-                                last_step=t.steps, log=log)
+    checkpointer = Checkpointer.for_run(cfg, dist=Distributed("none", dev), run_dir=run_dir, model=model,
+                                        optimizer=optimizer, tokenizer=tokenizer, data_digest=data.digest, log=log,
+                                        stateful={"sampler": batches, "scaler": scaler, "progress": Progress(),
+                                                  "guard": guard, "observer": _Ignored()})
     start = checkpointer.restore(checkpoint)
     step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
                            scaler=scaler, autocast=precision.autocast, guard=guard, loss_fn=components.loss_fn)
