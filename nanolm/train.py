@@ -341,9 +341,9 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
     peak = peak_flops(dist.device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
     setup = setup_of(cfg, data.digest, precision.name, dist.device.type, dist.world_size)
     progress = Progress()
-    validator = Validator(model=model, dist=dist, precision=precision, batches=val_batches,
-                          token_bytes=torch.from_numpy(tokenizer.token_bytes()), progress=progress, every=t.eval_every,
-                          last_step=t.steps, at_start=t.eval_at_start, floor=data.meta.get("floor"))
+    validator = Validator.for_run(cfg, model=model, dist=dist, precision=precision, batches=val_batches,
+                                  token_bytes=torch.from_numpy(tokenizer.token_bytes()), progress=progress,
+                                  floor=data.meta.get("floor"))
     observer = Observer(cfg=cfg, dist=dist, out_dir=out_dir, model=model, precision=precision, scaler=scaler,
                         progress=progress, evaluates=validator.due, peak=peak, log=log, optimizer=optimizer,
                         setup=setup, reference=find_reference(setup))

@@ -313,3 +313,19 @@ def test_sample_from_python_with_no_options_samples_with_the_commands_defaults(t
     trained.generate(tiny_run)
     c = build_parser().parse_args(["sample", "--run", "r"])
     assert seen == [(resolve_device(c.device), c.max_new_tokens, c.prompt, c.temperature, c.top_k, c.top_p, c.seed)]
+
+
+def test_a_validator_built_for_a_run_takes_its_schedule_from_the_train_section():
+    from nanolm.distributed import Distributed
+    from nanolm.precision import resolve_precision
+    from nanolm.run.config import RunConfig
+    from nanolm.train import Progress
+    from nanolm.watch.validator import Validator
+
+    cfg = RunConfig()
+    cfg.train.eval_every, cfg.train.steps, cfg.train.eval_at_start = 40, 90, False
+    validator = Validator.for_run(cfg, model=tiny_model(), dist=Distributed(), batches=_batches(), progress=Progress(),
+                                  precision=resolve_precision("fp32", torch.device("cpu")),
+                                  token_bytes=torch.ones(64, dtype=torch.int64), floor={"bpb": 1.0, "nats_per_token": 2.0})
+    assert [s for s in range(0, 100) if validator.due(s)] == [40, 80, 90]
+    assert validator.evaluate(40)["floor_loss"] == 2.0

@@ -27,6 +27,15 @@ class Validator:
         self.token_bytes, self.progress, self.floor = token_bytes, progress, floor
         self.every, self.last_step, self.at_start = every, last_step, at_start
 
+    @classmethod
+    def for_run(cls, cfg, *, model, dist, precision, batches: list, token_bytes: torch.Tensor, progress,
+                floor: dict | None = None) -> "Validator":
+        """The validator of a run configured by ``cfg``: its ``[train]`` section says how often
+        (``eval_every``), until which step, and whether step 0 is evaluated."""
+        t = cfg.train
+        return cls(model=model, dist=dist, precision=precision, batches=batches, token_bytes=token_bytes,
+                   progress=progress, every=t.eval_every, last_step=t.steps, at_start=t.eval_at_start, floor=floor)
+
     def due(self, step: int) -> bool:
         """Whether ``step`` is an evaluation step (the observer logs every one of them)."""
         if step == 0:
