@@ -1,7 +1,7 @@
 """The list of known silent bugs that ``tools/silent_bugs.py`` plants follows the code.
 
-Planting all of them runs the tests once per bug, too long for every run of the suite; this
-check takes milliseconds and fails as soon as a line the list breaks on purpose is edited,
+Planting all of them runs the tests once per bug, too long for every run of the suite; these
+checks find every bug's code (by its tokens, also after reformatting) and plant one end to end,
 so the list is updated with the code instead of silently planting nothing.
 """
 

@@ -19,7 +19,7 @@ changed computation moves (``tests/test_golden.py`` measures both).
     python tools/golden.py              # check this machine against the record
     python tools/golden.py --update     # a change meant to move numbers: record them anew
     python tools/golden.py --add        # numbers unchanged, this machine not yet recorded
-    python tools/golden.py --quick      # the README's whole quick run (300 steps, about a minute)
+    python tools/golden.py --quick      # the README's whole quick run (300 steps)
 
 ``--update`` drops the other machines' records (they hold the numbers of before); ``--add``
 keeps them. ``--quick`` runs the whole quick run and checks it against its own record in the
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "fixtures" / "golden.json"
 PINNED = ["--data", "data/toy.txt", "--vocab-size", "400", "--lr", "3e-3",
           "--deterministic", "--precision", "fp32", "--threads", "1", "--sample-tokens", "0", "--log-every", "1"]
-RECIPE = {"short": PINNED + ["--steps", "20", "--eval-every", "10"],  # the test's: ~8 s on one core
+RECIPE = {"short": PINNED + ["--steps", "20", "--eval-every", "10"],  # the test's: short enough for the suite
           "quick": PINNED + ["--steps", "300"]}  # the README's quick run, every step logged
 ELSEWHERE = 1e-3  # relative agreement of losses and gradient norms on a machine without a record
 
