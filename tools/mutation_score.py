@@ -43,7 +43,7 @@ MODULES = {
     "nanolm/watch/reference.py": ("tests/test_reference.py", "tests/test_compare.py"),
     "nanolm/watch/curve.py": ("tests/test_curve.py", "tests/test_reference.py"),
     "nanolm/instruments/compare.py": ("tests/test_compare.py",),
-    "nanolm/instruments/diagnose.py": ("tests/test_diagnose.py", "tests/test_reference.py"),
+    "nanolm/instruments/diagnose.py": ("tests/test_diagnose.py",),
     "nanolm/watch/guards.py": ("tests/test_guards.py",),
     "nanolm/base/lock.py": ("tests/test_run_lock.py",),
     "nanolm/base/files.py": ("tests/test_files.py", "tests/test_full_disk.py"),

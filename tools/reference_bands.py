@@ -165,7 +165,10 @@ def build(recipe: str, precision: str, dirs: list[Path], curve_dirs: list[Path],
                      regenerate=f"python tools/reference_bands.py --recipes {recipe} --precisions {precision} "
                                 f"--seeds {','.join(map(str, seeds))}"
                                 + (f" --curve-seeds {','.join(map(str, curve_seeds))}" if curve else "")
-                                + (" --reruns" if own else "") + (" --data-dir DIR" if RECIPES[recipe][2] else ""),
+                                + (" --reruns" if own else "")
+                                + (f" {','.join(map(str, rerun_dirs))}" if own and set(rerun_dirs) != set(curve_seeds)
+                                   else "")
+                                + (" --data-dir DIR" if RECIPES[recipe][2] else ""),
                      curve=curve, curve_seeds=curve_seeds if curve else [], seed_curves=own)
 
 
@@ -187,7 +190,8 @@ def main() -> int:
                    "ranges such as 1-19 allowed)")
     p.add_argument("--curve-seeds", default="", help="the seeds the curve test is measured over (20 or more; may share "
                    "the band's); none: no curve test")
-    p.add_argument("--reruns", action="store_true", help="train each curve seed once more with its sums in another "
+    p.add_argument("--reruns", nargs="?", const="all", default="", metavar="SEEDS",
+                   help="train each curve seed (or those of SEEDS, at least 5) once more with its sums in another "
                    "order (2 threads): what a rerun of a seed differs by, for judging a run of one of those seeds "
                    "against its own curve")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "nanolm" / "reference_runs",
@@ -233,9 +237,12 @@ def main() -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         done = list(pool.map(lambda job: (job, train(*job, args.work, data_dir, env=env)), todo))
     reruns: dict[tuple[str, str], dict[int, Path]] = {}
-    if args.reruns and not args.check:  # two threads each: one at a time
+    rerun_seeds = curve_seeds if args.reruns == "all" else parse_seeds(args.reruns)
+    if not set(rerun_seeds) <= set(curve_seeds):
+        raise SystemExit("error: --reruns SEEDS must be among the --curve-seeds (a rerun is judged against its first run)")
+    if rerun_seeds and not args.check:  # two threads each: one at a time
         for recipe, precision, seed in todo:
-            if seed in curve_seeds:
+            if seed in rerun_seeds:
                 out = train(recipe, precision, seed, args.work, data_dir, env=env, replicate=True)
                 reruns.setdefault((recipe, precision), {})[seed] = out
     groups: dict[tuple[str, str], dict[int, Path]] = {}

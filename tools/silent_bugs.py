@@ -455,6 +455,14 @@ BUGS = [
         "until the step needs the machine and the two cannot be read, tested or moved apart",
         "nanolm/machine/threads.py", "from typing import Callable\n",
         "from typing import Callable\n\nfrom ..step import discarded_pass  # noqa: F401\n", tests=("test_layout",)),
+    Bug("stuck_loss_without_a_learning_rate_raises", "diagnose of a run that logged no learning rate (another "
+        "tool's, a trimmed log) whose loss never moved ends in a ValueError traceback instead of naming the stuck loss",
+        "nanolm/instruments/diagnose.py",
+        '''        + (f"the learning rate was {min(lrs):.2e}..{max(lrs):.2e}" if lrs else "no learning rate was logged: check it")''',
+        '''        + f"the learning rate was {min(lrs):.2e}..{max(lrs):.2e}"''', tests=("test_diagnose",)),
+    Bug("spike_in_warmup_called_near_its_end", "a loss spike at step 60 of a 200-step warmup is said to come "
+        '"near the end of warmup": the reader looks at the wrong part of the schedule',
+        "nanolm/instruments/diagnose.py", '    elif s["step"] < warm:', '    elif False:', tests=("test_diagnose",)),
     Bug("readme_tree_names_a_moved_file", "the README's map of the files names a module that is not there: the "
         "newcomer's first search finds nothing", "README.md", "    shards.py       the prepared data on disk",
         "    shard.py        the prepared data on disk"),
@@ -463,7 +471,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden").split()
+              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose").split()
 
 
 # where each bug's file belongs, by the start of its path: the test files of that concern, run
@@ -497,6 +505,7 @@ CONCERN_TESTS = {
     "nanolm/watch/guards.py": ("test_guards",),
     "nanolm/watch/": ("test_stats", "test_sinks", "test_host_reads", "test_platforms"),
     "nanolm/instruments/compare.py": ("test_compare",),
+    "nanolm/instruments/diagnose.py": ("test_diagnose",),
     "nanolm/instruments/trained.py": ("test_evaluate", "test_cli"),
     "nanolm/instruments/doctor.py": ("test_doctor",),
     "nanolm/instruments/replay.py": ("test_replay",),

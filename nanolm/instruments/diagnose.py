@@ -20,7 +20,6 @@ import math
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 from ..errors import NanolmError
@@ -90,43 +89,21 @@ def _r(x, digits: int = 4):
 
 
 class Trace:
-    """A run's rows and events, with the derived series the rules share."""
+    """A run's rows and events, with the derived series the rules share (computed once, here)."""
 
     def __init__(self, rows: list[dict], events: list[dict] | None = None, references=None):
         self.rows = sorted((r for r in rows if "step" in r), key=lambda r: r["step"])
         self.events = sorted((e for e in events or [] if "step" in e), key=lambda e: e["step"])
         self.references = references  # the reference bands to judge by (None: the shipped ones)
-
-    @cached_property
-    def train(self) -> list[dict]:
-        """Training rows with a finite loss (the step-0 row has none)."""
-        return [r for r in self.rows if r["step"] > 0 and _finite(r.get("loss"))]
-
-    @cached_property
-    def evals(self) -> list[dict]:
-        return [r for r in self.rows if _finite(r.get("val_loss"))]
-
-    @cached_property
-    def floor(self) -> float | None:
+        self.last_step = self.rows[-1]["step"] if self.rows else 0
+        self.train = [r for r in self.rows if r["step"] > 0 and _finite(r.get("loss"))]  # step 0 has no loss
+        self.evals = [r for r in self.rows if _finite(r.get("val_loss"))]
         floors = [r["floor_loss"] for r in self.rows if _finite(r.get("floor_loss"))]
-        return floors[-1] if floors else None
-
-    @property
-    def last_step(self) -> int:
-        return self.rows[-1]["step"] if self.rows else 0
-
-    @cached_property
-    def peak_lr(self) -> float | None:
-        lrs = [r["lr"] for r in self.train if _finite(r.get("lr"))]
-        return max(lrs) if lrs else None
-
-    @cached_property
-    def warmup_end(self) -> int:
-        """The step at which the learning rate first reached its peak (1 = no warmup)."""
-        peak = self.peak_lr
-        if peak is None:
-            return 0
-        return next(r["step"] for r in self.train if _finite(r.get("lr")) and r["lr"] >= 0.99 * peak)
+        self.floor = floors[-1] if floors else None
+        lrs = [(r["step"], r["lr"]) for r in self.train if _finite(r.get("lr"))]
+        self.peak_lr = max(lr for _, lr in lrs) if lrs else None
+        # the step at which the learning rate first came within 1 % of its peak (1: no warmup; 0: no rate logged)
+        self.warmup_end = next(step for step, lr in lrs if lr >= 0.99 * self.peak_lr) if lrs else 0
 
     def blocks(self, key: str) -> list[tuple[int, dict[str, float]]]:
         """(step, {block: value}) for every row holding ``key/<block>`` values."""
@@ -196,7 +173,7 @@ def _loss_spikes(train: list[dict]) -> list[dict]:
                             SPIKE_MIN_REL * base[i])
         if resid[i] > threshold or above_start:
             jump = losses[i] - (statistics.median(losses[max(0, i - 3) : i]) if above_start else base[i])
-            flagged[i] = {"threshold": threshold, "above_start": above_start, "jump": jump}
+            flagged[i] = {"above_start": above_start, "jump": jump}
     spikes = []
     for i, f in flagged.items():
         earlier = [g for g in norms[max(0, i - 13) : max(0, i - 3)] if _finite(g)]
@@ -281,9 +258,11 @@ def rule_loss_stuck(t: Trace) -> Finding | None:
     return Finding(
         "loss_stuck", "the loss never moved from its starting value",
         f"The loss started at {start:.3f} and is still {late:.3f} at step {train[-1]['step']} (its best, smoothed: "
-        f"{best:.3f}). e^{start:.2f} ≈ {math.exp(min(start, 50)):.0f}: the model guesses uniformly among about that "
-        f"many tokens, the vocabulary, and has learned nothing. When the optimizer works (the learning rate was "
-        f"{min(lrs):.2e}..{max(lrs):.2e}), a flat loss at ln V means the targets do not follow from the inputs: "
+        f"{best:.3f}). e^{start:.2f} " + (f"≈ {math.exp(start):.0f}" if start <= 50 else f"> {math.exp(50):.1e}")
+        + ": the model guesses uniformly among about that "
+        f"many tokens, the vocabulary, and has learned nothing. When the optimizer works ("
+        + (f"the learning rate was {min(lrs):.2e}..{max(lrs):.2e}" if lrs else "no learning rate was logged: check it")
+        + f"), a flat loss at ln V means the targets do not follow from the inputs: "
         f"misaligned or shuffled labels, corrupted or random token shards, the wrong tokenizer for the shards. "
         f"Decode a batch and look at it (`nanolm doctor` does); check the gradients reach the weights.",
         {"start_loss": _r(start), "final_loss": _r(late), "best_smoothed_loss": _r(best),
@@ -351,8 +330,12 @@ def rule_loss_spike(t: Trace) -> Finding | None:
     peak, warm = t.peak_lr, t.warmup_end
     lr = s.get("lr")
     high = bool(_finite(lr) and peak and lr >= 0.5 * peak)
-    if warm <= 1:
+    if peak is None:
+        when = f"at step {s['step']} (no learning rate was logged)"
+    elif warm <= 1:
         when = "with no warmup: the first steps already ran at the peak rate"
+    elif s["step"] < warm:
+        when = f"during warmup (the learning rate peaks at step {warm})"
     elif s["step"] <= 2 * warm + 10:
         when = f"near the end of warmup (the learning rate peaked at step {warm})"
     else:
@@ -362,7 +345,7 @@ def rule_loss_spike(t: Trace) -> Finding | None:
         f"The loss jumped from about {s['baseline']:.3f} to {s['loss']:.3f} at step {s['step']}, right after the "
         f"gradient norm rose to {s['grad_norm_peak']:.3g} at step {s['grad_norm_peak_step']} "
         f"({s['grad_norm_peak'] / s['grad_norm_reference']:.1f}x its recent median {s['grad_norm_reference']:.3g}), "
-        f"{when}, at a learning rate of {lr if not _finite(lr) else f'{lr:.2e}'}{' (the peak)' if high else ''}. "
+        f"{when}" + (f", at a learning rate of {lr:.2e}{' (the peak)' if high else ''}" if _finite(lr) else "") + ". "
         f"A gradient that grows first and a loss "
         f"that follows is an optimisation instability, not bad data: the update was too large for the curvature "
         f"there. Lower --lr, lengthen --warmup, or bound the attention logits with --qk-norm; "
@@ -437,7 +420,7 @@ def rule_clipped_most_steps(t: Trace) -> Finding | None:
     median_norm = statistics.median(norms) if norms else None
     spread = (statistics.quantiles(norms, n=10)[-1] / max(statistics.quantiles(norms, n=10)[0], 1e-12)
               if len(norms) >= 10 else None)
-    if low is not None and high is not None and low < high:
+    if low is not None and high is not None and low <= high:
         threshold, bounds = f" (the clip threshold lies between {low:.3g} and {high:.3g})", [_r(low), _r(high)]
     elif high is not None:
         threshold, bounds = f" (every logged step was clipped: the clip threshold is below {high:.3g})", [None, _r(high)]
@@ -445,8 +428,10 @@ def rule_clipped_most_steps(t: Trace) -> Finding | None:
         threshold, bounds = "", None
     return Finding(
         "clipped_most_steps", "most steps clipped after warmup",
-        f"{frac:.0%} of the steps after warmup (step {warm}) were clipped; the median gradient norm after warmup is "
-        f"{median_norm:.3g}{threshold}. In a healthy run clipping is frequent during warmup and rare after it. "
+        f"{frac:.0%} of the steps after warmup (step {warm}) were clipped"
+        + (f"; the median gradient norm after warmup is {median_norm:.3g}{threshold}" if median_norm is not None
+           else "; no gradient norm was logged after warmup")
+        + ". In a healthy run clipping is frequent during warmup and rare after it. "
         f"Clipping every step means the clip, not the learning rate, sets the step size: usually the learning rate "
         f"is too high (lower --lr). If the loss otherwise falls smoothly and the norm sits at a steady multiple of the "
         f"threshold, the gradient itself is scaled up: a loss summed instead of averaged (not divided by the "
@@ -495,9 +480,9 @@ def rule_memorising(t: Trace) -> Finding | None:
 def rule_val_worse_than_start(t: Trace) -> Finding | None:
     evals = t.evals
     start = next((r for r in evals if r["step"] == 0), None)
-    if start is None or len(evals) < 3 or t.last_step < MIN_STEPS:
-        return None
     later = [r for r in evals if r["step"] > 0]
+    if start is None or len(later) < 2 or t.last_step < MIN_STEPS:
+        return None
     tail = later[-2:]
     if not all(r["val_loss"] > start["val_loss"] + MEMORISE_MIN_RISE for r in tail):
         return None
@@ -587,8 +572,12 @@ def rule_fp16_overflow(t: Trace) -> Finding | None:
     skip_steps = [b["step"] for a, b in zip(rows, rows[1:]) if b.get("skipped_steps", 0) > a.get("skipped_steps", 0)]
     return Finding(
         "fp16_overflow", "fp16 overflow: skipped steps and a collapsing loss scale",
-        f"Under fp16, {skipped} of {t.last_step} steps were skipped because a gradient overflowed, and the loss scale "
-        f"went from {top:g} down to {min(scales):g} (last {scales[-1]:g}). A healthy fp16 run skips a step now and "
+        "Under fp16, "
+        + (f"{skipped} of {t.last_step} steps were skipped because a gradient overflowed"
+           if any("skipped_steps" in r for r in rows) else "the skipped steps were not logged")
+        + (f", and the loss scale went from {top:g} down to {min(scales):g} (last {scales[-1]:g})"
+           if min(scales) < top else f", at a loss scale of {top:g} throughout")
+        + ". A healthy fp16 run skips a step now and "
         f"then, when the scale probes upward; repeated overflows mean the gradients (or activations) themselves "
         f"exceed fp16's range of 65,504: the run is diverging or its activations are huge. Lower --lr, use --qk-norm, "
         f"or train in bf16 (fp32's range, no loss scaling needed).",
@@ -757,7 +746,8 @@ def rule_no_lr_decay(t: Trace) -> Finding | None:
     return Finding(
         "no_lr_decay", "the learning rate never decays",
         f"The learning rate is still {last_lr:.3g} at step {last_step}, {last_lr / t.peak_lr:.0%} of its peak: it never "
-        f"decayed." + (f" Over the last fifth of the run the loss fell {change:.1%}." if change is not None else "")
+        f"decayed." + (f" Over the last fifth of the run the loss {'fell' if change >= 0 else 'rose'} {abs(change):.1%}."
+                      if change is not None else "")
         + " At a constant rate the weights keep bouncing around the minimum at the scale the rate sets; lowering "
         "the rate at the end (cosine or linear decay to ~10 % of the peak, or the decay phase of a warmup-stable-decay "
         "schedule) lets them settle, and the loss drops further in the last steps. Set --min-lr below --lr (its "
