@@ -119,6 +119,10 @@ def main() -> int:
     seeds, held_out = ref.curve_seeds, parse_seeds(args.held_out)
     if set(held_out) & set(seeds):
         raise SystemExit("error: held-out seeds must be new to the reference")
+    rerun_seeds = parse_seeds(args.rerun_seeds) if args.rerun_seeds else seeds
+    if not set(rerun_seeds) <= set(seeds):
+        raise SystemExit("error: --rerun-seeds must be among the reference's curve seeds (a rerun is judged against "
+                         "its seed's first run)")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def healthy_run(seed, replicate=False):
@@ -127,7 +131,6 @@ def main() -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         firsts = dict(zip(seeds, pool.map(healthy_run, seeds)))
         held = list(pool.map(healthy_run, held_out))
-    rerun_seeds = parse_seeds(args.rerun_seeds) if args.rerun_seeds else seeds
     reruns = {s: healthy_run(s, replicate=True) for s in rerun_seeds}  # two threads each: one at a time
     curves = {s: val_curve(d) for s, d in firsts.items()}
     final = {s: c[max(c)] for s, c in curves.items()}

@@ -115,7 +115,6 @@ class Guard:
         self.log = log
 
     # ---------------------------------------------------------------- what a run asks of it
-
     @classmethod
     def from_options(cls, options, *, out_dir, log=print, rollback_to=None, explain_nan=None) -> "Guard":
         """A guard as the run's ``[guard]`` section (``nanolm.run.config.GuardOptions``) says."""
@@ -123,6 +122,7 @@ class Guard:
                    threshold=options.spike_threshold, max_rollbacks=options.max_rollbacks,
                    rollback_lr_scale=options.rollback_lr_scale, log=log, rollback_to=rollback_to,
                    explain_nan=explain_nan)
+
     def decide(self, step: int, loss: float, grad_norm: float, lr: float):
         """:meth:`check`, then the fallbacks: (action, event, the checkpoint to roll back to)."""
         action, event = self.check(step, loss, grad_norm, lr)
