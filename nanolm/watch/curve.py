@@ -9,11 +9,20 @@ question of the curve as a whole.
 **The statistic.** For each evaluation after step 0, the log of the run's validation loss
 minus the mean of the seeds' logs at that step: how many per cent above (or below) the seeds'
 mean the run is there. Their average over the evaluations so far is the run's *excess*
-(``exp(excess) - 1`` is the "+6.1 %" of the log line). Successive evaluations of one run are
-strongly correlated (a seed that starts high tends to stay high), so averaging them does not
-shrink the noise as it would for independent points: the excess's variance is taken from the
-seeds' own covariance of the evaluations, ``1' C 1 / k²`` over the first ``k`` of them, times
-``1 + 1/N`` because the seeds' mean is itself an estimate from ``N`` seeds. The excess over
+(``exp(excess) - 1`` is the "+6.1 %" of the log line). Not a plain average: healthy seeds agree
+closely at some evaluations (at the end of a run with a decayed learning rate, within a few
+tenths of a per cent) and wander apart at others (mid-run, by several per cent), and a
+departure of 2 % means much where they agree and nothing where they do not. So each evaluation
+is weighted by one over the seeds' standard deviation there: the test then adds the
+evaluations' departures in units of the seeds' spread, each evaluation's z-score, as Stouffer's
+method combines correlated tests; with equal spreads it is the plain average. (Weights of one
+over the variance, the precision, lean harder on the last evaluations: measured, they see
+smaller shifts on the default run and larger ones on the quick run, docs/benchmarks.md.)
+Successive evaluations of one run are strongly correlated (a seed that starts high tends to stay
+high), so averaging them does not shrink the noise as it would for independent points: the
+excess's variance is taken from the seeds' own covariance of the evaluations, ``w' C w`` for the
+weights ``w`` of the first ``k`` of them (summing to one), times ``1 + 1/N`` because the seeds'
+mean is itself an estimate from ``N`` seeds. The excess over
 its standard deviation is then a t statistic with ``N - 1`` degrees of freedom (a prediction
 test: is a new draw from the same recipe this far out?), and "a healthy run is this far about
 1 time in M" is its one-sided tail.
@@ -131,8 +140,10 @@ def seed_curves_from_runs(key: str, firsts: dict[int, dict[int, float]], reruns:
 
 def _looks(key: str, steps: list[int], centre, cov: np.ndarray, inflation: float, df: int, threshold: float,
            values: dict[int, float], own_seed: bool = False) -> list["Look"]:
-    """The running-mean test at each evaluation: the mean of log(value) - ``centre`` over the
-    first k steps, over its standard deviation from ``cov`` (times 1 + ``inflation``)."""
+    """The running-mean test at each evaluation: the weighted mean (:func:`look_weights`) of
+    log(value) - ``centre`` over the first k steps, over its standard deviation from ``cov``
+    (times 1 + ``inflation``)."""
+    weights = look_weights(cov)
     out, deltas = [], []
     for i, step in enumerate(steps):
         value = values.get(step)
@@ -142,10 +153,10 @@ def _looks(key: str, steps: list[int], centre, cov: np.ndarray, inflation: float
             deltas.append(math.inf)  # a non-finite loss is as far above as it gets
         else:
             deltas.append(math.log(value) - centre[i])
-        k = len(deltas)
-        sd = math.sqrt(max(float(cov[:k, :k].sum()), 1e-30) / k**2 * (1 + inflation))
-        excess = sum(deltas) / k
-        t = excess / sd if math.isfinite(excess) else math.inf
+        w = weights[i, : i + 1]
+        sd = math.sqrt(max(float(w @ cov[: i + 1, : i + 1] @ w), 1e-30) * (1 + inflation))
+        excess = float(w @ np.array(deltas))  # +inf after a non-finite value: every weight is positive
+        t = excess / sd
         out.append(Look(key, steps[0], step, excess, t, t_tail(abs(t), df), abs(t) > threshold, own_seed))
     return out
 
@@ -213,11 +224,23 @@ def curve_from_seeds(key: str, per_seed: list[dict[int, float]], false_alarm: fl
                  len(per_seed), nine_figures(threshold), false_alarm)
 
 
+SPREAD_FLOOR = 1e-6
+"""The least standard deviation an evaluation's weight is computed from, so that seeds that
+agree exactly at a step (none do) give a huge weight, not a division by zero."""
+
+
+def look_weights(cov: np.ndarray) -> np.ndarray:
+    """Row j: the weights of the first j + 1 evaluations in the test's look after them, each in
+    proportion to one over its standard deviation (from the diagonal of ``cov``), summing to one."""
+    rows = np.tril(np.ones(cov.shape)) / np.maximum(np.sqrt(np.diag(cov)), SPREAD_FLOOR)
+    return rows / rows.sum(axis=1, keepdims=True)
+
+
 def prefix_correlation(cov: np.ndarray) -> np.ndarray:
-    """The correlation of the running means (first 1, 2, ... K evaluations) of a curve whose
-    evaluations have covariance ``cov``: the looks the test takes, one per evaluation."""
-    k = cov.shape[0]
-    weights = np.tril(np.ones((k, k))) / np.arange(1, k + 1)[:, None]  # row j averages the first j + 1
+    """The correlation of the running means (first 1, 2, ... K evaluations, weighted by
+    :func:`look_weights`) of a curve whose evaluations have covariance ``cov``: the looks the
+    test takes, one per evaluation."""
+    weights = look_weights(cov)
     prefix = weights @ cov @ weights.T
     sd = np.sqrt(np.maximum(np.diag(prefix), 1e-300))
     return prefix / np.outer(sd, sd)
