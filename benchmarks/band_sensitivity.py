@@ -129,6 +129,13 @@ def main() -> int:
     if not set(rerun_seeds) <= set(seeds):
         raise SystemExit("error: --rerun-seeds must be among the reference's curve seeds (a rerun is judged against "
                          "its seed's first run)")
+    if rerun_seeds and len(rerun_seeds) < 6:
+        raise SystemExit("error: --rerun-seeds needs at least 6 seeds (each rerun is judged against the noise of the "
+                         "others, at least 5)")
+    regressions = [r for r in args.regressions.split(",") if r]
+    unknown = [r for r in regressions if r not in REGRESSIONS]
+    if unknown:
+        raise SystemExit(f"error: unknown regression {unknown[0]!r}; of: {', '.join(REGRESSIONS)}")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def healthy_run(seed, replicate=False):
@@ -175,7 +182,7 @@ def main() -> int:
               f"among seeds {among / len(held):4.0%}  val_loss band {band / len(held):4.0%}", flush=True)
 
     loo = {s: curve_from_seeds("val_loss", [c for k, c in curves.items() if k != s]) for s in seeds}
-    for name in [r for r in args.regressions.split(",") if r]:
+    for name in regressions:
         plant, flags = REGRESSIONS[name]
         with tempfile.TemporaryDirectory() as tmp:
             copy = planted_tree(Path(tmp), plant)
@@ -200,8 +207,8 @@ def main() -> int:
                  "flagged_band": round(band / n, 3)}
         report["regressions"][name] = entry
         print(f"{name:16s} final val loss {entry['final_val_loss_regression_percent']:+6.2f} % "
-              f"({min(costs):+.1f}..{max(costs):+.1f})   flagged: own seed {_share(entry['flagged_own_seed'])}  among seeds {among / n:4.0%}"
-              f"  band {band / n:4.0%}  ({n} seeds)", flush=True)
+              f"({min(costs):+.1f}..{max(costs):+.1f})   flagged: own seed {_share(entry['flagged_own_seed'])}  "
+              f"among seeds {among / n:4.0%}  band {band / n:4.0%}  ({n} seeds)", flush=True)
     for test in ("own_seed", "among_seeds"):
         caught = [(v["final_val_loss_regression_percent"], k) for k, v in report["regressions"].items()
                   if (v[f"flagged_{test}"] or 0) >= 0.95 and v["final_val_loss_regression_percent"] > 0]

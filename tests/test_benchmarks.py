@@ -326,3 +326,24 @@ def test_every_regression_the_sensitivity_benchmark_plants_breaks_a_line_that_ex
             continue
         file, correct, broken = plant
         assert correct != broken and (BENCHMARKS.parent / file).read_text().count(correct) == 1, name
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("benchmarks/band_sensitivity.py", ["--rerun-seeds", "1,2,3"], "--rerun-seeds needs at least 6 seeds"),
+    ("benchmarks/band_sensitivity.py", ["--regressions", "lr_x0.9,lr_x7"], "unknown regression 'lr_x7'"),
+    ("benchmarks/band_sensitivity.py", ["--held-out", "100-1x9"], "'100-1x9' is not a seed or a range of seeds"),
+    ("tools/reference_bands.py", ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1,2"],
+     "--reruns needs at least 5 of the --curve-seeds"),
+    ("tools/reference_bands.py", ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1-5,99"],
+     "--reruns SEEDS must be among the --curve-seeds"),
+])
+def test_the_reference_tools_refuse_bad_seeds_in_one_line_before_training_anything(tmp_path, script, args, says):
+    """Both tools train for an hour or more before they judge: a mistyped option must stop them at
+    once, with one line, not after the trainings with a traceback."""
+    import subprocess
+
+    work = tmp_path / "work"
+    done = subprocess.run([sys.executable, str(BENCHMARKS.parent / script), *args, "--work", str(work)],
+                          capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
+    assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not work.exists()

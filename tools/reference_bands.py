@@ -177,7 +177,10 @@ def parse_seeds(text: str) -> list[int]:
     seeds = []
     for part in (p for p in text.split(",") if p):
         first, _, last = part.partition("-")
-        seeds += list(range(int(first), int(last) + 1)) if last else [int(first)]
+        try:
+            seeds += list(range(int(first), int(last) + 1)) if last else [int(first)]
+        except ValueError:
+            raise SystemExit(f"error: {part!r} is not a seed or a range of seeds (write them as 1337,1-19)") from None
     return list(dict.fromkeys(seeds))
 
 
@@ -218,6 +221,11 @@ def main() -> int:
         raise SystemExit(f"error: unknown recipe or format {unknown[0]!r}")
     if len(seeds) < 5 and not args.check:
         raise SystemExit("error: a band needs at least 5 seeds")
+    rerun_seeds = curve_seeds if args.reruns == "all" else parse_seeds(args.reruns)
+    if not set(rerun_seeds) <= set(curve_seeds):
+        raise SystemExit("error: --reruns SEEDS must be among the --curve-seeds (a rerun is judged against its first run)")
+    if args.reruns and not args.check and len(rerun_seeds) < 5:
+        raise SystemExit("error: --reruns needs at least 5 of the --curve-seeds (fewer cannot say what a rerun differs by)")
     data_dir = (args.data_dir or default_data_dir()).resolve()
     todo, skipped = [], []
     for recipe in recipes:
@@ -237,9 +245,6 @@ def main() -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         done = list(pool.map(lambda job: (job, train(*job, args.work, data_dir, env=env)), todo))
     reruns: dict[tuple[str, str], dict[int, Path]] = {}
-    rerun_seeds = curve_seeds if args.reruns == "all" else parse_seeds(args.reruns)
-    if not set(rerun_seeds) <= set(curve_seeds):
-        raise SystemExit("error: --reruns SEEDS must be among the --curve-seeds (a rerun is judged against its first run)")
     if rerun_seeds and not args.check:  # two threads each: one at a time
         for recipe, precision, seed in todo:
             if seed in rerun_seeds:
