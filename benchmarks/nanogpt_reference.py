@@ -88,6 +88,7 @@ def main() -> None:
     chars_per_byte = prepare_chars(text, repo / "data" / "shakespeare_char")
     data_s = time.perf_counter() - start
     env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"  # nanoGPT prints without flushing: each line is timed when it arrives
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     out_dir = Path("/tmp") / f"nanogpt-reference-{os.getpid()}"

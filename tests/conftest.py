@@ -1,6 +1,8 @@
+import getpass
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,20 @@ from nanolm.model import GPT, GPTConfig
 
 REPO = Path(__file__).resolve().parent.parent
 LIST_GPU_MARKS = "NANOLM_LIST_GPU_MARKS"
+
+SHELL_SETTINGS = ("PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONUTF8", "NANOLM_NO_LOCK", "NANOLM_CACHE", "RANK",
+                  "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What a developer's shell or a CI service may set that changes how nanolm or Python behaves: the
+suite runs without them, as in a user's bare shell, and its commands with them too (a child
+process inherits this environment). A test that needs one sets it itself."""
+for _name in SHELL_SETTINGS:
+    os.environ.pop(_name, None)
+# torch.compile's cache does not tell the kernel paths apart (PyTorch 2.13): a step compiled under
+# the machine's own kernels, loaded again under ATEN_CPU_CAPABILITY=avx2, computes garbage. The
+# suite keeps one cache per path, as a machine of that kind would have.
+_USER = os.getuid() if hasattr(os, "getuid") else getpass.getuser()  # one cache per user: /tmp is shared
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"nanolm-tests-inductor-{_USER}-"
+                                                                         f"{torch.backends.cpu.get_cpu_capability()}")
 
 
 def pytest_collection_modifyitems(config, items):

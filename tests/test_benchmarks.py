@@ -332,13 +332,17 @@ def test_every_regression_the_sensitivity_benchmark_plants_breaks_a_line_that_ex
     ("benchmarks/band_sensitivity.py", ["--rerun-seeds", "1,2,3"], "--rerun-seeds needs at least 6 seeds"),
     ("benchmarks/band_sensitivity.py", ["--regressions", "lr_x0.9,lr_x7"], "unknown regression 'lr_x7'"),
     ("benchmarks/band_sensitivity.py", ["--held-out", "100-1x9"], "'100-1x9' is not a seed or a range of seeds"),
+    ("benchmarks/other_cpus.py", ["--paths", "native,avx3"], "unknown kernel path 'avx3'"),
+    ("benchmarks/other_cpus.py", ["--threads", "1,two"], "--threads '1,two': write thread counts as 1,2"),
+    ("benchmarks/other_cpus.py", ["--new-seeds", "1-3"], "--new-seeds must be seeds the reference never trained"),
+    ("benchmarks/other_cpus.py", ["--jobs", "0"], "--jobs needs at least 1"),
     ("tools/reference_bands.py", ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1,2"],
      "--reruns needs at least 5 of the --curve-seeds"),
     ("tools/reference_bands.py", ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1-5,99"],
      "--reruns SEEDS must be among the --curve-seeds"),
 ])
 def test_the_reference_tools_refuse_bad_seeds_in_one_line_before_training_anything(tmp_path, script, args, says):
-    """Both tools train for an hour or more before they judge: a mistyped option must stop them at
+    """These tools train for an hour or more before they judge: a mistyped option must stop them at
     once, with one line, not after the trainings with a traceback."""
     import subprocess
 

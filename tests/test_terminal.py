@@ -147,3 +147,43 @@ def test_a_prompt_that_is_not_utf8_is_one_line(finished_run):
                            os.fsdecode(b"caf\xe9")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: --prompt")
+
+
+def _entry_reports(body: str) -> subprocess.CompletedProcess:
+    """``nanolm``'s entry running ``body`` as its command, its output into a pipe, in a user's
+    environment (ordinary buffering: the suite drops PYTHONUNBUFFERED, tests/conftest.py)."""
+    script = ("import sys\nfrom nanolm.instruments import cli\n"
+              f"def command(argv, process_tuning=None):\n{body}\n"
+              "cli.main = command\ncli.entry([])\n")
+    assert "PYTHONUNBUFFERED" not in os.environ
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+def test_a_command_writes_its_output_a_line_at_a_time_into_a_pipe():
+    """``nanolm train | tee log`` shows each step when it ends, and a benchmark that times a run's
+    lines (benchmarks/speedrun.py) reads the time they were printed, not when a buffer filled."""
+    done = _entry_reports("    print(sys.stdout.line_buffering, sys.stdout.isatty())\n    return 0")
+    assert done.returncode == 0 and done.stdout == "True False\n", done
+
+
+def test_text_still_buffered_at_exit_into_a_closed_pipe_ends_quietly():
+    """What a command leaves without a line end waits in the buffer until exit; a reader gone by
+    then meets the entry's flush, not the interpreter's (which could only print "Exception ignored"
+    and exit 120)."""
+    body = ("    import os\n    read, write = os.pipe()\n    os.close(read)\n"
+            "    os.dup2(write, sys.stdout.fileno())\n    sys.stdout.write('no line end')\n    return 0")
+    done = _entry_reports(body)
+    assert done.returncode == 128 + 13 and done.stderr == "", done
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a file whose every write is ENOSPC")
+@pytest.mark.parametrize("argv", [["plan", "--preset", "124m"], ["--help"]], ids=lambda argv: argv[0])
+def test_output_onto_a_full_disk_is_one_line_and_a_failed_status(argv):
+    """``nanolm ... > log`` with the disk full: the output is lost, and the user is told so in one
+    line, not with a traceback from the interpreter's exit."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "nanolm", *argv], stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "No space left on device" in proc.stderr, proc.stderr

@@ -456,6 +456,17 @@ BUGS = [
         "initial distribution in another order: other numbers and a run as good; only numbers compared with before show it",
         "nanolm/model.py", "        for name, p in self.named_parameters():\n            if p.dim() < 2:",
         "        for name, p in sorted(self.named_parameters()):\n            if p.dim() < 2:", tests=("test_golden",)),
+    Bug("norm_epsilon_changed", "RMSNorm's epsilon 1e-5 instead of 1e-6 (another library's default, brought in "
+        "with a refactor): a run as good, other numbers; only numbers compared with before show it, on any CPU",
+        "nanolm/model.py", "    norm_eps: float = 1e-6", "    norm_eps: float = 1e-5", tests=("test_golden",)),
+    Bug("output_block_buffered_into_a_pipe", "`nanolm train | tee log` shows nothing for minutes, a reader that left "
+        "is noticed a buffer later, and the speedrun times each line when a buffer filled: green only where the "
+        "shell sets PYTHONUNBUFFERED", "nanolm/instruments/cli.py",
+        '            stream.reconfigure(errors="replace", line_buffering=True)',
+        '            stream.reconfigure(errors="replace")', tests=("test_terminal",)),
+    Bug("exit_flush_left_to_the_interpreter", "text still buffered when a command ends, its reader gone: the "
+        "interpreter's own flush prints \"Exception ignored\" and a traceback, exit status 120",
+        "nanolm/instruments/cli.py", "    sys.exit(_flushed(code))", "    sys.exit(code)", tests=("test_terminal",)),
     Bug("thread_tuner_imports_the_step_again", "the machine's room imports the course's step above it: it works, "
         "until the step needs the machine and the two cannot be read, tested or moved apart",
         "nanolm/machine/threads.py", "from typing import Callable\n",

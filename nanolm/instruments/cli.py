@@ -492,16 +492,21 @@ class ClosableOutput:
         if self.gone:
             return
         self.gone = True
+        self.discard()
+        if StopOnSignal.active is not None:
+            StopOnSignal.active.request(OUTPUT_CLOSED)
+        else:
+            raise OutputClosed
+
+    def discard(self) -> None:
+        """Point the file descriptor at /dev/null: what is still buffered, and anything written
+        later, goes nowhere instead of failing again (at the interpreter's exit among others)."""
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
         except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
             pass
-        if StopOnSignal.active is not None:
-            StopOnSignal.active.request(OUTPUT_CLOSED)
-        else:
-            raise OutputClosed
 
     def write(self, text):
         if not self.gone:
@@ -588,7 +593,10 @@ def entry(argv: list[str] | None = None) -> None:
 
     What belongs to the process is set here, not in :func:`main`: output that cannot be
     encoded (a sample under ``LC_ALL=C``) is printed with replacement characters rather than
-    ending the command; a reader that goes away ends it quietly (:class:`ClosableOutput`);
+    ending the command; standard output goes out a line at a time even into a pipe or a file
+    (``nanolm train | tee log`` shows each step as it ends, and a reader that left is noticed
+    at the next line, not when a buffer fills); a reader that goes away ends it quietly
+    (:class:`ClosableOutput`), what was still buffered at exit included (:func:`_flushed`);
     and once a run was asked to stop, a further Ctrl-C while the process saves and exits
     changes nothing (:class:`~nanolm.machine.runtime.StopOnSignal`)."""
     for name in ("stdout", "stderr"):
@@ -596,7 +604,7 @@ def entry(argv: list[str] | None = None) -> None:
         if stream is None:  # pythonw, a service: no console at all
             continue
         if hasattr(stream, "reconfigure") and name == "stdout":
-            stream.reconfigure(errors="replace")
+            stream.reconfigure(errors="replace", line_buffering=True)
         setattr(sys, name, ClosableOutput(stream))
     try:
         from ..machine.runtime import StopOnSignal  # PyTorch loads here: a Ctrl-C meanwhile is one line
@@ -611,10 +619,38 @@ def entry(argv: list[str] | None = None) -> None:
         code = 130
     except OutputClosed:
         code = 128 + 13
+    except SystemExit as e:  # argparse's --help and usage errors: its line is printed, the flush below is still due
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            _tell(str(e.code))
+            code = 1
     for name in ("SIGINT", "SIGTERM", "SIGHUP"):  # the process is ending: nothing is left to interrupt
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
-    sys.exit(code)
+    sys.exit(_flushed(code))
+
+
+def _flushed(code: int) -> int:
+    """The exit status once what is still buffered is written out. Text without a line end waits
+    in the buffer until exit; a reader gone by then would meet the interpreter's own flush
+    instead, which can only print "Exception ignored" and exit 120. Flushed here, the end is the
+    quiet one of any closed pipe."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            if stream is not None:
+                stream.flush()
+        except OutputClosed:
+            code = code or 128 + 13
+        except OSError as e:  # `nanolm ... > log` on a full disk: the output is lost; said once, not as a traceback
+            if isinstance(stream, ClosableOutput):
+                stream.discard()
+            if not code:
+                _tell(f"error: the command's {name} could not be written ({e.strerror}); free some space or write "
+                      f"it elsewhere")
+                code = 2
+    return code
 
 
 if __name__ == "__main__":
