@@ -367,3 +367,43 @@ def test_a_seeds_own_curve_is_the_second_moment_of_rerun_differences_floored_and
     expected = second / np.outer(sd, sd) * np.outer(floored, floored)
     assert np.array(own.rerun_cov) == pytest.approx(expected, rel=1e-7)
     assert own.threshold == pytest.approx(max_t_threshold(np.array(own.rerun_cov), 7, 0.05), rel=2e-5)
+
+
+def test_a_new_floor_raises_each_steps_rerun_noise_keeps_its_correlations_and_simulates_the_threshold_again():
+    """What ``tools/reference_bands.py --refloor`` does to a shipped reference when the floor moves,
+    without its trainings: the steps below the floor are raised to it, the others and every
+    correlation kept, the threshold that of the new covariance."""
+    from nanolm.watch.curve import SeedCurves, max_t_threshold
+
+    cov = np.array([[0.002**2, 0.5 * 0.002 * 0.02], [0.5 * 0.002 * 0.02, 0.02**2]])
+    own = SeedCurves("val_loss", [100, 200], {"1": [0.0, 0.0]}, cov.tolist(), 20, 3.0)
+    raised = own.with_floor(0.004)
+    new = np.array(raised.rerun_cov)
+    assert np.sqrt(np.diag(new)) == pytest.approx([0.004, 0.02])
+    assert new[0, 1] / math.sqrt(new[0, 0] * new[1, 1]) == pytest.approx(0.5)
+    assert raised.threshold == pytest.approx(max_t_threshold(new, 21, raised.false_alarm), rel=1e-8)
+    assert raised.with_floor(0.004).rerun_cov == raised.rerun_cov  # a second time changes nothing
+
+
+def test_every_shipped_own_seed_test_allows_at_least_the_rerun_floor():
+    """The floor is what a rerun on another CPU's kernels was measured to differ by: a reference
+    shipped with less (measured under an older floor, not refloored) cries wolf on other machines."""
+    from nanolm.watch.curve import RERUN_FLOOR
+    from nanolm.watch.reference import shipped_references
+
+    own = [ref for ref in shipped_references() if ref.seed_curves is not None]
+    assert own
+    for ref in own:
+        assert min(np.sqrt(np.diag(ref.seed_curves.rerun_cov))) >= RERUN_FLOOR * (1 - 1e-6), ref.name
+
+
+def test_a_widened_curve_divides_every_look_by_its_factor_and_keeps_its_threshold():
+    """A reference whose seeds agree closer than runs on other CPUs do with them is widened by the
+    measured root mean square of those runs' t (tools/reference_bands.py --widen): their t is then
+    about 1, as the threshold assumes."""
+    rng = np.random.default_rng(3)
+    curve = curve_from_seeds("val_loss", as_runs(healthy_curves(20, rng)))
+    run = as_runs(healthy_curves(1, rng) * 1.01)[0]
+    wide = curve.widened(1.5)
+    assert wide.threshold == curve.threshold and wide.mean_log == curve.mean_log
+    assert [w.t for w in wide.looks(run)] == pytest.approx([c.t / 1.5 for c in curve.looks(run)], rel=1e-6)

@@ -18,7 +18,8 @@ measured to do at that step, ``SAFETY`` times over: rounding differences start i
 and every update of the weights amplifies them, so the allowed difference grows with the step
 (:func:`allowed_drift`). ``--kernels`` measures it: it runs the recipe under every kernel path
 this CPU has and records, per value, the largest relative difference between any two of them and
-the other machines' records (``kernel_spread`` in the record file).
+the other machines' records (``kernel_spread`` in the record file). Another PyTorch is not
+compared at all: how far its kernels move the numbers was never measured (:func:`not_comparable`).
 
     python tools/golden.py              # check this machine against the record
     python tools/golden.py --update     # a change meant to move numbers: record them anew

@@ -209,9 +209,20 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REFERENCE_DIR, help="where the reference files are written")
     p.add_argument("--table", action="store_true", help="print the shipped references as docs/health.md's table, "
                    "and train nothing")
+    p.add_argument("--refloor", action="store_true", help="raise the shipped references' own-seed noise to the "
+                   "current RERUN_FLOOR (nanolm/watch/curve.py) and simulate their thresholds again; trains nothing")
+    p.add_argument("--widen", metavar="NAME=FACTOR", default="", help="widen a shipped reference's test among seeds "
+                   "FACTOR times (the root mean square t of healthy runs on other CPUs: benchmarks/other_cpus.py); "
+                   "trains nothing")
     args = p.parse_args()
+    if args.widen:
+        widen(args.out, args.widen)
+        return 0
     if args.table:
         print_table(args.out)
+        return 0
+    if args.refloor:
+        refloor(args.out)
         return 0
     recipes = [r for r in args.recipes.split(",") if r]
     precisions = [x for x in args.precisions.split(",") if x]
@@ -281,12 +292,52 @@ def main() -> int:
         ref = build(recipe, precision, [dirs[s] for s in seeds], [dirs[s] for s in curve_seeds],
                     reruns.get((recipe, precision)))
         path = args.out / f"{ref.name}.json"
-        text = json.dumps(ref.to_json(), indent=1)  # one line per array of numbers: a small file that diffs well
-        text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
-        path.write_text(text + "\n", encoding="utf-8")
+        write_reference(ref, path)
         print(f"wrote {path} ({len(ref.bands)} bands over {len(seeds)} seeds"
               + (f", the curve test over {len(ref.curve_seeds)}" if ref.curve else "") + ")")
     return 0
+
+
+def write_reference(ref, path: Path) -> None:
+    text = json.dumps(ref.to_json(), indent=1)  # one line per array of numbers: a small file that diffs well
+    text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def refloor(directory: Path) -> None:
+    """Each reference's own-seed noise raised to the current ``RERUN_FLOOR`` and its threshold
+    simulated again, without training: what a new floor makes of the shipped references."""
+    from nanolm.watch.curve import RERUN_FLOOR
+    from nanolm.watch.reference import shipped_references
+
+    for ref in shipped_references(directory):
+        if ref.seed_curves is None:
+            continue
+        before = ref.seed_curves.threshold
+        ref.seed_curves = ref.seed_curves.with_floor(RERUN_FLOOR)
+        write_reference(ref, directory / f"{ref.name}.json")
+        print(f"{ref.name}: rerun noise at least {RERUN_FLOOR:.1%} an evaluation, threshold {before} -> "
+              f"{ref.seed_curves.threshold}")
+
+
+def widen(directory: Path, spec: str) -> None:
+    """``NAME=FACTOR``: the reference NAME's test among seeds widened by FACTOR (:meth:`Curve.widened`),
+    and the command that regenerates it told to do the same after its trainings."""
+    from nanolm.watch.reference import shipped_references
+
+    name, _, factor_text = spec.partition("=")
+    ref = next((r for r in shipped_references(directory) if r.name == name), None)
+    try:
+        factor = float(factor_text)
+    except ValueError:
+        factor = 0.0
+    if ref is None or ref.curve is None or not 1.0 <= factor < 10.0:
+        raise SystemExit(f"error: --widen {spec!r}: write NAME=FACTOR, NAME a shipped reference with a curve test, "
+                         f"FACTOR from 1 to 10 (the healthy runs' root mean square t on other CPUs)")
+    ref.curve = ref.curve.widened(factor)
+    ref.regenerate += f"; then python tools/reference_bands.py --widen {name}={factor:g}"
+    write_reference(ref, directory / f"{ref.name}.json")
+    print(f"{ref.name}: the test among seeds widened {factor:g} times")
 
 
 def print_table(directory: Path) -> None:

@@ -467,6 +467,13 @@ BUGS = [
     Bug("exit_flush_left_to_the_interpreter", "text still buffered when a command ends, its reader gone: the "
         "interpreter's own flush prints \"Exception ignored\" and a traceback, exit status 120",
         "nanolm/instruments/cli.py", "    sys.exit(_flushed(code))", "    sys.exit(code)", tests=("test_terminal",)),
+    Bug("rerun_floor_ignored", "a reference seed's run is held to its reruns' noise on one machine alone: on "
+        "another CPU's kernels a healthy run of the default seed is called a regression",
+        "nanolm/watch/curve.py", "    at_least = np.maximum(sd, floor)", "    at_least = sd", tests=("test_curve",)),
+    Bug("curve_widened_by_the_square_root", "a reference widened for other CPUs is widened by the square root of "
+        "the measured factor: healthy default runs on a laptop's kernels are still called regressions",
+        "nanolm/watch/curve.py", "        cov = np.asarray(self.cov_log, dtype=np.float64) * factor**2",
+        "        cov = np.asarray(self.cov_log, dtype=np.float64) * factor", tests=("test_curve",)),
     Bug("thread_tuner_imports_the_step_again", "the machine's room imports the course's step above it: it works, "
         "until the step needs the machine and the two cannot be read, tested or moved apart",
         "nanolm/machine/threads.py", "from typing import Callable\n",
