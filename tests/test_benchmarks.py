@@ -337,6 +337,7 @@ def test_every_regression_the_sensitivity_benchmark_plants_breaks_a_line_that_ex
     ("benchmarks/other_cpus.py", ["--new-seeds", "1-3"], "--new-seeds must be seeds the reference never trained"),
     ("benchmarks/other_cpus.py", ["--jobs", "0"], "--jobs needs at least 1"),
     ("tools/reference_bands.py", ["--widen", "quick-fp32=0.5"], "--widen 'quick-fp32=0.5': write NAME=FACTOR"),
+    ("tools/reference_bands.py", ["--widen", "default-fp32=1.2"], "default-fp32 is widened already"),
     ("tools/reference_bands.py", ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1,2"],
      "--reruns needs at least 5 of the --curve-seeds"),
     ("tools/reference_bands.py", ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1-5,99"],

@@ -156,8 +156,11 @@ def build(recipe: str, precision: str, dirs: list[Path], curve_dirs: list[Path],
 
     seeds, curve_seeds = [seed_of(d) for d in dirs], [seed_of(d) for d in curve_dirs]
     curve = curve_from_seeds("val_loss", [val_curve(d) for d in curve_dirs])
-    own = seed_curves_from_runs("val_loss", {s: val_curve(d) for s, d in zip(curve_seeds, curve_dirs)},
-                                {s: val_curve(d) for s, d in (rerun_dirs or {}).items()})
+    # bf16 holds no own-seed test: another CPU's bf16 units round a seed's run further than a rerun does
+    # (docs/benchmarks.md, the shipped references on other CPUs)
+    own = None if precision == "bf16" else seed_curves_from_runs(
+        "val_loss", {s: val_curve(d) for s, d in zip(curve_seeds, curve_dirs)},
+        {s: val_curve(d) for s, d in (rerun_dirs or {}).items()})
     return Reference(name=f"{recipe}-{precision}", title=RECIPES[recipe][0], command=command, precision=precision,
                      seeds=seeds, machine=machine(),
                      date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], setup=setups[0],
@@ -210,7 +213,8 @@ def main() -> int:
     p.add_argument("--table", action="store_true", help="print the shipped references as docs/health.md's table, "
                    "and train nothing")
     p.add_argument("--refloor", action="store_true", help="raise the shipped references' own-seed noise to the "
-                   "current RERUN_FLOOR (nanolm/watch/curve.py) and simulate their thresholds again; trains nothing")
+                   "current RERUN_FLOOR (nanolm/watch/curve.py) and simulate their thresholds again; trains nothing "
+                   "(it only raises: a lower floor needs the references regenerated)")
     p.add_argument("--widen", metavar="NAME=FACTOR", default="", help="widen a shipped reference's test among seeds "
                    "FACTOR times (the root mean square t of healthy runs on other CPUs: benchmarks/other_cpus.py); "
                    "trains nothing")
@@ -334,8 +338,11 @@ def widen(directory: Path, spec: str) -> None:
     if ref is None or ref.curve is None or not 1.0 <= factor < 10.0:
         raise SystemExit(f"error: --widen {spec!r}: write NAME=FACTOR, NAME a shipped reference with a curve test, "
                          f"FACTOR from 1 to 10 (the healthy runs' root mean square t on other CPUs)")
+    if f"--widen {name}=" in ref.regenerate:
+        raise SystemExit(f"error: {name} is widened already (its regenerate command says so); a second --widen would "
+                         f"multiply the two: regenerate it first")
     ref.curve = ref.curve.widened(factor)
-    ref.regenerate += f"; then python tools/reference_bands.py --widen {name}={factor:g}"
+    ref.regenerate += f" && python tools/reference_bands.py --widen {name}={factor:g}"
     write_reference(ref, directory / f"{ref.name}.json")
     print(f"{ref.name}: the test among seeds widened {factor:g} times")
 
