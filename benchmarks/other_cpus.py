@@ -36,25 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT))
 
-from reference_bands import RECIPES, default_data_dir, parse_seeds, train  # noqa: E402
+from golden import kernels_run_as  # noqa: E402
+from reference_bands import default_data_dir, parse_seeds, train  # noqa: E402
 
 from nanolm.watch.reference import curve_looks, departures, shipped_references  # noqa: E402
 from nanolm.watch.sinks import read_metrics  # noqa: E402
 
 PATHS = ("native", "avx2", "default")  # native: whatever this CPU runs when left alone
-
-
-def capability(path: str) -> str:
-    """The kernels PyTorch really runs when told ``path`` (a CPU without AVX-512 cannot be told avx512)."""
-    import subprocess
-
-    env = dict(os.environ)
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if path != "native":
-        env["ATEN_CPU_CAPABILITY"] = path
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                         env=env, capture_output=True, text=True)
-    return out.stdout.strip()
 
 
 def judge(ref, out: Path) -> dict:
@@ -113,7 +101,7 @@ def main() -> int:
 
     report = {"reference": ref.name, "reference_machine": ref.machine, "settings": []}
     for path in paths:
-        runs_as = capability(path)
+        runs_as = kernels_run_as(None if path == "native" else path)
         for n in threads:
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             env.pop("ATEN_CPU_CAPABILITY", None)

@@ -237,6 +237,17 @@ def check(which: str, work: Path, record: dict | None = None) -> tuple[str | Non
     return compare(recorded, measured, allowed_drift(spread_measured["spread"])), how
 
 
+def kernels_run_as(path: str | None) -> str:
+    """The vector kernels PyTorch really runs when told ``path`` (``ATEN_CPU_CAPABILITY``; None:
+    left alone): a CPU without AVX-512 runs avx2 when told avx512."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if path is not None:
+        env["ATEN_CPU_CAPABILITY"] = path
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env=env, capture_output=True, text=True)
+    return probe.stdout.strip() or probe.stderr[-200:]
+
+
 def measure_kernels(which: str, work: Path, record: dict) -> dict:
     """Run ``which`` under every kernel path this CPU has; the spread between them and the other
     machines' records, added to what earlier measurements (other machines') found: the largest
@@ -245,14 +256,12 @@ def measure_kernels(which: str, work: Path, record: dict) -> dict:
     mine = record.get(which, {}).get(here)
     runs, names = [], []
     for path in KERNEL_PATHS:
-        probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                               env={**os.environ, "ATEN_CPU_CAPABILITY": path}, capture_output=True, text=True)
-        if probe.stdout.strip().lower() != path:
-            print(f"  {path}: this CPU cannot run it (it runs {probe.stdout.strip() or probe.stderr[-200:]})")
+        runs_as = kernels_run_as(path)
+        if runs_as.lower() != path:
+            print(f"  {path}: this CPU cannot run it (it runs {runs_as})")
             continue
         run = run_recipe(which, work / path, kernels=path)
-        moved = compare(mine, run, None) if mine is not None and probe.stdout.strip() == here.rsplit(" | ", 1)[1] \
-            else None
+        moved = compare(mine, run, None) if mine is not None and runs_as == here.rsplit(" | ", 1)[1] else None
         if moved:
             raise SystemExit(f"error: the {which} recipe no longer computes this machine's record ({moved}): "
                              f"changed numbers are not rounding; record them first (python tools/golden.py --update)")

@@ -129,10 +129,9 @@ class SeedCurves:
 
 RERUN_FLOOR = 0.004
 """The least standard deviation of a rerun's log difference at a step: 0.4 %. Reruns on one CPU
-measure only another order of sums; another CPU's kernels round further (a run of a reference
-seed on another machine's AVX2 kernels differs from its reference run by up to 0.42 % root mean
-square at an evaluation where the reruns agree closer: docs/benchmarks.md, the shipped references
-on other CPUs), and the floor keeps the test from calling that a bug."""
+measure only another order of sums; another CPU's kernels round further (by about this much,
+measured: docs/benchmarks.md, the shipped references on other CPUs), and the floor keeps the
+test from calling that a bug."""
 
 
 def floored(cov: np.ndarray, floor: float) -> np.ndarray:
