@@ -15,9 +15,7 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +25,7 @@ import torch
 from .errors import NanolmError, brief
 from .machine.runtime import capture_rng, derived_seed, restore_rng, seed_everything
 from .model import GPT
+from .base import disk
 from .base.documents import read_json
 from .base.files import (
     ENVIRONMENT_ERRNOS,
@@ -37,6 +36,7 @@ from .base.files import (
     fsync_dir,
     manifest,
     naming_the_file,
+    remove_abandoned_writes,
     replace,
     save_torch,
     sealed,
@@ -62,15 +62,17 @@ def save_weights(model: GPT, path) -> None:
     from safetensors.torch import save_model
 
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    fd, tmp = disk.make_scratch_file(path.parent, f".{path.name}.")
+    os.close(fd)
     try:
         with naming_the_file(path):
-            save_model(model, str(tmp))
+            with disk.written_by_library(tmp):
+                save_model(model, str(tmp))
             with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+                disk.sync(f, tmp)
         replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        disk.remove(tmp, missing_ok=True)
         raise
 
 
@@ -141,8 +143,8 @@ def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: di
     final = root / f"step_{step:06d}"
     tmp = None
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(staged) if staged is not None else Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step_{step:06d}-"))
+        disk.make_dir(root, parents=True, exist_ok=True)
+        tmp = Path(staged) if staged is not None else disk.make_scratch_dir(root, f".tmp-step_{step:06d}-")
         if model is not None:
             save_weights(model, tmp / "model.safetensors")
         save_torch(state, tmp / "state.pt")
@@ -162,7 +164,7 @@ def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: di
         atomic_write_text(root / LATEST, final.name + "\n")
     except BaseException as e:
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            disk.remove_tree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
             raise NanolmError(f"could not save the checkpoint of step {step}: {describe_os_error(e)}; the previous "
                               f"checkpoint is intact: run the same command again to resume") from None
@@ -176,7 +178,11 @@ def _json_float(x):
 
 
 def _prune(run_dir, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints and the one with the best validation loss."""
+    """Keep the newest ``keep`` checkpoints and the one with the best validation loss; remove
+    what killed saves and discards left (the caller holds the run's lock)."""
+    for stale in (Path(run_dir) / CHECKPOINTS).glob(".tmp-*"):
+        disk.remove_tree(stale, ignore_errors=True)
+    remove_abandoned_writes(Path(run_dir) / CHECKPOINTS, [LATEST])
     checkpoints = list_checkpoints(run_dir)
     if keep <= 0 or len(checkpoints) <= keep:
         return
@@ -192,8 +198,7 @@ def _prune(run_dir, keep: int) -> None:
     for _, path in checkpoints[:-keep]:
         if path != best and path != latest:
             _discard(path)
-    for stale in (Path(run_dir) / CHECKPOINTS).glob(".tmp-*"):  # a killed save's, or a killed discard's
-        shutil.rmtree(stale, ignore_errors=True)
+
 
 
 def _discard(path: Path) -> None:
@@ -201,11 +206,11 @@ def _discard(path: Path) -> None:
     or gone, never half deleted: renamed aside in one atomic step, then deleted. A reader
     that loses it mid-read reads the newest one again (:func:`latest_valid_checkpoint`)."""
     try:
-        aside = tempfile.mkdtemp(dir=path.parent, prefix=f".tmp-discarded-{path.name}-")
+        aside = disk.make_scratch_dir(path.parent, f".tmp-discarded-{path.name}-")
         replace(path, aside)
     except OSError:
         return
-    shutil.rmtree(aside, ignore_errors=True)
+    disk.remove_tree(aside, ignore_errors=True)
 
 
 def read_latest(run_dir) -> Path | None:
@@ -378,8 +383,8 @@ def save_run_checkpoint(dist, run_dir, step: int, model, optimizer, state: dict,
 
 
 def _fresh_dir(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+    disk.remove_tree(path, ignore_errors=True)
+    disk.make_dir(path, parents=True)
 
 
 def load_run_checkpoint(dist, checkpoint: Path, state: dict, model, optimizer, log=print, rng: bool = True) -> None:

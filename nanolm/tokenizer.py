@@ -29,6 +29,10 @@ from .errors import NanolmError, brief
 
 EOS = "<|endoftext|>"
 MIN_BPE_VOCAB = 257
+MAX_BPE_VOCAB = 1 << 24
+"""The largest BPE vocabulary asked for: 64 times the largest in use (262,144 entries). The
+tokenizer library reserves memory for every entry asked for before it learns one, and a request
+of a few hundred million entries aborts the whole process, not with an error a caller can catch."""
 KINDS = ("bpe", "char")
 PIECE_CHARS = 1 << 16  # a longer text is encoded in pieces of about this size, in parallel
 # a newline with a printable ASCII character on each side: byte-level BPE cannot join tokens across it
@@ -192,6 +196,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
             f"--vocab-size {vocab_size} is too small for byte-level BPE: it needs at least "
             f"{MIN_BPE_VOCAB} (256 byte values + EOS); use --tokenizer char for a tiny vocabulary"
         )
+    if vocab_size > MAX_BPE_VOCAB:
+        raise NanolmError(f"--vocab-size {vocab_size} is larger than nanolm trains (at most {MAX_BPE_VOCAB:,}, 64 times "
+                          f"the largest vocabularies in use)")
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()

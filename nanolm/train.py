@@ -65,6 +65,7 @@ from .evaluate import estimate_loss  # noqa: F401 (the course's name)
 from .machine.device import is_out_of_memory, refuse_what_the_device_cannot_do, resolve_device
 from .machine.hardware import peak_flops
 from .machine.runtime import (
+    StopAtOnce,
     StopOnSignal,
     TrainingInterrupted,
     configure_determinism,
@@ -156,6 +157,11 @@ class Run:
     finishing: bool  # the run had already trained its steps: only its final weights are left to write
 
 
+SET_UP_STOPPED = "while the run was being set up, before its first step: run the same command again to go on"
+FINISH_STOPPED = ("while the run was finishing (its final weights, its sample): the last checkpoint is saved; run the "
+                  "same command again to finish")
+
+
 def train(cfg: RunConfig, log=print, components: Components | None = None) -> dict:
     """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
 
@@ -178,13 +184,14 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
     try:
         with settings_restored(), launch(cfg.train.dist, device) as dist, RunLock() as lock:  # one writer per run directory
             log = log if dist.is_main else Muted()
-            plan = dist.from_main(lambda: locate_run(cfg, lock, dist.world_size, log))  # rank 0 locks the directory
-            if cfg.train.eval_windows is None:  # not asked for: a run continued keeps its validation set
-                cfg.train.eval_windows = plan.eval_windows or DEFAULT_EVAL_WINDOWS
-            if plan.finished:
-                log(plan.message)
-                return {"out_dir": str(plan.out_dir), "finished": True}
-            return run_loop(build_run(cfg, dist, plan, log=log, components=components or Components()), log)
+            with StopAtOnce(SET_UP_STOPPED):  # nothing to save yet: a signal stops at once, cleaning up
+                plan = dist.from_main(lambda: locate_run(cfg, lock, dist.world_size, log))  # rank 0 locks the directory
+                if cfg.train.eval_windows is None:  # not asked for: a run continued keeps its validation set
+                    cfg.train.eval_windows = plan.eval_windows or DEFAULT_EVAL_WINDOWS
+                if plan.finished:
+                    log(plan.message)
+                    return {"out_dir": str(plan.out_dir), "finished": True}
+                return run_loop(build_run(cfg, dist, plan, log=log, components=components or Components()), log)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
@@ -198,8 +205,8 @@ def run_loop(run: Run, log=print) -> dict:
     t, dist, progress, guard, observer, validator, checkpointer = (run.cfg.train, run.dist, run.progress, run.guard,
                                                                     run.observer, run.validator, run.checkpointer)
     row: dict = {}
-    observer.start(validator.evaluate(0) if progress.step == 0 and validator.due(0) else None)
     with StopOnSignal() as stop, contextlib.closing(observer):
+        observer.start(validator.evaluate(0) if progress.step == 0 and validator.due(0) else None)
         while progress.step < t.steps and not run.finishing:
             step = progress.step + 1
             # 1. the step's micro-batches (--threads auto: maybe first a trial of thread counts on them)
@@ -232,7 +239,8 @@ def run_loop(run: Run, log=print) -> dict:
             # 6. stop early at --target-val-bpb
             if reached:
                 break
-    return finish(run, row, log)
+    with StopAtOnce(FINISH_STOPPED):  # the last checkpoint is saved: a signal stops at once
+        return finish(run, row, log)
 
 
 def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,

@@ -10,6 +10,7 @@ import json
 import math
 import runpy
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -353,3 +354,12 @@ def test_the_reference_tools_refuse_bad_seeds_in_one_line_before_training_anythi
                           capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
     assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not work.exists()
+
+
+def test_the_calibration_benchmark_reports_both_thresholds_for_each_test_and_number_of_runs():
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "curve_calibration.py"), "--trials", "20", "--samples",
+                           "200"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
+    assert [(r["test"], r["runs"]) for r in rows] == [(t, n) for t in ("among seeds", "own seed") for n in (5, 10, 20)]
+    assert all(0 <= r["now"] <= 1 and 0 <= r["before"] <= 1 for r in rows)

@@ -267,6 +267,23 @@ def test_a_parting_names_its_step_its_number_both_values_and_their_ratio():
     assert format_comparison("A", "B", result).endswith("verdict: they differ (exit 1)")
 
 
+def test_a_run_that_went_nan_never_agrees_with_one_that_did_not():
+    for seed in (1, 2):  # the same training split differently, and another seed
+        broken = _curve()
+        for row in broken[11:]:  # from step 12 the loss is NaN, and then the gradient norm is infinite
+            row["loss"], row["grad_norm"] = math.nan, math.inf
+        for a, b in ((_curve(), broken), (broken, _curve())):
+            result = compare_records(_record(a), _record(b, seed=seed))
+            assert not result.agree and result.parted_at == 12 and result.exit_code() == 1
+            x, y = ("2.4", "nan") if a is not broken else ("nan", "2.4")
+            assert result.lines == [f"they differ at step 12: loss {x} vs {y}: one run's value is not finite, the other's is "
+                                    f"(only finite values are compared beyond it)"]
+    both = _curve()
+    for row in both[11:]:
+        row["loss"] = math.nan
+    assert compare_records(_record(both), _record([dict(r) for r in both])).agree  # the same training, the same NaN
+
+
 def test_rounding_that_takes_over_hands_the_rest_to_the_seed_test():
     drifting = [dict(r, loss=r["loss"] * (1 + 1e-6 * 10 ** (r["step"] / 5))) for r in _curve()]  # 1e-6 ... 1e-2
     result = compare_records(_record(_curve(noise=0.01)), _record([dict(d, loss=d["loss"] + (0.01 if d["step"] % 2 else -0.01))

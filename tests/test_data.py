@@ -513,3 +513,26 @@ def test_a_prepare_replaces_a_prepared_directory_whole(tmp_path, monkeypatch):
     assert data(replaced) == data(fresh) == data(by_file)
     assert PreparedData(replaced).digest == PreparedData(by_file).digest == PreparedData(fresh).digest
     assert not list(tmp_path.glob(".*"))  # no scratch directory left beside them
+
+
+def test_the_entropy_file_of_a_large_corpus_is_read_and_a_refused_one_is_named(tmp_path, monkeypatch, stories_file):
+    """The stories' entropy file grows with the corpus (one number per story): the loss floor of a
+    million stories must not vanish because its file passed the few megabytes of a metadata file.
+    Played here with a small corpus and a limit below its entropy file's size."""
+    import nanolm.data.prepare as prepare_mod
+    from nanolm.data.corpus import entropy_path
+
+    monkeypatch.setattr(prepare_mod, "MAX_METADATA_BYTES", entropy_path(stories_file).stat().st_size - 1)
+    notes = []
+    data = prepare(stories_file, tmp_path / "large", "char", compressor_sample_bytes=0, log=notes.append)
+    assert data.meta["floor"]["bpb"] > 0 and not [n for n in notes if "floor" in n]
+
+    source = tmp_path / "stories.txt"  # an entropy file larger than the text it describes: not nanolm's
+    source.write_text(stories_file.read_text())
+    entropy_path(source).write_text(json.dumps({"doc_nats": [1.0] * 200_000}))
+    notes = []
+    assert "floor" not in prepare(source, tmp_path / "foreign", "char", compressor_sample_bytes=0,
+                                  log=notes.append).meta
+    assert [n for n in notes if "floor" in n] == [
+        f"note: {entropy_path(source)} is 1 MiB, far larger than any such file nanolm writes; the file is damaged; "
+        f"no loss floor is reported"]

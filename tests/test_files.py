@@ -7,11 +7,15 @@ runs; these tests pin each rule where it changes its answer, in milliseconds."""
 import errno
 import hashlib
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 import nanolm.base.files as files
+from nanolm.base import disk
 from nanolm.errors import NanolmError
 
 
@@ -140,14 +144,14 @@ def test_a_directory_moved_across_file_systems_arrives_whole_or_not_at_all(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no staging copy left beside it
 
     _tree(tmp_path / "source", contents)
-    real_copy = files.shutil.copy2
+    real_copy = shutil.copy2
 
     def disk_fills(src, dst):
         if src.name == "b.txt":
             raise OSError(errno.ENOSPC, "No space left on device", str(src))
         return real_copy(src, dst)
 
-    monkeypatch.setattr(files.shutil, "copy2", disk_fills)
+    monkeypatch.setattr(shutil, "copy2", disk_fills)
     with pytest.raises(OSError) as e:
         files.move_directory(tmp_path / "source", tmp_path / "elsewhere")
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(tmp_path / "elsewhere" / "sub" / "b.txt")
@@ -171,15 +175,13 @@ def test_a_directory_is_replaced_whole_with_or_without_an_atomic_swap(tmp_path, 
         files.replace_directory(tmp_path / "staging", tmp_path / "swap", last="meta.json")
         assert _read_tree(tmp_path / "swap") == new and not (tmp_path / "staging").exists()
 
-    order = []
-    real_replace = files.replace
     monkeypatch.setattr(files, "_exchange", lambda a, b: False)  # Windows, macOS, NFS
-    monkeypatch.setattr(files, "replace", lambda s, t: (order.append(os.path.basename(t)), real_replace(s, t)))
-    real_unlink = files.Path.unlink
-    monkeypatch.setattr(files.Path, "unlink", lambda self, **kw: (order.append(f"-{self.name}"), real_unlink(self, **kw)))
     _tree(tmp_path / "moved", {**old, ".lock": ""})
     _tree(tmp_path / "staging", new)
-    files.replace_directory(tmp_path / "staging", tmp_path / "moved", last="meta.json")
+    with disk.faults(disk.FaultPlan()) as seen:
+        files.replace_directory(tmp_path / "staging", tmp_path / "moved", last="meta.json")
+    order = [("-" if kind == "remove" else "") + os.path.basename(path) for kind, path in seen.steps
+             if kind in ("remove", "rename") and os.path.dirname(path) == str(tmp_path / "moved")]
     assert order == ["-meta.json", "a.bin", "meta.json"]  # what vouches for the rest: out first, back last
     assert _read_tree(tmp_path / "moved") == {**new, "gone.bin": "old", ".lock": ""}  # other entries (the lock) stay
     assert not (tmp_path / "staging").exists()
@@ -352,17 +354,14 @@ def test_a_write_whose_last_step_fails_raises_that_failure_and_leaves_no_file_of
 
 
 def test_cleaning_up_never_raises_whatever_fails_in_it(tmp_path, monkeypatch):
-    real_rmtree = files.shutil.rmtree
-
-    def fragile(path, ignore_errors=False):
-        if not ignore_errors:
-            raise OSError(errno.EACCES, "Permission denied", str(path))  # a leftover someone else owns
-        real_rmtree(path, ignore_errors=True)
-
-    monkeypatch.setattr(files.shutil, "rmtree", fragile)
     _tree(tmp_path / "source", {"a.txt": "a"})
     _across_file_systems(monkeypatch)
-    files.move_directory(tmp_path / "source", tmp_path / "moved")
+    with disk.faults(disk.FaultPlan()) as counted:
+        files.move_directory(tmp_path / "source", tmp_path / "counted")
+    first_removal = 1 + [kind for kind, _ in counted.steps].index("remove")  # of the source, once copied
+    _tree(tmp_path / "source", {"a.txt": "a"})
+    with disk.faults(disk.FaultPlan(at=first_removal, fault=errno.EACCES)):  # a leftover someone else owns
+        files.move_directory(tmp_path / "source", tmp_path / "moved")
     assert _read_tree(tmp_path / "moved") == {"a.txt": "a"}
     _tree(tmp_path / "source", {"a.txt": "a"})
     beside = []
@@ -371,11 +370,11 @@ def test_cleaning_up_never_raises_whatever_fails_in_it(tmp_path, monkeypatch):
         beside.extend(sorted(p.name for p in tmp_path.iterdir()))
         raise OSError(errno.ENOSPC, "No space left on device", str(src))
 
-    monkeypatch.setattr(files.shutil, "copy2", disk_full)
+    monkeypatch.setattr(shutil, "copy2", disk_full)
     with pytest.raises(OSError) as e:  # the disk's refusal, not the cleanup's
         files.move_directory(tmp_path / "source", tmp_path / "elsewhere")
     assert e.value.errno == errno.ENOSPC
-    assert [n for n in beside if n not in ("moved", "source")][0].startswith(".elsewhere.")  # the copy, hidden
+    assert [n for n in beside if n not in ("moved", "source", "counted")][0].startswith(".elsewhere.")  # the copy, hidden
     for exchange in (True, False):
         _tree(tmp_path / "target", {"meta.json": "old"})
         _tree(tmp_path / "staging", {"meta.json": "new"})
@@ -397,7 +396,7 @@ def test_a_directory_replaced_one_file_at_a_time_may_lack_the_file_that_vouches_
 
 
 def test_the_write_probe_tries_the_directory_itself_and_hides_its_file(tmp_path, monkeypatch):
-    real = files.tempfile.mkstemp
+    real = tempfile.mkstemp
     tried = []
 
     def read_only_here(dir=None, prefix=None, **kw):
@@ -406,7 +405,7 @@ def test_the_write_probe_tries_the_directory_itself_and_hides_its_file(tmp_path,
             raise PermissionError(errno.EACCES, "Permission denied")
         return real(dir=dir, prefix=prefix, **kw)
 
-    monkeypatch.setattr(files.tempfile, "mkstemp", read_only_here)
+    monkeypatch.setattr(tempfile, "mkstemp", read_only_here)
     with pytest.raises(NanolmError) as e:
         files.probe_writable(tmp_path / "run")
     assert str(e.value) == (f"--out-dir {tmp_path / 'run'}: cannot write in {tmp_path} (Permission denied); choose a "
@@ -446,3 +445,33 @@ def test_a_listed_file_removed_before_it_is_hashed_is_named_missing(tmp_path, mo
     with pytest.raises(NanolmError) as e:
         files.check_manifest(d, listed, "data")
     assert str(e.value) == "data: a.bin is missing"
+
+
+def test_an_output_under_a_dangling_link_is_refused_in_one_line_naming_the_link(tmp_path, capsys):
+    from nanolm.instruments.cli import main
+
+    source = tmp_path / "text.txt"
+    source.write_text("a story about a cat. " * 200)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    for argv in (["prepare", "--data", str(source), "--out", str(tmp_path / "link" / "data"), "--tokenizer", "char"],
+                 ["train", "--data", str(source), "--out-dir", str(tmp_path / "link" / "run"), "--steps", "1"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: {tmp_path / 'link'} is a symbolic link to {tmp_path / 'nowhere'}, which does not "
+                       f"exist; create what it points to, or choose a path without it"], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "text.txt"]
+
+
+def test_an_output_that_is_a_mount_point_is_refused_before_anything_is_built(tmp_path, capsys, monkeypatch):
+    from nanolm.instruments.cli import main
+
+    source = tmp_path / "text.txt"
+    source.write_text("a story about a cat. " * 200)
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(files.os.path, "ismount", lambda p: Path(p) == mounted or real(p))
+    assert main(["prepare", "--data", str(source), "--out", str(mounted), "--tokenizer", "char"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --out {mounted} is a mount point, which nanolm cannot replace in "
+                                                f"one step; choose a directory inside it (--out {mounted / 'out'})")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mounted", "text.txt"] and not any(mounted.iterdir())

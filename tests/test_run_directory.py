@@ -198,7 +198,7 @@ def test_a_directory_that_cannot_be_written_is_one_line_before_anything_is_writt
         return real(*a, dir=dir, **k)
 
     (tmp_path / "ro").mkdir()
-    monkeypatch.setattr("nanolm.base.files.tempfile.mkstemp", read_only)
+    monkeypatch.setattr("tempfile.mkstemp", read_only)
     assert main(_command(stories_file, "--out-dir", tmp_path / "ro" / "run")) == 2
     assert "Read-only file system" in _one_error_line(capsys)
     assert list((tmp_path / "ro").iterdir()) == []

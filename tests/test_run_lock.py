@@ -715,7 +715,7 @@ def test_where_only_the_lock_file_can_lock_a_directory_removed_meanwhile_is_made
 
 
 def test_a_lock_that_fails_after_writing_its_file_leaves_nothing_and_forgets_its_directory(tmp_path, monkeypatch):
-    def disk_full(fd):
+    def disk_full(fd, path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(nanolm.base.lock, "_write_holder", disk_full)

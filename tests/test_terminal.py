@@ -187,3 +187,56 @@ def test_output_onto_a_full_disk_is_one_line_and_a_failed_status(argv):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "No space left on device" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signal_while_a_run_prepares_its_data_stops_it_at_once_and_leaves_nothing(tmp_path, stories_file, sig):
+    """Before its first step a run has nothing to save, but SIGTERM's and SIGHUP's default would
+    kill it on the spot, leaving a half-tokenized corpus in the system's temporary directory that
+    nothing removes. Each stop signal ends the set-up at once, through its cleanup."""
+    import random
+
+    words = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=3 + i % 7)) for i in range(3000)]
+    rng = random.Random(0)
+    corpus = tmp_path / "large.txt"
+    corpus.write_text("\n<|endoftext|>\n".join(" ".join(rng.choices(words, k=200)) for _ in range(4000)))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "nanolm", "train", "--data", str(corpus), "--out-dir", str(out), *TINY,
+            "--tokenizer", "bpe", "--steps", "2"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+    deadline = time.time() + 120
+    while not list(scratch.glob("nanolm-*/.*.prepare-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)  # until the run's own preparation has begun
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + getattr(signal, sig), err
+    assert err.strip().splitlines() == [f"{sig} while the run was being set up, before its first step: run the same "
+                                        f"command again to go on"], err
+    assert list(scratch.iterdir()) == [] and not out.exists()  # no half-prepared corpus, no run directory
+
+
+def test_a_signal_while_a_run_finishes_stops_it_at_once_and_the_rerun_finds_it_finished_or_finishes_it(
+        tmp_path, stories_file):
+    """After the last checkpoint, the final weights and a long sample: a SIGTERM there has nothing
+    left to save; it ends the command at once, with its status and one line."""
+    from nanolm.run.final import read_final
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "nanolm", "train", "--data", str(stories_file), "--out-dir", str(out), *TINY,
+            "--steps", "3", "--eval-every", "1000", "--sample-tokens", "200000"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(proc, 3)
+    deadline = time.time() + 60
+    while not (out / "final.json").exists() and time.time() < deadline:
+        time.sleep(0.01)  # the final weights written: sampling now
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines() == ["SIGTERM while the run was finishing (its final weights, its sample): the last "
+                                        "checkpoint is saved; run the same command again to finish"], err
+    assert read_final(out)["step"] == 3
+    r = run_cli("train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", 3, "--eval-every", 1000)
+    assert r.returncode == 0 and "finished" in r.stdout, r.stdout + r.stderr

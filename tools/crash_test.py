@@ -26,7 +26,13 @@ random share of the room the run needs, so the disk fills at a different write e
 one line naming the file, exit 2; the filler deleted, the same command must finish
 bit-identical to the reference.
 
+Last, with ``--crash-points``, only the enumeration of ``tests/test_crash_points.py``: every
+multi-step file operation stopped, or failed with ENOSPC or EIO, at each of its disk steps, with
+random second faults during the recovery (``NANOLM_EXPLORE=1``); it prints the steps counted per
+operation.
+
     python tools/crash_test.py                 # 20 kills, 8 signals, 8 prepares, 5 full disks (~6 min on 2 cores)
+    python tools/crash_test.py --crash-points  # every disk step of every file operation, and random second faults
     python tools/crash_test.py --kills 50 --signals 20 --prepares 20 --full-disks 10 --seed 1
 
 Exit status 1 if any trial ends different from the reference or cannot be resumed.
@@ -97,7 +103,7 @@ def _kill_when(proc: subprocess.Popen, run: Path, moment: dict) -> str:
         if kind == "step" and _rows(run) >= moment["step"]:
             time.sleep(moment["delay"])
             break
-        if kind == "final_weights" and ((run / ".model.safetensors.tmp").exists() or (
+        if kind == "final_weights" and (any(run.glob(".model.safetensors.*")) or (
                 (run / "model.safetensors").exists() and not (run / "final.json").exists())):
             break  # the weights being written, or written without the final.json that vouches for them
         time.sleep(0.0005 if kind != "time" else 0.002)
@@ -307,7 +313,12 @@ def main() -> int:
     p.add_argument("--prepares", type=int, default=8, help="prepares killed at a random moment")
     p.add_argument("--full-disks", type=int, default=5, help="trials whose disk fills up at a random write")
     p.add_argument("--seed", type=int, default=0, help="seed of the random kill times")
+    p.add_argument("--crash-points", action="store_true",
+                   help="only enumerate every disk step of every file operation (tests/test_crash_points.py), with "
+                        "random second faults, and print the steps counted per operation")
     args = p.parse_args()
+    if args.crash_points:
+        return crash_points()
     rng = random.Random(args.seed)
     results = []
     with tempfile.TemporaryDirectory(prefix="nanolm-crash-") as tmp:
@@ -393,6 +404,23 @@ def main() -> int:
                "full_disks_failed": failed_disks, **({"skipped": skipped} if skipped else {})}
     print(json.dumps(summary))
     return 1 if failed or failed_disks or summary["signals_failed"] or summary["prepares_failed"] else 0
+
+
+def crash_points() -> int:
+    """tests/test_crash_points.py with ``NANOLM_EXPLORE=1``, and its counts as a table."""
+    with tempfile.TemporaryDirectory(prefix="nanolm-crash-points-") as tmp:
+        log = Path(tmp) / "counts.jsonl"
+        env = {**os.environ, "NANOLM_EXPLORE": "1", "NANOLM_CRASH_POINTS_LOG": str(log)}
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                               str(ROOT / "tests" / "test_crash_points.py")], cwd=ROOT, env=env)
+        rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    print(f"{'operation':40s} {'steps':>5s}  {'trials':>6s}  steps by kind")
+    for r in rows:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["kinds"].items(), key=lambda kn: -kn[1]))
+        print(f"{r['operation']:40s} {r['steps']:5d}  {r['trials']:6d}  {kinds}")
+    print(json.dumps({"operations": len(rows), "steps": sum(r["steps"] for r in rows),
+                      "trials": sum(r["trials"] for r in rows), "passed": done.returncode == 0}))
+    return done.returncode
 
 
 if __name__ == "__main__":

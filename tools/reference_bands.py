@@ -215,6 +215,8 @@ def main() -> int:
     p.add_argument("--refloor", action="store_true", help="raise the shipped references' own-seed noise to the "
                    "current RERUN_FLOOR (nanolm/watch/curve.py) and simulate their thresholds again; trains nothing "
                    "(it only raises: a lower floor needs the references regenerated)")
+    p.add_argument("--rethreshold", action="store_true", help="simulate the shipped references' thresholds again "
+                   "from their stored covariances (after a change to how a threshold is simulated); trains nothing")
     p.add_argument("--widen", metavar="NAME=FACTOR", default="", help="widen a shipped reference's test among seeds "
                    "FACTOR times (the root mean square t of healthy runs on other CPUs: benchmarks/other_cpus.py); "
                    "trains nothing")
@@ -227,6 +229,9 @@ def main() -> int:
         return 0
     if args.refloor:
         refloor(args.out)
+        return 0
+    if args.rethreshold:
+        rethreshold(args.out)
         return 0
     recipes = [r for r in args.recipes.split(",") if r]
     precisions = [x for x in args.precisions.split(",") if x]
@@ -322,6 +327,33 @@ def refloor(directory: Path) -> None:
         write_reference(ref, directory / f"{ref.name}.json")
         print(f"{ref.name}: rerun noise at least {RERUN_FLOOR:.1%} an evaluation, threshold {before} -> "
               f"{ref.seed_curves.threshold}")
+
+
+def rethreshold(directory: Path) -> None:
+    """Each reference's thresholds simulated again from its stored covariances, without training:
+    what a change to :func:`~nanolm.watch.curve.max_t_threshold` makes of the shipped references
+    (their regeneration would compute the same, from the same runs)."""
+    import dataclasses
+
+    import numpy as np
+
+    from nanolm.watch.curve import RERUN_FLOOR, max_t_threshold, nine_figures
+    from nanolm.watch.reference import shipped_references
+
+    for ref in shipped_references(directory):
+        said = []
+        if ref.curve is not None:
+            before = ref.curve.threshold
+            ref.curve = dataclasses.replace(ref.curve, threshold=nine_figures(
+                max_t_threshold(np.array(ref.curve.cov_log), ref.curve.seeds, ref.curve.false_alarm)))
+            said.append(f"among seeds {before} -> {ref.curve.threshold}")
+        if ref.seed_curves is not None:
+            before = ref.seed_curves.threshold
+            ref.seed_curves = ref.seed_curves.with_floor(RERUN_FLOOR)  # already there: only the threshold changes
+            said.append(f"own seed {before} -> {ref.seed_curves.threshold}")
+        if said:
+            write_reference(ref, directory / f"{ref.name}.json")
+            print(f"{ref.name}: threshold {', '.join(said)}")
 
 
 def widen(directory: Path, spec: str) -> None:

@@ -29,13 +29,12 @@ import io
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from . import disk
 from ..errors import NanolmError, brief
 
 
@@ -148,15 +147,16 @@ def save_torch(obj, path) -> None:
     """``torch.save(obj)`` to ``path``, synced to disk; a full disk is an ``OSError`` naming it."""
     import torch
 
-    with naming_the_file(path), open(path, "wb", buffering=0) as f:
+    with naming_the_file(path), disk.create(path, "wb", buffering=0) as f:
         writer = WholeWrites(f)
         try:
-            torch.save(obj, writer)
+            with disk.written_by_library(path):
+                torch.save(obj, writer)
         except RuntimeError:
             if writer.error is not None:
                 raise writer.error from None
             raise
-        os.fsync(f.fileno())
+        disk.sync(f, path)
 
 
 WINDOWS = os.name == "nt"
@@ -169,7 +169,7 @@ def replace(source, target) -> None:
     deadline = time.monotonic() + REPLACE_WAIT_S
     while True:
         try:
-            os.replace(source, target)
+            disk.rename(source, target)
             return
         except PermissionError:
             if not WINDOWS or time.monotonic() > deadline:
@@ -185,27 +185,27 @@ def move_directory(source, target) -> None:
     type, listing every file it failed, and leave half a directory)."""
     source, target = Path(source), Path(target)
     try:
-        os.replace(source, target)
+        disk.rename(source, target)
         return
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    staging = disk.make_scratch_dir(target.parent, f".{target.name}.")
     try:
         for path in sorted(source.rglob("*")):
             relative = path.relative_to(source)
             if path.is_dir():
-                (staging / relative).mkdir()
+                disk.make_dir(staging / relative)
                 continue
             try:
-                shutil.copy2(path, staging / relative)
+                disk.copy_file(path, staging / relative)
             except OSError as e:  # named after the source by shutil: the file that did not fit is the target
                 raise OSError(e.errno, e.strerror, str(target / relative)) from e
         replace(staging, target)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        disk.remove_tree(staging, ignore_errors=True)
         raise
-    shutil.rmtree(source, ignore_errors=True)
+    disk.remove_tree(source, ignore_errors=True)
 
 
 RENAME_EXCHANGE = 2  # renameat2's flag: swap two paths in one atomic step (Linux >= 3.15)
@@ -224,7 +224,9 @@ def _exchange(a: Path, b: Path) -> bool:
     except (OSError, AttributeError):
         return False
     at_fdcwd = -100
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE) == 0:
+    with disk.exchanging(a, b):
+        done = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE) == 0
+    if done:
         return True
     code = ctypes.get_errno()
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV):
@@ -246,42 +248,61 @@ def replace_directory(staging, target, last: str | None = None) -> None:
     if not target.exists():
         replace(staging, target)
     elif _exchange(staging, target):
-        shutil.rmtree(staging, ignore_errors=True)  # what target held before
+        disk.remove_tree(staging, ignore_errors=True)  # what target held before
     else:
         if last is not None:
-            (target / last).unlink(missing_ok=True)
+            disk.remove(target / last, missing_ok=True)
         names = sorted(p.name for p in staging.iterdir() if p.name != last) + ([last] if last else [])
         for name in names:
             if (staging / name).exists():
                 replace(staging / name, target / name)
-        shutil.rmtree(staging, ignore_errors=True)
+        disk.remove_tree(staging, ignore_errors=True)
     fsync_dir(target.parent)
 
 
 def fsync_dir(path) -> None:
-    if WINDOWS:  # a directory cannot be opened for fsync there; NTFS journals the rename
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    disk.sync_dir(path)
 
 
 def atomic_write_text(path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = disk.make_scratch_file(path.parent, f".{path.name}.")
     try:
         with naming_the_file(path), os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+            disk.write(f, text, tmp)
             f.flush()
-            os.fsync(f.fileno())
+            disk.sync(f, tmp)
         replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        disk.remove(tmp, missing_ok=True)
         raise
+
+
+_TEMPORARY_TOKEN = re.compile(r"[a-z0-9_]{8}")
+"""What ``tempfile.mkstemp`` appends to :func:`atomic_write_text`'s prefix."""
+
+
+def remove_abandoned_writes(directory, names) -> None:
+    """Delete the temporary files that writes of ``names`` killed half-way left in ``directory``
+    (``.NAME.`` and eight random characters: a ``kill -9`` between the temporary file's creation
+    and its rename runs no cleanup). Only for a caller that holds the directory's lock: no other
+    process writes there then."""
+    directory = Path(directory)
+    prefixes = tuple(f".{name}." for name in names)
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        for prefix in prefixes:
+            if entry.name.startswith(prefix) and _TEMPORARY_TOKEN.fullmatch(entry.name[len(prefix):]) \
+                    and entry.is_file(follow_symlinks=False):
+                try:
+                    disk.remove(entry.path, missing_ok=True)
+                except OSError:
+                    pass
 
 
 def sha256_file(path, on_block=None) -> str:
@@ -373,6 +394,16 @@ def check_seal(meta: dict, what: str) -> None:
         raise NanolmError(f"{what} is damaged (its seal does not match its content)")
 
 
+def refuse_mount_point(path, flag: str) -> None:
+    """Refuse an output that is a mount point: a command that replaces its whole output in one
+    rename (prepare, export) cannot rename onto a mount point (the system answers EBUSY or
+    EXDEV, and what was built beside it would be lost); a directory inside it is fine."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink() and os.path.ismount(path):
+        raise NanolmError(f"{flag} {path} is a mount point, which nanolm cannot replace in one step; choose a "
+                          f"directory inside it ({flag} {path / 'out'})")
+
+
 def probe_writable(path) -> None:
     """Refuse, before anything is written, a run directory that cannot be created or written.
 
@@ -384,15 +415,16 @@ def probe_writable(path) -> None:
         raise NanolmError(f"--out-dir {path} is a file, not a directory; choose another --out-dir")
     existing = path
     while not existing.exists():
+        disk.refuse_dangling_link(existing)
         if existing.parent == existing:
             break
         existing = existing.parent
     if not existing.is_dir():
         raise NanolmError(f"--out-dir {path}: {existing} is a file, not a directory; choose another --out-dir")
     try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".nanolm-write-probe-")
+        fd, probe = disk.make_scratch_file(existing, ".nanolm-write-probe-")
         os.close(fd)
-        os.unlink(probe)
+        disk.remove(probe)
     except OSError as e:
         raise NanolmError(f"--out-dir {path}: cannot write in {existing} ({e.strerror or e}); "
                           f"choose a directory you can write") from None

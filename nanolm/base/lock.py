@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 import stat
 from pathlib import Path
 
+from . import disk
 from ..errors import NanolmError
 
 try:
@@ -88,7 +90,7 @@ def _open_lock_file(path: Path) -> int:
     """``DIR/.lock`` opened for writing, or a one-line error when it is not a plain file (a
     symbolic link could point anywhere, a FIFO would block or refuse the holder's line)."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644)
+        fd = disk.open_fd(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK) or path.is_symlink():
             raise _not_a_lock_file(path) from None
@@ -134,10 +136,10 @@ def _this_process_or_its_parent() -> tuple[str, str]:
     return f"{os.getpid()}@{host}", f"{os.getppid()}@{host}"
 
 
-def _write_holder(fd: int) -> None:
-    os.ftruncate(fd, 0)
+def _write_holder(fd: int, path: Path) -> None:
+    disk.truncate_fd(fd, 0, path)
     os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, f"{_this_process()}\n".encode())
+    disk.write_fd(fd, f"{_this_process()}\n".encode(), path)
 
 
 def held_by_another(directory: Path) -> str | None:
@@ -207,7 +209,7 @@ class RunLock:
         path = directory / LOCK_FILE
         for _ in range(100):  # each turn is lost to a writer that let go at that very moment
             try:
-                directory.mkdir(parents=True, exist_ok=True)
+                disk.make_dir(directory, parents=True, exist_ok=True)
                 dir_fd = _open_directory(directory)
             except FileNotFoundError:  # a refused writer removed the empty directory it had made
                 continue
@@ -229,7 +231,7 @@ class RunLock:
                         os.close(fd)
                         raise _refusal(e, directory, _holder(path), flag) from None
                 self._fd = fd
-                _write_holder(self._fd)
+                _write_holder(self._fd, path)
                 return
             try:
                 fd = _open_lock_file(path)
@@ -240,12 +242,12 @@ class RunLock:
             except OSError as e:
                 holder = _holder(path)
                 if not holder and e.errno in NO_LOCKS_HERE:  # the file this very call made
-                    path.unlink(missing_ok=True)
+                    disk.remove(path, missing_ok=True)
                 os.close(fd)
                 raise _refusal(e, directory, holder, flag) from None
             if _same_file(fd, path):
                 self._fd = fd
-                _write_holder(fd)
+                _write_holder(fd, path)
                 return
             os.close(fd)  # its holder removed that file as it let go: lock the one there now
         raise NanolmError(f"cannot lock {path}: it keeps being replaced; is another program removing it?")
@@ -258,21 +260,25 @@ class RunLock:
         (the lock dies with the descriptor in any case)."""
         where = self.directory or self._taking
         path = where / LOCK_FILE if where is not None else None
-        if self._fd is not None and (fcntl is not None or self._dir_fd is not None):
-            _quietly(lambda: path.unlink(missing_ok=True))
-            _quietly(lambda: os.close(self._fd))
-        elif self._fd is not None:  # Windows: an open file cannot be removed
-            _quietly(lambda: os.close(self._fd))
-            _quietly(lambda: path.unlink(missing_ok=True))  # fails if another writer opened it meanwhile: theirs
-        if self._dir_fd is not None:
-            _quietly(lambda: os.close(self._dir_fd))
+        fd, dir_fd, made = self._fd, self._dir_fd, self._made
         self._fd = self._dir_fd = None
-        for made in reversed(self._made):
+        self._made, self.directory, self._taking = [], None, None
+        try:  # the descriptors are closed whatever happens on the way, as the kernel closes a dead process's
+            if fd is not None and (fcntl is not None or dir_fd is not None):
+                _quietly(lambda: disk.remove(path, missing_ok=True))
+            elif fd is not None:  # Windows: an open file cannot be removed
+                _quietly(lambda: os.close(fd))
+                fd = None
+                _quietly(lambda: disk.remove(path, missing_ok=True))  # fails if another writer opened it meanwhile: theirs
+        finally:
+            for descriptor in (fd, dir_fd):
+                if descriptor is not None:
+                    _quietly(lambda: os.close(descriptor))
+        for directory in reversed(made):
             try:
-                made.rmdir()
+                disk.remove_dir(directory)
             except OSError:
                 break
-        self._made, self.directory, self._taking = [], None, None
 
 
 def _quietly(action) -> None:
@@ -307,3 +313,83 @@ def _refusal(error: OSError, directory: Path, holder: str, flag: str) -> NanolmE
                            f"cannot make sure it is the only process writing there; use a local disk or a mount with "
                            f"locks, or set {NO_LOCK}=1 to write without one")
     return NanolmError(f"cannot lock {directory / LOCK_FILE}: {error.strerror or error}")
+
+
+# --------------------------------------------------------------------------- scratch directories
+_SCRATCH_TOKEN = re.compile(r"[a-z0-9_]{8}")
+"""What ``tempfile.mkdtemp`` appends to a prefix: eight of these characters."""
+
+
+class ScratchDirectory:
+    """A directory beside ``target`` where a command builds its output before one rename puts it
+    in place (prepare, export), held by its maker for as long as it lives.
+
+    A process killed half-way (``kill -9`` runs no cleanup) leaves its scratch directory
+    behind; the next command into the same ``target`` removes it (:func:`remove_abandoned_scratch`).
+    Two rules keep that from touching anyone else's work. Its name is exactly
+    ``.TARGET.PURPOSE-`` and eight random characters, so the scratch of another output whose name
+    merely starts the same way (``data`` and ``data.prepare-v2``) never matches. And its maker
+    holds an ``flock`` on it until done: a scratch directory whose lock is held belongs to a live
+    command (a second export into the same ``--out``), and is left alone."""
+
+    def __init__(self, target, purpose: str):
+        target = Path(target)
+        self.path = disk.make_scratch_dir(target.parent, f".{target.name}.{purpose}-")
+        self._fd: int | None = None
+        try:
+            fd = _open_directory(self.path)
+        except OSError:
+            return
+        if fd is not None:
+            try:
+                _lock(fd)
+            except OSError:
+                os.close(fd)
+                return
+            self._fd = fd
+
+    def let_go(self) -> None:
+        if self._fd is not None:
+            _quietly(lambda: os.close(self._fd))
+            self._fd = None
+
+
+def abandoned_scratch(target, purpose: str) -> list[Path]:
+    """The scratch directories of ``purpose`` beside ``target`` that no live process holds."""
+    target = Path(target)
+    prefix = f".{target.name}.{purpose}-"
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        if not (entry.name.startswith(prefix) and _SCRATCH_TOKEN.fullmatch(entry.name[len(prefix):])):
+            continue
+        path = Path(entry.path)
+        if entry.is_symlink() or not entry.is_dir() or _held(path):
+            continue
+        found.append(path)
+    return sorted(found)
+
+
+def remove_abandoned_scratch(target, purpose: str) -> None:
+    """Delete what killed commands left beside ``target`` (see :class:`ScratchDirectory`)."""
+    for path in abandoned_scratch(target, purpose):
+        disk.remove_tree(path, ignore_errors=True)
+
+
+def _held(directory: Path) -> bool:
+    try:
+        fd = _open_directory(directory)
+    except OSError:
+        return True  # cannot tell: leave it
+    if fd is None:
+        return False  # Windows: no lock on a directory; the caller's own lock keeps other writers out
+    try:
+        _lock(fd)
+    except OSError as e:
+        return e.errno in HELD
+    finally:
+        os.close(fd)
+    return False

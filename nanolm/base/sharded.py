@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import disk
 from ..errors import NanolmError
 
 SHARDS = "sharded"
@@ -75,8 +76,9 @@ def save_sharded(directory: Path, model, optimizer) -> dict:
 
     _, writer = _storage()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": _untied(model_state, model), "optim": {"state": optim_state["state"]}},
-             storage_writer=writer(str(directory), save_distributed=True))
+    with disk.written_by_library(directory):
+        dcp.save({"model": _untied(model_state, model), "optim": {"state": optim_state["state"]}},
+                 storage_writer=writer(str(directory), save_distributed=True))
     return {"param_groups": optim_state["param_groups"]}
 
 

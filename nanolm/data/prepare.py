@@ -15,20 +15,18 @@ import json
 import lzma
 import math
 import os
-import shutil
-import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from glob import escape as glob_escape
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import NanolmError
-from ..base.documents import read_json
+from ..base.documents import MAX_METADATA_BYTES, read_json
 from ..base.files import atomic_write_text, manifest, replace_directory, sealed
-from ..base.lock import LOCK_FILE
+from ..base import disk
+from ..base.lock import LOCK_FILE, ScratchDirectory, remove_abandoned_scratch
 from ..tokenizer import Tokenizer, train_tokenizer
 from .corpus import entropy_path, write_stories
 from .download import resolve_data_path
@@ -80,17 +78,27 @@ def compressor_bits_per_byte(context: bytes, text: bytes) -> dict:
     return out
 
 
-def _known_document_entropy(source: Path) -> list[float] | None:
-    """Per-document information (nats) written by ``nanolm data stories`` beside the text."""
+def _known_document_entropy(source: Path, log=print) -> list[float] | None:
+    """Per-document information (nats) written by ``nanolm data stories`` beside the text.
+
+    The file holds one number per story, so a large corpus has a large one (a million stories:
+    some 10 MB): it is read up to the size of the text it describes (each story is longer than
+    its number), not up to the few megabytes of a metadata file. A damaged or foreign file gives
+    no floor, and a note says so."""
     path = entropy_path(source)
     if not source.is_file() or not path.is_file():
         return None
     try:
-        nats = read_json(path)["doc_nats"]
-        return [float(x) for x in nats] if all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                               for x in nats) else None
-    except (NanolmError, KeyError, TypeError, IndexError):  # a damaged or foreign file: no floor, nothing else
-        return None
+        nats = read_json(path, max_bytes=max(MAX_METADATA_BYTES, source.stat().st_size))["doc_nats"]
+        if isinstance(nats, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in nats):
+            return [float(x) for x in nats]
+        problem = f"{path} holds no list of numbers under doc_nats"
+    except NanolmError as e:
+        problem = str(e)
+    except (KeyError, TypeError, IndexError):
+        problem = f"{path} holds no list of numbers under doc_nats"
+    log(f"note: {problem}; no loss floor is reported")
+    return None
 
 
 def prepare(
@@ -128,24 +136,30 @@ def prepare(
     docs = DocumentSource(source, separator, text_field)
     out = Path(out_dir)
     _refuse_foreign_files(out)
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()][::-1]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.prepare-"))
+    made = []
+    scratch = None
     try:
-        staging.chmod(0o777 & ~_umask())  # as a plain mkdir would make it (mkdtemp's is private)
+        disk.make_dir(out.parent, parents=True, exist_ok=True, made=made)
+        scratch = ScratchDirectory(out, "prepare")
+        staging = scratch.path
+        disk.chmod(staging, 0o777 & ~_umask())  # as a plain mkdir would make it (mkdtemp's is private)
         _prepare_into(staging, docs, source, tokenizer_kind, vocab_size, val_fraction, tokenizer, seq_len, progress,
                       compressor_sample_bytes, log, t0)
         replace_directory(staging, out, last=META_FILE)
     except BaseException as e:  # refused, interrupted or out of room: --out as it was, a new one never made
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(e, OSError) and isinstance(e.filename, str):  # the file --out would have held
-            e.filename = e.filename.replace(str(staging), str(out), 1)
+        if scratch is not None:
+            disk.remove_tree(scratch.path, ignore_errors=True)
+            if isinstance(e, OSError) and isinstance(e.filename, str):  # the file --out would have held
+                e.filename = e.filename.replace(str(scratch.path), str(out), 1)
         for directory in reversed(made):
             try:
-                directory.rmdir()
+                disk.remove_dir(directory)
             except OSError:
                 break
         raise
+    finally:
+        if scratch is not None:
+            scratch.let_go()
     return PreparedData(out, verify=False)
 
 
@@ -153,10 +167,7 @@ def remove_abandoned_attempts(out_dir) -> None:
     """Delete the scratch directories that killed preparations into ``out_dir`` left beside it
     (``kill -9`` runs no cleanup). Only for a caller that holds ``out_dir``'s lock: then no
     other preparation into it is under way."""
-    out = Path(out_dir)
-    for stale in out.parent.glob(f".{glob_escape(out.name)}.prepare-*"):
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale, ignore_errors=True)
+    remove_abandoned_scratch(out_dir, "prepare")
 
 
 def _umask() -> int:
@@ -176,7 +187,7 @@ def _prepare_into(out: Path, docs: DocumentSource, source, tokenizer_kind: str, 
     tokenizer.save(out / "tokenizer.json")
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
     writers = {name: SplitWriter(out / f"{name}.bin", dtype) for name in ("train", "val")}
-    doc_nats = _known_document_entropy(Path(source))
+    doc_nats = _known_document_entropy(Path(source), log)
     shown.begin("encoding", expected)
     try:
         n_docs, val_nats, compressor_bpb = _encode(docs, tokenizer, writers, val_fraction, doc_nats,

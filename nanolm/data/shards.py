@@ -19,7 +19,9 @@ import numpy as np
 from ..batches import Split
 from ..errors import NanolmError, brief
 from ..base.documents import read_json
+from ..base import disk
 from ..base.files import check_manifest, check_seal, naming_the_file
+from ..base.lock import LOCK_FILE
 from ..tokenizer import Tokenizer
 
 META_FILE = "meta.json"
@@ -53,7 +55,7 @@ class PreparedData:
                 largest[name] = max(largest[name], int(np.frombuffer(block[:whole], dtype=dtype).max()))
 
         if verify:
-            check_manifest(self.dir, self.meta["files"], f"prepared data {self.dir}", skip=(META_FILE,),
+            check_manifest(self.dir, self.meta["files"], f"prepared data {self.dir}", skip=(META_FILE, LOCK_FILE),
                            on_block=track_largest)
             self.max_id = max(largest.values())
         else:
@@ -151,7 +153,7 @@ class SplitWriter:
 
     def __init__(self, path: Path, dtype):
         self.path = path
-        self.f = open(path, "wb")
+        self.f = disk.create(path, "wb")
         self.dtype = dtype
         self.n_tokens = 0
         self.n_bytes = 0
@@ -171,14 +173,20 @@ class SplitWriter:
         block = np.concatenate(parts)
         self.max_id = max(self.max_id, int(block.max()))
         with naming_the_file(self.path):
-            self.f.write(block.astype(self.dtype).tobytes())
+            disk.write(self.f, block.astype(self.dtype).tobytes(), self.path)
         self.n_tokens += len(block)
 
     def close(self, directory: Path, name: str):
         with naming_the_file(self.path):
+            self.f.flush()
+            disk.sync(self.f, self.path)
             self.f.close()
-        with naming_the_file(directory / f"{name}_docs.npy"):
-            np.save(directory / f"{name}_docs.npy", np.asarray(self.doc_starts, dtype=np.int64))
+        starts = directory / f"{name}_docs.npy"
+        with naming_the_file(starts), disk.create(starts, "wb") as f:
+            with disk.written_by_library(starts):
+                np.save(f, np.asarray(self.doc_starts, dtype=np.int64))
+            f.flush()
+            disk.sync(f, starts)
 
 
 def join_documents(ids_list: list[np.ndarray], eos_id: int) -> np.ndarray:

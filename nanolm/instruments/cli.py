@@ -52,17 +52,19 @@ def _eval(args) -> None:
 def _prepare(args) -> None:
     from ..data.prepare import prepare, remove_abandoned_attempts
     from ..run.directory import refuse_output_inside_a_run
-    from ..base.files import require_utf8
+    from ..base.files import refuse_mount_point, require_utf8
     from ..base.lock import RunLock
+    from ..tokenizer import MAX_BPE_VOCAB
 
     if not 0 <= args.val_fraction < 1:
         raise NanolmError(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.seq_len < 2:
         raise NanolmError(f"--seq-len must be at least 2, got {args.seq_len}")
-    if args.vocab_size <= 0:
-        raise NanolmError(f"--vocab-size must be positive, got {args.vocab_size}")
+    if not 0 < args.vocab_size <= MAX_BPE_VOCAB:
+        raise NanolmError(f"--vocab-size must be positive and at most {MAX_BPE_VOCAB}, got {args.vocab_size}")
     require_utf8("--out", str(args.out), "the tokenizer library can only open UTF-8 paths")
     refuse_output_inside_a_run(args.out, "--out")
+    refuse_mount_point(args.out, "--out")
 
     with RunLock() as lock:  # one writer: two prepares into one directory would interleave their shards
         lock.take(args.out, flag="--out")

@@ -142,9 +142,36 @@ def compare_records(a: RunRecord, b: RunRecord) -> Comparison:
     if other:
         return Comparison("different_setups", False,
                           [f"different setups: {', '.join(other)}; they did not train the same thing"])
+    kind = "same_training" if a.seed == b.seed else "seeds"
+    broken = first_non_finite_difference(a.rows, b.rows, ("loss", "val_loss", "grad_norm"))
+    if broken is not None:
+        step, key, x, y = broken
+        return Comparison(kind, False, [f"they differ at step {step}: {key} {x:.6g} vs {y:.6g}: one run's value is not "
+                                        f"finite, the other's is (only finite values are compared beyond it)"],
+                          parted_at=step)
     if a.seed == b.seed:
         return _same_training(a, b, split)
     return _seeds(a, b)
+
+
+def first_non_finite_difference(a: list[dict], b: list[dict], keys) -> tuple[int, str, float, float] | None:
+    """The first step where both runs logged ``key`` and exactly one value is NaN or infinite:
+    (step, key, a's value, b's value). Every other comparison reads finite values only, so a run
+    that went NaN would otherwise be compared on the steps before, and called the other's equal."""
+    found = None
+    for key in keys:
+        by_step = [{r["step"]: float(r[key]) for r in rows if _logged_number(r.get(key))} for rows in (a, b)]
+        for step in sorted(by_step[0].keys() & by_step[1].keys()):
+            x, y = by_step[0][step], by_step[1][step]
+            if math.isfinite(x) != math.isfinite(y):
+                if found is None or step < found[0]:
+                    found = (step, key, x, y)
+                break
+    return found
+
+
+def _logged_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _value(setup: dict, dotted: str):

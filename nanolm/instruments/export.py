@@ -12,17 +12,16 @@ approximately.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from ..errors import NanolmError
 from ..run.directory import refuse_output_inside_a_run
-from ..base.files import atomic_write_text, naming_the_file, replace
+from ..base import disk
+from ..base.files import atomic_write_text, naming_the_file, refuse_mount_point, replace
+from ..base.lock import ScratchDirectory, remove_abandoned_scratch
 from ..run.final import load_run
 from ..tokenizer import EOS
 
@@ -93,24 +92,32 @@ def export_run(run_dir, out_dir, log=print) -> Path:
 
     Everything is written into a scratch directory beside ``out_dir`` and renamed into place
     once whole: a full disk or a Ctrl-C leaves no half-exported model that a later
-    ``from_pretrained`` would load, nor a non-empty ``out_dir`` that would block the rerun."""
+    ``from_pretrained`` would load, nor a non-empty ``out_dir`` that would block the rerun; what
+    an export killed with ``kill -9`` left beside ``out_dir`` is removed by the next one."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     refuse_output_inside_a_run(out, "--out")
+    refuse_mount_point(out, "--out")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NanolmError(f"{out} exists and is not an empty directory; choose another --out")
     model, tokenizer, _ = load_run(run_dir, "cpu")
     config = hf_config(model)
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()][::-1]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
+    made, scratch = [], None
     try:
+        disk.make_dir(out.parent, parents=True, exist_ok=True, made=made)
+        remove_abandoned_scratch(out, "export")
+        scratch = ScratchDirectory(out, "export")
+        staging = scratch.path
         config["eos_token_id"] = tokenizer.eos_id
         config["bos_token_id"] = tokenizer.eos_id  # EOS opens every document in nanolm's data
         atomic_write_text(staging / "config.json", json.dumps(config, indent=2))
+        weights = staging / "model.safetensors"
         with naming_the_file(out / "model.safetensors"):
-            save_file(hf_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
+            with disk.written_by_library(weights):
+                save_file(hf_state_dict(model), str(weights), metadata={"format": "pt"})
+            with open(weights, "rb") as f:
+                disk.sync(f, weights)
         tokenizer.save(staging / "tokenizer.json")
         atomic_write_text(staging / "tokenizer_config.json", json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -121,13 +128,21 @@ def export_run(run_dir, out_dir, log=print) -> Path:
         }, indent=2))
         atomic_write_text(staging / "generation_config.json", json.dumps(
             {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2))
-        staging.chmod(0o755)
+        disk.chmod(staging, 0o755)
+        disk.sync_dir(staging)
         replace(staging, out)  # onto nothing, or onto an empty directory: one atomic rename
+        disk.sync_dir(out.parent)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if scratch is not None:
+            disk.remove_tree(scratch.path, ignore_errors=True)
         for directory in reversed(made):
-            with contextlib.suppress(OSError):
-                directory.rmdir()
+            try:
+                disk.remove_dir(directory)
+            except OSError:
+                break
         raise
+    finally:
+        if scratch is not None:
+            scratch.let_go()
     log(f"exported {run_dir} as {config['architectures'][0]} to {out}")
     return out

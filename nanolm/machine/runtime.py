@@ -171,8 +171,8 @@ def configure_threads(threads: int, device: torch.device, log=print, auto: bool 
 
 
 class TrainingInterrupted(Exception):
-    """Training stopped on a signal (or a closed output) after saving a checkpoint; ``exit_code``
-    is 128 + the signal's number, as a shell reports a process that signal ended."""
+    """Training stopped on a signal (or a closed output), after saving a checkpoint when one was
+    due; ``exit_code`` is 128 + the signal's number, as a shell reports a process that signal ended."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -194,6 +194,34 @@ def stop_reason(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+class StopAtOnce:
+    """SIGINT, SIGTERM and SIGHUP end the command at once, through its cleanup: for the phases
+    with nothing to save (a run being set up, its data prepared; its final weights written).
+
+    By default SIGTERM and SIGHUP kill a process on the spot, and a run killed while it prepares
+    its data leaves the scratch directory of a half-tokenized corpus in the system's temporary
+    directory, which nothing ever removes. Here every stop signal raises, as Ctrl-C does, so the
+    code on the way out removes what it made, and the command ends with 128 + the signal's number
+    and one line saying ``then``: what has happened and what to run."""
+
+    def __init__(self, then: str):
+        self.then = then
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        raise TrainingInterrupted(f"{stop_reason(signum)} {self.then}", signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class StopOnSignal:

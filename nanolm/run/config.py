@@ -28,12 +28,17 @@ from ..model import ATTENTION_BACKENDS, MLP_KINDS, GPTConfig
 from ..optim import OPTIMIZERS, muon_available
 from ..precision import PRECISIONS
 from ..step import SCHEDULES, default_min_lr
-from ..tokenizer import EOS
+from ..tokenizer import EOS, MAX_BPE_VOCAB
 from ..tokenizer import KINDS as TOKENIZER_KINDS
 from ..watch.guards import NAN_ACTIONS, SPIKE_ACTIONS
 from ..watch.sinks import LOG_SINKS, PROGRESS_MODES, parse_sinks
 from ..base.documents import LARGEST_INTEGER, read_toml
 from ..base.files import require_utf8
+
+MAX_THREADS = 1024
+"""The most CPU threads a run may ask for: twice the logical cores of the largest CPUs made. Far
+more (tens of thousands) exhausts what the system lets one process start, and the thread pool
+then crashes the process (a segmentation fault) instead of raising an error."""
 
 
 def option(default, help: str, choices=None, flag: str | None = None, parse=None):
@@ -77,7 +82,7 @@ class DataOptions:
     data: str = option("", "training text: a .txt/.jsonl/.parquet file, a directory of .txt files, "
                        "or a directory made by `nanolm prepare`; empty = the built-in story corpus")
     tokenizer: str = option("bpe", "tokenizer to train on the data", choices=TOKENIZER_KINDS)
-    vocab_size: int = option(512, "BPE vocabulary size, EOS included (>= 257); ignored by char")
+    vocab_size: int = option(512, "BPE vocabulary size, EOS included (257 to 16777216); ignored by char")
     val_fraction: float = option(0.1, "share of the data held out for validation (whole documents)")
     doc_mask: bool = option(True, "block-diagonal attention: tokens never attend across a document boundary")
     reset_positions: bool = option(False, "restart RoPE positions at 0 at every document")
@@ -121,7 +126,7 @@ class TrainOptions:
     threads: int = option(0, "CPU threads for PyTorch's kernels: auto (or 0) measures, at the second step and "
                           "whenever the machine's load changes, which count (all cores, half, one) runs the step "
                           "fastest, and switches only for a clear gain: on a machine other jobs also use, fewer "
-                          "threads than cores is often several times faster. A number fixes the count "
+                          "threads than cores is often several times faster. A number (up to 1024) fixes the count "
                           "(--deterministic keeps PyTorch's default); docs/benchmarks.md", parse=count_or_auto)
     process_tuning: str = option("auto", "auto: the nanolm command (and python -m nanolm.train) tunes its own process "
                                  "for the run: on a CPU the C allocator keeps freed buffers for the next step, and the "
@@ -291,14 +296,14 @@ class RunConfig:
         need(finite(m.dropout) and 0 <= m.dropout < 1, "dropout", m.dropout, "in [0, 1)")
         need(m.seq_len >= 2, "seq_len", m.seq_len, "at least 2")
         need(0 <= t.seed < 2**32, "seed", t.seed, "in [0, 2^32)")
-        need(t.threads >= 0, "threads", t.threads, "auto, or a number of threads >= 1")
+        need(0 <= t.threads <= MAX_THREADS, "threads", t.threads, f"auto, or a number of threads from 1 to {MAX_THREADS}")
         need(t.stats_every >= 0, "stats_every", t.stats_every, ">= 0 (0 = never)")
         need(t.keep >= 0, "keep", t.keep, ">= 0 (0 = keep every checkpoint)")
         need(t.sample_tokens >= 0, "sample_tokens", t.sample_tokens, ">= 0 (0 = no sample)")
         need(finite(t.peak_flops) and t.peak_flops >= 0, "peak_flops", t.peak_flops, "a FLOP/s figure >= 0 (0 = look it up)")
         need(finite(t.target_val_bpb) and t.target_val_bpb >= 0, "target_val_bpb", t.target_val_bpb, ">= 0 (0 = no target)")
         need(finite(d.val_fraction) and 0 <= d.val_fraction < 1, "val_fraction", d.val_fraction, "in [0, 1)")
-        need(d.vocab_size > 0, "vocab_size", d.vocab_size, "positive")
+        need(0 < d.vocab_size <= MAX_BPE_VOCAB, "vocab_size", d.vocab_size, f"positive and at most {MAX_BPE_VOCAB}")
         need(d.separator.strip() != "" and "\n" not in d.separator, "separator", d.separator,
              "one non-blank line of text")
         unknown = [s for s in parse_sinks(t.log) if s not in LOG_SINKS]

@@ -60,7 +60,8 @@ from ..data.shards import PreparedData
 from ..errors import NanolmError
 from .config import RunConfig, load_run_config
 from ..base.documents import read_json
-from ..base.files import atomic_write_text, move_directory, probe_writable
+from ..base import disk
+from ..base.files import atomic_write_text, move_directory, probe_writable, remove_abandoned_writes
 from .final import read_final
 from ..base.lock import DirectoryBusy, RunLock, busy_refusal, held_by_another
 from .resume import check_resume_compatible, data_moved_to, refused_changes
@@ -385,17 +386,18 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
             check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data, plan.data_moved)
         data.check_vocab(data.tokenizer.vocab_size)
         check_memory(cfg.model.gpt_config(data.tokenizer.vocab_size), precision, dist, t.batch_size,
-                     t.eval_windows, cfg.optim.optimizer)
+                     t.eval_windows, cfg.optim.optimizer, grad_accum=t.grad_accum)
         if dist.is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
+            disk.make_dir(out_dir, parents=True, exist_ok=True)
+            remove_abandoned_writes(out_dir, ["config.toml", "tokenizer.json", "metrics.jsonl"])  # killed writes
             if plan.restart:  # the logs of an attempt that never committed a checkpoint
                 for stale in ("metrics.jsonl", "events.jsonl", "final.json"):
-                    (out_dir / stale).unlink(missing_ok=True)
+                    disk.remove(out_dir / stale, missing_ok=True)
             atomic_write_text(out_dir / "config.toml", cfg.to_toml())
             data.tokenizer.save(out_dir / "tokenizer.json")
             if data.dir.parent == scratch:
                 if run_data.exists():  # such an attempt's data, or a damaged copy prepared again
-                    shutil.rmtree(run_data)
+                    disk.remove_tree(run_data)
                 move_directory(data.dir, run_data)
                 data = PreparedData(run_data, verify=False)
     return data

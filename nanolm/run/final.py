@@ -30,8 +30,10 @@ from ..model import GPT
 from ..tokenizer import Tokenizer
 from .config import RunConfig, load_run_config
 from ..base.documents import read_json
+from ..base import disk
 from ..base.files import (
     atomic_write_text,
+    remove_abandoned_writes,
     check_seal,
     is_sha256,
     manifest,
@@ -75,10 +77,12 @@ def write_final(run_dir, model: torch.nn.Module, step: int, summary: dict | None
     """Write ``model.safetensors``, then ``final.json``: the finished run's manifest.
 
     ``final.json`` comes last, so a kill at any moment leaves either no claim of a finished
-    run or a true one; a rerun of the same command writes whatever is missing.
+    run or a true one; a rerun of the same command writes whatever is missing, and removes the
+    temporary files such a kill left (the caller holds the run's lock).
     """
     run_dir = Path(run_dir)
-    (run_dir / FINAL).unlink(missing_ok=True)
+    disk.remove(run_dir / FINAL, missing_ok=True)
+    remove_abandoned_writes(run_dir, [FINAL, "model.safetensors"])
     save_weights(model, run_dir / "model.safetensors")
     summary = summary or {}
     meta = {"format": FORMAT, "step": step, "val_loss": _json_float(summary.get("val_loss")),
@@ -111,7 +115,7 @@ def read_final(run_dir) -> dict | None:
 
 def clear_final(run_dir) -> None:
     """The run is about to train on: it is no longer finished."""
-    (Path(run_dir) / FINAL).unlink(missing_ok=True)
+    disk.remove(Path(run_dir) / FINAL, missing_ok=True)
 
 
 def load_run(run_dir, device="cpu", log=_warn) -> tuple[GPT, Tokenizer, RunConfig]:

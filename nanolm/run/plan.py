@@ -157,9 +157,9 @@ def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpu
     return rows
 
 
-EVAL_BYTES_PER_TOKEN = 8 + 8 + 1 + 4 + 8
-"""The fixed validation set is held as batches: ids and targets (int64), the loss mask
-(bool), document ids (int32) and positions (int64)."""
+BATCH_BYTES_PER_TOKEN = 8 + 8 + 1 + 4 + 8
+"""A batch held on the host (the fixed validation set, a step's micro-batches): ids and targets
+(int64), the loss mask (bool), document ids (int32) and positions (int64)."""
 
 
 def available_memory(device) -> tuple[float | None, str]:
@@ -198,11 +198,12 @@ def available_memory(device) -> tuple[float | None, str]:
 
 
 def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windows: int,
-                 optimizer: str = "adamw") -> None:
+                 optimizer: str = "adamw", grad_accum: int = 1) -> None:
     """Refuse, before anything is written, a run whose step cannot fit in memory.
 
     The estimate is :func:`memory_per_gpu` (weights, gradients, optimizer state,
-    activations) plus the fixed validation batches. It leaves out the allocator's slack and
+    activations) plus the fixed validation batches and the step's micro-batches, all
+    ``grad_accum`` of them cut on the host before the step runs. It leaves out the allocator's slack and
     attention's score matrices on paths that materialise them, so it is a lower bound: what
     it refuses would certainly have failed, on a CPU by being killed (no error, no
     checkpoint) rather than by an exception.
@@ -216,11 +217,16 @@ def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windo
     processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     rows = memory_per_gpu(c, precision, dist.mode if dist.mode != "none" else "none", dist.world_size,
                           batch_size, c.seq_len, optimizer=optimizer)
-    need = (rows["total"] + eval_windows * c.seq_len * EVAL_BYTES_PER_TOKEN) * processes_here
+    step_batches = grad_accum * batch_size * c.seq_len * BATCH_BYTES_PER_TOKEN
+    need = (rows["total"] + eval_windows * c.seq_len * BATCH_BYTES_PER_TOKEN + step_batches) * processes_here
+    if step_batches > available:
+        raise NanolmError(f"one step of --grad-accum {grad_accum} micro-batches of --batch-size {batch_size} × "
+                          f"--seq-len {c.seq_len} holds {_gb_text(step_batches)} of batches, but {device} has "
+                          f"{_gb_text(available)} {source}; lower --grad-accum")
     if need > available:
         raise NanolmError(f"this run needs at least {_gb_text(need)} of memory (--batch-size {batch_size} × --seq-len "
                           f"{c.seq_len}: activations {_gb_text(rows['activations'])}, validation batches "
-                          f"{_gb_text(eval_windows * c.seq_len * EVAL_BYTES_PER_TOKEN)}) but {device} has {_gb_text(available)} "
+                          f"{_gb_text(eval_windows * c.seq_len * BATCH_BYTES_PER_TOKEN)}) but {device} has {_gb_text(available)} "
                           f"{source}; lower --batch-size (raise --grad-accum for the same tokens per step) "
                           f"or --eval-windows")
 

@@ -29,12 +29,13 @@ test: is a new draw from the same recipe this far out?), and "a healthy run is t
 
 **Looking at every evaluation.** A run is judged at each of its evaluations, and a statistic
 checked K times raises K chances of a false alarm. The threshold is therefore not the t
-quantile of one look but that of the largest ``|t|`` over all the looks, computed for the
-correlation the looks really have (the running averages share most of their terms) by
-simulating healthy curves: a multivariate normal with the seeds' covariance, divided by one
-chi-square draw per curve (the covariance is estimated once, for every look). Healthy runs
-then cross it at any evaluation with the stated probability (:data:`FALSE_ALARM`), which
-``benchmarks/band_sensitivity.py`` measures on seeds the curve never saw.
+quantile of one look but that of the largest ``|t|`` over all the looks, for the correlation
+the looks really have (the running averages share most of their terms) and for how little a
+few seeds tell of their covariance: it is found by doing the whole test on simulated healthy
+seeds and runs (:func:`max_t_threshold`). Healthy runs then cross it at any evaluation with the
+stated probability (:data:`FALSE_ALARM`): ``tests/test_curve.py`` checks that by simulation, at
+five seeds and at the shipped references' numbers, and ``benchmarks/band_sensitivity.py``
+measures it on seeds the curve never saw.
 
 **A seed the reference trained.** Seeds differ: one lands a few per cent above another, for
 good (a better draw of initial weights and data order), so a bug of that size hides among seeds
@@ -55,6 +56,8 @@ import numpy as np
 FALSE_ALARM = 0.01
 """The share of healthy runs the curve test may flag, at any of their evaluations, either way."""
 SIMULATED_CURVES = 200_000
+CHUNK = 10_000
+"""Simulated cases computed at a time (memory: a few times CHUNK x runs x evaluations numbers)."""
 
 
 @dataclass
@@ -118,7 +121,7 @@ class SeedCurves:
         """The same curves with each step's rerun noise at least ``floor`` and the threshold
         simulated again: what a new floor makes of a shipped reference, without its trainings."""
         cov = floored(np.asarray(self.rerun_cov, dtype=np.float64), floor)
-        threshold = max_t_threshold(cov, self.reruns + 1, self.false_alarm, seed)
+        threshold = max_t_threshold(cov, self.reruns, self.false_alarm, seed, paired=True)
         return SeedCurves(self.key, self.steps, self.logs, [[nine_figures(x) for x in row] for row in cov], self.reruns,
                           nine_figures(threshold), self.false_alarm)
 
@@ -144,7 +147,8 @@ def floored(cov: np.ndarray, floor: float) -> np.ndarray:
 
 
 def seed_curves_from_runs(key: str, firsts: dict[int, dict[int, float]], reruns: dict[int, dict[int, float]],
-                          false_alarm: float = FALSE_ALARM, seed: int = 0) -> SeedCurves | None:
+                          false_alarm: float = FALSE_ALARM, seed: int = 0,
+                          samples: int = SIMULATED_CURVES) -> SeedCurves | None:
     """The seeds' own curves (``firsts``: seed -> {step: value}) and what their reruns
     (``reruns``, some of the same seeds) differ by; None with fewer than 5 reruns."""
     paired = [s for s in reruns if s in firsts]
@@ -156,7 +160,7 @@ def seed_curves_from_runs(key: str, firsts: dict[int, dict[int, float]], reruns:
         return None
     diffs = np.array([[math.log(reruns[s][t]) - math.log(firsts[s][t]) for t in steps] for s in paired])
     cov = floored(diffs.T @ diffs / len(paired), RERUN_FLOOR)
-    threshold = max_t_threshold(cov, len(paired) + 1, false_alarm, seed)  # no mean estimated: n degrees of freedom
+    threshold = max_t_threshold(cov, len(paired), false_alarm, seed, samples, paired=True)
     return SeedCurves(key, steps, {str(s): [nine_figures(math.log(firsts[s][t])) for t in steps] for s in sorted(firsts)},
                       [[nine_figures(x) for x in row] for row in cov], len(paired), nine_figures(threshold), false_alarm)
 
@@ -233,16 +237,17 @@ def _two_figures(n: float) -> int:
 
 
 def curve_from_seeds(key: str, per_seed: list[dict[int, float]], false_alarm: float = FALSE_ALARM,
-                     seed: int = 0) -> Curve | None:
+                     seed: int = 0, samples: int = SIMULATED_CURVES) -> Curve | None:
     """The curve test for ``key`` from each seed's ``{step: value}``: the evaluations after step 0
-    that every seed logged, finite and positive. None with fewer than 5 seeds or no evaluation."""
+    that every seed logged, finite and positive. None with fewer than 5 seeds or no evaluation.
+    ``seed`` and ``samples``: the threshold's simulation (:func:`max_t_threshold`)."""
     steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
     steps = [s for s in steps if s > 0 and all(0 < run[s] < math.inf for run in per_seed)]
     if len(per_seed) < 5 or not steps:
         return None
     logs = np.log(np.array([[run[s] for s in steps] for run in per_seed], dtype=np.float64))
     cov = np.atleast_2d(np.cov(logs, rowvar=False, ddof=1))
-    threshold = max_t_threshold(cov, len(per_seed), false_alarm, seed)
+    threshold = max_t_threshold(cov, len(per_seed), false_alarm, seed, samples)
     return Curve(key, steps, [nine_figures(x) for x in logs.mean(axis=0)], [[nine_figures(x) for x in row] for row in cov],
                  len(per_seed), nine_figures(threshold), false_alarm)
 
@@ -269,20 +274,52 @@ def prefix_correlation(cov: np.ndarray) -> np.ndarray:
     return prefix / np.outer(sd, sd)
 
 
-def max_t_threshold(cov: np.ndarray, seeds: int, false_alarm: float, seed: int = 0,
-                    samples: int = SIMULATED_CURVES) -> float:
-    """The |t| that healthy runs exceed at any of their looks with probability ``false_alarm``:
-    looks drawn as a multivariate t with ``seeds - 1`` degrees of freedom and the looks'
-    correlation (:func:`prefix_correlation`), by simulation with a fixed seed (the same band
-    file gives the same threshold)."""
-    corr = prefix_correlation(np.asarray(cov, dtype=np.float64))
-    rng = np.random.default_rng(seed)
-    values, vectors = np.linalg.eigh(corr)
+def max_t_threshold(cov: np.ndarray, runs: int, false_alarm: float, seed: int = 0,
+                    samples: int = SIMULATED_CURVES, *, paired: bool = False) -> float:
+    """The |t| that healthy runs exceed at any of their looks with probability ``false_alarm``.
+
+    Found by doing the test itself, many times, on healthy runs drawn from a normal with
+    covariance ``cov`` (a parametric bootstrap, with a fixed ``seed``: the same band file gives the
+    same threshold): each time ``runs`` curves are drawn, the test's centre, covariance and
+    weights are estimated from them exactly as from the real ones, and one more healthy curve is
+    judged at every look; the threshold is the quantile of its largest |t|. ``paired``: the
+    own-seed test, where the curves are reruns' differences from their first runs (no mean
+    estimated); else the seeds' test (their mean and covariance, the new run's t scaled by
+    1 + 1/``runs``). An own-seed covariance raised to :data:`RERUN_FLOOR` is simulated as if it
+    were measured so: a floored step's spread then varies in the simulation, not in the test,
+    which makes the threshold higher than the floor alone would need (fewer false alarms).
+
+    Why not the simpler simulation (a multivariate t with the looks' estimated correlation and one
+    chi-square for all of them, as before 2026-12-06): it takes the covariance that a few seeds
+    estimate for exact, and every look's estimated variance for the same multiple of the true one.
+    With five seeds, healthy runs crossed that threshold two to three times as often as stated
+    (``tests/test_curve.py``'s calibration tests measure it)."""
+    cov = np.atleast_2d(np.asarray(cov, dtype=np.float64))
+    k = cov.shape[0]
+    values, vectors = np.linalg.eigh(cov)
     root = vectors * np.sqrt(np.clip(values, 0, None))
-    z = rng.standard_normal((samples, corr.shape[0])) @ root.T
-    scale = np.sqrt(rng.chisquare(seeds - 1, size=samples) / (seeds - 1))
-    largest = np.abs(z / scale[:, None]).max(axis=1)
-    return float(np.quantile(largest, 1 - false_alarm))
+    rng = np.random.default_rng(seed)
+    largest, done = [], 0
+    while done < samples:
+        n = min(CHUNK, samples - done)
+        curves = rng.standard_normal((n, runs, k)) @ root.T
+        new = rng.standard_normal((n, k)) @ root.T
+        if paired:
+            estimated = curves.transpose(0, 2, 1) @ curves / runs
+            excess_of, inflation = new, 0.0
+        else:
+            centre = curves.mean(axis=1)
+            spread = curves - centre[:, None, :]
+            estimated = spread.transpose(0, 2, 1) @ spread / (runs - 1)
+            excess_of, inflation = new - centre, 1 / runs
+        sd = np.sqrt(np.einsum("nii->ni", estimated))
+        weights = np.tril(np.ones((k, k)))[None] / np.maximum(sd, SPREAD_FLOOR)[:, None, :]
+        weights = weights / weights.sum(axis=2, keepdims=True)
+        excess = (weights @ excess_of[:, :, None])[:, :, 0]
+        variance = ((weights @ estimated) * weights).sum(axis=2) * (1 + inflation)
+        largest.append(np.abs(excess / np.sqrt(np.maximum(variance, 1e-30))).max(axis=1))
+        done += n
+    return float(np.quantile(np.concatenate(largest), 1 - false_alarm))
 
 
 def t_tail(t: float, df: int) -> float:

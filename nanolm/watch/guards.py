@@ -42,6 +42,7 @@ import torch
 
 from ..errors import NanolmError
 from ..base.documents import read_jsonl
+from ..base import disk
 from ..base.files import naming_the_file
 
 NAN_ACTIONS = ("stop", "skip", "rollback")
@@ -199,8 +200,8 @@ class Guard:
 
     def _append(self, event: dict) -> None:
         if self.events_path is not None:
-            with naming_the_file(self.events_path), open(self.events_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(event) + "\n")
+            with naming_the_file(self.events_path), disk.create(self.events_path, "a", encoding="utf-8") as f:
+                disk.write(f, json.dumps(event) + "\n", self.events_path)
 
     def reset_history(self) -> None:
         """After a rollback the recent values belong to a discarded trajectory."""

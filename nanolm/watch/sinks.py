@@ -37,7 +37,8 @@ import sys
 from pathlib import Path
 
 from ..base.documents import read_jsonl
-from ..base.files import naming_the_file, replace
+from ..base import disk
+from ..base.files import atomic_write_text, naming_the_file
 from .reference import format_band
 
 LOG_SINKS = ("wandb", "tensorboard")
@@ -66,17 +67,15 @@ class MetricsFile:
             self.rows = [r for r in good if r["step"] <= resume_step]
             if damaged:
                 log(f"warning: {self.path}: {damaged} damaged line(s) dropped while resuming")
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
-            replace(tmp, self.path)
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in self.rows))
         self.last_step = self.rows[-1]["step"] if self.rows else -1
-        self.file = open(self.path, "w" if resume_step is None else "a", encoding="utf-8")
+        self.file = disk.create(self.path, "w" if resume_step is None else "a", encoding="utf-8")
 
     def write(self, row: dict) -> None:
         if row["step"] <= self.last_step:
             raise ValueError(f"metrics step {row['step']} written after step {self.last_step}: steps must increase")
         with naming_the_file(self.path):
-            self.file.write(json.dumps(row) + "\n")
+            disk.write(self.file, json.dumps(row) + "\n", self.path)
             self.file.flush()
         self.last_step = row["step"]
 
