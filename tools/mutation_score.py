@@ -52,6 +52,8 @@ MODULES = {
     "nanolm/evaluate.py": ("tests/test_evaluate.py", "tests/test_train.py", "tests/test_data.py"),
     "nanolm/instruments/trained.py": ("tests/test_evaluate.py", "tests/test_cli.py"),
     "nanolm/watch/stats.py": ("tests/test_stats.py", "tests/test_devices.py"),
+    "nanolm/base/disk.py": ("tests/test_files.py", "tests/test_crash_points.py"),
+    "nanolm/instruments/export.py": ("tests/test_export.py", "tests/test_crash_points.py"),
 }
 ALSO_COPY = ("data", "configs", "tools", "benchmarks", "docs", "README.md")  # what the tests read beside the package
 
