@@ -1,6 +1,8 @@
 """Export to Hugging Face transformers: same logits (skipped only without transformers;
 the dev extra installs it, so CI runs it)."""
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -49,6 +51,30 @@ def test_exported_model_gives_the_same_logits_in_transformers(tmp_path, options,
         expected, _ = model.eval()(idx)
         got = hf(idx).logits
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_what_transformers_reads_from_an_export_describes_the_model_and_its_tokenizer(tmp_path, qk_norm):
+    """The same logits prove the weights; these are what a pipeline reads beside them: the context
+    length, the document token that opens and ends each text, the precision, the tokenizer's class
+    and Qwen3's sliding window (off: nanolm attends to the whole window)."""
+    run, model, tok = _fake_run(tmp_path, qk_norm=qk_norm)
+    out = export_run(run, tmp_path / "hf", log=lambda *_: None)
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.max_position_embeddings == model.config.seq_len and config.eos_token_id == tok.eos_id
+    assert config.bos_token_id == tok.eos_id and str(config.dtype if hasattr(config, "dtype") else config.torch_dtype) \
+        in ("float32", "torch.float32")
+    if qk_norm:
+        assert config.use_sliding_window is False and config.sliding_window is None
+        assert config.max_window_layers == model.config.n_layer
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok.model_max_length == model.config.seq_len  # the class: PreTrainedTokenizerFast before transformers 5
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert hf_tok.bos_token == hf_tok.eos_token == "<|endoftext|>" and hf_tok.bos_token_id == tok.eos_id
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation.bos_token_id == generation.eos_token_id == tok.eos_id
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_text().startswith("{\n  \""), name  # indented: a person reads these too
 
 
 def test_exported_tokenizer_loads_and_encodes_the_same(tmp_path):
