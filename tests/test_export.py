@@ -45,7 +45,8 @@ def test_exported_model_gives_the_same_logits_in_transformers(tmp_path, options,
     run, model, tok = _fake_run(tmp_path, **options)
     out = export_run(run, tmp_path / "hf", log=lambda *_: None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
-    assert type(hf).__name__ == architecture
+    assert type(hf).__name__ == architecture  # (transformers 5 picks it by model_type; older ones and hubs read:)
+    assert json.loads((out / "config.json").read_text())["architectures"] == [architecture]
     idx = torch.randint(tok.vocab_size, (2, 32))
     with torch.no_grad():
         expected, _ = model.eval()(idx)
@@ -75,6 +76,19 @@ def test_what_transformers_reads_from_an_export_describes_the_model_and_its_toke
     assert generation.bos_token_id == generation.eos_token_id == tok.eos_id
     for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
         assert (out / name).read_text().startswith("{\n  \""), name  # indented: a person reads these too
+
+
+def test_an_export_goes_into_a_new_or_empty_directory_readable_by_all_and_nothing_else(tmp_path, capsys):
+    run, _, _ = _fake_run(tmp_path)
+    (tmp_path / "empty").mkdir()
+    out = export_run(run, tmp_path / "empty", log=lambda *_: None)  # an empty directory is replaced in one rename
+    assert sorted(p.name for p in out.iterdir())[0] == "config.json" and (out.stat().st_mode & 0o777) == 0o755
+    (tmp_path / "file").write_text("mine")
+    for taken in (tmp_path / "empty", tmp_path / "file"):
+        assert main(["export", str(run), "--out", str(taken)]) == 2
+        assert capsys.readouterr().err.strip() == (f"error: {taken} exists and is not an empty directory; choose "
+                                                   f"another --out")
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_exported_tokenizer_loads_and_encodes_the_same(tmp_path):
