@@ -32,7 +32,7 @@ MIN_BPE_VOCAB = 257
 MAX_BPE_VOCAB = 1 << 24
 """The largest BPE vocabulary asked for: 64 times the largest in use (262,144 entries). The
 tokenizer library reserves memory for every entry asked for before it learns one, and a request
-of a few hundred million entries aborts the whole process, not with an error a caller can catch."""
+far past what memory holds aborts the whole process, not with an error a caller can catch."""
 KINDS = ("bpe", "char")
 PIECE_CHARS = 1 << 16  # a longer text is encoded in pieces of about this size, in parallel
 # a newline with a printable ASCII character on each side: byte-level BPE cannot join tokens across it

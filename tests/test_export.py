@@ -2,6 +2,7 @@
 the dev extra installs it, so CI runs it)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,19 @@ def test_an_export_that_meets_a_full_disk_is_one_line_leaves_nothing_and_the_rer
     assert main(["export", str(run), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
                                                      "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_an_export_onto_a_mount_point_is_refused_in_one_line_naming_its_flag(tmp_path, capsys, monkeypatch):
+    import os
+
+    import nanolm.base.files as files
+
+    run, _, _ = _fake_run(tmp_path)
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    real = os.path.ismount
+    monkeypatch.setattr(files.os.path, "ismount", lambda p: Path(p) == mounted or real(p))
+    assert main(["export", str(run), "--out", str(mounted)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --out {mounted} is a mount point, which nanolm cannot replace in "
+                                                f"one step; choose a directory inside it (--out {mounted / 'out'})")
+    assert list(mounted.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["mounted", "run"]

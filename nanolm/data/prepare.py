@@ -81,8 +81,7 @@ def compressor_bits_per_byte(context: bytes, text: bytes) -> dict:
 def _known_document_entropy(source: Path, log=print) -> list[float] | None:
     """Per-document information (nats) written by ``nanolm data stories`` beside the text.
 
-    The file holds one number per story, so a large corpus has a large one (a million stories:
-    some 10 MB): it is read up to the size of the text it describes (each story is longer than
+    The file holds one number per story, so a large corpus has a large one: it is read up to the size of the text it describes (each story is longer than
     its number), not up to the few megabytes of a metadata file. A damaged or foreign file gives
     no floor, and a note says so."""
     path = entropy_path(source)

@@ -291,9 +291,9 @@ def max_t_threshold(cov: np.ndarray, runs: int, false_alarm: float, seed: int = 
 
     Why not the simpler simulation (a multivariate t with the looks' estimated correlation and one
     chi-square for all of them, as before 2026-12-06): it takes the covariance that a few seeds
-    estimate for exact, and every look's estimated variance for the same multiple of the true one.
-    With five seeds, healthy runs crossed that threshold two to three times as often as stated
-    (``tests/test_curve.py``'s calibration tests measure it)."""
+    estimate for exact, and every look's estimated variance for the same multiple of the true one:
+    with few seeds, healthy runs crossed that threshold far more often than stated (measured in
+    docs/benchmarks.md, "Calibration"; ``tests/test_curve.py``'s calibration tests hold it)."""
     cov = np.atleast_2d(np.asarray(cov, dtype=np.float64))
     k = cov.shape[0]
     values, vectors = np.linalg.eigh(cov)
