@@ -2,7 +2,6 @@
 after each, the old result or the new one is there, whole; the same command run again finishes it;
 nothing left behind blocks that rerun or survives it; nothing of another output is touched."""
 
-import errno
 import json
 import shutil
 from pathlib import Path
