@@ -80,9 +80,9 @@ from .model import GPT
 from .optim import get_param_groups, optimizer_for  # noqa: F401 (get_param_groups: the course's name)
 from .precision import DynamicLossScaler, Precision, cast_weights_, resolve_precision
 from .run.config import RunConfig
-from .run.directory import RunPlan, locate_run, set_up_run_directory, use_prepared_tokenizer
+from .run.directory import RunPlan, hold_prepared_data, locate_run, set_up_run_directory, use_prepared_tokenizer
 from .run.final import clear_final, save_final_weights
-from .base.lock import RunLock
+from .base.lock import ReadLock, RunLock
 from .sample import sample_text
 from .step import StepSetup, cosine_lr, discarded_pass, learning_rate, summed_token_loss, train_step  # noqa: F401 (cosine_lr: the course's)
 from .watch.guards import Guard, nan_origin
@@ -182,9 +182,11 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
         require_sharded_storage()
     use_prepared_tokenizer(cfg)
     try:
-        with settings_restored(), launch(cfg.train.dist, device) as dist, RunLock() as lock:  # one writer per run directory
+        # one writer per run directory, and no prepare over the prepared data a run reads
+        with settings_restored(), launch(cfg.train.dist, device) as dist, RunLock() as lock, ReadLock() as reading:
             log = log if dist.is_main else Muted()
             with StopAtOnce(SET_UP_STOPPED):  # nothing to save yet: a signal stops at once, cleaning up
+                hold_prepared_data(cfg, reading)
                 plan = dist.from_main(lambda: locate_run(cfg, lock, dist.world_size, log))  # rank 0 locks the directory
                 if cfg.train.eval_windows is None:  # not asked for: a run continued keeps its validation set
                     cfg.train.eval_windows = plan.eval_windows or DEFAULT_EVAL_WINDOWS
@@ -207,6 +209,9 @@ def run_loop(run: Run, log=print) -> dict:
     row: dict = {}
     with StopOnSignal() as stop, contextlib.closing(observer):
         observer.start(validator.evaluate(0) if progress.step == 0 and validator.due(0) else None)
+        stop_signal = dist.first_signal(stop.requested)  # one during the first evaluation: no step to save yet
+        if stop_signal:
+            raise TrainingInterrupted(f"{stop_reason(stop_signal)} {SET_UP_STOPPED}", stop_signal)
         while progress.step < t.steps and not run.finishing:
             step = progress.step + 1
             # 1. the step's micro-batches (--threads auto: maybe first a trial of thread counts on them)
@@ -232,7 +237,9 @@ def run_loop(run: Run, log=print) -> dict:
             reached = observer.target_reached(row)
             stop_signal = dist.first_signal(stop.requested)  # every rank stops after the same step
             if checkpointer.due(step, stop_signal, reached):
+                # a signal that came during the save stops the run at this checkpoint too
                 saved = checkpointer.save(step, row.get("val_loss"))
+                stop_signal = dist.first_signal(stop.requested)
                 if stop_signal:
                     raise TrainingInterrupted(f"{stop_reason(stop_signal)} at step {step}: checkpoint saved to {saved}; "
                                               f"run the same command again to resume", stop_signal)

@@ -1,4 +1,5 @@
 import getpass
+import json
 import os
 import subprocess
 import sys
@@ -48,6 +49,23 @@ def run_cli(*args, cwd=None, timeout=300):
     """Run ``python -m nanolm ARGS`` in a fresh process; returns the CompletedProcess."""
     return subprocess.run([sys.executable, "-m", "nanolm", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, timeout=timeout)
+
+
+def run_harness(harness: Path, data, work: Path) -> dict:
+    """Run a harness of forked runs (``tests/signal_points.py``, ``tests/continued_runs.py``) in a
+    fresh process (a child must not be forked from one that ran PyTorch) and return its result;
+    its own failures fail the test, one line each."""
+    result = work / "result.json"
+    proc = subprocess.run([sys.executable, str(harness), "--data", str(data), "--work", str(work / "w"), "--json",
+                           str(result)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(  # a mutated copy's path stays first
+                              filter(None, [os.environ.get("PYTHONPATH"), str(harness.parents[1])]))})
+    assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    outcome = json.loads(result.read_text())
+    assert not outcome["failures"], "\n".join(f"{case}: {'; '.join(broken)}"
+                                              for case, broken in outcome["failures"].items())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return outcome
 
 
 TINY_TRAIN = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",

@@ -329,3 +329,8 @@ def test_a_validator_built_for_a_run_takes_its_schedule_from_the_train_section()
                                   token_bytes=torch.ones(64, dtype=torch.int64), floor={"bpb": 1.0, "nats_per_token": 2.0})
     assert [s for s in range(0, 100) if validator.due(s)] == [40, 80, 90]
     assert validator.evaluate(40)["floor_loss"] == 2.0
+    cfg.train.eval_at_start = True  # the default: the untrained model's loss, diagnose's reference
+    validator = Validator.for_run(cfg, model=tiny_model(), dist=Distributed(), batches=_batches(), progress=Progress(),
+                                  precision=resolve_precision("fp32", torch.device("cpu")),
+                                  token_bytes=torch.ones(64, dtype=torch.int64))
+    assert [s for s in range(0, 100) if validator.due(s)] == [0, 40, 80, 90] and validator.due(0) is True

@@ -467,3 +467,91 @@ def test_an_earlier_runs_eval_batches_means_the_same_windows_as_before(tmp_path)
     assert load_run_config(tmp_path / "config.toml").train.eval_windows == 80
     (tmp_path / "config.toml").write_text("[train]\nbatch_size = 4\n")
     assert load_run_config(tmp_path / "config.toml").train.eval_windows == 320
+
+
+# ------------------------------------------------------------------ the resume rules, one at a time (nanolm/run/resume.py)
+def _saved(straight):
+    from nanolm.run.config import load_run_config
+
+    checkpoint = list_checkpoints(straight)[-1][1]
+    return checkpoint, load_run_config(checkpoint / "config.toml")
+
+
+def load_config_copy(cfg):
+    import copy
+
+    return copy.deepcopy(cfg)
+
+
+def test_a_changed_value_is_shown_as_a_person_would_type_it(straight):
+    from nanolm.run.resume import resume_differences
+
+    checkpoint, saved = _saved(straight)
+    changed = load_config_copy(saved)
+    changed.optim.lr = saved.optim.lr / 10
+    changed.train.steps = 600
+    allowed, refused = resume_differences(saved, changed)
+    assert f"lr: {saved.optim.lr:.12g} -> {saved.optim.lr / 10:.12g}" in allowed and refused == []
+    assert "steps: 6 -> 600" in allowed and "00000" not in " ".join(allowed)
+
+
+def test_data_counts_as_moved_only_when_it_gives_the_checkpoints_data(straight, stories_file, tmp_path, capsys):
+    """Raw text is tokenized again to know, silently; a source that cannot be read, the built-in
+    corpus, and a checkpoint that recorded no digest are never the same data."""
+    import json
+    import shutil
+
+    from nanolm.base.files import sealed
+    from nanolm.run.resume import data_moved_to
+
+    checkpoint, saved = _saved(straight)
+    moved = load_config_copy(saved)
+    copy_of_data = tmp_path / "elsewhere.txt"
+    copy_of_data.write_bytes(stories_file.read_bytes())
+    moved.data.data = str(copy_of_data)
+    capsys.readouterr()
+    assert data_moved_to(moved, checkpoint) is True
+    assert capsys.readouterr() == ("", "")  # the check is not a preparation the user sees
+    unreadable = tmp_path / "binary.bin"
+    unreadable.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00" * 10)
+    moved.data.data = str(unreadable)
+    assert data_moved_to(moved, checkpoint) is False
+    moved.data.data = None  # the built-in corpus
+    assert data_moved_to(moved, checkpoint) is False
+    moved.data.data = str(copy_of_data)
+    no_digest = tmp_path / "checkpoints" / checkpoint.name
+    shutil.copytree(checkpoint, no_digest)
+    meta = ckpt.read_checkpoint_meta(no_digest)
+    meta.pop("data_digest")
+    (no_digest / "meta.json").write_text(json.dumps(sealed(meta)))
+    assert ckpt.read_checkpoint_meta(no_digest).get("data_digest") is None
+    assert data_moved_to(moved, no_digest) is False
+
+
+def test_a_resume_is_refused_for_another_tokenizer_or_other_data_and_a_path_only_when_not_moved(straight, stories_file,
+                                                                                                tmp_path):
+    from nanolm.data.prepare import load_training_data
+    from nanolm.errors import NanolmError
+    from nanolm.run.resume import check_resume_compatible
+    from nanolm.tokenizer import Tokenizer, train_char
+
+    checkpoint, saved = _saved(straight)
+    tokenizer = Tokenizer.load(checkpoint / "tokenizer.json")
+    check_resume_compatible(checkpoint, load_config_copy(saved), tokenizer, log=lambda *_: None)  # no dist: one process
+    moved = load_config_copy(saved)
+    moved.data.data = str(tmp_path / "elsewhere.txt")
+    with pytest.raises(NanolmError, match="incompatible changes: data: "):
+        check_resume_compatible(checkpoint, moved, tokenizer, log=lambda *_: None)
+    said = []
+    check_resume_compatible(checkpoint, moved, tokenizer, log=said.append, data_moved=True)
+    assert said == [f"resume: data: {saved.data.data!r} -> {moved.data.data!r} (allowed by its digest: the same data)"]
+    other = tmp_path / "other.txt"
+    other.write_text("Another text altogether, with other letters: zqxj.\n" * 50)
+    with pytest.raises(NanolmError, match="tokenizer: the data's tokenizer is not the one the run was trained with"):
+        check_resume_compatible(checkpoint, load_config_copy(saved), train_char([other.read_text()]),
+                                log=lambda *_: None)
+    cfg = load_config_copy(saved)
+    cfg.data.data = str(other)
+    data = load_training_data(cfg, tmp_path / "scratch", log=lambda *_: None, compressor_bounds=False)
+    with pytest.raises(NanolmError, match=r"data: .* is not the data the checkpoint was trained on \(its files differ\)"):
+        check_resume_compatible(checkpoint, load_config_copy(saved), tokenizer, log=lambda *_: None, data=data)

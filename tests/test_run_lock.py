@@ -328,7 +328,8 @@ def test_deleting_the_lock_file_of_a_live_run_lets_no_second_writer_in(tmp_path,
         (out / LOCK_FILE).unlink()
         before = _files(out)
         assert main(_command(stories_file, "--out-dir", out, "--lr", "1e-2")) == 2
-        assert f"{out} is being written by another process; wait" in _one_error_line(capsys)
+        assert f"{out} is in use by another process (being written, or read by a run training on it); wait" in \
+            _one_error_line(capsys)
         assert _files(out) == before
     assert _same_run(out, alone)
 
@@ -454,7 +455,9 @@ def test_a_lock_file_held_by_another_process_is_a_one_line_refusal_and_stays_the
 def test_a_refusal_names_the_holder_only_when_its_line_names_a_process_and_a_host(holder, who, tmp_path):
     busy = nanolm.base.lock.busy_refusal(tmp_path / "run", holder, "--out")
     assert isinstance(busy, DirectoryBusy)
-    assert str(busy) == f"{tmp_path / 'run'} is being written by {who}; wait for it to end, or choose another --out"
+    use = f"is being written by {who}" if who != "another process" else \
+        "is in use by another process (being written, or read by a run training on it)"
+    assert str(busy) == f"{tmp_path / 'run'} {use}; wait for it to end, or choose another --out"
     inside = nanolm.base.lock.busy_refusal(tmp_path / "run" / "data", holder, "--out", inside=tmp_path / "run")
     assert str(inside) == (f"{tmp_path / 'run' / 'data'} is inside {tmp_path / 'run'}, which is being written by "
                            f"{who}: writing there would change that run under it; wait for it to end, or choose "
@@ -734,3 +737,52 @@ def test_a_holder_line_that_is_not_utf8_is_read_without_a_traceback(tmp_path):
     (tmp_path / LOCK_FILE).write_bytes(b"\xff\xfe@host\n")
     assert nanolm.base.lock._holder(tmp_path / LOCK_FILE) == "\ufffd\ufffd@host"
     assert "another process" in str(nanolm.base.lock.busy_refusal(tmp_path, "\ufffd\ufffd@host", "--out-dir"))
+
+
+def test_a_prepare_over_the_data_a_live_run_trains_on_is_refused_and_the_run_ends_as_alone(tmp_path, stories_file,
+                                                                                           capsys):
+    """A run on prepared data reads it for as long as it trains, and its checkpoints record the
+    data's digest: a prepare into that directory meanwhile (accepted before 2026-12-06) left a
+    run that could no longer be continued. The run shares the directory's lock; prepare's is
+    exclusive, so it is refused in one line, and the data and the run stay whole."""
+    shards = tmp_path / "shards"
+    assert main(["prepare", "--data", str(stories_file), "--out", str(shards), "--tokenizer", "char"]) == 0
+    alone = tmp_path / "alone"
+    assert main(_command(shards, "--out-dir", alone)) == 0
+    capsys.readouterr()
+    before = _files(shards)
+    out = tmp_path / "run"
+    with _stopped_after_its_first_checkpoint(shards, out):
+        other = tmp_path / "other.txt"
+        other.write_text("Another text altogether, with other letters: zqxj.\n" * 50)
+        assert main(["prepare", "--data", str(other), "--out", str(shards), "--tokenizer", "char"]) == 2
+        line = _one_error_line(capsys)
+        assert f"{shards} is in use by another process" in line and "read by a run training on it" in line, line
+        assert _files(shards) == before
+    assert _same_run(out, alone)
+
+
+def test_a_run_on_prepared_data_being_written_is_refused_naming_the_writer(tmp_path, stories_file, capsys):
+    shards = tmp_path / "shards"
+    assert main(["prepare", "--data", str(stories_file), "--out", str(shards), "--tokenizer", "char"]) == 0
+    with RunLock() as writing:  # as a prepare into it holds it
+        writing.take(shards, "--out")
+        assert main(_command(shards, "--out-dir", tmp_path / "run")) == 2
+        line = _one_error_line(capsys)
+        assert f"{shards} is being written by process {os.getpid()}" in line and line.endswith("another --data")
+        assert not (tmp_path / "run").exists()
+    assert main(_command(shards, "--out-dir", tmp_path / "run")) == 0
+
+
+def test_runs_on_the_same_prepared_data_share_it(tmp_path, stories_file):
+    from nanolm.base.lock import ReadLock
+
+    shards = tmp_path / "shards"
+    assert main(["prepare", "--data", str(stories_file), "--out", str(shards), "--tokenizer", "char"]) == 0
+    with ReadLock() as first, ReadLock() as second:
+        first.take(shards)
+        second.take(shards)  # no refusal
+        with pytest.raises(DirectoryBusy):
+            RunLock().take(shards, "--out")
+    with RunLock() as writer:
+        writer.take(shards, "--out")  # free again once the readers let go

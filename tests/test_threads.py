@@ -1,5 +1,6 @@
 """--threads auto: trials leave no trace, a switch needs a clear gain, and a changed machine is measured again."""
 
+import os
 from functools import partial
 
 import pytest
@@ -125,3 +126,35 @@ def test_environment_a_step_gives_the_same_bits_at_one_and_two_threads():
     if not torch.equal(weights[1], weights[2]):
         pytest.skip("environment: this CPU's kernels give other bits at 1 and 2 threads, so a --threads auto "
                     "switch changes a run's last bits here (docs/checkpoints.md)")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: there is no other thread count to switch to")
+def test_deterministic_runs_keep_their_numbers_and_thread_count_on_a_busy_machine(tmp_path, stories_file, monkeypatch):
+    """``--deterministic`` promises the same numbers on a busy machine as on an idle one; the
+    tuner of ``--threads auto`` chooses a count from what the machine does now, and PyTorch
+    does not promise the same bits at every count. A busy machine is simulated as the tuner
+    sees it (a pass at one thread clearly faster); the same run without --deterministic
+    switches there, so the simulation is one the tuner acts on."""
+    import json
+
+    from conftest import tiny_run_config
+
+    from nanolm.machine import threads as threads_module
+    from nanolm.train import train
+
+    def losses(out):
+        return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    def run(name, deterministic):
+        lines = []
+        train(tiny_run_config(stories_file, tmp_path / name, steps=4, eval_every=4, deterministic=deterministic),
+              log=lines.append)
+        return [line for line in lines if line.startswith("threads: ")], losses(tmp_path / name)
+
+    switched_idle, idle = run("idle", True)
+    busy_pass = lambda self, batch: 0.01 if torch.get_num_threads() == 1 else 0.05  # noqa: E731
+    monkeypatch.setattr(threads_module.ThreadTuner, "_time_pass", busy_pass)
+    switched, busy = run("busy", True)
+    assert switched == switched_idle == [] and busy == idle
+    switched_free, _ = run("free", False)
+    assert switched_free and "-> 1" in switched_free[0], switched_free  # the simulated machine is one that switches

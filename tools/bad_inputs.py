@@ -173,6 +173,10 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("sample: a --prompt that is not UTF-8", ["sample", "--run", run, "--prompt", os.fsdecode(b"caf\xe9")]),
         ("resume: data moved and changed", ["train", "--data", str(d / "text_changed.txt"), "--out-dir", run, *TINY,
                                             "--steps", "6"]),
+        ("train: prepared data whose meta.json names no tokenizer", ["train", "--data", str(d / "prepared_no_tokenizer"),
+                                                                     "--out-dir", new, *TINY]),
+        ("resume: the prepared data the run trained on is gone", ["train", "--data", str(d / "gone"), "--out-dir",
+                                                                  str(d / "run_on_gone"), *TINY, "--steps", "6"]),
     ]
     return out
 
@@ -230,6 +234,15 @@ def setup(d: Path) -> None:
     r = _nanolm(["prepare", "--data", str(d / "text.txt"), "--out", str(d / "prepared"), "--tokenizer", "char"], d)
     if r.returncode:
         raise SystemExit(f"setup: prepare failed:\n{r.stderr}")
+    shutil.copytree(d / "prepared", d / "gone")
+    r = _nanolm(["train", "--data", str(d / "gone"), "--out-dir", str(d / "run_on_gone"), *TINY], d)
+    if r.returncode:
+        raise SystemExit(f"setup: the run on prepared data failed:\n{r.stderr}")
+    shutil.rmtree(d / "gone")
+    shutil.copytree(d / "prepared", d / "prepared_no_tokenizer")
+    meta = json.loads((d / "prepared_no_tokenizer" / "meta.json").read_text())
+    del meta["tokenizer"]
+    (d / "prepared_no_tokenizer" / "meta.json").write_text(json.dumps(meta))
     (d / "bigint.toml").write_text(f"[train]\nsteps = {BIG_INTEGER}\n")
     (d / "deep.toml").write_text(f"[train]\nsteps = {DEEP}\n")
     (d / "hexint.toml").write_text(f"[train]\nsteps = 0x{'f' * 5000}\n")

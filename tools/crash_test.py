@@ -29,10 +29,13 @@ bit-identical to the reference.
 Last, with ``--crash-points``, only the enumeration of ``tests/test_crash_points.py``: every
 multi-step file operation stopped, or failed with ENOSPC or EIO, at each of its disk steps, with
 random second faults during the recovery (``NANOLM_EXPLORE=1``); it prints the steps counted per
-operation.
+operation. With ``--signal-points``, only the matrix of ``tests/signal_points.py``: SIGINT, SIGTERM
+and SIGHUP, alone and in every ordered pair, at every phase of a run and before every one of its
+disk steps, each judged on its status, its line and a bit-identical rerun.
 
     python tools/crash_test.py                 # 20 kills, 8 signals, 8 prepares, 5 full disks (~6 min on 2 cores)
     python tools/crash_test.py --crash-points  # every disk step of every file operation, and random second faults
+    python tools/crash_test.py --signal-points # every signal and pair at every phase and disk step of a run
     python tools/crash_test.py --kills 50 --signals 20 --prepares 20 --full-disks 10 --seed 1
 
 Exit status 1 if any trial ends different from the reference or cannot be resumed.
@@ -316,9 +319,15 @@ def main() -> int:
     p.add_argument("--crash-points", action="store_true",
                    help="only enumerate every disk step of every file operation (tests/test_crash_points.py), with "
                         "random second faults, and print the steps counted per operation")
+    p.add_argument("--signal-points", action="store_true",
+                   help="only send every stop signal, alone and in pairs, at every phase and disk step of a run "
+                        "(tests/signal_points.py --every)")
     args = p.parse_args()
     if args.crash_points:
         return crash_points()
+    if args.signal_points:
+        return subprocess.run([sys.executable, str(ROOT / "tests" / "signal_points.py"), "--every"],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
     rng = random.Random(args.seed)
     results = []
     with tempfile.TemporaryDirectory(prefix="nanolm-crash-") as tmp:

@@ -22,6 +22,7 @@ module's mutants take minutes to hours. Exit status 1 if a module scores under `
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import os
@@ -54,7 +55,39 @@ MODULES = {
     "nanolm/watch/stats.py": ("tests/test_stats.py", "tests/test_devices.py"),
     "nanolm/base/disk.py": ("tests/test_files.py", "tests/test_crash_points.py"),
     "nanolm/instruments/export.py": ("tests/test_export.py", "tests/test_crash_points.py"),
+    "nanolm/machine/runtime.py": ("tests/test_runtime.py", "tests/test_devices.py", "tests/test_threads.py",
+                                  "tests/test_train.py", "tests/test_checkpoint.py", "tests/test_terminal.py",
+                                  "tests/test_signal_points.py"),
+    "nanolm/run/resume.py": ("tests/test_run_directory.py", "tests/test_continued_runs.py"),
+    "nanolm/run/directory.py": ("tests/test_run_directory.py", "tests/test_continued_runs.py", "tests/test_run_lock.py"),
+    "nanolm/data/prepare.py": ("tests/test_data.py", "tests/test_sources.py", "tests/test_crash_points.py"),
+    "nanolm/watch/validator.py": ("tests/test_evaluate.py", "tests/test_train.py", "tests/test_devices.py",
+                                  "tests/test_distributed.py"),
+    "nanolm/watch/observer.py": ("tests/test_train.py", "tests/test_sinks.py", "tests/test_stats.py"),
+    "nanolm/instruments/cli.py": ("tests/test_cli.py", "tests/test_export.py", "tests/test_terminal.py",
+                                  "tests/test_signal_points.py"),
+    "nanolm/train.py": ("tests/test_train.py", "tests/test_run_directory.py", "tests/test_threads.py",
+                        "tests/test_signal_points.py"),
 }
+EVERY_TEST = {"nanolm/machine/runtime.py", "nanolm/run/resume.py", "nanolm/run/directory.py", "nanolm/data/prepare.py",
+              "nanolm/instruments/cli.py", "nanolm/train.py"}
+"""Modules whose promises are tested in processes the tests start (signals, continued runs, the command
+line): each of their mutants meets every test of its concern, not only those mutmut saw reach it."""
+IN_STARTED_PROCESSES = """
+import os
+if os.environ.get("MUTANT_UNDER_TEST") == "stats":
+    # a process a test started while mutmut records which tests reach which function: mutmut's recorder
+    # lives in the test's own process, so this one runs the code as it is and records nothing
+    os.environ["MUTANT_UNDER_TEST"] = ""
+"""
+"""``sitecustomize.py`` of the mutated copy: what every Python process started from it runs first."""
+FUNCTIONS = {
+    "nanolm/instruments/cli.py": ("_prepare", "_export", "_refuse_inside_a_run", "main", "_interrupted", "_run", "entry",
+                                  "_flushed"),
+    "nanolm/train.py": ("build_run", "build_model", "build_batches", "build_components"),
+}
+"""Modules measured in part: only the mutants of these functions (the prepare and export paths and the
+exit of the command line; the part of train.py that builds a run)."""
 ALSO_COPY = ("data", "configs", "tools", "benchmarks", "docs", "README.md")  # what the tests read beside the package
 
 
@@ -74,6 +107,29 @@ try:  # mutmut 3.8's fork server runs a mutant's tests in the order of a set; it
     isolation.ForkServerRunner.submit = fastest_first
 except (ImportError, AttributeError):  # another mutmut: its own order, the same verdicts
     pass
+import os
+if os.environ.get("NANOLM_MUTATION_EVERY_TEST") == "1":
+    # mutmut runs a mutant against the tests it saw reach the function, seen in the test's own process; a
+    # module whose promises are tested through `python -m nanolm` processes (signals, continued runs) is
+    # reached there unseen: each of its mutants meets every test of its concern instead (fastest first)
+    import mutmut.__main__ as cli
+    from mutmut.state import state
+
+    collect = cli.collect_or_load_stats
+
+    class EveryTest(dict):
+        def get(self, key, default=None):
+            return set(state().duration_by_test)
+
+        def __getitem__(self, key):
+            return set(state().duration_by_test)
+
+    def with_every_test(*args, **kwargs):
+        result = collect(*args, **kwargs)
+        state().tests_by_mangled_function_name = EveryTest(state().tests_by_mangled_function_name)
+        return result
+
+    cli.collect_or_load_stats = with_every_test
 sys.argv = ["mutmut", *sys.argv[1:]]
 runpy.run_module("mutmut", run_name="__main__", alter_sys=True)
 """
@@ -159,25 +215,33 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
         # mutant's name from mutmut's environment), whatever directory they run in
         # (made now: an entry of sys.path that does not exist at start-up is never looked in again)
         (copy / "mutants").mkdir()
-        env = {**os.environ, "PYTHONPATH": str(copy / "mutants")}
+        (copy / "started").mkdir()  # beside it: mutmut fills mutants/ afresh
+        (copy / "started" / "sitecustomize.py").write_text(IN_STARTED_PROCESSES)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy / "mutants"), str(copy / "started")]),
+               "NANOLM_MUTATION_EVERY_TEST": "1" if module in EVERY_TEST else "0"}
         start = time.perf_counter()
         listed = ""  # a recheck of a run that left no survivor has nothing to run
+        dotted = module.removesuffix(".py").replace("/", ".")
+        patterns = [f"{dotted}.x_{f}__mutmut_*" for f in FUNCTIONS.get(module, ())]
         if names is None or names:
             ran = subprocess.run([sys.executable, "-c", FASTEST_TESTS_FIRST, "run", "--max-children", str(jobs),
-                                  *(names or [])], cwd=copy, env=env, capture_output=True, text=True)
+                                  *(names or patterns)], cwd=copy, env=env, capture_output=True, text=True)
             if ran.returncode != 0:
                 raise SystemExit(f"error: mutmut failed on {module}:\n{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}")
             listed = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=copy, env=env,
                                     capture_output=True, text=True, check=True).stdout
-        tally = tally_mutants(dict(re.findall(r"^\s*(\S+): (.+)$", listed, flags=re.M)), _equivalents(module),
-                              previous, names)
+        status = dict(re.findall(r"^\s*(\S+): (.+)$", listed, flags=re.M))
+        if patterns:  # the functions measured, not the module's other mutants (never run)
+            status = {n: v for n, v in status.items() if any(fnmatch.fnmatch(n, p) for p in patterns)}
+        tally = tally_mutants(status, _equivalents(module), previous, names)
         survived, untested = tally["survived"], tally["untested"]
         diffs = {}
         if show:
             for name in survived + untested:
                 diffs[name] = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=copy, env=env,
                                              capture_output=True, text=True).stdout
-    result = {"module": module, "source_sha256": source_digest(module), "tests": list(tests), **tally,
+    result = {"module": module, "source_sha256": source_digest(module), "tests": list(tests),
+              "functions": list(FUNCTIONS.get(module, ())) or "all", **tally,
               "minutes": round((time.perf_counter() - start) / 60, 1)}
     killed, counted, timeouts = tally["killed"], tally["mutants"] - tally["equivalent"], tally["timeouts"]
     print(f"{module}: {killed} of {counted} mutants killed ({result['score']} %; {timeouts} by a timeout), "

@@ -399,6 +399,60 @@ BUGS = [
         "spot, with no line saying what happened, and a temporary file of the weights left in the run",
         "nanolm/train.py", "    with StopAtOnce(FINISH_STOPPED):", "    with contextlib.nullcontext():",
         tests=("test_terminal",)),
+    Bug("signal_during_a_save_trains_on", "a SIGTERM that arrives while a checkpoint is being saved is seen only "
+        "after the next step: the run trains a step more and saves again (or, during the last save, finishes and "
+        "exits 0 as if no signal came)", "nanolm/train.py",
+        '                saved = checkpointer.save(step, row.get("val_loss"))\n'
+        "                stop_signal = dist.first_signal(stop.requested)",
+        '                saved = checkpointer.save(step, row.get("val_loss"))', tests=("test_signal_points",)),
+    Bug("signal_in_the_first_evaluation_trains_a_step", "a stop signal during the first evaluation trains a step "
+        "and saves it before stopping", "nanolm/train.py",
+        "        if stop_signal:\n            raise TrainingInterrupted(f\"{stop_reason(stop_signal)} {SET_UP_STOPPED}\"",
+        "        if False:\n            raise TrainingInterrupted(f\"{stop_reason(stop_signal)} {SET_UP_STOPPED}\"",
+        tests=("test_signal_points",)),
+    Bug("second_signal_interrupts_the_cleanup", "a second signal while a run being set up cleans up after the "
+        "first (a launcher forwarding the terminal's Ctrl-C) interrupts that cleanup: a half-made scratch "
+        "directory stays, and the status is the second signal's", "nanolm/machine/runtime.py",
+        "        if self.requested is not None:\n            return\n        self.requested = signum",
+        "        self.requested = signum", tests=("test_signal_points",)),
+    Bug("second_ctrl_c_in_a_burst_abandons_the_save", "a Ctrl-C forwarded by a launcher a millisecond after the "
+        "terminal's own (or a SIGTERM then a Ctrl-C) stops the run at once, without the checkpoint the first asked "
+        "for", "nanolm/machine/runtime.py",
+        "and self._clock() - self._requested_at > SAME_REQUEST_SECONDS", "and True", tests=("test_signal_points",)),
+    Bug("signal_after_a_stop_kills_the_process", "once a stopped run leaves its phase, a further SIGTERM or SIGHUP "
+        "gets its default action back and kills the process on the spot: its cleanup and its line are lost, and the "
+        "status is the second signal's", "nanolm/machine/runtime.py",
+        "        quiet = StopSignals.quiet_after_stop and stopping",
+        "        quiet = False", tests=("test_signal_points",)),
+    Bug("outer_phase_forgets_the_stop", "a stop raised in the finishing phase (or the first evaluation) leaves the "
+        "set-up phase around it, which puts the default handlers back: a second SIGTERM while the process exits "
+        "kills it on the spot, with the second signal's status and no line", "nanolm/machine/runtime.py",
+        "        stopping = self.requested is not None or isinstance(passing, (TrainingInterrupted, StoppedAtOnce))",
+        "        stopping = self.requested is not None", tests=("test_signal_points",)),
+    Bug("stopped_at_once_with_the_second_signals_status", "a run stopped at once by a late Ctrl-C after a "
+        "scheduler's SIGTERM exits 130: the scheduler reads that the user interrupted it", "nanolm/machine/runtime.py",
+        "                                self.requested)", "                                signum)",
+        tests=("test_signal_points",)),
+    Bug("tuner_runs_under_deterministic", "--threads auto's tuner also runs under --deterministic: on a busy "
+        "machine it switches the thread count, and a kernel whose reduction splits by thread gives other bits than "
+        "on an idle one", "nanolm/train.py",
+        'auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active and not t.deterministic',
+        'auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active', tests=("test_threads",)),
+    Bug("missing_prepared_data_named_as_a_vocabulary_change", "a run on prepared data continued after that data "
+        "was removed is refused for a changed vocabulary size (the default the missing meta.json leaves), which "
+        "sends the user after the wrong option", "nanolm/run/directory.py",
+        'if refused and cfg.data.data and not Path(cfg.data.data).exists() and not (out_dir / "data").is_dir():',
+        "if False:", tests=("test_continued_runs",)),
+    Bug("damaged_prepared_meta_ignored", "prepared data whose meta.json no longer names its tokenizer is read with "
+        "the command's tokenizer options: a continued run is refused for a vocabulary size it never asked for",
+        "nanolm/run/directory.py",
+        '        raise NanolmError(f"prepared data {meta.parent}: its meta.json does not say which tokenizer the '
+        'shards use "\n                          f"(damaged, or not written by nanolm prepare); prepare the data again")',
+        "        return", tests=("test_continued_runs",)),
+    Bug("prepare_over_data_a_run_reads", "a prepare into the prepared data a live run trains on is accepted: the "
+        "run's checkpoints record the old data's digest, and the same command can no longer continue it",
+        "nanolm/run/directory.py", '        reading.take(cfg.data.data, "--data")', "        pass",
+        tests=("test_run_lock",)),
     # calibration: a threshold derived by simulation, with a wrong parameter
     Bug("threshold_simulated_for_one_seed_more", "the curve test's threshold is simulated as if the reference had one "
         "seed more than it has: with five seeds a healthy run is flagged 3 % of the time, not the 1 % stated",
@@ -557,7 +611,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points").split()
+              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs").split()
 
 
 # where each bug's file belongs, by the start of its path: the test files of that concern, run

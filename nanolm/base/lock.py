@@ -8,7 +8,12 @@ lock and holds it until it ends; a second one is refused, before it writes anyth
 line naming the holder. Readers (sample, eval, export, diagnose, report, replay) take no lock:
 a run replaces each file atomically and appends whole lines, so they never see half of one.
 A directory inside a live run (``nanolm prepare --out RUN/data`` while RUN trains) is refused
-too: writing there would change the run's data under it.
+too: writing there would change the run's data under it. A run that trains on prepared data
+(``--data DIR`` made by ``nanolm prepare``) reads DIR for as long as it lives, and a checkpoint
+records DIR's digest: a prepare into DIR meanwhile would leave a run that can no longer be
+continued. So the run holds a *shared* lock on DIR (:class:`ReadLock`; any number of runs may
+share it) and a prepare, whose lock is exclusive, is refused while one trains, as a run is
+refused on data a prepare is writing.
 
 **Why flock, and on the directory.** The lock is an advisory ``flock``, not a file whose
 existence means "taken". The kernel lets go of it when the process ends, however it ends
@@ -281,6 +286,46 @@ class RunLock:
                 break
 
 
+class ReadLock:
+    """A shared lock on a directory a run reads for its whole life (prepared data): any number
+    of runs hold it together, and no writer (``nanolm prepare``, whose lock is exclusive) takes
+    the directory while one does. Where the system or the file system has no flock, a reader
+    goes on without it, as a reader takes no lock at all elsewhere."""
+
+    def __init__(self):
+        self._fd: int | None = None
+
+    def __enter__(self) -> ReadLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def take(self, directory, flag: str = "--data") -> None:
+        """Share ``directory``'s lock, or raise :class:`DirectoryBusy` naming the process writing it."""
+        self.release()
+        directory = Path(directory)
+        if fcntl is None or os.environ.get(NO_LOCK) == "1":
+            return
+        try:
+            fd = _open_directory(directory)
+        except OSError:
+            return  # what then reads it says what is wrong with it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in HELD:
+                raise busy_refusal(directory, _holder(directory / LOCK_FILE), flag) from None
+            return
+        self._fd = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            _quietly(lambda: os.close(fd))
+
+
 def _quietly(action) -> None:
     try:
         action()
@@ -302,6 +347,9 @@ def busy_refusal(directory: Path, holder: str, flag: str, inside: Path | None = 
     if inside is not None:
         return DirectoryBusy(f"{directory} is inside {inside}, which is being written by {who}: writing there would "
                              f"change that run under it; wait for it to end, or choose another {flag}")
+    if who == "another process":  # no holder's line: a writer whose line is gone, or runs training on it
+        return DirectoryBusy(f"{directory} is in use by another process (being written, or read by a run training "
+                             f"on it); wait for it to end, or choose another {flag}")
     return DirectoryBusy(f"{directory} is being written by {who}; wait for it to end, or choose another {flag}")
 
 

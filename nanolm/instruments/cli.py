@@ -549,9 +549,15 @@ def main(argv=None, process_tuning=None) -> int:
         args = build_parser().parse_args(argv)  # imports PyTorch: a Ctrl-C here is one line too
         args.process_tuning_of_entry = process_tuning
         return _run(args)
-    except KeyboardInterrupt:  # also one raised while a handler below was printing its line
-        _tell("interrupted")
-        return 130
+    except KeyboardInterrupt as e:  # also one raised while a handler below was printing its line
+        return _interrupted(e)
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    """Ctrl-C outside a run's loop (``interrupted``, 130), or a second one that stopped a run at
+    once: its own line, and the status of the signal that first asked the run to stop."""
+    _tell(str(e) or "interrupted")
+    return getattr(e, "exit_code", 130)
 
 
 def _run(args) -> int:
@@ -600,7 +606,7 @@ def entry(argv: list[str] | None = None) -> None:
     at the next line, not when a buffer fills); a reader that goes away ends it quietly
     (:class:`ClosableOutput`), what was still buffered at exit included (:func:`_flushed`);
     and once a run was asked to stop, a further Ctrl-C while the process saves and exits
-    changes nothing (:class:`~nanolm.machine.runtime.StopOnSignal`)."""
+    changes nothing (:class:`~nanolm.machine.runtime.StopSignals`)."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is None:  # pythonw, a service: no console at all
@@ -609,16 +615,15 @@ def entry(argv: list[str] | None = None) -> None:
             stream.reconfigure(errors="replace", line_buffering=True)
         setattr(sys, name, ClosableOutput(stream))
     try:
-        from ..machine.runtime import StopOnSignal  # PyTorch loads here: a Ctrl-C meanwhile is one line
+        from ..machine.runtime import StopSignals  # PyTorch loads here: a Ctrl-C meanwhile is one line
         from .process import ProcessTuning
 
-        StopOnSignal.quiet_after_stop = True
+        StopSignals.quiet_after_stop = True
         tuning = ProcessTuning()
         code = main(argv, process_tuning=tuning)
         tuning.before_exit()
-    except KeyboardInterrupt:
-        _tell("interrupted")
-        code = 130
+    except KeyboardInterrupt as e:
+        code = _interrupted(e)
     except OutputClosed:
         code = 128 + 13
     except SystemExit as e:  # argparse's --help and usage errors: its line is printed, the flush below is still due

@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import numpy as np
 import torch
@@ -196,77 +197,123 @@ def stop_reason(signum: int) -> str:
         return f"signal {signum}"
 
 
-class StopAtOnce:
-    """SIGINT, SIGTERM and SIGHUP end the command at once, through its cleanup: for the phases
-    with nothing to save (a run being set up, its data prepared; its final weights written).
-
-    By default SIGTERM and SIGHUP kill a process on the spot, and a run killed while it prepares
-    its data leaves the scratch directory of a half-tokenized corpus in the system's temporary
-    directory, which nothing ever removes. Here every stop signal raises, as Ctrl-C does, so the
-    code on the way out removes what it made, and the command ends with 128 + the signal's number
-    and one line saying ``then``: what has happened and what to run."""
-
-    def __init__(self, then: str):
-        self.then = then
-        self._previous = {}
-
-    def _handle(self, signum, frame):
-        raise TrainingInterrupted(f"{stop_reason(signum)} {self.then}", signum)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-class StopOnSignal:
-    """Turns SIGINT, SIGTERM and SIGHUP into a request to stop after the current step.
-
-    Killing a run mid-step would lose everything since the last checkpoint; instead the
-    loop finishes its step, saves a checkpoint and exits. A second Ctrl-C stops at once.
-    Closing the terminal sends SIGHUP, which by default ends a process on the spot: here it
-    is a stop like SIGTERM. A reader that closed the run's output (``| head``) is the same
-    request, made by the command's entry through :meth:`request` (:attr:`active` is the
-    instance in force).
+class StopSignals:
+    """What the two ways of handling a stop signal share: which signals, and what happens to
+    them once the run has been asked to stop and is on its way out.
 
     ``quiet_after_stop`` is the command entry's to set (it owns the process): once a stop was
-    requested, the signals stay ignored when the loop is left, so a further Ctrl-C while the
-    process exits changes nothing. ``train()`` called from Python leaves it False and gets
-    its handlers back as they were.
-    """
+    requested, the signals stay ignored when the phase is left, so that a further signal while
+    the process saves, cleans up and exits changes neither what it does nor its status (the
+    first signal's). ``train()`` called from Python leaves it False and gets its handlers back
+    as they were."""
 
-    active: "StopOnSignal | None" = None
     quiet_after_stop = False
 
     def __init__(self):
         self.requested: int | None = None
         self._previous = {}
+
+    def _install(self, handler) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, handler)
+
+    def _restore(self, passing: BaseException | None) -> None:
+        """Put the handlers back as they were, or ignore the signals when the process is on its way
+        out of a stop: this phase's own, or one raised by a phase inside it (``passing``)."""
+        stopping = self.requested is not None or isinstance(passing, (TrainingInterrupted, StoppedAtOnce))
+        quiet = StopSignals.quiet_after_stop and stopping
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_IGN if quiet else handler)
+
+
+class StopAtOnce(StopSignals):
+    """SIGINT, SIGTERM and SIGHUP end the command at once, through its cleanup: for the phases
+    with nothing to save (a run being set up, its data prepared; its final weights written).
+
+    By default SIGTERM and SIGHUP kill a process on the spot, and a run killed while it prepares
+    its data leaves the scratch directory of a half-tokenized corpus in the system's temporary
+    directory, which nothing ever removes. Here the first stop signal raises, as Ctrl-C does, so
+    the code on the way out removes what it made, and the command ends with 128 + the signal's
+    number and one line saying ``then``: what has happened and what to run. Signals that follow
+    (a launcher forwarding the Ctrl-C the terminal already delivered, a SIGHUP after a SIGTERM)
+    change nothing: raising again would interrupt that very cleanup."""
+
+    def __init__(self, then: str):
+        super().__init__()
+        self.then = then
+
+    def _handle(self, signum, frame):
+        if self.requested is not None:
+            return
+        self.requested = signum
+        raise TrainingInterrupted(f"{stop_reason(signum)} {self.then}", signum)
+
+    def __enter__(self):
+        self._install(self._handle)
+        return self
+
+    def __exit__(self, kind, passing, trace):
+        self._restore(passing)
+
+
+SAME_REQUEST_SECONDS = 1.0
+"""A second Ctrl-C this soon after the first stop signal is the same request delivered twice
+(a launcher such as torchrun forwards to its workers the Ctrl-C the terminal already sent
+them; a key pressed twice in a hurry), not a wish to leave at once."""
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C, well after the first stop signal: the run ends at once, without waiting
+    for its step or a checkpoint (a step that hangs, a save on a slow disk). A KeyboardInterrupt,
+    so that nothing on the way out mistakes it for an error to recover from; ``exit_code`` is the
+    first signal's status, which says why the run ended."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class StopOnSignal(StopSignals):
+    """Turns SIGINT, SIGTERM and SIGHUP into a request to stop after the current step.
+
+    Killing a run mid-step would lose everything since the last checkpoint; instead the
+    loop finishes its step, saves a checkpoint and exits with the first signal's status.
+    Further signals change nothing, except a Ctrl-C more than :data:`SAME_REQUEST_SECONDS`
+    after the first request, which stops at once (:class:`StoppedAtOnce`; the checkpoints
+    already saved are whole, so the same command resumes from the last one).
+    Closing the terminal sends SIGHUP, which by default ends a process on the spot: here it
+    is a stop like SIGTERM. A reader that closed the run's output (``| head``) is the same
+    request, made by the command's entry through :meth:`request` (:attr:`active` is the
+    instance in force).
+    """
+
+    active: "StopOnSignal | None" = None
+
+    def __init__(self, clock=time.monotonic):
+        super().__init__()
         self._outer = None
+        self._clock = clock
+        self._requested_at = 0.0
 
     def request(self, signum: int) -> None:
         """Stop after this step, as on ``signum`` (the first request is the one reported)."""
         if self.requested is None:
-            self.requested = signum
+            self.requested, self._requested_at = signum, self._clock()
 
     def _handle(self, signum, frame):
-        if self.requested is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if (self.requested is not None and signum == signal.SIGINT
+                and self._clock() - self._requested_at > SAME_REQUEST_SECONDS):
+            raise StoppedAtOnce(f"{stop_reason(signum)} after {stop_reason(self.requested)}: stopped at once, without "
+                                f"saving this step; run the same command again to resume from the last checkpoint",
+                                self.requested)
         self.request(signum)
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+        self._install(self._handle)
         self._outer, StopOnSignal.active = StopOnSignal.active, self
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, passing, trace):
         StopOnSignal.active = self._outer
-        quiet = self.quiet_after_stop and self.requested is not None
-        for sig, handler in self._previous.items():
-            signal.signal(sig, signal.SIG_IGN if quiet else handler)
+        self._restore(passing)

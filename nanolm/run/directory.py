@@ -63,7 +63,7 @@ from ..base.documents import read_json
 from ..base import disk
 from ..base.files import atomic_write_text, move_directory, probe_writable, remove_abandoned_writes
 from .final import read_final
-from ..base.lock import DirectoryBusy, RunLock, busy_refusal, held_by_another
+from ..base.lock import DirectoryBusy, ReadLock, RunLock, busy_refusal, held_by_another
 from .resume import check_resume_compatible, data_moved_to, refused_changes
 
 RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "events.jsonl", "model.safetensors", "final.json",
@@ -176,6 +176,11 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
         raise NanolmError(f"{out_dir} holds a run whose configuration cannot be read ({e}); "
                           f"choose another --out-dir") from None
     refused = refused_changes(saved, saved_world, cfg, world_size)
+    if refused and cfg.data.data and not Path(cfg.data.data).exists() and not (out_dir / "data").is_dir():
+        # prepared data the run read where it was is gone: that, not the tokenizer options its absence
+        # changed, is what to say
+        raise NanolmError(f"data path {cfg.data.data} does not exist: the run in {out_dir} trained on it; restore "
+                          f"it, or start a new run with another --out-dir")
     moved = [line for line in refused if line.startswith("data:")]
     data_moved = bool(moved) and checkpoint is not None and data_moved_to(cfg, checkpoint)
     if data_moved:
@@ -345,6 +350,14 @@ def open_run_data(run_data: Path, checkpoint: Path, cfg: RunConfig, scratch: Pat
     return data
 
 
+def hold_prepared_data(cfg: RunConfig, reading: ReadLock) -> None:
+    """With ``--data DIR`` made by ``nanolm prepare``, share DIR's lock for the whole run: a
+    prepare into DIR meanwhile is refused (``nanolm.base.lock``), and one writing it now
+    refuses this run."""
+    if cfg.data.data and (Path(cfg.data.data) / "meta.json").is_file():
+        reading.take(cfg.data.data, "--data")
+
+
 def use_prepared_tokenizer(cfg: RunConfig) -> None:
     """With ``--data DIR`` made by ``nanolm prepare`` the tokenizer is the one in DIR: the
     config says so (``--tokenizer``/``--vocab-size`` do not apply), so that two commands on
@@ -354,8 +367,12 @@ def use_prepared_tokenizer(cfg: RunConfig) -> None:
     if meta is not None and meta.is_file():
         prepared = read_json(meta)
         if isinstance(prepared, dict) and prepared.get("tokenizer") in ("bpe", "char") \
-                and isinstance(prepared.get("vocab_size"), int):
+                and isinstance(prepared.get("vocab_size"), int) and not isinstance(prepared["vocab_size"], bool):
             d.tokenizer, d.vocab_size = prepared["tokenizer"], prepared["vocab_size"]
+            return
+        # said here, not as the tokenizer options left in force (a continued run would name those)
+        raise NanolmError(f"prepared data {meta.parent}: its meta.json does not say which tokenizer the shards use "
+                          f"(damaged, or not written by nanolm prepare); prepare the data again")
 
 
 

@@ -1,0 +1,79 @@
+"""A stop signal at any point of a run's life, alone or followed by another, keeps the run's
+promises: the first signal's status, one line, no step and at most one save after it, and the
+same command finishing the run bit-identically, leaving nothing behind (tests/signal_points.py).
+"""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import run_harness
+
+from nanolm.machine.runtime import SAME_REQUEST_SECONDS, StopAtOnce, StopOnSignal, StoppedAtOnce, TrainingInterrupted
+
+pytestmark = pytest.mark.skipif(os.name == "nt" or not hasattr(os, "fork"), reason="POSIX signals and fork")
+
+
+def test_a_signal_at_any_point_of_a_run_keeps_its_status_its_work_and_a_bit_identical_resume(tmp_path, stories_file):
+    """Every phase with each signal, every ordered pair during a step, every fifth disk step of
+    the run (its lock, data preparation, metadata, both checkpoints' saves, final weights)
+    with a signal and with a pair, and a late second Ctrl-C during a step and during a save.
+    ``python tests/signal_points.py --every`` runs every point with every signal and pair."""
+    outcome = run_harness(Path(__file__).with_name("signal_points.py"), stories_file, tmp_path)
+    assert outcome["cases"] > 60 and outcome["disk_steps"] > 100, outcome  # the enumeration really ran
+
+
+def _handled(stop, signum) -> None:
+    """The handler run as a signal would run it; a stop at once (a KeyboardInterrupt, which
+    pytest would take for the user's) fails the test instead."""
+    try:
+        stop._handle(signum, None)
+    except KeyboardInterrupt as e:
+        pytest.fail(f"the signal stopped the run at once: {e!r}")
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_a_second_ctrl_c_soon_after_a_stop_signal_is_the_same_request():
+    """torchrun forwards to its workers the Ctrl-C the terminal already gave them: the pair
+    arrives within milliseconds, and must not abandon the checkpoint the first asked for."""
+    clock = _Clock()
+    stop = StopOnSignal(clock)
+    _handled(stop, signal.SIGTERM)
+    clock.now += SAME_REQUEST_SECONDS * 0.9
+    _handled(stop, signal.SIGINT)
+    _handled(stop, signal.SIGHUP)
+    assert stop.requested == signal.SIGTERM
+
+
+def test_a_second_ctrl_c_long_after_stops_at_once_with_the_first_signals_status():
+    clock = _Clock()
+    stop = StopOnSignal(clock)
+    _handled(stop, signal.SIGHUP)
+    clock.now += SAME_REQUEST_SECONDS * 0.9
+    _handled(stop, signal.SIGTERM)  # only a Ctrl-C stops at once, however late
+    clock.now += SAME_REQUEST_SECONDS * 10
+    _handled(stop, signal.SIGTERM)
+    with pytest.raises(StoppedAtOnce) as stopped:
+        stop._handle(signal.SIGINT, None)
+    assert stopped.value.exit_code == 128 + signal.SIGHUP
+    assert str(stopped.value).startswith("SIGINT after SIGHUP: stopped at once")
+
+
+def test_a_signal_while_a_phase_with_nothing_to_save_cleans_up_changes_nothing():
+    """The first signal raises so that the cleanup runs; a second one raising inside that
+    cleanup would leave half of what it was removing, with the second signal's status."""
+    stop = StopAtOnce("while testing")
+    with pytest.raises(TrainingInterrupted) as first:
+        stop._handle(signal.SIGTERM, None)
+    assert first.value.exit_code == 128 + signal.SIGTERM
+    _handled(stop, signal.SIGINT)
+    _handled(stop, signal.SIGHUP)
+    assert stop.requested == signal.SIGTERM
