@@ -555,3 +555,53 @@ def test_a_resume_is_refused_for_another_tokenizer_or_other_data_and_a_path_only
     data = load_training_data(cfg, tmp_path / "scratch", log=lambda *_: None, compressor_bounds=False)
     with pytest.raises(NanolmError, match=r"data: .* is not the data the checkpoint was trained on \(its files differ\)"):
         check_resume_compatible(checkpoint, load_config_copy(saved), tokenizer, log=lambda *_: None, data=data)
+
+
+def test_the_global_batch_may_be_split_otherwise_but_not_changed(straight):
+    """How the global batch is split over micro-batches and processes may change on resume (a
+    smaller GPU, another number of them); the global batch itself may not: the data order and
+    every step's gradient would change. Other refusals are kept beside it."""
+    from nanolm.run.resume import refused_changes
+
+    _, saved = _saved(straight)  # batch 4, accumulation 1, one process
+    split = load_config_copy(saved)
+    split.train.batch_size, split.train.grad_accum = 2, 2
+    assert refused_changes(saved, 1, split, 1) == []
+    assert refused_changes(saved, 2, load_config_copy(saved), 2) == []
+    fewer = load_config_copy(saved)
+    fewer.train.batch_size = 2
+    assert refused_changes(saved, 2, fewer, 4) == []  # 4×1×2 = 2×1×4
+    grown = load_config_copy(saved)
+    grown.train.batch_size, grown.train.seed = 8, 7
+    assert refused_changes(saved, 1, grown, 1) == [
+        "seed: 1337 -> 7", "batch_size: 4 -> 8",
+        "global batch (batch_size × grad_accum × world size): 4×1×1 = 4 -> 8×1×1 = 8 windows"]
+    accumulated = load_config_copy(saved)
+    accumulated.train.grad_accum = 3
+    assert refused_changes(saved, 1, accumulated, 1)[0] == "grad_accum: 1 -> 3"
+
+
+def test_allowed_changes_are_logged_and_a_checkpoint_without_a_data_digest_is_not_refused_for_it(straight, tmp_path,
+                                                                                                 stories_file):
+    import json
+    import shutil
+
+    from nanolm.base.files import sealed
+    from nanolm.data.prepare import load_training_data
+    from nanolm.run.resume import check_resume_compatible
+    from nanolm.tokenizer import Tokenizer
+
+    checkpoint, saved = _saved(straight)
+    longer = load_config_copy(saved)
+    longer.train.steps = 600
+    said = []
+    check_resume_compatible(checkpoint, longer, Tokenizer.load(checkpoint / "tokenizer.json"), log=said.append)
+    assert said == ["resume: steps: 6 -> 600 (allowed)"]
+    older = tmp_path / "checkpoints" / checkpoint.name  # a checkpoint from before data digests
+    shutil.copytree(checkpoint, older)
+    meta = ckpt.read_checkpoint_meta(older)
+    meta.pop("data_digest")
+    (older / "meta.json").write_text(json.dumps(sealed(meta)))
+    data = load_training_data(load_config_copy(saved), tmp_path / "scratch", log=lambda *_: None,
+                              compressor_bounds=False)
+    check_resume_compatible(older, load_config_copy(saved), data.tokenizer, log=lambda *_: None, data=data)

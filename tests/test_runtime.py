@@ -82,9 +82,11 @@ def test_threads_auto_leaves_a_busy_cpu_to_the_tuner_and_a_number_is_set(machine
     assert _hint(4, auto=True) == []
     lines = []
     with settings_restored():
+        torch.set_num_threads(4)
+        configure_threads(0, torch.device("cpu"), log=lines.append)  # by default the tuner measures
+        assert lines == []
         configure_threads(3, torch.device("cpu"), log=lines.append)
         assert torch.get_num_threads() == 3
-    assert configure_threads.__defaults__[-1] is True  # by default the tuner measures
 
 
 def test_seed_everything_seeds_pythons_numpys_and_torchs_generators():
