@@ -539,15 +539,17 @@ def test_a_resume_is_refused_for_another_tokenizer_or_other_data_and_a_path_only
     tokenizer = Tokenizer.load(checkpoint / "tokenizer.json")
     check_resume_compatible(checkpoint, load_config_copy(saved), tokenizer, log=lambda *_: None)  # no dist: one process
     moved = load_config_copy(saved)
-    moved.data.data = str(tmp_path / "elsewhere.txt")
-    with pytest.raises(NanolmError, match="incompatible changes: data: "):
+    moved.data.data, moved.train.seed = str(tmp_path / "elsewhere.txt"), 7
+    with pytest.raises(NanolmError, match=r"incompatible changes: data: .*elsewhere.txt'; seed: 1337 -> 7\. Keep"):
         check_resume_compatible(checkpoint, moved, tokenizer, log=lambda *_: None)
+    moved.train.seed = saved.train.seed
     said = []
     check_resume_compatible(checkpoint, moved, tokenizer, log=said.append, data_moved=True)
     assert said == [f"resume: data: {saved.data.data!r} -> {moved.data.data!r} (allowed by its digest: the same data)"]
     other = tmp_path / "other.txt"
     other.write_text("Another text altogether, with other letters: zqxj.\n" * 50)
-    with pytest.raises(NanolmError, match="tokenizer: the data's tokenizer is not the one the run was trained with"):
+    with pytest.raises(NanolmError, match=r"incompatible changes: tokenizer: the data's tokenizer is not the one the "
+                                          r"run was trained with\. Keep those settings"):
         check_resume_compatible(checkpoint, load_config_copy(saved), train_char([other.read_text()]),
                                 log=lambda *_: None)
     cfg = load_config_copy(saved)

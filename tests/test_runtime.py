@@ -98,7 +98,8 @@ def test_seed_everything_seeds_pythons_numpys_and_torchs_generators():
 
 
 def test_a_malformed_random_state_is_one_line_naming_it():
-    with settings_restored(), pytest.raises(NanolmError, match=r"^the checkpoint's random state is malformed \(KeyError"):
+    malformed = r"^the checkpoint's random state is malformed \(KeyError"
+    with settings_restored(), pytest.raises(NanolmError, match=malformed):
         restore_rng({}, torch.device("cpu"))
 
 
@@ -118,7 +119,8 @@ def accelerators(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: calls.append(("set", device,
                                                                                                state.tolist())))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: calls.append(("mps get",)) or torch.ones(2, dtype=torch.uint8))
+    monkeypatch.setattr(torch.mps, "get_rng_state",
+                        lambda: calls.append(("mps get",)) or torch.ones(2, dtype=torch.uint8))
     monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: calls.append(("mps set", state.tolist())))
     return calls
 
@@ -141,7 +143,7 @@ def test_the_run_devices_random_state_is_read_and_put_back_on_that_device_only(a
         assert len(accelerators) == calls
 
 
-@pytest.mark.parametrize("device, picked", [("cuda:1", [1]), ("cuda", [1]), ("cuda:5", [0])])
+@pytest.mark.parametrize("device, picked", [("cuda:1", [1]), ("cuda", [1]), ("cuda:2", [0]), ("cuda:5", [0])])
 def test_a_state_per_visible_gpu_is_read_for_the_runs_own_gpu(accelerators, device, picked):
     """Checkpoints before 2026-12 kept one state per visible GPU: the run's own is used (the current
     device when the run names none), the first when the run's GPU was not among them."""
@@ -161,3 +163,15 @@ def test_a_captured_random_state_continues_every_generator_where_it_was(accelera
         runtime.restore_rng(state, torch.device("cpu"))
         again = (random.random(), random.gauss(0, 1), float(np.random.standard_normal()), torch.rand(2).tolist())
     assert first == again
+
+
+def test_a_derived_seed_is_a_32_bit_number_of_its_parts_only_and_differs_for_every_combination():
+    """What seeds each rank's random streams (and a resume on another number of processes):
+    equal parts give equal seeds in any process, and no two (seed, step, rank) share one."""
+    seeds = {(seed, step, rank): runtime.derived_seed(seed, step, rank)
+             for seed in (0, 1, 1337) for step in (0, 1, 400) for rank in range(4)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert all(0 <= s < 2**32 for s in seeds.values()) and max(seeds.values()) > 2**31  # all 32 bits in use
+    # pinned: a resume on another number of processes re-derives its random streams with it
+    assert runtime.derived_seed(1337, 400, 3) == seeds[(1337, 400, 3)] == 2647420254
+    assert runtime.derived_seed(1337, 3) != runtime.derived_seed(3, 1337)

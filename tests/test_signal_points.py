@@ -53,6 +53,34 @@ def test_a_second_ctrl_c_soon_after_a_stop_signal_is_the_same_request():
     assert stop.requested == signal.SIGTERM
 
 
+def test_a_second_ctrl_c_exactly_at_the_limit_is_still_the_same_request():
+    clock = _Clock()
+    stop = StopOnSignal(clock)
+    _handled(stop, signal.SIGINT)
+    clock.now += SAME_REQUEST_SECONDS
+    _handled(stop, signal.SIGINT)
+    assert stop.requested == signal.SIGINT
+
+
+def test_train_called_from_python_gets_its_signal_handlers_back_and_the_inner_loop_its_outer_one():
+    """A notebook or a sweep calling ``train()`` keeps its own handlers (only the command's entry
+    may leave the signals ignored once it is on its way out); a loop inside another (the lab
+    trains inside its own command) hands the stop requests back to the outer one."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    with StopOnSignal() as outer:
+        with StopOnSignal() as inner:
+            assert StopOnSignal.active is inner
+        assert StopOnSignal.active is outer
+        with StopAtOnce("while testing"):
+            pass
+        outer.request(signal.SIGTERM)  # a run stopped by a signal: its handlers come back too
+    assert StopOnSignal.active is None
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    with pytest.raises(TrainingInterrupted), StopAtOnce("while testing") as stop:
+        stop._handle(signal.SIGHUP, None)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
 def test_a_second_ctrl_c_long_after_stops_at_once_with_the_first_signals_status():
     clock = _Clock()
     stop = StopOnSignal(clock)

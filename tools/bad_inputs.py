@@ -14,7 +14,7 @@ crafted ``final.json`` falls back to the newest checkpoint, a crafted line of ``
 is left out, a crafted line of a ``.jsonl`` source is skipped and counted. Those commands must
 succeed, each warning one line, with no traceback and nothing changed.
 
-    python tools/bad_inputs.py            # ~130 commands, ~5 minutes on 2 cores
+    python tools/bad_inputs.py            # ~140 commands, ~5 minutes on 2 cores
     python tools/bad_inputs.py --list
 
 Exit status 1 if any command breaks the promise.

@@ -112,10 +112,12 @@ if os.environ.get("NANOLM_MUTATION_EVERY_TEST") == "1":
     # mutmut runs a mutant against the tests it saw reach the function, seen in the test's own process; a
     # module whose promises are tested through `python -m nanolm` processes (signals, continued runs) is
     # reached there unseen: each of its mutants meets every test of its concern instead (fastest first)
-    import mutmut.__main__ as cli
+    # (hooked where mutmut saves what its stats collection found: mutmut.stats is one module for all,
+    # while the mutmut.__main__ that runpy runs below is a fresh copy that patches would not reach)
+    import mutmut.stats
     from mutmut.state import state
 
-    collect = cli.collect_or_load_stats
+    save_stats = mutmut.stats.save_stats
 
     class EveryTest(dict):
         def get(self, key, default=None):
@@ -124,12 +126,12 @@ if os.environ.get("NANOLM_MUTATION_EVERY_TEST") == "1":
         def __getitem__(self, key):
             return set(state().duration_by_test)
 
-    def with_every_test(*args, **kwargs):
-        result = collect(*args, **kwargs)
-        state().tests_by_mangled_function_name = EveryTest(state().tests_by_mangled_function_name)
-        return result
+    def with_every_test():
+        save_stats()
+        if not isinstance(state().tests_by_mangled_function_name, EveryTest):
+            state().tests_by_mangled_function_name = EveryTest(state().tests_by_mangled_function_name)
 
-    cli.collect_or_load_stats = with_every_test
+    mutmut.stats.save_stats = with_every_test
 sys.argv = ["mutmut", *sys.argv[1:]]
 runpy.run_module("mutmut", run_name="__main__", alter_sys=True)
 """
