@@ -149,3 +149,22 @@ def test_an_export_onto_a_mount_point_is_refused_in_one_line_naming_its_flag(tmp
     assert capsys.readouterr().err.strip() == (f"error: --out {mounted} is a mount point, which nanolm cannot replace in "
                                                 f"one step; choose a directory inside it (--out {mounted / 'out'})")
     assert list(mounted.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["mounted", "run"]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_config_json_states_every_architectural_choice_by_the_names_other_readers_look_up(tmp_path, qk_norm):
+    """transformers fills a missing key with its own default, and so do other readers of an export
+    (vLLM, llama.cpp's converter), not always the same one: config.json names every choice the
+    model made, under the key Llama's and Qwen3's configurations document, even where today's
+    transformers default agrees (no biases, no dropout, SiLU, no RoPE scaling, no sliding window)."""
+    run, model, _ = _fake_run(tmp_path, qk_norm=qk_norm)
+    export_run(run, tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    c = model.config
+    expected = {"hidden_act": "silu", "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
+                "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "rope_scaling": None,
+                "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+                "num_key_value_heads": c.n_head, "head_dim": c.head_dim, "max_position_embeddings": c.seq_len}
+    if qk_norm:
+        expected.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
+    assert {k: written.get(k, "missing") for k in expected} == expected
