@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -29,7 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from signal_points import TINY, Case, _digest, _files, _run_child, default_corpus, import_for_children  # noqa: E402
+from signal_points import (TINY, Case, _digest, _files, _run_child, default_corpus,  # noqa: E402
+                           import_for_children, report)
 
 STOP = Case("step", ("SIGTERM",))
 """How each run is stopped before its edge: SIGTERM during step 2, so it saves step 2."""
@@ -330,11 +330,8 @@ def main() -> int:
     if args.show:
         for name, said in result["outcomes"].items():
             print(f"{name:45s} {said[:150]}")
-    print(f"{result['edges']} edges of a continued run: {len(result['failures'])} broke a promise "
-          f"({result['seconds']} s{'; skipped as root: ' + ', '.join(result['skipped']) if result['skipped'] else ''})")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 1 if result["failures"] else 0
+    skipped = f" (skipped as root: {', '.join(result['skipped'])})" if result["skipped"] else ""
+    return report(result, f"{result['edges']} edges of a continued run{skipped}", args.json)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ SIGTERM followed by the closing terminal's SIGHUP).
 
 Each case runs in a child forked from a process that imported nanolm and PyTorch but ran no
 operation (a child forked after PyTorch started its thread pool can hang in its first matrix
-product), so a tiny run costs a quarter of a second instead of the two an interpreter takes
-to start. Each is judged on the promises of docs/checkpoints.md:
+product), so a tiny run costs no interpreter start-up of its own. Each is judged on the
+promises of docs/checkpoints.md:
 
 * the exit status is 128 + the first signal's number (the status a shell gives a process
   that signal ended), or 0 when the signal arrived after the run had finished;
@@ -321,7 +321,7 @@ def selected_cases(steps: list) -> list[Case]:
 
 def import_for_children() -> None:
     """Import once, in the parent, what every child would otherwise import again (PyTorch's
-    optimizer machinery alone is a second a child), without running any PyTorch operation."""
+    optimizer machinery among it), without running any PyTorch operation."""
     import nanolm.instruments.cli  # noqa: F401
     import nanolm.train  # noqa: F401
     import safetensors.torch  # noqa: F401
@@ -374,10 +374,15 @@ def main() -> int:
         if args.only:
             chooser = lambda steps: [c for c in all_cases(steps) if str(c) == args.only]  # noqa: E731
         result = run(chooser, data.resolve(), work.resolve())
-    print(f"{result['cases']} cases over {result['disk_steps']} disk steps and {len(PHASES)} phases: "
-          f"{len(result['failures'])} broke a promise ({result['seconds']} s)")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    return report(result, f"{result['cases']} cases over {result['disk_steps']} disk steps and {len(PHASES)} "
+                          f"phases", args.json)
+
+
+def report(result: dict, what: str, json_path: Path | None) -> int:
+    """A harness's last line, its result as JSON where asked, and its exit status (1: a promise broken)."""
+    print(f"{what}: {len(result['failures'])} broke a promise ({result['seconds']} s)")
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
     return 1 if result["failures"] else 0
 
 
