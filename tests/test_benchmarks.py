@@ -363,3 +363,41 @@ def test_the_calibration_benchmark_reports_both_thresholds_for_each_test_and_num
     rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
     assert [(r["test"], r["runs"]) for r in rows] == [(t, n) for t in ("among seeds", "own seed") for n in (5, 10, 20)]
     assert all(0 <= r["now"] <= 1 and 0 <= r["before"] <= 1 for r in rows)
+
+
+def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_passes_over_the_data(
+        monkeypatch, capsys, stories_file):
+    out = benchmark_json(monkeypatch, capsys, "speedrun.py", "--data", str(stories_file), "--config",
+                         "configs/shakespeare_char.toml", "--budget", "600", "--threads", "1", "--holdout-shift", "5",
+                         "--", "--steps", "4", "--eval-every", "4", "--eval-batches", "1", "--n-layer", "1",
+                         "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--sample-tokens",
+                         "0", "--warmup", "1", "--no-eval-at-start")
+    run = out["runs"][0]
+    assert run["steps"] == 4 and run["tokens_trained"] == 4 * 4 * 32 and out["fits_budget"] and run["fits_budget"]
+    assert run["passes"] == round(run["tokens_trained"] / run["train_split_tokens"], 2) == out["passes"]
+    assert 0 < run["training_time_s"] < run["launch_to_exit_s"] - run["before_training_s"]
+    assert out["median_full_val_bpb"] == run["full_val_bpb"] > 0 and out["holdout_shift"] == 5
+    assert "target_val_bpb" not in out and ".shift5" in out["data"]
+
+
+def test_a_shifted_holdout_holds_out_other_documents_and_keeps_every_one():
+    import importlib.util
+    import tempfile
+
+    from nanolm.data.sources import split_documents
+    from nanolm.tokenizer import EOS
+
+    spec = importlib.util.spec_from_file_location("speedrun", BENCHMARKS / "speedrun.py")
+    speedrun = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speedrun)
+    docs = [f"story {i}\nits second line" for i in range(40)]
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "s.txt"
+        source.write_text(f"\n{EOS}\n".join(docs))
+        shifted = Path(speedrun.shifted_holdout(str(source), 5, EOS, Path(tmp))).read_text().split(f"\n{EOS}\n")
+        with pytest.raises(SystemExit, match="--holdout-shift must be between 1 and 39"):
+            speedrun.shifted_holdout(str(source), 40, EOS, Path(tmp))
+    assert sorted(shifted) == sorted(docs) and shifted[0] == docs[5]
+    held = {text for split, text in split_documents(iter(docs), 0.1) if split == "val"}
+    held_after = {text for split, text in split_documents(iter(shifted), 0.1) if split == "val"}
+    assert len(held) == len(held_after) == 4 and not held & held_after

@@ -258,3 +258,147 @@ def _with_func(parser, command, func):
     for action in parser._subparsers._group_actions:
         action.choices[command].set_defaults(func=func)
     return parser
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--val-fraction", "1"], "--val-fraction must be in [0, 1), got 1.0"),
+    (["--val-fraction", "-0.01"], "--val-fraction must be in [0, 1), got -0.01"),
+    (["--seq-len", "1"], "--seq-len must be at least 2, got 1"),
+    (["--vocab-size", "0"], "--vocab-size must be positive and at most 16777216, got 0"),
+    (["--vocab-size", str(2**24 + 1)], f"--vocab-size must be positive and at most 16777216, got {2**24 + 1}"),
+])
+def test_prepare_refuses_numbers_past_their_bounds_in_one_line_and_writes_nothing(tmp_path, capsys, flags, message):
+    data = tmp_path / "data.txt"
+    data.write_text("plenty of text " * 50)
+    assert main(["prepare", "--data", str(data), "--out", str(tmp_path / "p"), *flags]) == 2
+    assert _error_line(capsys) == f"error: {message}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt"]
+
+
+def test_prepare_accepts_its_bounds_and_sums_up_what_it_wrote_from_its_meta_json(tmp_path, capsys):
+    """The lines ``nanolm prepare`` ends with are its meta.json in words: each figure the file's own."""
+    from nanolm.data.shards import PreparedData
+
+    stories = tmp_path / "stories.txt"
+    assert main(["data", "stories", "--docs", "60", "--out", str(stories)]) == 0
+    for flags in (["--val-fraction", "0", "--seq-len", "2", "--tokenizer", "char"],
+                  ["--vocab-size", str(2**24), "--seq-len", "16"],  # the largest vocabulary: BPE learns what it can
+                  ["--tokenizer", "char", "--seq-len", "16"]):
+        out = tmp_path / f"p{len(list(tmp_path.iterdir()))}"
+        capsys.readouterr()
+        assert main(["prepare", "--data", str(stories), "--out", str(out), *flags]) == 0
+        m = PreparedData(out).meta
+        s = m["splits"]
+        expected = [f"prepared {stories} -> {out} in {m['seconds']:.1f}s ({m['mb_per_s']:.1f} MB/s)",
+                    f"tokenizer: {m['tokenizer']}, {m['vocab_size']} tokens, shards {m['dtype']}",
+                    *(f"{n}: {s[n]['documents']} documents, {s[n]['tokens']} tokens, {s[n]['bytes']} bytes"
+                      for n in ("train", "val")),
+                    f"mean document length: {m['mean_doc_tokens']} tokens; empty documents skipped: 0; bad records "
+                    f"skipped: 0",
+                    f"windows of {m['seq_len_for_stats']} tokens crossing a document boundary: "
+                    f"{m['windows_crossing_a_boundary']} of {m['windows']} "
+                    f"({100 * m['windows_crossing_a_boundary'] / m['windows']:.1f}%)"]
+        if m["compressor_bpb"]:
+            expected.append("compressor bits per byte on the validation text (a model must beat these): "
+                            f"zlib {m['compressor_bpb']['zlib']:.3f}, xz {m['compressor_bpb']['xz']:.3f}")
+        if "floor" in m:
+            expected.append(f"entropy floor of the validation text: {m['floor']['bpb']:.4f} bits/byte, "
+                            f"{m['floor']['nats_per_token']:.4f} nats/token")
+        assert capsys.readouterr().out.splitlines() == expected
+        assert m["seq_len_for_stats"] == int(flags[flags.index("--seq-len") + 1])
+        assert ("floor" in m) == (s["val"]["documents"] > 0) and s["val"]["documents"] == (0 if "0" in flags else 6)
+
+
+# ------------------------------------------------------------------ how a command ends: its status and last line
+def _ended(capsys, failure, command="prepare", **more):
+    """The status and stderr of a command whose work ends with ``failure`` (raised, or returned)."""
+    import argparse
+
+    from nanolm.instruments.cli import _run
+
+    def work(args):
+        if isinstance(failure, BaseException):
+            raise failure
+        return failure
+
+    code = _run(argparse.Namespace(func=work, command=command, **more))
+    return code, capsys.readouterr().err
+
+
+def test_each_way_a_command_can_end_has_its_status_and_one_line(capsys):
+    import errno
+
+    from nanolm.base.files import describe_os_error
+    from nanolm.errors import NanolmError
+    from nanolm.instruments.cli import OutputClosed
+    from nanolm.machine.runtime import TrainingInterrupted
+
+    assert _ended(capsys, None) == (0, "") and _ended(capsys, 3) == (3, "")
+    assert _ended(capsys, NanolmError("a library's\n   two-line message\n")) == (
+        2, "error: a library's two-line message\n")
+    assert _ended(capsys, OutputClosed()) == (141, "")
+    assert _ended(capsys, TrainingInterrupted("SIGTERM: stopped after step 3", 15)) == (
+        143, "SIGTERM: stopped after step 3\n")
+    for command, flag, more in (("train", "--out-dir", {}), ("data", "--dir", {"data_command": "download"}),
+                                ("data", "--out", {"data_command": "stories"}), ("export", "--out", {})):
+        full = OSError(errno.ENOSPC, "No space left on device", "/disk/file")
+        assert _ended(capsys, full, command, **more) == (
+            2, f"error: {describe_os_error(full, flag)}; whatever was saved before is intact: run the same command "
+               f"again once that is fixed\n")
+    for bug in (OSError(errno.EBADF, "Bad file descriptor"), ValueError("a bug"), KeyError("x")):
+        with pytest.raises(type(bug)):  # not the machine's state: a traceback, which a bug report needs
+            _ended(capsys, bug)
+
+
+def test_a_ctrl_c_outside_a_runs_loop_is_one_line_and_the_status_of_the_signal_that_stopped_it(capsys, monkeypatch):
+    import nanolm.instruments.cli as cli
+    from nanolm.machine.runtime import StoppedAtOnce
+
+    def parser_interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", parser_interrupted)
+    assert main(["prepare"]) == 130 and capsys.readouterr().err == "interrupted\n"
+
+    def stopped_at_once(args):
+        raise StoppedAtOnce("SIGINT after SIGTERM: stopped at once", 15)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "_run", stopped_at_once)
+    assert main(["plan"]) == 143 and capsys.readouterr().err == "SIGINT after SIGTERM: stopped at once\n"
+
+
+class _Stream:
+    """A standard stream whose flush meets what the test says."""
+
+    def __init__(self, fails=None):
+        self.fails = fails
+
+    def flush(self):
+        if self.fails is not None:
+            raise self.fails
+
+    def write(self, text):
+        return len(text)
+
+    def fileno(self):
+        raise OSError("no descriptor")
+
+
+def test_what_is_still_buffered_at_exit_is_flushed_and_a_reader_gone_or_a_full_disk_said_once(monkeypatch, capsys):
+    import errno
+    import sys
+
+    from nanolm.instruments.cli import ClosableOutput, OutputClosed, _flushed
+
+    monkeypatch.setattr(sys, "stdout", _Stream())
+    assert _flushed(0) == 0 and _flushed(7) == 7
+    monkeypatch.setattr(sys, "stdout", _Stream(OutputClosed()))
+    assert _flushed(0) == 141 and _flushed(2) == 2  # a reader that left: the quiet end of a pipe, unless it failed
+    monkeypatch.setattr(sys, "stdout", ClosableOutput(_Stream(OSError(errno.ENOSPC, "No space left on device"))))
+    assert _flushed(0) == 2
+    assert capsys.readouterr().err == ("error: the command's stdout could not be written (No space left on device); "
+                                       "free some space or write it elsewhere\n")
+    assert _flushed(3) == 3 and capsys.readouterr().err == ""  # an earlier failure's status and line stand
+    monkeypatch.setattr(sys, "stdout", None)  # no console at all
+    assert _flushed(0) == 0

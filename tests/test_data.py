@@ -1,4 +1,5 @@
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -536,3 +537,352 @@ def test_the_entropy_file_of_a_large_corpus_is_read_and_a_refused_one_is_named(t
     assert [n for n in notes if "floor" in n] == [
         f"note: {entropy_path(source)} is 1 MiB, far larger than any such file nanolm writes; the file is damaged; "
         f"no loss floor is reported"]
+
+
+@pytest.mark.parametrize("doc_nats, note", [
+    ("one too few", "note: the corpus's entropy file does not match its documents; no loss floor is reported"),
+    ({"doc_nats": "many"}, "holds no list of numbers under doc_nats"),
+    ({"doc_nats": [1.0, True]}, "holds no list of numbers under doc_nats"),
+    ({"nats": []}, "holds no list of numbers under doc_nats"),
+    ([1.0], "holds no list of numbers under doc_nats"),
+])
+def test_an_entropy_file_that_does_not_describe_the_stories_gives_no_floor_and_says_so(tmp_path, stories_file, doc_nats,
+                                                                                      note):
+    """The loss floor is the stories' known information: from a file that describes other stories (or
+    none), a floor would be a wrong number under a trusted name."""
+    from nanolm.data.corpus import entropy_path
+
+    source = tmp_path / "stories.txt"
+    source.write_text(stories_file.read_text())
+    if doc_nats == "one too few":
+        doc_nats = {"doc_nats": json.loads(entropy_path(stories_file).read_text())["doc_nats"][:-1]}
+    entropy_path(source).write_text(json.dumps(doc_nats))
+    notes = []
+    assert "floor" not in prepare(source, tmp_path / "p", "char", compressor_sample_bytes=0, log=notes.append).meta
+    assert [n for n in notes if n.startswith("note:")] == [note] if note.startswith("note:") else \
+        [n for n in notes if n.startswith("note:")] == [f"note: {entropy_path(source)} {note}; no loss floor is reported"]
+
+
+def test_stories_without_validation_documents_have_no_floor_and_no_note(tmp_path, stories_file):
+    notes = []
+    data = prepare(stories_file, tmp_path / "p", "char", val_fraction=0.0, compressor_sample_bytes=0, log=notes.append)
+    assert "floor" not in data.meta and not [n for n in notes if n.startswith("note:")]
+    assert prepare(stories_file, tmp_path / "q", "char", compressor_sample_bytes=0, log=notes.append).meta["floor"]
+
+
+# ------------------------------------------------------------------ what a run does with --data
+def test_a_run_without_data_trains_on_the_built_in_stories_the_same_whatever_its_seed(tmp_path):
+    from nanolm.data.prepare import load_training_data
+    from nanolm.run.config import RunConfig
+
+    prepared = []
+    for seed in (0, 7):
+        cfg = RunConfig()
+        cfg.data.stories, cfg.data.tokenizer, cfg.train.seed, cfg.train.progress = 40, "char", seed, False
+        said = []
+        scratch = tmp_path / f"s{seed}"
+        scratch.mkdir()
+        data = load_training_data(cfg, scratch, log=said.append, compressor_bounds=False)
+        assert said[0] == "data: 40 generated stories (the built-in corpus; its entropy is known)"
+        assert data.dir == scratch / "data" and data.meta["splits"]["train"]["documents"] + \
+            data.meta["splits"]["val"]["documents"] == 40 and data.meta["floor"]["bpb"] > 0
+        prepared.append(data.digest)
+    assert prepared[0] == prepared[1]
+    from nanolm.data.corpus import write_stories
+
+    write_stories(tmp_path / "stories.txt", 40, seed=0)  # the corpus of seed 0, whatever the run's
+    assert prepare(tmp_path / "stories.txt", tmp_path / "p", "char", progress=False,
+                   compressor_sample_bytes=0).digest == prepared[0]
+
+
+def test_a_run_on_a_text_file_prepares_it_with_the_commands_options(tmp_path):
+    """Every option of ``[data]`` reaches the preparation: the tokenizer and its size, the held-out
+    share, the separator, and the window length its statistics are counted at."""
+    from nanolm.data.prepare import load_training_data
+    from nanolm.run.config import RunConfig
+
+    source = tmp_path / "docs.txt"
+    source.write_text("\n===\n".join(f"document number {i}: " + "words and more words " * (i % 5 + 1)
+                                      for i in range(40)))
+    cfg = RunConfig()
+    d = cfg.data
+    d.data, d.tokenizer, d.vocab_size, d.val_fraction, d.separator = str(source), "bpe", 300, 0.25, "==="
+    cfg.model.seq_len, cfg.train.progress = 16, False
+    said = []
+    data = load_training_data(cfg, tmp_path, log=said.append, compressor_bounds=False)
+    m = data.meta
+    assert said[0] == f"data: {source}" and data.dir == tmp_path / "data"
+    assert (m["tokenizer"], m["vocab_size"], m["val_fraction"], m["seq_len_for_stats"]) == ("bpe", 300, 0.25, 16)
+    assert m["eos_id"] == data.tokenizer.eos_id and m["dtype"] == "uint16"  # what a reader of the shards needs
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 40  # split at "===" lines
+    assert m["compressor_bpb"] is None  # a run skips the bounds; doctor asks for them
+    (tmp_path / "data").rename(tmp_path / "first")
+    assert load_training_data(cfg, tmp_path, log=said.append).meta["compressor_bpb"]["xz"] > 0
+
+
+def test_a_run_on_jsonl_reads_its_text_field(tmp_path):
+    from nanolm.data.prepare import load_training_data
+    from nanolm.run.config import RunConfig
+
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"body": f"story {i} " * 20, "text": "x"}) + "\n" for i in range(30)))
+    cfg = RunConfig()
+    cfg.data.data, cfg.data.tokenizer, cfg.data.text_field, cfg.train.progress = str(source), "char", "body", False
+    data = load_training_data(cfg, tmp_path, log=lambda *_: None, compressor_bounds=False)
+    assert data.tokenizer.vocab_size > 5  # the bodies' characters, not only "x"
+
+
+def test_a_run_on_prepared_shards_uses_them_as_they_are_and_says_the_tokenizer_options_do_not_apply(tmp_path):
+    from nanolm.data.prepare import load_training_data
+    from nanolm.run.config import RunConfig
+
+    shards = tmp_path / "shards"
+    made = prepare(_write_txt(tmp_path / "d.txt", DOCS * 4), shards, "char", progress=False)
+    cfg = RunConfig()
+    cfg.data.data, cfg.data.tokenizer, cfg.data.vocab_size = str(shards), "bpe", 4096
+    said = []
+    data = load_training_data(cfg, tmp_path / "unused", log=said.append)
+    assert data.dir == shards and data.digest == made.digest and not (tmp_path / "unused").exists()
+    assert said == [f"data: prepared shards in {shards}; their char tokenizer of {made.tokenizer.vocab_size} tokens "
+                    f"is used (--tokenizer and --vocab-size do not apply)"]
+
+
+def test_the_compressor_bounds_are_the_bits_per_byte_zlib_and_xz_add_for_the_text_after_its_context():
+    import lzma
+    import zlib
+
+    from nanolm.data.prepare import compressor_bits_per_byte
+
+    context, text = b"the cat sat on the mat. " * 40, b"the dog sat on the log, and the cat saw it."
+    zlib_extra = len(zlib.compress(context + text, 9)) - len(zlib.compress(context, 9))
+    xz_extra = len(lzma.compress(context + text, preset=6)) - len(lzma.compress(context, preset=6))
+    assert compressor_bits_per_byte(context, text) == {"zlib": round(8 * zlib_extra / len(text), 4),
+                                                       "xz": round(8 * xz_extra / len(text), 4)}
+    alone = b"hello world, hello there"  # no context: the whole compressed size counts
+    alone_zlib, alone_xz = len(zlib.compress(alone, 9)), len(lzma.compress(alone, preset=6))
+    assert compressor_bits_per_byte(b"", alone) == {"zlib": round(8 * alone_zlib / len(alone), 4),
+                                                    "xz": round(8 * alone_xz / len(alone), 4)}
+    # text the context already predicts adds nothing to either: counted as the least a byte can cost, 1 byte
+    assert compressor_bits_per_byte(b"a" * 1000, b"aa") == {"zlib": 4.0, "xz": 4.0}
+    assert compressor_bits_per_byte(context, b"") == {}
+    assert compressor_bits_per_byte(b"", b"abc" * 7)["zlib"] == round(8 * len(zlib.compress(b"abc" * 7, 9)) / 21, 4)
+
+
+@pytest.mark.parametrize("docs", [["ab", "abc", "abcd", "x", "y"], ["a single document, split by its bytes " * 20],
+                                  [f"{i} " + "the quick brown fox " * 25 for i in range(2000)]])  # 1 MB: a rate to read
+def test_meta_json_sums_up_the_shards_with_the_figures_the_prepare_line_prints(tmp_path, docs):
+    data = prepare(_write_txt(tmp_path / "d.txt", docs), tmp_path / "p", "char", progress=False,
+                   compressor_sample_bytes=0)
+    m, train = data.meta, data.meta["splits"]["train"]
+    assert m["mean_doc_tokens"] == round(train["tokens"] / train["documents"], 1)  # to a tenth: 12 / 4 ... 3.7
+    assert train["documents"] == (1 if len(docs) == 1 else len(docs) - m["splits"]["val"]["documents"])
+    for key in ("seconds", "mb_per_s"):  # to the hundredth: what `nanolm prepare` prints
+        assert isinstance(m[key], float) and m[key] == round(m[key], 2) and m[key] >= 0, key
+    megabytes = Path(tmp_path / "d.txt").stat().st_size / 1e6  # the rate: the source's size over the time taken
+    fastest, slowest = megabytes / max(m["seconds"] - 0.005, 1e-9), megabytes / (m["seconds"] + 0.005)
+    assert slowest - 0.005 <= m["mb_per_s"] <= fastest + 0.005
+
+
+def test_a_corpus_past_one_chunk_is_encoded_a_chunk_at_a_time_each_document_once(tmp_path, monkeypatch):
+    """``prepare`` encodes ~8 MB of text at a time, so its memory does not grow with the corpus:
+    past a chunk, every document is still in its split once and in order, the progress counts each
+    byte once, and the compressor bounds read exactly the first 2 MiB of each split."""
+    import nanolm.data.prepare as prepare_mod
+    from nanolm.data.prepare import COMPRESSOR_SAMPLE_BYTES
+    from nanolm.data.sources import split_documents
+    from nanolm.tokenizer import Tokenizer
+
+    docs = [f"{i:05d} " + "the quick brown fox jumps over the lazy dog. " * 12 for i in range(15_500)]  # 8.5 MB
+    source = _write_txt(tmp_path / "big.txt", docs)
+    encoded, compressed = [], []
+    encode_batch, bounds = Tokenizer.encode_batch, prepare_mod.compressor_bits_per_byte
+    monkeypatch.setattr(Tokenizer, "encode_batch", lambda self, texts: encoded.append(len(texts)) or
+                        encode_batch(self, texts))
+    monkeypatch.setattr(prepare_mod, "compressor_bits_per_byte", lambda context, text: compressed.append(
+        (context, text)) or bounds(context, text))
+    said = []
+    monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)  # shown as for a larger corpus
+    data = prepare(source, tmp_path / "p", "char", val_fraction=0.5, progress="lines", log=said.append)
+    assert len(encoded) == 4 and sum(encoded) == len(docs)  # each split twice: one chunk, then the rest
+    assert not [line for line in said if line.startswith("note:")]  # plain text: no entropy file, and none missed
+    by_split = {"train": [], "val": []}
+    as_read = list(DocumentSource(source, sources_mod.SEPARATOR, "text"))
+    assert len(as_read) == len(docs)
+    for split, text in split_documents(iter(as_read), 0.5):
+        by_split[split].append(text)
+    assert _decode_split(data, "train") == by_split["train"] and _decode_split(data, "val") == by_split["val"]
+    m = data.meta["splits"]
+    encoded_line = [line for line in said if line.startswith("prepare: encoded ")]
+    assert len(encoded_line) == 1 and encoded_line[0].startswith(
+        f"prepare: encoded {(m['train']['bytes'] + m['val']['bytes']) / 1e6:.1f} MB in "), said
+
+    def first(split):
+        return "".join(by_split[split]).encode()[:COMPRESSOR_SAMPLE_BYTES]
+
+    assert compressed == [(first("train"), first("val"))] and len(first("val")) == COMPRESSOR_SAMPLE_BYTES
+    assert data.meta["compressor_bpb"] == bounds(first("train"), first("val"))
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_the_tokenizers_progress_expects_the_text_it_will_read(tmp_path, monkeypatch, kind):
+    """BPE learns from the training documents only (the held-out ones would leak into the
+    vocabulary), the char vocabulary from all of them: the progress expects that much, and BPE
+    says when its reading ends and its merges begin (the part with no progress to show)."""
+    from nanolm.data.progress import expected_text_bytes, megabytes
+
+    docs = [f"{i:05d} " + "the quick brown fox jumps over the lazy dog. " * 12 for i in range(2000)]
+    source = _write_txt(tmp_path / "m.txt", docs)
+    monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)  # shown as for a larger corpus
+    said = []
+    prepare(source, tmp_path / "p", kind, vocab_size=300, val_fraction=0.5, progress="lines", log=said.append,
+            compressor_sample_bytes=0)
+    expected = expected_text_bytes(DocumentSource(source, sources_mod.SEPARATOR, "text"))
+    reads = expected if kind == "char" else round(expected * 0.5)
+    assert said[0] == f"prepare: training the {kind} tokenizer ({megabytes(reads)} expected)"
+    merges = [line for line in said if line.endswith("; computing its merges")]
+    assert len(merges) == (kind == "bpe") and all(line.startswith("prepare: the tokenizer read ") for line in merges)
+    assert said[1 + len(merges)].startswith("prepare: tokenizer trained in ")
+    assert f"prepare: encoding ({megabytes(expected)} expected)" in said
+
+
+@pytest.mark.parametrize("vocab_size, dtype", [(1 << 16, "uint16"), ((1 << 16) + 1, "uint32")])
+def test_shards_hold_each_token_id_in_the_smallest_integer_that_holds_every_id(tmp_path, vocab_size, dtype):
+    """Ids run from 0 to vocab_size - 1: 65,536 of them fit 16 bits, one more does not (an id that
+    wrapped around would silently be another token)."""
+    from nanolm.tokenizer import train_char
+
+    chars = [chr(c) for c in range(0x4E00, 0x30000) if chr(c).isprintable() and not chr(c).isspace()][: vocab_size - 1]
+    text = "".join(chars)
+    tokenizer = train_char([text])
+    assert tokenizer.vocab_size == vocab_size  # every character and the document token
+    docs = [text[i:i + 4096] for i in range(0, len(text), 4096)]
+    (tmp_path / "many.txt").write_text(f"\n{EOS}\n".join(docs), encoding="utf-8")  # no line end: not in the vocabulary
+    data = prepare(tmp_path / "many.txt", tmp_path / "p", tokenizer=tokenizer, progress=False,
+                   compressor_sample_bytes=0)
+    assert data.meta["dtype"] == dtype and data.meta["max_id"] == vocab_size - 1
+    assert "".join(_decode_split(data, "train") + _decode_split(data, "val")) == "".join(
+        docs[i] for i in range(len(docs)) if i % 10 != 9) + "".join(docs[i] for i in range(9, len(docs), 10))
+
+
+def test_bpe_learns_from_the_training_documents_up_to_its_budget_and_the_char_vocabulary_from_all(monkeypatch):
+    import nanolm.data.prepare as prepare_mod
+
+    monkeypatch.setattr(prepare_mod, "BPE_TRAINING_CHARS", 1000)
+    docs = [f"{i:03d}" + "x" * 97 for i in range(40)]  # 100 characters each: the budget ends exactly at a document
+    train_docs = [d for i, d in enumerate(docs) if i % 10 != 9]
+    assert list(prepare_mod._tokenizer_texts(iter(docs), "bpe", 0.1)) == train_docs[:10]
+    assert list(prepare_mod._tokenizer_texts(iter(docs), "char", 0.1)) == docs  # held-out characters included
+    monkeypatch.setattr(prepare_mod, "BPE_TRAINING_CHARS", 1001)
+    assert list(prepare_mod._tokenizer_texts(iter(docs), "bpe", 0.1)) == train_docs[:11]
+
+
+def test_prepare_shows_a_bar_on_a_terminal_and_lines_elsewhere(tmp_path, monkeypatch):
+    import sys
+
+    import nanolm.data.prepare as prepare_mod
+
+    shown = []
+
+    class Recorded(prepare_mod.PrepareProgress):
+        def __init__(self, mode, log):
+            shown.append(mode)
+            super().__init__(None, log)
+
+    monkeypatch.setattr(prepare_mod, "PrepareProgress", Recorded)
+    monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    source = _write_txt(tmp_path / "d.txt", DOCS * 4)
+    prepare(source, tmp_path / "a", "char", progress=True, log=print, compressor_sample_bytes=0)
+    prepare(source, tmp_path / "b", "char", progress=True, log=lambda *_: None, compressor_sample_bytes=0)
+    assert shown == ["bar", "lines"]
+
+
+def test_prepare_called_with_its_defaults_makes_what_nanolm_prepare_makes(tmp_path, monkeypatch):
+    """The library's defaults are the command's: BPE of 512 tokens, 10 % held out, statistics at a
+    window of 256 tokens, progress shown (for a corpus big enough to need it)."""
+    docs = [f"{i:04d} " + "the quick brown fox jumps over the lazy dog. " * 8 for i in range(300)]
+    monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)  # shown as for a larger corpus
+    said = []
+    data = prepare(_write_txt(tmp_path / "d.txt", docs), tmp_path / "p", log=said.append)
+    m = data.meta
+    assert (m["tokenizer"], m["vocab_size"], m["val_fraction"], m["seq_len_for_stats"]) == ("bpe", 512, 0.1, 256)
+    assert m["splits"]["val"]["documents"] == 30 and said and said[0].startswith("prepare: training the bpe tokenizer")
+
+
+def test_prepare_into_a_file_is_refused_in_one_line(tmp_path):
+    (tmp_path / "out").write_text("mine")
+    with pytest.raises(NanolmError, match=rf"^--out {tmp_path / 'out'} is a file; give a directory for the shards$"):
+        prepare(_write_txt(tmp_path / "d.txt", DOCS), tmp_path / "out", "char", progress=False)
+    assert (tmp_path / "out").read_text() == "mine"
+
+
+def test_a_runs_data_is_prepared_with_its_progress_option_and_says_so_through_its_log(tmp_path, monkeypatch):
+    from nanolm.data.prepare import load_training_data
+    from nanolm.run.config import RunConfig
+
+    monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)  # shown as for a larger corpus
+    source = _write_txt(tmp_path / "d.txt", DOCS * 8)
+    for progress, shown in (("lines", True), (False, False)):
+        cfg = RunConfig()
+        cfg.data.data, cfg.data.tokenizer, cfg.train.progress = str(source), "char", progress
+        said = []
+        scratch = tmp_path / f"s{progress}"
+        scratch.mkdir()
+        load_training_data(cfg, scratch, log=said.append, compressor_bounds=False)
+        assert said[0] == f"data: {source}"
+        assert any(line.startswith("prepare: training the char tokenizer") for line in said) is shown, said
+        trained = [line for line in said if line.startswith("prepare: tokenizer trained in ")]
+        assert all(re.match(r"prepare: tokenizer trained in \d+\.\ds \(char, \d+ tokens\)$", t) for t in trained)
+
+
+def test_a_run_on_a_corpus_name_says_what_it_downloads_through_its_log(tmp_path, monkeypatch):
+    import urllib.error
+    import urllib.request
+
+    from nanolm.data.download import CORPORA
+    from nanolm.data.prepare import load_training_data
+    from nanolm.run.config import RunConfig
+
+    monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # no local path of that name
+
+    def offline(*_, **__):
+        raise urllib.error.URLError("offline")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / CORPORA["shakespeare"].filename).write_text("not the corpus")
+    cfg = RunConfig()
+    cfg.data.data = "shakespeare"
+    said = []
+    with pytest.raises(NanolmError, match="could not download shakespeare"):
+        load_training_data(cfg, tmp_path, log=said.append)
+    assert said[0].startswith("cached ") and said[0].endswith("does not match the expected size/checksum; "
+                                                              "downloading it again")
+    assert said[1] == f"downloading shakespeare from {CORPORA['shakespeare'].url}"
+
+
+def test_a_failed_encoding_reaches_the_user_as_itself_even_when_closing_its_shards_fails_too(tmp_path, monkeypatch):
+    """The shards are closed before the scratch directory goes; a close that fails too (the same
+    full disk) must not replace the error the user needs to see."""
+    import errno
+
+    import nanolm.data.prepare as prepare_mod
+
+    class FailingClose:
+        def __init__(self, f):
+            self.f = f
+
+        def close(self):
+            self.f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    def disk_fills(docs, tokenizer, writers, *_):
+        for w in writers.values():
+            w.f = FailingClose(w.f)
+        raise OSError(errno.ENOSPC, "No space left on device", "train.bin")
+
+    monkeypatch.setattr(prepare_mod, "_encode", disk_fills)
+    with pytest.raises(OSError) as raised:
+        prepare(_write_txt(tmp_path / "d.txt", DOCS), tmp_path / "p", "char", progress=False)
+    assert raised.value.errno == errno.ENOSPC and not (tmp_path / "p").exists()

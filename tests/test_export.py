@@ -99,6 +99,9 @@ def test_exported_tokenizer_loads_and_encodes_the_same(tmp_path):
     text = "hello world, abc."
     assert hf_tok(text)["input_ids"] == tok.encode(text).tolist()
     assert hf_tok.eos_token_id == tok.eos_id
+    spaced = "a , b . c"  # decoded as nanolm decodes: no "clean-up" that glues punctuation to the word before it
+    assert hf_tok.decode(hf_tok(spaced)["input_ids"]) == tok.decode(tok.encode(spaced).tolist()) == spaced
+    assert json.loads((out / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
 
 
 def test_gelu_models_are_refused_with_a_clear_message(tmp_path, capsys):
@@ -127,7 +130,7 @@ def test_an_export_that_meets_a_full_disk_is_one_line_leaves_nothing_and_the_rer
     monkeypatch.setattr(safetensors.torch, "save_file", disk_fills)
     assert main(["export", str(run), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "No space left on device" in err[0] and "model.safetensors" in err[0], err
+    assert len(err) == 1 and "No space left on device" in err[0] and str(out / "model.safetensors") in err[0], err
     assert not (tmp_path / "exports").exists()
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     assert main(["export", str(run), "--out", str(out)]) == 0
@@ -168,3 +171,61 @@ def test_config_json_states_every_architectural_choice_by_the_names_other_reader
     if qk_norm:
         expected.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
     assert {k: written.get(k, "missing") for k in expected} == expected
+    named = {"architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads", "tie_word_embeddings", "bos_token_id", "eos_token_id", "torch_dtype", *expected}
+    assert set(written) == named  # no key a reader does not know (a misspelt one leaves the real one at its default)
+
+
+def test_an_export_makes_the_directories_its_out_needs_names_each_disk_step_and_says_where_it_went(tmp_path):
+    """``--out a/b/hf`` with neither a nor b there yet works as it does for ``train``; each disk step
+    names the file it touches (a fault's error and the crash-point report name it); the weights carry
+    the safetensors ``format`` older readers refuse a file without; the last line says what went where."""
+    from safetensors import safe_open
+
+    from nanolm.base import disk
+
+    run, _, _ = _fake_run(tmp_path)
+    out, said = tmp_path / "a" / "b" / "hf", []
+    with disk.faults(disk.FaultPlan()) as plan:
+        export_run(run, out, log=said.append)
+    assert said == [f"exported {run} as LlamaForCausalLM to {out}"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert all(path.startswith(str(tmp_path)) for _, path in plan.steps), plan.steps
+    weights = [path for kind, path in plan.steps if kind == "write" and path.endswith("model.safetensors")]
+    assert len(weights) == 1 and Path(weights[0]).parent.name.startswith(".hf.export-"), plan.steps  # in the scratch
+    assert {"tokenizer.json", "config.json"} <= {Path(path).name for _, path in plan.steps}, plan.steps
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_an_export_that_fails_says_why_even_when_its_cleanup_fails_too(tmp_path, monkeypatch):
+    """The cleanup of a failed export removes the directories it made; one it cannot remove (another
+    process put a file there) ends the cleanup, not the error: the user still learns the disk is full."""
+    import errno
+
+    import safetensors.torch
+
+    from nanolm.base import disk
+
+    run, _, _ = _fake_run(tmp_path)
+
+    def disk_full(*_, **__):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def not_empty(path):
+        raise OSError(errno.ENOTEMPTY, "Directory not empty", str(path))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    monkeypatch.setattr(disk, "remove_dir", not_empty)
+    with pytest.raises(OSError) as raised:
+        export_run(run, tmp_path / "made" / "hf", log=lambda *_: None)
+    assert raised.value.errno == errno.ENOSPC
+
+
+def test_an_export_into_a_run_is_refused_naming_the_flag(tmp_path, capsys):
+    run, _, _ = _fake_run(tmp_path)
+    (run / "checkpoints").mkdir()
+    assert main(["export", str(run), "--out", str(run / "checkpoints" / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --out {run / 'checkpoints' / 'hf'} is inside ") and err.endswith("another --out")

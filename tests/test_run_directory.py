@@ -607,3 +607,50 @@ def test_allowed_changes_are_logged_and_a_checkpoint_without_a_data_digest_is_no
     data = load_training_data(load_config_copy(saved), tmp_path / "scratch", log=lambda *_: None,
                               compressor_bounds=False)
     check_resume_compatible(older, load_config_copy(saved), data.tokenizer, log=lambda *_: None, data=data)
+
+
+# ------------------------------------------------------------------ states a run directory can be left in
+def _copy_of(run, tmp_path, name="copy"):
+    import shutil
+
+    target = tmp_path / name
+    shutil.copytree(run, target)
+    (target / LOCK_FILE).unlink(missing_ok=True)
+    return target
+
+
+def test_damaged_final_weights_are_written_again_by_the_same_command(straight, stories_file, tmp_path, capsys):
+    out = _copy_of(straight, tmp_path)
+    (out / "final.json").write_text("{damaged")
+    assert main(_command(stories_file, "--out-dir", out)) == 0
+    printed = capsys.readouterr().out
+    assert "; the final weights will be written again" in printed and "warning: " in printed
+    assert read_final(out)["step"] == 6 and _same_weights(out, straight)
+
+
+def test_checkpoints_of_which_none_verifies_are_never_trained_over(straight, stories_file, tmp_path, capsys):
+    out = _copy_of(straight, tmp_path)
+    for name in ("final.json", "model.safetensors"):
+        (out / name).unlink()
+    for _, checkpoint in list_checkpoints(out):
+        (checkpoint / "model.safetensors").write_bytes(b"\0" * 64)
+    before = _files(out)
+    assert main(_command(stories_file, "--out-dir", out)) == 2
+    assert _one_error_line(capsys) == (f"error: {out} has checkpoints but none is valid (see the warnings above); "
+                                       f"starting over would discard the run: move the directory aside to start "
+                                       f"again, or --resume PATH")
+    assert _files(out) == before
+
+
+def test_resume_path_into_a_directory_with_checkpoints_of_its_own_is_refused(straight, stories_file, tmp_path, capsys):
+    out = _copy_of(straight, tmp_path, "own")
+    for name in ("final.json", "model.safetensors"):
+        (out / name).unlink()
+    other = straight / "checkpoints" / "step_000004"
+    before = _files(out)
+    assert main(_command(stories_file, "--out-dir", out, "--resume", other)) == 2
+    assert _one_error_line(capsys) == (f"error: {out} holds checkpoints of its own; --resume {other} continues another "
+                                       f"run into a new --out-dir")
+    assert _files(out) == before
+    assert main(_command(stories_file, "--out-dir", out, "--resume", out / "checkpoints" / "step_000004")) == 0
+    assert _same_weights(out, straight)  # its own checkpoint: that is a resume like any other

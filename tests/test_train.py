@@ -323,3 +323,34 @@ def test_a_compiled_step_follows_the_eager_step():
         # the step moved the weights (PyTorch 2.11 compiled a step with the right loss and no gradient at
         # all), and the compiled step's update is eager's up to float32 reordering (measured ~1e-6 of it)
         assert (b - a).norm() <= 1e-5 * (a - s).norm() + 1e-12 and not torch.equal(b, s)
+
+
+def test_a_run_says_what_it_trains_and_a_continued_one_where_it_continues(tmp_path, stories_file):
+    from nanolm.data.shards import PreparedData
+
+    out = tmp_path / "run"
+    said = []
+    train(_tiny_cfg(stories_file, out, steps=4, batch_size=3, eval_every=2, ckpt_every=2, threads=1),
+          log=said.append)
+    vocab = PreparedData(out / "data").tokenizer.vocab_size
+    from nanolm.model import GPT
+
+    n_params = GPT(_tiny_cfg(stories_file, out).model.gpt_config(vocab)).num_params()
+    assert f"model: {n_params / 1e6:.2f}M parameters | char vocabulary of {vocab} | {3 * 32} tokens per step | " \
+           f"device cpu | run dir {out}" in said
+    assert "precision: fp32 (requested)" in said and any(line.startswith("MFU: ") for line in said)
+    assert not [line for line in said if line.startswith(("resumed from", "warning:"))]
+    said.clear()
+    train(_tiny_cfg(stories_file, out, steps=6, batch_size=3, eval_every=2, ckpt_every=2, threads=1),
+          log=said.append)
+    assert f"resumed from {out / 'checkpoints' / 'step_000004'} at step 4" in said
+
+
+def test_a_validation_split_shorter_than_a_window_is_said_once_at_the_start(tmp_path):
+    source = tmp_path / "docs.txt"  # every tenth document is held out: here each of them is two characters
+    source.write_text("\n<|endoftext|>\n".join("ab" if i % 10 == 9 else f"story {i}: " + "the cat sat. " * 12
+                                               for i in range(40)))
+    said = []
+    train(_tiny_cfg(source, tmp_path / "run", steps=2, batch_size=2, threads=1), log=said.append)
+    assert said.count("warning: the validation split is shorter than one window; no validation loss will be "
+                      "reported") == 1

@@ -59,18 +59,19 @@ MODULES = {
                                   "tests/test_train.py", "tests/test_checkpoint.py", "tests/test_terminal.py",
                                   "tests/test_signal_points.py"),
     "nanolm/run/resume.py": ("tests/test_run_directory.py", "tests/test_continued_runs.py"),
-    "nanolm/run/directory.py": ("tests/test_run_directory.py", "tests/test_continued_runs.py", "tests/test_run_lock.py"),
-    "nanolm/data/prepare.py": ("tests/test_data.py", "tests/test_sources.py", "tests/test_crash_points.py"),
+    "nanolm/run/directory.py": ("tests/test_run_plan.py", "tests/test_run_directory.py", "tests/test_continued_runs.py",
+                                "tests/test_run_lock.py"),
+    "nanolm/data/prepare.py": ("tests/test_data.py", "tests/test_sources.py", "tests/test_crash_points.py",
+                               "tests/test_corpus.py"),
     "nanolm/watch/validator.py": ("tests/test_evaluate.py", "tests/test_train.py", "tests/test_devices.py",
                                   "tests/test_distributed.py"),
-    "nanolm/watch/observer.py": ("tests/test_train.py", "tests/test_sinks.py", "tests/test_stats.py"),
+    "nanolm/watch/observer.py": ("tests/test_observer.py", "tests/test_train.py", "tests/test_sinks.py", "tests/test_stats.py"),
     "nanolm/instruments/cli.py": ("tests/test_cli.py", "tests/test_export.py", "tests/test_terminal.py",
                                   "tests/test_signal_points.py"),
     "nanolm/train.py": ("tests/test_train.py", "tests/test_run_directory.py", "tests/test_threads.py",
                         "tests/test_signal_points.py"),
 }
-EVERY_TEST = {"nanolm/machine/runtime.py", "nanolm/run/resume.py", "nanolm/run/directory.py", "nanolm/data/prepare.py",
-              "nanolm/instruments/cli.py", "nanolm/train.py"}
+EVERY_TEST = {"nanolm/machine/runtime.py", "nanolm/run/resume.py", "nanolm/run/directory.py", "nanolm/instruments/cli.py"}
 """Modules whose promises are tested in processes the tests start (signals, continued runs, the command
 line): each of their mutants meets every test of its concern, not only those mutmut saw reach it."""
 IN_STARTED_PROCESSES = """
@@ -221,6 +222,11 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
         (copy / "started" / "sitecustomize.py").write_text(IN_STARTED_PROCESSES)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy / "mutants"), str(copy / "started")]),
                "NANOLM_MUTATION_EVERY_TEST": "1" if module in EVERY_TEST else "0"}
+        # mutants side by side share the cores: each PyTorch (and tokenizer) thread pool sized to its share, not
+        # to the whole machine, or threads that wait for each other's cores spin (the verdicts are the same)
+        share = str(max(1, (os.cpu_count() or 1) // jobs))
+        env.setdefault("OMP_NUM_THREADS", share)
+        env.setdefault("RAYON_NUM_THREADS", share)
         start = time.perf_counter()
         listed = ""  # a recheck of a run that left no survivor has nothing to run
         dotted = module.removesuffix(".py").replace("/", ".")

@@ -388,6 +388,18 @@ BUGS = [
         "file (one number per story) passes the size a metadata file may have", "nanolm/data/prepare.py",
         "max_bytes=max(MAX_METADATA_BYTES, source.stat().st_size)", "max_bytes=MAX_METADATA_BYTES",
         tests=("test_data",)),
+    Bug("own_lock_taken_for_another", "`--resume RUN/checkpoints/step_N --out-dir RUN` (going back to an earlier "
+        "checkpoint of the same run) is refused as another run's, because the command's own lock on RUN looks like "
+        "another process's", "nanolm/base/lock.py", "        return None if holder == _this_process() else holder",
+        "        return holder", tests=("test_run_directory",)),
+    Bug("token_ids_past_16_bits_wrap", "a vocabulary of 65,537 to 131,072 tokens is stored in 16-bit shards: its "
+        "highest ids wrap around to other tokens, and the model trains on the wrong text", "nanolm/data/prepare.py",
+        "dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32",
+        "dtype = np.uint16 if tokenizer.vocab_size <= 1 << 17 else np.uint32", tests=("test_data",)),
+    Bug("stories_without_validation_called_mismatched", "a corpus prepared with no validation stories "
+        "(--val-fraction 0) says its entropy file does not match its stories, which it does", "nanolm/data/prepare.py",
+        "    elif doc_nats is not None and len(doc_nats) != sum(n_docs.values()):", "    elif doc_nats is not None:",
+        tests=("test_data",)),
     Bug("signal_kills_a_run_preparing_its_data", "`kill` or a closed terminal while a run tokenizes its data ends "
         "the process on the spot: a half-prepared corpus stays in the system's temporary directory for ever",
         "nanolm/train.py", "            with StopAtOnce(SET_UP_STOPPED):", "            with contextlib.nullcontext():",
@@ -611,7 +623,7 @@ BUGS = [
 FAST_TESTS = ("test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
               "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
               "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs").split()
+              "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs test_run_plan test_observer").split()
 
 
 # where each bug's file belongs, by the start of its path: the test files of that concern, run
@@ -630,9 +642,9 @@ CONCERN_TESTS = {
     "nanolm/distributed.py": ("test_distributed",),
     "nanolm/data/sources.py": ("test_sources", "test_data"),
     "nanolm/data/": ("test_data", "test_corpus"),
-    "nanolm/run/directory.py": ("test_run_directory", "test_run_lock"),
+    "nanolm/run/directory.py": ("test_run_plan", "test_run_directory", "test_run_lock"),
     "nanolm/run/resume.py": ("test_run_directory", "test_checkpoint"),
-    "nanolm/base/lock.py": ("test_run_lock",),
+    "nanolm/base/lock.py": ("test_run_lock", "test_run_directory"),
     "nanolm/base/disk.py": ("test_crash_points", "test_files"),
     "nanolm/base/files.py": ("test_files", "test_full_disk", "test_untrusted_files", "test_checkpoint"),
     "nanolm/base/documents.py": ("test_documents", "test_hostile_files", "test_untrusted_files", "test_checkpoint"),
@@ -644,6 +656,7 @@ CONCERN_TESTS = {
     "nanolm/watch/reference.py": ("test_reference", "test_compare"),
     "nanolm/watch/curve.py": ("test_curve", "test_reference"),
     "nanolm/watch/guards.py": ("test_guards",),
+    "nanolm/watch/observer.py": ("test_observer", "test_sinks", "test_train"),
     "nanolm/watch/": ("test_stats", "test_sinks", "test_host_reads", "test_platforms"),
     "nanolm/instruments/compare.py": ("test_compare",),
     "nanolm/instruments/diagnose.py": ("test_diagnose",),

@@ -149,7 +149,9 @@ def _write_holder(fd: int, path: Path) -> None:
 
 def held_by_another(directory: Path) -> str | None:
     """The holder's line (possibly "") when another process holds ``directory``'s lock now, else
-    None. Takes the lock for a moment to find out, and lets go at once."""
+    None. Takes the lock for a moment to find out, and lets go at once. A lock this very process
+    holds is not another's (a flock conflicts with every other open file, its owner's included):
+    ``--resume RUN/checkpoints/step_N --out-dir RUN`` goes back to the run's own checkpoint."""
     directory = Path(directory)
     if not (directory / LOCK_FILE).exists() and not (directory / LOCK_FILE).is_symlink():
         return None  # every holder writes its line there first
@@ -162,7 +164,8 @@ def held_by_another(directory: Path) -> str | None:
     try:
         _lock(fd)
     except OSError as e:
-        return _holder(directory / LOCK_FILE) if e.errno in HELD else None
+        holder = _holder(directory / LOCK_FILE) if e.errno in HELD else None
+        return None if holder == _this_process() else holder
     finally:
         os.close(fd)  # and with it the lock, if it was taken
     return None

@@ -215,7 +215,7 @@ def _prepare_into(out: Path, docs: DocumentSource, source, tokenizer_kind: str, 
             "bpb": val_nats / math.log(2) / max(1, writers["val"].n_bytes),
             "nats_per_token": val_nats / (writers["val"].n_tokens - 1),
         }
-    elif doc_nats is not None:
+    elif doc_nats is not None and len(doc_nats) != sum(n_docs.values()):
         log("note: the corpus's entropy file does not match its documents; no loss floor is reported")
     meta["files"] = manifest(out, DATA_FILES)
     atomic_write_text(out / META_FILE, json.dumps(sealed(meta), indent=2))

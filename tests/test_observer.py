@@ -1,0 +1,135 @@
+"""The observer's decisions, on an observer built by hand (no training): which steps are logged and
+which get per-layer statistics, what the step-0 row records of the recipe, what a logged row
+holds, when a non-finite loss stops a run, what a resume and a rollback continue, and the lines it
+says. ``test_sinks.py`` and ``test_train.py`` watch the same decisions through whole runs."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from nanolm.distributed import Distributed
+from nanolm.errors import NanolmError
+from nanolm.precision import DynamicLossScaler, resolve_precision
+from nanolm.run.config import RunConfig
+from nanolm.step import StepResult, wsd_decay_start
+from nanolm.train import Progress
+from nanolm.watch.observer import Observer, is_stats_step
+
+
+def _observer(tmp_path, precision="fp32", peak=(2.5e12, "measured"), optimizer=None, evaluates=lambda s: s % 8 == 0,
+              **train) -> Observer:
+    cfg = RunConfig()
+    cfg.train.steps, cfg.train.log_every, cfg.train.stats_every, cfg.train.batch_size = 40, 10, 0, 3
+    cfg.model.seq_len = 32
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    said = []
+    model = tiny_model()
+    observer = Observer(cfg=cfg, dist=Distributed(), out_dir=tmp_path, model=model,
+                        precision=resolve_precision(precision, torch.device("cpu")),
+                        scaler=DynamicLossScaler(enabled=precision == "fp16"), progress=Progress(),
+                        evaluates=evaluates, peak=peak, log=said.append, optimizer=optimizer)
+    observer.said = said
+    return observer
+
+
+@pytest.mark.parametrize("step, every, due", [(1, 5, True), (5, 5, True), (10, 5, True), (4, 5, False), (1, 0, False),
+                                              (5, 0, False), (2, 1, True)])
+def test_per_layer_statistics_come_after_the_first_update_and_every_stats_every_steps(step, every, due):
+    assert is_stats_step(step, every) is due
+
+
+def test_a_step_is_logged_at_its_period_the_first_steps_after_a_start_evaluations_statistics_and_the_end(tmp_path):
+    observer = _observer(tmp_path, stats_every=7)
+    logged = [step for step in range(1, 41) if observer.logs(step)]
+    assert logged == [1, 2, 3, 7, 8, 10, 14, 16, 20, 21, 24, 28, 30, 32, 35, 40]
+    observer.restarted_at = 22  # a resume (or a rollback) at step 22: its next three steps are shown
+    assert [step for step in range(21, 28) if observer.logs(step)] == [21, 22, 23, 24, 25]
+
+
+def test_mfu_is_measured_against_a_named_peak_and_said_once(tmp_path):
+    observer = _observer(tmp_path)
+    flops = observer.model.flops_per_token() / 1e6
+    assert observer.describe_mfu() == f"MFU: {flops:.2f} MFLOP per token, against 2.5 TFLOP/s (measured)"
+    assert _observer(tmp_path, peak=(None, "unknown CPU")).describe_mfu() == (
+        f"MFU: {flops:.2f} MFLOP per token, against no peak (unknown CPU)")
+    assert observer.tokens_per_step == 3 * 32 and observer.peak == 2.5e12
+
+
+def test_the_step_0_row_records_the_recipe_as_run(tmp_path):
+    from nanolm.optim import build_optimizer
+
+    observer = _observer(tmp_path)
+    o = observer.cfg.optim
+    o.schedule, o.warmup, o.decay_fraction, o.weight_decay = "wsd", 4, 0.25, 0.1
+    recipe = observer.recipe()
+    assert recipe == {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": 4, "beta1": o.beta1, "beta2": o.beta2,
+                      "weight_decay": 0.1, "clip": o.clip, "optimizer": o.optimizer, "schedule": "wsd",
+                      "decay_start_step": wsd_decay_start(4, 40, 0.25) + 1, "decay_end_step": 41}
+    o.schedule, o.optimizer = "cosine", "muon"
+    recipe = observer.recipe()
+    assert "decay_start_step" not in recipe and (recipe["muon_lr"], recipe["muon_momentum"]) == (o.muon_lr,
+                                                                                                 o.muon_momentum)
+    model = observer.model
+    decayed_everything = torch.optim.AdamW([{"params": list(model.parameters()), "weight_decay": 0.1}])
+    observer.optimizer = decayed_everything
+    small = sum(1 for p in model.parameters() if p.dim() < 2) + 1  # the norms, and the embedding (tied to the head)
+    assert observer.recipe()["decayed_norms_biases_embeddings"] == small
+    observer.optimizer = build_optimizer(model, 1e-3, 0.1)  # nanolm's own groups decay none of them
+    assert observer.recipe()["decayed_norms_biases_embeddings"] == 0
+
+
+def _result(step, loss=2.0, updated=True, read=None):
+    return StepResult(step=step, lr=1e-3, loss=torch.tensor(loss), grad_norm=torch.tensor(0.5), updated=updated,
+                      read=read)
+
+
+def test_a_logged_step_reads_its_figures_once_and_a_quiet_step_returns_nothing(tmp_path):
+    observer = _observer(tmp_path)
+    observer.start()
+    observer.progress.tokens_seen = 96
+    row = observer.observe(_result(1))
+    assert (row["step"], row["loss"], row["lr"], row["grad_norm"], row["tokens"]) == (1, 2.0, 1e-3, 0.5, 96)
+    assert row["threads"] == torch.get_num_threads()
+    assert observer.observe(_result(5)) == {}
+
+
+def test_a_non_finite_loss_stops_a_run_whose_guard_reads_no_step(tmp_path):
+    observer = _observer(tmp_path)
+    observer.loss_read_every_step = False  # --on-nan stop --on-spike off: the guard reads nothing
+    observer.start()
+    with pytest.raises(NanolmError, match=r"^the loss became nan at step 1; lower --lr or raise --warmup$"):
+        observer.observe(_result(1, loss=math.nan))
+    observer.loss_read_every_step = True  # a guard that reads each step decides instead (skip, roll back)
+    assert math.isnan(observer.observe(_result(2, loss=math.nan))["loss"])
+
+
+@pytest.mark.parametrize("target, val_bpb, reached", [(0.0, 0.5, False), (1.0, 1.0, True), (1.0, 1.01, False),
+                                                     (1.0, None, False)])
+def test_the_target_is_reached_at_an_evaluation_at_or_below_it(tmp_path, target, val_bpb, reached):
+    observer = _observer(tmp_path, target_val_bpb=target)
+    row = {"step": 8} if val_bpb is None else {"step": 8, "val_bpb": val_bpb}
+    assert observer.target_reached(row) is reached
+    assert observer.said == ([f"val bpb {val_bpb:.4f} <= --target-val-bpb {target} at step 8: done"] if reached else [])
+
+
+def test_a_resume_continues_the_clipped_steps_and_the_training_time(tmp_path):
+    observer = _observer(tmp_path)
+    assert observer.elapsed() == 0.0
+    observer.load_state_dict({"clipped_steps": 3, "elapsed_s": 12.5})
+    assert observer.elapsed() == 12.5
+    observer.progress.step = 10
+    observer.start()
+    state = observer.state_dict()
+    assert state["clipped_steps"] == 3 and 12.5 <= state["elapsed_s"] < 60 and observer.restarted_at == 10
+    observer.load_state_dict({"clipped_steps": 1, "elapsed_s": 0.0})  # a rollback: the checkpoint's count, the clock on
+    assert observer.state_dict()["clipped_steps"] == 1 and observer.elapsed() >= 12.5
+
+
+def test_gradients_are_watched_on_statistics_steps_and_for_fp16_underflow_on_logged_steps(tmp_path):
+    batch = [None]
+    assert _observer(tmp_path).gradient_watch(5, batch) is None
+    fp16 = _observer(tmp_path, precision="fp16")
+    assert fp16.gradient_watch(10, batch).underflow and fp16.gradient_watch(5, batch) is None
