@@ -654,3 +654,23 @@ def test_resume_path_into_a_directory_with_checkpoints_of_its_own_is_refused(str
     assert _files(out) == before
     assert main(_command(stories_file, "--out-dir", out, "--resume", out / "checkpoints" / "step_000004")) == 0
     assert _same_weights(out, straight)  # its own checkpoint: that is a resume like any other
+
+
+def test_data_found_elsewhere_by_its_content_excuses_only_the_path_not_the_other_changes(straight, stories_file,
+                                                                                         tmp_path, capsys):
+    import shutil
+
+    out = _copy_of(straight, tmp_path)
+    moved = tmp_path / "elsewhere.txt"
+    shutil.copy(stories_file, moved)
+    before = _files(out)
+    assert main(_command(moved, "--out-dir", out, "--seed", "7")) == 2
+    assert _one_error_line(capsys) == (f"error: cannot continue the run in {out}: incompatible changes: seed: 1337 -> "
+                                       f"7. Keep those settings, or start a new run with another --out-dir")
+    other = tmp_path / "other.txt"
+    other.write_text(stories_file.read_text()[: len(stories_file.read_text()) // 2])
+    assert main(_command(other, "--out-dir", out, "--seed", "7")) == 2
+    line = _one_error_line(capsys)
+    assert f"-> {str(other)!r} (not the data the run trained on: compared by content, not by name); seed: 1337 -> 7. " \
+           f"Keep" in line, line
+    assert _files(out) == before

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import tiny_model
 
 import nanolm.run.directory as directory
 from nanolm.errors import NanolmError
@@ -368,3 +369,39 @@ def test_a_directory_written_without_a_lock_says_so_through_the_commands_log(tmp
         assert locate_run(cfg, lock, log=said.append) == RunPlan(tmp_path / "out")
     assert said == [f"warning: {tmp_path / 'out'} is written without a lock ({NO_LOCK}=1): make sure no other process "
                     f"writes there"]
+
+
+def test_incompatible_changes_are_listed_together_and_gone_data_named_only_when_the_run_kept_no_copy(tmp_path):
+    """A run on prepared data reads it where it is: when that is gone, its absence (not the
+    tokenizer options it changed) is the thing to say. A run that keeps its own copy of its data
+    (raw text, tokenized into RUN/data) is told its real differences."""
+    out, cfg = _this_commands_run(tmp_path, "metrics.jsonl")
+    cfg.data.data = str(tmp_path / "gone.txt")
+    (out / "config.toml").write_text(cfg.to_toml())
+    cfg.model.n_layer, cfg.model.n_embd = cfg.model.n_layer + 1, cfg.model.n_embd * 2
+    with pytest.raises(NanolmError) as e:
+        locate_run(cfg, _Lock())
+    assert str(e.value) == (f"data path {tmp_path / 'gone.txt'} does not exist: the run in {out} trained on it; "
+                            f"restore it, or start a new run with another --out-dir")
+    (out / "data").mkdir()
+    with pytest.raises(NanolmError) as e:
+        locate_run(cfg, _Lock())
+    differences = str(e.value).removeprefix(f"cannot continue the run in {out}: incompatible changes: ").split("; ")
+    assert [line.split(":")[0] for line in differences] == ["n_layer", "n_embd"], str(e.value)
+    assert str(e.value).endswith(". Keep those settings, or start a new run with another --out-dir")
+
+
+def test_a_run_that_finished_with_no_checkpoint_left_is_done(tmp_path):
+    """Final weights that verify, at the command's steps, with every checkpoint pruned (--keep 0):
+    nothing to do, said in one line."""
+    from nanolm.run.final import write_final
+
+    from nanolm.tokenizer import train_char
+
+    out, cfg = _this_commands_run(tmp_path, "metrics.jsonl", steps=5)
+    train_char(["abc"]).save(out / "tokenizer.json")
+    write_final(out, tiny_model(), step=5)
+    plan = locate_run(cfg, _Lock())
+    assert plan.finished and plan.checkpoint is None
+    assert plan.message == (f"{out} finished at step 5 of 5; nothing to do (raise --steps to train longer, or choose "
+                            f"another --out-dir for a new run)")
