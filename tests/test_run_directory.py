@@ -674,3 +674,22 @@ def test_data_found_elsewhere_by_its_content_excuses_only_the_path_not_the_other
     assert f"-> {str(other)!r} (not the data the run trained on: compared by content, not by name); seed: 1337 -> 7. " \
            f"Keep" in line, line
     assert _files(out) == before
+
+
+def test_the_global_batch_counts_the_processes_that_wrote_the_checkpoint(straight, stories_file, tmp_path, capsys):
+    """A checkpoint written by two processes trained on twice the windows per step: one process
+    with the same --batch-size would be another run (``torchrun --nproc-per-node 2`` continues it)."""
+    import json
+
+    from nanolm.base.files import SEAL, sealed
+
+    out = _copy_of(straight, tmp_path)
+    for name in ("final.json", "model.safetensors"):
+        (out / name).unlink()
+    for _, checkpoint in list_checkpoints(out):
+        meta = json.loads((checkpoint / "meta.json").read_text())
+        meta.pop(SEAL)
+        (checkpoint / "meta.json").write_text(json.dumps(sealed({**meta, "world_size": 2}), indent=2))
+    assert main(_command(stories_file, "--out-dir", out)) == 2
+    assert "global batch (batch_size × grad_accum × world size): 4×1×2 = 8 -> 4×1×1 = 4 windows" in \
+        _one_error_line(capsys)

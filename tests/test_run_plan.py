@@ -402,6 +402,6 @@ def test_a_run_that_finished_with_no_checkpoint_left_is_done(tmp_path):
     train_char(["abc"]).save(out / "tokenizer.json")
     write_final(out, tiny_model(), step=5)
     plan = locate_run(cfg, _Lock())
-    assert plan.finished and plan.checkpoint is None
+    assert plan.finished and plan.checkpoint is None and plan.out_dir == out
     assert plan.message == (f"{out} finished at step 5 of 5; nothing to do (raise --steps to train longer, or choose "
                             f"another --out-dir for a new run)")
