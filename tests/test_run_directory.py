@@ -693,3 +693,21 @@ def test_the_global_batch_counts_the_processes_that_wrote_the_checkpoint(straigh
     assert main(_command(stories_file, "--out-dir", out)) == 2
     assert "global batch (batch_size × grad_accum × world size): 4×1×2 = 8 -> 4×1×1 = 4 windows" in \
         _one_error_line(capsys)
+
+
+def test_resume_path_with_other_data_is_refused_and_with_the_same_data_elsewhere_continues(straight, stories_file,
+                                                                                           tmp_path, capsys):
+    import shutil
+
+    checkpoint = straight / "checkpoints" / "step_000004"
+    other = tmp_path / "other.txt"
+    other.write_text(stories_file.read_text()[: len(stories_file.read_text()) // 2])
+    assert main(_command(other, "--out-dir", tmp_path / "mixed", "--resume", checkpoint)) == 2
+    line = _one_error_line(capsys)
+    assert f"incompatible changes: data: {str(stories_file)!r} -> {str(other)!r}; " in line, line
+    assert not (tmp_path / "mixed" / "checkpoints").exists()
+    moved = tmp_path / "moved.txt"
+    shutil.copy(stories_file, moved)
+    assert main(_command(moved, "--out-dir", tmp_path / "continued", "--resume", checkpoint)) == 0
+    assert "(allowed by its digest: the same data)" in capsys.readouterr().out
+    assert _same_weights(tmp_path / "continued", straight)

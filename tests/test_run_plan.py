@@ -405,3 +405,9 @@ def test_a_run_that_finished_with_no_checkpoint_left_is_done(tmp_path):
     assert plan.finished and plan.checkpoint is None and plan.out_dir == out
     assert plan.message == (f"{out} finished at step 5 of 5; nothing to do (raise --steps to train longer, or choose "
                             f"another --out-dir for a new run)")
+
+
+def test_resume_never_starts_a_new_run_in_an_empty_directory(tmp_path):
+    cfg = RunConfig()
+    cfg.train.out_dir, cfg.train.resume = str(tmp_path / "new"), "never"
+    assert locate_run(cfg, _Lock()) == RunPlan(tmp_path / "new")
