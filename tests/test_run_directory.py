@@ -704,7 +704,8 @@ def test_resume_path_with_other_data_is_refused_and_with_the_same_data_elsewhere
     other.write_text(stories_file.read_text()[: len(stories_file.read_text()) // 2])
     assert main(_command(other, "--out-dir", tmp_path / "mixed", "--resume", checkpoint)) == 2
     line = _one_error_line(capsys)
-    assert f"incompatible changes: data: {str(stories_file)!r} -> {str(other)!r}; " in line, line
+    assert f"incompatible changes: data: {str(stories_file)!r} -> {str(other)!r}; data: {other} is not the data the " \
+           f"checkpoint was trained on (its files differ)." in line, line
     assert not (tmp_path / "mixed" / "checkpoints").exists()
     moved = tmp_path / "moved.txt"
     shutil.copy(stories_file, moved)

@@ -388,6 +388,11 @@ BUGS = [
         "file (one number per story) passes the size a metadata file may have", "nanolm/data/prepare.py",
         "max_bytes=max(MAX_METADATA_BYTES, source.stat().st_size)", "max_bytes=MAX_METADATA_BYTES",
         tests=("test_data",)),
+    Bug("other_data_named_by_its_scratch_directory", "`--resume CKPT` with other data says that a temporary "
+        "directory, gone by the time it is read, is not the checkpoint's data, instead of naming --data",
+        "nanolm/run/resume.py",
+        "refused.append(f\"data: {cfg.data.data or 'the built-in corpus'} is not the data the checkpoint was trained on \"",
+        "refused.append(f\"data: {data.dir} is not the data the checkpoint was trained on \"", tests=("test_run_directory",)),
     Bug("own_lock_taken_for_another", "`--resume RUN/checkpoints/step_N --out-dir RUN` (going back to an earlier "
         "checkpoint of the same run) is refused as another run's, because the command's own lock on RUN looks like "
         "another process's", "nanolm/base/lock.py", "        return None if holder == _this_process() else holder",

@@ -107,7 +107,9 @@ def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=pri
     if Tokenizer.load(checkpoint / "tokenizer.json").fingerprint() != tokenizer.fingerprint():
         refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
     elif data is not None and meta.get("data_digest", data.digest) != data.digest:
-        refused.append(f"data: {data.dir} is not the data the checkpoint was trained on (its files differ)")
+        # named as the user gave it: raw text is prepared in a scratch directory gone by the time this is read
+        refused.append(f"data: {cfg.data.data or 'the built-in corpus'} is not the data the checkpoint was trained on "
+                       f"(its files differ)")
     if refused:
         raise NanolmError(f"cannot resume from {checkpoint}: incompatible changes: {'; '.join(refused)}. "
                           f"Keep those settings, or start a new run with another --out-dir")
