@@ -139,6 +139,8 @@ def budget_figures(rows, out_dir: Path, budget: float) -> dict:
 def shifted_holdout(data: str, shift: int, separator: str, directory: Path) -> str:
     """A copy of the text file ``data`` with its first ``shift`` documents moved to its end: every
     k-th document is held out (``nanolm.data.sources.split_documents``), so another set of them is."""
+    if not Path(data).is_file():
+        raise SystemExit(f"error: --holdout-shift moves documents of a text file; --data {data} is not one")
     lines = Path(data).read_text(encoding="utf-8").split("\n")
     docs, current = [], []
     for line in lines:

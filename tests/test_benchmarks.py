@@ -397,6 +397,8 @@ def test_a_shifted_holdout_holds_out_other_documents_and_keeps_every_one():
         shifted = Path(speedrun.shifted_holdout(str(source), 5, EOS, Path(tmp))).read_text().split(f"\n{EOS}\n")
         with pytest.raises(SystemExit, match="--holdout-shift must be between 1 and 39"):
             speedrun.shifted_holdout(str(source), 40, EOS, Path(tmp))
+        with pytest.raises(SystemExit, match=f"--data {tmp} is not one"):  # prepared shards: no documents to move
+            speedrun.shifted_holdout(tmp, 5, EOS, Path(tmp))
     assert sorted(shifted) == sorted(docs) and shifted[0] == docs[5]
     held = {text for split, text in split_documents(iter(docs), 0.1) if split == "val"}
     held_after = {text for split, text in split_documents(iter(shifted), 0.1) if split == "val"}
