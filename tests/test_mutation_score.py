@@ -42,3 +42,58 @@ def test_a_recheck_needs_the_very_source_it_rechecks(tmp_path):
     with pytest.raises(SystemExit, match="changed since the run being rechecked"):
         tool.score("nanolm/base/lock.py", ("tests/test_run_lock.py",), 1, False, 15.0, earlier)
     assert tool.source_digest("nanolm/base/lock.py") != "0" * 16 and len(tool.source_digest("nanolm/base/lock.py")) == 16
+
+
+def test_every_listed_equivalent_still_describes_the_code_it_was_read_in():
+    """A key names its function and the code the mutant changes: an edit that removes that code
+    fails here, in a moment, instead of hiding a new mutant under an old reason."""
+    tool = _tool()
+    from nanolm.base.documents import read_toml
+
+    pins = read_toml(tool.EQUIVALENT)
+    assert pins and all(module in tool.MODULES for module in pins)
+    stale = [(module, pin) for module, table in pins.items() for pin in table
+             if not tool.pin_describes_code(module, pin)]
+    assert stale == []
+    assert not tool.pin_describes_code("nanolm/base/lock.py", "RunLock.release: `no such code` -> `x`")
+    assert not tool.pin_describes_code("nanolm/base/lock.py", "RunLock.unheard_of: `and` -> `or`")
+    assert not tool.pin_describes_code("nanolm/base/lock.py", "nanolm.base.lock.x_busy_refusal__mutmut_3")
+
+
+def _edited_elsewhere(source: str, function: str) -> list[str]:
+    """Edits that keep every mutant of ``function``: a function added above it, a statement added
+    at its top (which shifts mutmut's numbers of every mutant below), the file reformatted."""
+    import black
+
+    added_above = source.replace(f"\ndef {function}(", f"\ndef _unrelated(x):\n    return x + 1\n\n\ndef {function}(", 1)
+    body = source.index(":\n", source.index(f"\ndef {function}(")) + 2
+    docstring_end = source.index('"""', source.index('"""', body) + 3) + 3
+    statement_at_top = source[:docstring_end] + "\n    _unused = 3 * 2" + source[docstring_end:]
+    return [added_above, statement_at_top, black.format_str(source, mode=black.Mode(line_length=100))]
+
+
+def test_a_mutant_keeps_its_name_through_an_edit_elsewhere_while_mutmuts_number_moves():
+    tool = _tool()
+    module, function = "nanolm/run/resume.py", "data_moved_to"
+    source = (ROOT / module).read_text()
+    before = tool.mutant_changes(module, source, functions={function})
+    names = {keys[0] for keys in before.values()}
+    assert len(names) == len(before) > 20  # one name per mutant
+    edits = _edited_elsewhere(source, function)
+    for edited in edits:
+        after = tool.mutant_changes(module, edited, functions={function, "_unrelated"})
+        assert names <= {k for keys in after.values() for k in keys}
+    statement_at_top = tool.mutant_changes(module, edits[1], functions={function})
+    moved = [n for n in before if n in statement_at_top and statement_at_top[n][0] != before[n][0]]
+    assert len(moved) > 20  # the numbers the old keys used now name other mutants
+
+
+def test_a_listed_change_names_its_mutant_and_one_gone_is_reported():
+    tool = _tool()
+    changes = {"m.x_f__mutmut_1": ["f: `and` -> `or`", "f: `a and b` -> `a or b`"],
+               "m.x_f__mutmut_2": ["f: `1` -> `2`"]}
+    named, stale = tool.equivalent_mutants(changes, {"f: `a and b` -> `a or b`": "why", "f: `3` -> `4`": "gone"})
+    assert named == {"m.x_f__mutmut_1": "why"} and stale == ["f: `3` -> `4`"]
+    assert tool._function_name("nanolm.base.lock.xǁRunLockǁrelease__mutmut_12") == "RunLock.release"
+    assert tool._function_name("nanolm.run.directory.x__plan_for__mutmut_3") == "_plan_for"
+    assert tool._mangled("RunLock.release") == "xǁRunLockǁrelease" and tool._mangled("_plan_for") == "x__plan_for"

@@ -5,14 +5,16 @@ changes one operator, constant or condition of a module at a time (a *mutant*: `
 ``<=``, ``1`` for ``0``, a removed ``not``...), runs the module's own test files on each, and
 counts the mutants some test kills. A mutant no test kills is a change nobody would notice: either
 a test is missing (write it) or the mutant does exactly what the original does (an *equivalent*
-mutant: list it in ``tools/mutation_equivalent.toml`` with the reason). The score is killed /
-(mutants - equivalent).
+mutant: list it in ``tools/mutation_equivalent.toml`` with the reason, under the name this script
+prints for it: what it changes, not mutmut's number, which any edit of the function moves). The
+score is killed / (mutants - equivalent).
 
     python tools/mutation_score.py nanolm/base/lock.py            # one module, against its concern's tests
     python tools/mutation_score.py --all                         # every module listed below
     python tools/mutation_score.py nanolm/base/lock.py --show     # and the diff of every survivor
     python tools/mutation_score.py nanolm/base/lock.py --json lock.json   # keep the result, then after new tests:
     python tools/mutation_score.py nanolm/base/lock.py --recheck lock.json --json lock.json   # its survivors only
+    python tools/mutation_score.py nanolm/base/lock.py --functions RunLock.release   # one function's mutants
 
 Each run works in a copy of the tree (mutmut writes a ``mutants/`` directory there), so the
 working tree is never touched; ``--jobs`` mutants run at once. Not part of the test suite: a
@@ -22,8 +24,11 @@ module's mutants take minutes to hours. Exit status 1 if a module scores under `
 from __future__ import annotations
 
 import argparse
+import ast
 import fnmatch
+import functools
 import hashlib
+import io
 import json
 import os
 import re
@@ -31,7 +36,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,14 +159,166 @@ def _tree_copy(target: Path) -> None:
             shutil.copy2(source, target / name)
 
 
-def _equivalents(module: str) -> dict[str, str]:
-    """The mutants of ``module`` listed as equivalent, each with its reason."""
+WIDER_NAMES = 12
+"""How much more of the code around a change than its shortest name a pin may hold (in tokens)."""
+
+
+def _function_name(mutant: str) -> str:
+    """``Class.method`` or ``function`` of a mutant's name as mutmut writes it
+    (``...x_name__mutmut_3``, ``...xǁClassǁmethod__mutmut_3``)."""
+    mangled = mutant.rsplit(".", 1)[-1].rsplit("__mutmut_", 1)[0]
+    return ".".join(part for part in mangled.split("ǁ")[1:] if part) if "ǁ" in mangled else mangled[2:]
+
+
+def _canonical_tokens(code: str) -> tuple[list[tuple[str, int, int]], str]:
+    """A function's code as a formatter cannot change it: the tokens of its AST written back
+    (quotes, parentheses, line breaks, trailing commas and comments all made one way), each with
+    its span in that text. The function is renamed ``f``: mutmut names each copy its own way."""
+    function = ast.parse(textwrap.dedent(code)).body[0]
+    function.name = "f"
+    text = ast.unparse(function)
+    starts = [0]
+    for line in text.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    skipped = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER}
+    return [(t.string, starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
+            for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type not in skipped], text
+
+
+def _fragment(tokens, text: str, start: int, end: int) -> str:
+    """The source of tokens ``start:end``, its whitespace run together."""
+    return " ".join(text[tokens[start][1]:tokens[end - 1][2]].split()) if end > start else ""
+
+
+def _only(source: str, functions: set[str]) -> str:
+    """``source`` with only the named functions and methods (``Class.method``) at its top level:
+    mutmut mutates each function by itself, so their mutants and names are those of the whole
+    module, at a fraction of the cost."""
+    tree, kept = ast.parse(source), []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in functions:
+            kept.append(ast.get_source_segment(source, node))
+        elif isinstance(node, ast.ClassDef):
+            methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+                       and f"{node.name}.{m.name}" in functions]
+            if methods:
+                kept.append(f"class {node.name}:\n" + "\n".join(
+                    ast.get_source_segment(source, m, padded=True) for m in methods))
+    return "\n\n\n".join(kept) + "\n"
+
+
+def mutant_changes(module: str, source: str | None = None, functions: set[str] | None = None) -> dict[str, list[str]]:
+    """Every mutant of ``module`` (its current source, or ``source``) named by what it changes:
+    ``function: `before` -> `after```, with just enough of the code around the change to tell it
+    from the function's other mutants (with ``functions``, only the mutants of those). Unlike
+    mutmut's numbers, which count a function's mutants in order, such a name survives an edit
+    elsewhere (a line added above, a helper renamed, the file reformatted), so
+    tools/mutation_equivalent.toml keys its mutants by it. Each mutant's names run from the shortest
+    to ones with more of the code around the change (a pin written when more was needed to tell it
+    apart still names it)."""
+    import mutmut.mutation.pragma_handling as pragmas
+    from mutmut.mutation.file_mutation import mutate_file_contents
+
+    pragmas.config = lambda: argparse.Namespace(do_not_mutate_patterns=[])  # mutmut's config: only this is read
+    source = (ROOT / module).read_text() if source is None else source
+    if functions is not None:
+        source = _only(source, functions)
+    dotted = module.removesuffix(".py").replace("/", ".")
+    mutated = mutate_file_contents(module, source)
+    lines = mutated.code.splitlines(keepends=True)
+
+    def generated(name: str) -> str:  # a function mutmut wrote, as it stands in the mutated file
+        span = mutated.line_span_by_function_name[name]
+        return "".join(lines[span.start - 1:span.end])
+
+    originals = {}
+    spans = {}  # per mutant: the function, the tokens before and after, and how many agree at each end
+    for short in mutated.mutant_names:
+        name, function = f"{dotted}.{short}", _function_name(short)
+        if function not in originals:
+            originals[function] = _canonical_tokens(generated(short.rsplit("__mutmut_", 1)[0] + "__mutmut_orig"))
+        before, before_text = originals[function]
+        after, after_text = _canonical_tokens(generated(short))
+        a, b = [t[0] for t in before], [t[0] for t in after]
+        prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        suffix = next((i for i, (x, y) in enumerate(zip(reversed(a[prefix:]), reversed(b[prefix:]))) if x != y),
+                      min(len(a), len(b)) - prefix)
+        spans[name] = (function, before, before_text, after, after_text, prefix, suffix)
+
+    @functools.cache
+    def key(name: str, context: int) -> str:
+        function, before, before_text, after, after_text, prefix, suffix = spans[name]
+        start = max(0, prefix - context)
+        return (f"{function}: `{_fragment(before, before_text, start, min(len(before), len(before) - suffix + context))}`"
+                f" -> `{_fragment(after, after_text, start, min(len(after), len(after) - suffix + context))}`")
+
+    siblings = {}
+    for name, span in spans.items():
+        siblings.setdefault(span[0], []).append(name)
+    changes = {}
+    for name, (function, before, _, after, _, prefix, suffix) in spans.items():
+        widest = max(len(before), len(after))  # past it, the name is the whole function
+        least = 1 if prefix + suffix in (len(before), len(after)) else 0  # a token added or removed: with a neighbour
+        context = next((c for c in range(least, widest + 1)
+                        if all(key(other, c) != key(name, c) for other in siblings[function] if other != name)), widest)
+        changes[name] = [key(name, c) for c in range(context, min(widest, context + WIDER_NAMES) + 1)]
+    return changes
+
+
+def equivalent_mutants(changes: dict[str, list[str]], pins: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The mutants ``pins`` (change -> reason) name, each with its reason, and the pins that name no
+    mutant of the module any more (the code they described has changed: read them again)."""
+    named = {}
+    for name, keys in changes.items():
+        reason = next((pins[k] for k in keys if k in pins), None)
+        if reason is not None:
+            named[name] = reason
+    matched = {k for keys in changes.values() for k in keys}
+    return named, [pin for pin in pins if pin not in matched]
+
+
+def _pins(module: str) -> dict[str, str]:
+    """tools/mutation_equivalent.toml's table for ``module``: each equivalent mutant, named by what
+    it changes (:func:`mutant_changes`), with the reason it changes nothing a caller can see."""
     if not EQUIVALENT.is_file():
         return {}
     sys.path.insert(0, str(ROOT))
     from nanolm.base.documents import read_toml
 
     return dict(read_toml(EQUIVALENT).get(module, {}))
+
+
+def _pinned_function(pin: str) -> str:
+    return pin.split(": ", 1)[0]
+
+
+def _equivalents(module: str) -> dict[str, str]:
+    """The mutants of ``module`` listed as equivalent, by mutmut's name, each with its reason.
+    A listed change that no mutant makes any more (its code was edited) stops the run: its reason
+    may no longer hold, so it is read again rather than trusted."""
+    pins = _pins(module)
+    if not pins:
+        return {}
+    named, stale = equivalent_mutants(mutant_changes(module, functions={_pinned_function(p) for p in pins}), pins)
+    if stale:
+        raise SystemExit(f"error: tools/mutation_equivalent.toml lists changes to {module} that no mutant makes any "
+                         f"more (the code changed): " + "; ".join(stale) + ". Run the module without them and read "
+                         f"its survivors again")
+    return named
+
+
+def pin_describes_code(module: str, pin: str) -> bool:
+    """Whether a listed change still describes the module's code: its function exists and holds
+    the code the change starts from. What the test suite checks in a moment; whether mutmut still
+    makes that very mutant, the run checks (:func:`_equivalents`)."""
+    function, _, change = pin.partition(": ")
+    match = re.fullmatch(r"`(.*)` -> `(.*)`", change, flags=re.S)
+    only = ast.parse(_only((ROOT / module).read_text(), {function}))
+    if match is None or match[1] == match[2] or not only.body:
+        return False
+    found = only.body[0].body[0] if isinstance(only.body[0], ast.ClassDef) else only.body[0]
+    _, text = _canonical_tokens(ast.unparse(found))
+    return match[1] in " ".join(text.split())
 
 
 def source_digest(module: str) -> str:
@@ -189,14 +348,23 @@ def tally_mutants(status: dict[str, str], equivalents: dict[str, str], previous:
             "score": round(100 * killed / counted, 1) if counted else None}
 
 
-def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: float, previous: dict | None = None) -> dict:
-    """The module's mutation score. With ``previous`` (an earlier result for the same source), only
-    its survivors run again, against today's tests and equivalents: what it killed stays killed."""
+def _mangled(function: str) -> str:
+    """mutmut's name for a function's mutants: ``x_name`` or ``xǁClassǁmethod``."""
+    return "xǁ" + "ǁ".join(function.split(".")) if "." in function else f"x_{function}"
+
+
+def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: float, previous: dict | None = None,
+          functions: tuple[str, ...] = ()) -> dict:
+    """The module's mutation score (of ``functions`` only, or ``FUNCTIONS``' for the module, when
+    given). With ``previous`` (an earlier result for the same source), only its survivors run again,
+    against today's tests and equivalents: what it killed stays killed."""
+    functions = functions or FUNCTIONS.get(module, ())
+    if previous is not None and previous.get("source_sha256") != source_digest(module):
+        raise SystemExit(f"error: {module} changed since the run being rechecked; run it whole again")
+    equivalents = _equivalents(module)  # before the hour a run may take: a listed change gone stops it here
     names = None
     if previous is not None:
-        if previous.get("source_sha256") != source_digest(module):
-            raise SystemExit(f"error: {module} changed since the run being rechecked; run it whole again")
-        names = [n for n in previous["survived"] + previous["untested"] if n not in _equivalents(module)]
+        names = [n for n in previous["survived"] + previous["untested"] if n not in equivalents]
     with tempfile.TemporaryDirectory(prefix="nanolm-mutation-") as tmp:
         copy = Path(tmp)
         _tree_copy(copy)
@@ -230,7 +398,7 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
         start = time.perf_counter()
         listed = ""  # a recheck of a run that left no survivor has nothing to run
         dotted = module.removesuffix(".py").replace("/", ".")
-        patterns = [f"{dotted}.x_{f}__mutmut_*" for f in FUNCTIONS.get(module, ())]
+        patterns = [f"{dotted}.{_mangled(f)}__mutmut_*" for f in functions]
         if names is None or names:
             ran = subprocess.run([sys.executable, "-c", FASTEST_TESTS_FIRST, "run", "--max-children", str(jobs),
                                   *(names or patterns)], cwd=copy, env=env, capture_output=True, text=True)
@@ -241,22 +409,25 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
         status = dict(re.findall(r"^\s*(\S+): (.+)$", listed, flags=re.M))
         if patterns:  # the functions measured, not the module's other mutants (never run)
             status = {n: v for n, v in status.items() if any(fnmatch.fnmatch(n, p) for p in patterns)}
-        tally = tally_mutants(status, _equivalents(module), previous, names)
+        tally = tally_mutants(status, equivalents, previous, names)
         survived, untested = tally["survived"], tally["untested"]
         diffs = {}
         if show:
             for name in survived + untested:
                 diffs[name] = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=copy, env=env,
                                              capture_output=True, text=True).stdout
+    # each survivor named by what it changes: the key to list it under in tools/mutation_equivalent.toml
+    left = survived + untested
+    changes = mutant_changes(module, functions={_function_name(n) for n in left}) if left else {}
     result = {"module": module, "source_sha256": source_digest(module), "tests": list(tests),
-              "functions": list(FUNCTIONS.get(module, ())) or "all", **tally,
+              "functions": list(functions) or "all", **tally, "changes": {n: changes[n][0] for n in left},
               "minutes": round((time.perf_counter() - start) / 60, 1)}
     killed, counted, timeouts = tally["killed"], tally["mutants"] - tally["equivalent"], tally["timeouts"]
     print(f"{module}: {killed} of {counted} mutants killed ({result['score']} %; {timeouts} by a timeout), "
           f"{result['equivalent']} listed as "
           f"equivalent, {len(survived)} survived, {len(untested)} no test ran; {result['minutes']} min", flush=True)
     for name in survived + untested:
-        print(f"  {'survived' if name in survived else 'no tests'}: {name}")
+        print(f"  {'survived' if name in survived else 'no tests'}: {name}\n    {json.dumps(changes[name][0])}")
         if name in diffs:
             print("    " + diffs[name].replace("\n", "\n    "))
     return result
@@ -275,6 +446,9 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--recheck", type=Path, default=None, help="an earlier --json of these modules: run only its "
                    "survivors again (after new tests or equivalents); the module's source must be unchanged")
+    p.add_argument("--functions", nargs="+", default=[], metavar="NAME",
+                   help="only the mutants of these functions (Class.method for a method), e.g. the ones edited "
+                        "since the module's last run")
     args = p.parse_args()
     modules = list(MODULES) if args.all else args.modules
     unknown = [m for m in modules if m not in MODULES]
@@ -283,7 +457,8 @@ def main() -> int:
     earlier = {r["module"]: r for r in json.loads(args.recheck.read_text())} if args.recheck else {}
     if args.recheck and set(modules) - set(earlier):
         raise SystemExit(f"error: {args.recheck} holds no result for {sorted(set(modules) - set(earlier))[0]}")
-    results = [score(m, MODULES[m], args.jobs, args.show, args.timeout_margin, earlier.get(m)) for m in modules]
+    results = [score(m, MODULES[m], args.jobs, args.show, args.timeout_margin, earlier.get(m), tuple(args.functions))
+               for m in modules]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 1 if any(r["score"] is None or r["score"] < args.min for r in results) else 0

@@ -139,7 +139,8 @@ class RunPlan:
 
 
 def default_name(cfg: RunConfig) -> str:
-    return Path(cfg.data.data.rstrip("/")).stem if cfg.data.data else "stories"
+    """A run's directory is named after its data (a trailing slash of the path is no part of the name)."""
+    return Path(cfg.data.data).stem if cfg.data.data else "stories"
 
 
 def _finished(final: dict | None, cfg: RunConfig) -> bool:
