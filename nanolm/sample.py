@@ -28,7 +28,8 @@ def sample_text(model: GPT, tokenizer, device, max_new_tokens: int, prompt: str 
     return prompt + tokenizer.decode(new)
 
 
-if __name__ == "__main__":  # ``python -m nanolm.sample ...`` is ``nanolm sample ...``, through the same entry
-    from nanolm.instruments.cli import entry
+if __name__ == "__main__":  # ``python -m nanolm.sample ...`` is ``nanolm sample ...``: run through the command's one
+    import runpy  # entry, nanolm/__main__.py (an import of the command line from here would run back up the house)
 
-    entry(["sample", *sys.argv[1:]])
+    sys.argv[1:1] = ["sample"]
+    runpy.run_module("nanolm", run_name="__main__", alter_sys=True)

@@ -396,7 +396,8 @@ def finish(run: Run, row: dict, log=print) -> dict:
     return result
 
 
-if __name__ == "__main__":  # ``python -m nanolm.train ...`` is ``nanolm train ...``, through the same entry
-    from nanolm.instruments.cli import entry
+if __name__ == "__main__":  # ``python -m nanolm.train ...`` is ``nanolm train ...``: run through the command's one
+    import runpy  # entry, nanolm/__main__.py (an import of the command line from here would run back up the house)
 
-    entry(["train", *sys.argv[1:]])
+    sys.argv[1:1] = ["train"]
+    runpy.run_module("nanolm", run_name="__main__", alter_sys=True)

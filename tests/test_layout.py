@@ -151,10 +151,8 @@ def _module_name(path: Path) -> str:
 
 
 def _imports_of(path: Path, modules: set[str], name: str | None = None) -> set[str]:
-    """The nanolm modules ``path`` imports, at its top or inside a function, but not in its
-    ``if __name__ == "__main__":`` block (it runs only as a script: ``python -m nanolm.train``
-    goes through the command, the one import that runs up, and only there) nor under
-    ``if TYPE_CHECKING:``."""
+    """The nanolm modules ``path`` imports, at its top, inside a function or in its ``if __name__
+    == "__main__":`` block, but not under ``if TYPE_CHECKING:`` (names for annotations only)."""
     import ast
 
     name = name or _module_name(path)
@@ -162,7 +160,7 @@ def _imports_of(path: Path, modules: set[str], name: str | None = None) -> set[s
     found = set()
 
     def visit(node):
-        if isinstance(node, ast.If) and ("__main__" in ast.unparse(node.test) or "TYPE_CHECKING" in ast.unparse(node.test)):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             return
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
@@ -220,13 +218,24 @@ def test_no_module_imports_itself_through_a_circle():
             visit(module)
 
 
-def test_the_house_check_sees_an_import_inside_a_function_and_ignores_the_script_block(tmp_path):
+def test_the_house_check_sees_an_import_inside_a_function_or_the_script_block(tmp_path):
     """What the two tests above read: a function's own import counts (it runs as surely as one
-    at the top, only later), a ``__main__`` block does not."""
+    at the top, only later), and so does one in a ``__main__`` block (``python -m nanolm.train``
+    runs it); only names for annotations (``if TYPE_CHECKING:``) do not."""
     module = tmp_path / "probe.py"
-    module.write_text("def late():\n    from nanolm.run.final import load_run\n\n"
+    module.write_text("from typing import TYPE_CHECKING\n\ndef late():\n    from nanolm.run.final import load_run\n\n"
+                      "if TYPE_CHECKING:\n    from nanolm.train import Run\n\n"
                       "if __name__ == '__main__':\n    from nanolm.instruments.cli import entry\n", encoding="utf-8")
-    assert _imports_of(module, set(_import_graph()), name="nanolm.probe") == {"nanolm.run.final"}
+    assert _imports_of(module, set(_import_graph()), name="nanolm.probe") == {"nanolm.run.final",
+                                                                             "nanolm.instruments.cli"}
+
+
+def test_python_m_of_a_course_module_runs_the_command_without_importing_the_command_line():
+    """``python -m nanolm.train`` and ``python -m nanolm.sample`` go through nanolm/__main__.py (the
+    top floor), so neither module imports the command line that imports it."""
+    for module, command in (("nanolm.train", "train"), ("nanolm.sample", "sample")):
+        done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=REPO)
+        assert done.returncode == 0 and done.stdout.startswith(f"usage: nanolm {command} "), done.stderr
 
 
 def test_the_readmes_tree_names_every_file_of_the_package_and_nothing_else():

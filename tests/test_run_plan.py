@@ -411,3 +411,23 @@ def test_resume_never_starts_a_new_run_in_an_empty_directory(tmp_path):
     cfg = RunConfig()
     cfg.train.out_dir, cfg.train.resume = str(tmp_path / "new"), "never"
     assert locate_run(cfg, _Lock()) == RunPlan(tmp_path / "new")
+
+
+def test_resume_path_into_an_attempt_that_never_saved_restarts_it_and_keeps_the_checkpoints_validation_set(
+        tmp_path, monkeypatch):
+    """--resume PATH into a directory whose attempt stopped before its first checkpoint: the
+    attempt's logs are replaced (restart), and the run continues with the validation windows the
+    checkpoint's run evaluated on (``--eval-windows`` not given)."""
+    out, cfg = _this_commands_run(tmp_path, "metrics.jsonl")
+    checkpoint = tmp_path / "other" / "checkpoints" / "step_000004"
+    checkpoint.mkdir(parents=True)
+    saved = RunConfig()
+    saved.train.eval_windows = 12
+    (checkpoint / "config.toml").write_text(saved.to_toml())
+    monkeypatch.setattr(directory, "resume_checkpoint_at", lambda path, log: checkpoint)
+    cfg.train.resume = str(checkpoint)
+    said = []
+    assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(out, checkpoint=checkpoint, restart=True,
+                                                                   eval_windows=12)
+    assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from "
+                    f"step 0"]
