@@ -86,7 +86,7 @@ from .base.lock import ReadLock, RunLock
 from .sample import sample_text
 from .step import StepSetup, cosine_lr, discarded_pass, learning_rate, summed_token_loss, train_step  # noqa: F401 (cosine_lr: the course's)
 from .watch.guards import Guard, nan_origin
-from .watch.observer import Observer
+from .watch.observer import Observer, ObserverOptions
 from .watch.reference import find_reference, setup_of
 from .watch.sinks import missing_sink_packages, parse_sinks
 from .watch.validator import Validator
@@ -120,7 +120,7 @@ class Progress:
 
 
 @dataclass
-class Components:
+class Factories:
     """What a run builds its parts with, nanolm's own by default: ``model(GPTConfig)``,
     ``optimizer(model, cfg, precision)``, ``batches(tokens, sampler, seq_len, eos_id, grad_accum,
     ...)``, ``loss_fn(model, batch)``, ``scaler(enabled=...)``, ``checkpointer`` (a
@@ -162,7 +162,7 @@ FINISH_STOPPED = ("while the run was finishing (its final weights, its sample): 
                   "same command again to finish")
 
 
-def train(cfg: RunConfig, log=print, components: Components | None = None) -> dict:
+def train(cfg: RunConfig, log=print, factories: Factories | None = None) -> dict:
     """Train a model as ``cfg`` says; returns the final figures. Writes the run directory.
 
     Running the same command again continues the run (``nanolm.run.directory``); a run that had
@@ -193,7 +193,7 @@ def train(cfg: RunConfig, log=print, components: Components | None = None) -> di
                 if plan.finished:
                     log(plan.message)
                     return {"out_dir": str(plan.out_dir), "finished": True}
-                return run_loop(build_run(cfg, dist, plan, log=log, components=components or Components()), log)
+                return run_loop(build_run(cfg, dist, plan, log=log, factories=factories or Factories()), log)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
@@ -251,14 +251,14 @@ def run_loop(run: Run, log=print) -> dict:
 
 
 def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
-              components: Components | None = None) -> Run:
+              factories: Factories | None = None) -> Run:
     """Everything the loop needs, for the run ``plan`` locates (``nanolm.run.directory.locate_run``;
     its directory is locked by the caller until the run ends): PyTorch's settings for the run
     (threads, determinism, TF32, seeds; ``train()`` restores them when it returns), the run
     directory and its data, the model and optimizer (:func:`build_model`), the batches
     (:func:`build_batches`), the components that watch, guard and save the run
     (:func:`build_components`), and the resume from a checkpoint when there is one."""
-    t, components = cfg.train, components or Components()
+    t, factories = cfg.train, factories or Factories()
     device = dist.device
     precision = resolve_precision(t.precision, device)
     log(f"precision: {precision.describe()}")
@@ -272,12 +272,14 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
         log(f"precision: {tf32}")
     seed_everything(t.seed)
     data = set_up_run_directory(cfg, dist, plan, precision.name, log)
-    trainable = build_model(cfg, dist, precision, data.tokenizer.vocab_size, components, log)
-    batches, val_batches = build_batches(cfg, dist, data, components)
+    trainable = build_model(cfg, dist, precision, data.tokenizer.vocab_size, factories, log)
+    batches, val_batches = build_batches(cfg, dist, data, factories)
+    progress, model = Progress(), trainable.model
+    # every rank's windows of every micro-batch: the tokens one optimizer step trains on
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
     observer, validator, guard, step_setup, checkpointer = build_components(cfg, dist, plan.out_dir, data, precision,
-                                                                            trainable, batches, val_batches,
-                                                                            components, log)
-    progress, model = observer.progress, trainable.model
+                                                                            trainable, batches, val_batches, progress,
+                                                                            tokens_per_step, factories, log)
 
     # resume, or start
     if plan.checkpoint is not None:
@@ -289,7 +291,7 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
     if dist.is_main and not finishing:
         clear_final(plan.out_dir)  # this run trains on: its old final weights no longer describe it
     log(f"model: {model.num_params() / 1e6:.2f}M parameters | {data.tokenizer.kind} vocabulary of "
-        f"{data.tokenizer.vocab_size} | {observer.tokens_per_step} tokens per step | device {device} | "
+        f"{data.tokenizer.vocab_size} | {tokens_per_step} tokens per step | device {device} | "
         f"run dir {plan.out_dir}")
     if not val_batches:
         log("warning: the validation split is shorter than one window; no validation loss will be reported")
@@ -299,7 +301,7 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
         threads = ThreadTuner(partial(discarded_pass, trainable.step_model, autocast=precision.autocast), observer.write)
     return Run(cfg=cfg, dist=dist, out_dir=plan.out_dir, model=model, step_setup=step_setup, batches=batches, threads=threads,
                progress=progress, guard=guard, observer=observer, validator=validator, checkpointer=checkpointer,
-               tokenizer=data.tokenizer, tokens_per_step=observer.tokens_per_step, finishing=finishing)
+               tokenizer=data.tokenizer, tokens_per_step=tokens_per_step, finishing=finishing)
 
 
 @dataclass
@@ -313,37 +315,38 @@ class Trainable:
     scaler: DynamicLossScaler
 
 
-def build_model(cfg: RunConfig, dist: Distributed, precision: Precision, vocab_size: int, components: Components,
+def build_model(cfg: RunConfig, dist: Distributed, precision: Precision, vocab_size: int, factories: Factories,
                 log=print) -> Trainable:
     """The model (sharded or wrapped for data parallelism before the optimizer sees it), the
     module the step runs forward (wrapped, maybe compiled), the optimizer and the loss scaler."""
     t = cfg.train
-    model = components.model(cfg.model.gpt_config(vocab_size)).to(dist.device)
+    model = factories.model(cfg.model.gpt_config(vocab_size)).to(dist.device)
     if precision.pure_bf16:
         cast_weights_(model, torch.bfloat16)
     step_model = dist.wrap(model)
     dist.seed_this_rank(t.seed)
-    optimizer = components.optimizer(model, cfg, precision)
+    optimizer = factories.optimizer(model, cfg, precision)
     if hasattr(optimizer, "describe"):
         log(optimizer.describe(model))
-    scaler = components.scaler(enabled=precision.name == "fp16")
+    scaler = factories.scaler(enabled=precision.name == "fp16")
     step_model = torch.compile(step_model) if t.compile else step_model
     return Trainable(model, step_model, optimizer, scaler)
 
 
-def build_batches(cfg: RunConfig, dist: Distributed, data, components: Components):
+def build_batches(cfg: RunConfig, dist: Distributed, data, factories: Factories):
     """The training stream (this rank's share of each step's windows) and the fixed validation set."""
     t, d, seq_len, eos = cfg.train, cfg.data, cfg.model.seq_len, data.tokenizer.eos_id
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
     sampler = WindowSampler(len(data.train), seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset,
                             rank=dist.rank, world_size=dist.world_size)
-    batches = components.batches(data.train.tokens, sampler, seq_len, eos, t.grad_accum, **pack)
+    batches = factories.batches(data.train.tokens, sampler, seq_len, eos, t.grad_accum, **pack)
     val_batches = eval_batches(data.val, seq_len, t.batch_size, eos, max_windows=t.eval_windows, **pack)
     return batches, val_batches
 
 
 def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, precision: Precision,
-                     trainable: Trainable, batches, val_batches, components: Components, log=print):
+                     trainable: Trainable, batches, val_batches, progress: Progress, tokens_per_step: int,
+                     factories: Factories, log=print):
     """The observer, the validator, the guard, the step's setup and the checkpointer, each given
     what it needs when it is built: the validator first (the observer logs every step it
     evaluates), then the observer (the others write their lines through it, above the progress
@@ -355,21 +358,20 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
     model, optimizer, scaler = trainable.model, trainable.optimizer, trainable.scaler
     peak = peak_flops(dist.device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
     setup = setup_of(cfg, data.digest, precision.name, dist.device.type, dist.world_size)
-    progress = Progress()
     validator = Validator.for_run(cfg, model=model, dist=dist, precision=precision, batches=val_batches,
                                   token_bytes=torch.from_numpy(tokenizer.token_bytes()), progress=progress,
                                   floor=data.meta.get("floor"))
-    observer = Observer(cfg=cfg, dist=dist, out_dir=out_dir, model=model, precision=precision, scaler=scaler,
-                        progress=progress, evaluates=validator.due, peak=peak, log=log, optimizer=optimizer,
-                        setup=setup, reference=find_reference(setup))
+    observer = Observer(ObserverOptions.from_config(cfg, tokens_per_step), dist=dist, out_dir=out_dir, model=model,
+                        precision=precision, scaler=scaler, progress=progress, evaluates=validator.due, peak=peak,
+                        log=log, optimizer=optimizer, setup=setup, reference=find_reference(setup))
     guard = Guard.from_options(g, out_dir=out_dir if dist.is_main else None, log=observer.write,
                                rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
                                explain_nan=lambda batch: nan_origin(model, batch, precision.autocast,
                                                                     tokenizer.vocab_size))
     step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
                            step_model=trainable.step_model, scaler=scaler, autocast=precision.autocast, dist=dist,
-                           guard=guard, loss_fn=components.loss_fn, watch=observer.gradient_watch)
-    checkpointer = components.checkpointer.for_run(
+                           guard=guard, loss_fn=factories.loss_fn, watch=observer.gradient_watch)
+    checkpointer = factories.checkpointer.for_run(
         cfg, dist=dist, run_dir=out_dir, model=model, optimizer=optimizer, tokenizer=tokenizer,
         stateful={"sampler": batches, "scaler": scaler, "progress": progress, "guard": guard, "observer": observer},
         data_digest=data.digest, log=observer.write)

@@ -31,7 +31,7 @@ from nanolm.instruments.compare import (
     recorded_run,
     relative,
 )
-from nanolm.instruments.faults import components
+from nanolm.instruments.faults import factories
 from nanolm.train import train
 from nanolm.watch.reference import setup_of, shipped_references
 from nanolm.watch.sinks import read_metrics
@@ -42,7 +42,7 @@ def run(data, out, batch_size=8, grad_accum=1, seed=1, steps=30, eval_windows=16
                           grad_accum=grad_accum, eval_batches=None, eval_windows=eval_windows, threads=1)
     for k, v in debug.items():
         setattr(cfg.debug, k, v)
-    train(cfg, log=lambda *_: None, components=components(cfg))
+    train(cfg, log=lambda *_: None, factories=factories(cfg))
     return out
 
 

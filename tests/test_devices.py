@@ -184,7 +184,7 @@ def test_the_training_loop_runs_on_a_gpu_with_the_numbers_of_the_cpu(kind, tmp_p
     """The real ``train()``: evaluation, per-layer statistics, checkpoints, a NaN rolled back, a
     resume, the sample at the end, then ``nanolm replay`` of a step: every tensor on the device
     (no float64 on MPS), and, the arithmetic being the CPU's, the CPU run's numbers exactly."""
-    from nanolm.instruments.faults import components as fault_components
+    from nanolm.instruments.faults import factories as fault_factories
     from nanolm.instruments.replay import replay
     from nanolm.train import train
     from nanolm.watch.sinks import read_metrics
@@ -193,7 +193,7 @@ def test_the_training_loop_runs_on_a_gpu_with_the_numbers_of_the_cpu(kind, tmp_p
         cfg = tiny_run_config(stories_file, out, steps=steps, device=device, precision="fp32", eval_every=2,
                               stats_every=3, threads=1, deterministic=kind == "cuda", sample_tokens=8)
         cfg.debug.inject_nan_at = 3  # rolled back to the checkpoint of step 2
-        return train(cfg, log=lambda *_: None, components=fault_components(cfg))
+        return train(cfg, log=lambda *_: None, factories=fault_factories(cfg))
 
     run("cpu", tmp_path / "cpu", 8)
     reference = run("cpu", tmp_path / "cpu", 10)  # two more steps: a resume
@@ -326,14 +326,14 @@ def test_batches_are_pinned_for_cuda_only():
 
 def test_out_of_memory_on_mps_is_one_line_not_a_traceback(tmp_path, stories_file):
     from nanolm.step import summed_token_loss
-    from nanolm.train import Components, train
+    from nanolm.train import Factories, train
 
     def runs_out_of_memory(model, batch):
         raise RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.2 GB)")
 
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=2, eval_at_start=False)
     with pytest.raises(NanolmError, match="out of memory on cpu.*lower --batch-size"):
-        train(cfg, log=lambda *_: None, components=Components(loss_fn=runs_out_of_memory))
+        train(cfg, log=lambda *_: None, factories=Factories(loss_fn=runs_out_of_memory))
     assert summed_token_loss  # the real one is untouched
 
 

@@ -22,7 +22,7 @@ from nanolm.batches import Batch, WindowSampler
 from nanolm.checkpoint import list_checkpoints, load_state, read_latest
 from nanolm.data.shards import PreparedData
 from nanolm.errors import NanolmError
-from nanolm.instruments.faults import components
+from nanolm.instruments.faults import factories
 from nanolm.train import train
 from nanolm.watch.guards import Guard, SpikeDetector, nan_origin, read_events
 from nanolm.watch.sinks import read_metrics
@@ -114,7 +114,7 @@ def _run(stories_file, out, **debug_and_guard):
         setattr(getattr(cfg, section), key, value)
     lines = []
     try:
-        result = train(cfg, log=lines.append, components=components(cfg))
+        result = train(cfg, log=lines.append, factories=factories(cfg))
     except NanolmError as e:
         result = {"error": str(e)}
     return result, lines
@@ -273,7 +273,7 @@ def test_a_rollback_does_not_replay_the_batches_since_its_checkpoint(tmp_path, s
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=8, eval_every=8, ckpt_every=4, batch_size=BATCH,
                           log_every=1, stats_every=0)
     cfg.debug.inject_nan_at = 6
-    train(cfg, log=lambda *_: None, components=components(cfg))
+    train(cfg, log=lambda *_: None, factories=factories(cfg))
     [event] = read_events(tmp_path / "run")
     assert (event["action"], event["to_step"]) == ("rollback", 4)
     assert len(drawn) == 8 + 2  # steps 5 and 6 were drawn, discarded, and not drawn again
@@ -290,7 +290,7 @@ def test_after_a_rollback_the_learning_rate_is_the_schedules_times_the_guards_sc
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=8, eval_every=8, ckpt_every=4, batch_size=BATCH,
                           log_every=1, stats_every=0)
     cfg.debug.inject_nan_at, cfg.guard.rollback_lr_scale = 6, 0.5
-    train(cfg, log=lambda *_: None, components=components(cfg))
+    train(cfg, log=lambda *_: None, factories=factories(cfg))
     [event] = read_events(tmp_path / "run")
     assert (event["action"], event["to_step"], event["lr_scale"]) == ("rollback", 4, 0.5)
     optim = cfg.resolved().optim

@@ -15,19 +15,20 @@ from nanolm.precision import DynamicLossScaler, resolve_precision
 from nanolm.run.config import RunConfig
 from nanolm.step import StepResult, wsd_decay_start
 from nanolm.train import Progress
-from nanolm.watch.observer import Observer, is_stats_step
+from nanolm.watch.observer import Observer, ObserverOptions, is_stats_step
 
 
 def _observer(tmp_path, precision="fp32", peak=(2.5e12, "measured"), optimizer=None, evaluates=lambda s: s % 8 == 0,
-              **train) -> Observer:
-    cfg = RunConfig()
+              cfg=None, **train) -> Observer:
+    cfg = cfg or RunConfig()
     cfg.train.steps, cfg.train.log_every, cfg.train.stats_every, cfg.train.batch_size = 40, 10, 0, 3
     cfg.model.seq_len = 32
     for k, v in train.items():
         setattr(cfg.train, k, v)
     said = []
     model = tiny_model()
-    observer = Observer(cfg=cfg, dist=Distributed(), out_dir=tmp_path, model=model,
+    observer = Observer(ObserverOptions.from_config(cfg, tokens_per_step=3 * 32), dist=Distributed(), out_dir=tmp_path,
+                        model=model,
                         precision=resolve_precision(precision, torch.device("cpu")),
                         scaler=DynamicLossScaler(enabled=precision == "fp16"), progress=Progress(),
                         evaluates=evaluates, peak=peak, log=said.append, optimizer=optimizer)
@@ -55,20 +56,21 @@ def test_mfu_is_measured_against_a_named_peak_and_said_once(tmp_path):
     assert observer.describe_mfu() == f"MFU: {flops:.2f} MFLOP per token, against 2.5 TFLOP/s (measured)"
     assert _observer(tmp_path, peak=(None, "unknown CPU")).describe_mfu() == (
         f"MFU: {flops:.2f} MFLOP per token, against no peak (unknown CPU)")
-    assert observer.tokens_per_step == 3 * 32 and observer.peak == 2.5e12
+    assert observer.options.tokens_per_step == 3 * 32 and observer.peak == 2.5e12
 
 
 def test_the_step_0_row_records_the_recipe_as_run(tmp_path):
     from nanolm.optim import build_optimizer
 
-    observer = _observer(tmp_path)
-    o = observer.cfg.optim
+    cfg = RunConfig()
+    o = cfg.optim
     o.schedule, o.warmup, o.decay_fraction, o.weight_decay = "wsd", 4, 0.25, 0.1
-    recipe = observer.recipe()
+    recipe = _observer(tmp_path, cfg=cfg).recipe()
     assert recipe == {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": 4, "beta1": o.beta1, "beta2": o.beta2,
                       "weight_decay": 0.1, "clip": o.clip, "optimizer": o.optimizer, "schedule": "wsd",
                       "decay_start_step": wsd_decay_start(4, 40, 0.25) + 1, "decay_end_step": 41}
     o.schedule, o.optimizer = "cosine", "muon"
+    observer = _observer(tmp_path, cfg=cfg)
     recipe = observer.recipe()
     assert "decay_start_step" not in recipe and (recipe["muon_lr"], recipe["muon_momentum"]) == (o.muon_lr,
                                                                                                  o.muon_momentum)
@@ -97,13 +99,19 @@ def test_a_logged_step_reads_its_figures_once_and_a_quiet_step_returns_nothing(t
 
 
 def test_a_non_finite_loss_stops_a_run_whose_guard_reads_no_step(tmp_path):
-    observer = _observer(tmp_path)
-    observer.loss_read_every_step = False  # --on-nan stop --on-spike off: the guard reads nothing
+    cfg = RunConfig()
+    cfg.guard.on_nan, cfg.guard.on_spike = "stop", "off"  # the guard reads nothing
+    observer = _observer(tmp_path, cfg=cfg)
+    assert observer.options.loss_read_every_step is False
     observer.start()
     with pytest.raises(NanolmError, match=r"^the loss became nan at step 1; lower --lr or raise --warmup$"):
         observer.observe(_result(1, loss=math.nan))
-    observer.loss_read_every_step = True  # a guard that reads each step decides instead (skip, roll back)
-    assert math.isnan(observer.observe(_result(2, loss=math.nan))["loss"])
+    cfg.guard.on_spike = "warn"  # a guard that reads each step decides instead (skip, roll back)
+    (tmp_path / "reads").mkdir()
+    observer = _observer(tmp_path / "reads", cfg=cfg)
+    assert observer.options.loss_read_every_step is True
+    observer.start()
+    assert math.isnan(observer.observe(_result(1, loss=math.nan))["loss"])
 
 
 @pytest.mark.parametrize("target, val_bpb, reached", [(0.0, 0.5, False), (1.0, 1.0, True), (1.0, 1.01, False),

@@ -133,11 +133,11 @@ def test_a_healthy_seed_not_in_the_band_is_recognised_and_stays_inside(using, st
 
 
 def test_a_broken_run_of_the_recipe_leaves_its_band_and_diagnose_names_the_step(using, stories_file, tmp_path):
-    from nanolm.instruments.faults import components
+    from nanolm.instruments.faults import factories
 
     cfg = tiny_recipe(stories_file, tmp_path / "broken", 6, unshifted_targets=True)  # a bug, not a setting
     lines = []
-    train(cfg, log=lines.append, components=components(cfg))
+    train(cfg, log=lines.append, factories=factories(cfg))
     assert any(line.startswith("reference: this is the tiny recipe") for line in lines)
     evals = [line for line in lines if line.startswith("eval step")]
     assert "above since step 8" in evals[-1], evals  # copying the input teaches nothing the validation set asks
@@ -192,15 +192,15 @@ def test_a_run_on_a_setup_without_reference_says_so_once_and_nothing_more(using,
 
 
 def test_a_resumed_run_remembers_since_when_it_is_outside(using, stories_file, tmp_path):
-    from nanolm.instruments.faults import components
+    from nanolm.instruments.faults import factories
 
     out = tmp_path / "broken"
     cfg = tiny_recipe(stories_file, out, 6, unshifted_targets=True)
     cfg.train.steps = 16
-    train(cfg, log=lambda *_: None, components=components(cfg))
+    train(cfg, log=lambda *_: None, factories=factories(cfg))
     cfg.train.steps = 24  # run on: the band's verdict continues from the rows already written
     lines = []
-    train(cfg, log=lines.append, components=components(cfg))
+    train(cfg, log=lines.append, factories=factories(cfg))
     line = [line for line in lines if line.startswith("eval step 24")][0]
     assert "above since step 8" in line and "above the seeds' mean since step 8" in line
 

@@ -5,7 +5,7 @@ from conftest import tiny_run_config
 
 from nanolm.errors import NanolmError
 from nanolm.instruments.cli import main
-from nanolm.instruments.faults import components
+from nanolm.instruments.faults import factories
 from nanolm.instruments.replay import format_replay, replay
 from nanolm.train import train
 
@@ -37,7 +37,7 @@ def test_a_replay_reproduces_a_nan_and_names_where_it_was_born(tmp_path, stories
     out = tmp_path / "run"
     cfg = tiny_run_config(stories_file, out, steps=8, eval_every=8, ckpt_every=4, keep=0, log_every=1, stats_every=0)
     cfg.debug.inject_nan_at = 6  # the lab's one-off bad batch: part of the run's config, replayed with it
-    train(cfg, log=lambda *_: None, components=components(cfg))
+    train(cfg, log=lambda *_: None, factories=factories(cfg))
     report = replay(out, 6, log=lambda *_: None)
     assert report["loss"] != report["loss"]  # NaN
     assert "origin" in report and "rolled back from step 6 to 4" in report["note"]

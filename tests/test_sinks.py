@@ -311,11 +311,11 @@ def test_the_recorded_recipe_counts_what_the_optimizer_really_decays(tmp_path, s
     """The step-0 recipe reads the optimizer's groups, not the options: an optimizer that decays
     the norms and the embedding (the lab's fault) must be recorded as doing so, or
     `nanolm diagnose` cannot name it."""
-    from nanolm.instruments.faults import components
+    from nanolm.instruments.faults import factories
 
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=1, eval_every=1)
     cfg.debug.decay_everything = True
-    train(cfg, log=lambda *_: None, components=components(cfg))
+    train(cfg, log=lambda *_: None, factories=factories(cfg))
     recipe = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     # one block: two norm gains, the final norm, the (tied) embedding; the model has no biases
     assert recipe["decayed_norms_biases_embeddings"] == 4

@@ -303,7 +303,7 @@ def _equivalents(module: str) -> dict[str, str]:
     if stale:
         raise SystemExit(f"error: tools/mutation_equivalent.toml lists changes to {module} that no mutant makes any "
                          f"more (the code changed): " + "; ".join(stale) + ". Run the module without them and read "
-                         f"its survivors again")
+                         "its survivors again")
     return named
 
 

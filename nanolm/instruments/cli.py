@@ -24,12 +24,12 @@ def _train(args) -> None:
     cfg = config_from_args(args)
     if args.process_tuning_of_entry is not None:  # only the command's own process: never main() called in-process
         args.process_tuning_of_entry.before_training(cfg.train.process_tuning, resolve_device(cfg.train.device))
-    components = None
+    factories = None
     if cfg.debug != DebugOptions():  # the hidden --debug-* options: the lab's faults, imported only then
-        from .faults import components as faults
+        from .faults import factories as faults
 
-        components = faults(cfg)
-    train(cfg, components=components)
+        factories = faults(cfg)
+    train(cfg, factories=factories)
 
 
 def _sample(args) -> None:

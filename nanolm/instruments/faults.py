@@ -2,14 +2,14 @@
 
 ``nanolm lab`` (and the tests) break runs the way real bugs and accidents do, so that what
 the logs show and what ``nanolm diagnose`` says can be checked against the truth. Each
-fault is a *substituted component* of the run (:class:`nanolm.train.Components`): a model
+fault is a *substituted component* of the run (:class:`nanolm.train.Factories`): a model
 without the causal mask, a batch stream whose targets are not shifted, a loss whose gradient
 is not divided by the accumulation count, a loss scaler that does not scale, a checkpointer
 that forgets the optimizer state or kills the process after a save. Nothing in the training
 step or the model knows about any of them.
 
 They are switched on by the hidden ``--debug-*`` options (``[debug]`` in a config file),
-which :func:`components` maps to the substitutions; ``nanolm train --help`` does not list
+which :func:`factories` maps to the substitutions; ``nanolm train --help`` does not list
 them.
 """
 
@@ -158,14 +158,14 @@ def killing_checkpointer(after_step: int):
     return Killing
 
 
-def components(cfg: RunConfig):
-    """The run's components with the faults ``cfg.debug`` asks for (None: nanolm's own)."""
-    from ..train import Components
+def factories(cfg: RunConfig):
+    """What the run builds its parts with, the faults ``cfg.debug`` asks for among them (None: nanolm's own)."""
+    from ..train import Factories
 
     debug = cfg.debug
     if debug == type(debug)():
         return None
-    chosen = Components()
+    chosen = Factories()
     if debug.non_causal:
         chosen.model = NonCausalGPT
     if debug.unshifted_targets:

@@ -193,7 +193,7 @@ def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bo
     """Train one variant into ``out/<name>``; returns (run dir, error message or None)."""
     from ..base.lock import DirectoryBusy
     from ..train import train
-    from .faults import components
+    from .faults import factories
 
     run_dir = out / variant.name
     cfg = base_config(run_dir, steps, quick, seed)
@@ -222,7 +222,7 @@ def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bo
                                   f"(exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:] or ''}")
             lines.append(f"--- killed after the checkpoint of step {stop}; resuming "
                          f"{'without' if cfg.debug.drop_optimizer_state else 'with'} the optimizer state")
-        train(cfg, log=lines.append, components=components(cfg))
+        train(cfg, log=lines.append, factories=factories(cfg))
     except DirectoryBusy:  # another process writes there: nothing of it is touched, not even train.log
         lines = None
         raise

@@ -39,12 +39,12 @@ from ..precision import cast_weights_, resolve_precision
 from ..run.config import load_run_config
 from ..step import StepSetup, counted_tokens, learning_rate, train_step
 from ..tokenizer import Tokenizer
-from ..train import Components, Progress
+from ..train import Factories, Progress
 from ..watch.guards import Guard, nan_origin, read_events
 from ..watch.observer import GradientWatch
 from ..watch.sinks import read_metrics
 from ..watch.stats import LayerStats
-from .faults import components as fault_components
+from .faults import factories as fault_factories
 
 
 class _Ignored:
@@ -98,17 +98,17 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
     dev = resolve_device(device or t.device)
     precision = resolve_precision(t.precision, dev)
     configure_determinism(t.deterministic)
-    components = fault_components(cfg) or Components()
+    factories = fault_factories(cfg) or Factories()
 
     world = int(meta["world_size"])  # a multi-process run is replayed as one process on its global batch
-    model = components.model(cfg.model.gpt_config(tokenizer.vocab_size)).to(dev)
+    model = factories.model(cfg.model.gpt_config(tokenizer.vocab_size)).to(dev)
     if precision.pure_bf16:
         cast_weights_(model, torch.bfloat16)
-    optimizer = components.optimizer(model, cfg, precision)
-    scaler = components.scaler(enabled=precision.name == "fp16")
+    optimizer = factories.optimizer(model, cfg, precision)
+    scaler = factories.scaler(enabled=precision.name == "fp16")
     sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size * world, seed=t.seed,
                             random_offset=d.random_offset)
-    batches = components.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum,
+    batches = factories.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum,
                             doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
     guard = Guard.from_options(g, out_dir=None, log=log)
     checkpointer = Checkpointer.for_run(cfg, dist=Distributed("none", dev), run_dir=run_dir, model=model,
@@ -117,7 +117,7 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
                                                   "guard": guard, "observer": _Ignored()})
     start = checkpointer.restore(checkpoint)
     step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
-                           scaler=scaler, autocast=precision.autocast, guard=guard, loss_fn=components.loss_fn)
+                           scaler=scaler, autocast=precision.autocast, guard=guard, loss_fn=factories.loss_fn)
     log(f"replay: from {checkpoint.name}, re-training steps {start + 1}..{step - 1}, then step {step}")
     for s in range(start + 1, step):
         result = train_step(step_setup, s, batches.next(s))

@@ -22,6 +22,7 @@ logged step and never on the others (unless the guard already read them).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +40,42 @@ from .stats import LayerStats
 def is_stats_step(step: int, every: int) -> bool:
     """Per-layer statistics after step 1 (the first update is telling) and every ``every``."""
     return every > 0 and (step == 1 or step % every == 0)
+
+
+@dataclass(frozen=True)
+class ObserverOptions:
+    """What the observer is told of the run, taken from its configuration once
+    (:meth:`from_config`): when a step is logged, what the step-0 row records of the recipe, where
+    the rows go. The observer reads nothing else of the configuration, and hands nothing back."""
+
+    steps: int
+    tokens_per_step: int  # every rank's windows of every micro-batch: the tokens one optimizer step trains on
+    log_every: int = 10
+    stats_every: int = 0
+    sinks: tuple[str, ...] = ()
+    progress: str = "lines"  # the terminal: a bar, plain lines, or auto
+    seed: int = 0
+    target_val_bpb: float = 0.0
+    loss_read_every_step: bool = False  # the guard reads each step's loss: a NaN is its to stop on
+    recipe: dict = field(default_factory=dict)  # the optimizer's settings as configured, for the step-0 row
+    config: dict = field(default_factory=dict)  # the whole configuration, for the sinks' record of the run
+
+    @classmethod
+    def from_config(cls, cfg, tokens_per_step: int) -> "ObserverOptions":
+        t, o = cfg.train, cfg.optim
+        # the optimizer's settings, recorded once in the step-0 row: a reader of the logs (and ``nanolm
+        # diagnose``) can tell a run without clipping or LR decay from the numbers alone
+        recipe = {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup, "beta1": o.beta1, "beta2": o.beta2,
+                  "weight_decay": o.weight_decay, "clip": o.clip, "optimizer": o.optimizer, "schedule": o.schedule}
+        if o.schedule == "wsd":  # the peak until decay_start_step by design, then a line to min_lr at decay_end_step
+            recipe["decay_start_step"] = wsd_decay_start(o.warmup, t.steps, o.decay_fraction) + 1
+            recipe["decay_end_step"] = t.steps + 1
+        if o.optimizer == "muon":
+            recipe.update(muon_lr=o.muon_lr, muon_momentum=o.muon_momentum)
+        return cls(steps=t.steps, tokens_per_step=tokens_per_step, log_every=t.log_every, stats_every=t.stats_every,
+                   sinks=tuple(parse_sinks(t.log)), progress=t.progress, seed=t.seed, target_val_bpb=t.target_val_bpb,
+                   loss_read_every_step=reads_every_step(cfg.guard.on_nan, cfg.guard.on_spike), recipe=recipe,
+                   config=cfg.to_dict())
 
 
 class GradientWatch:
@@ -76,22 +113,19 @@ class Observer:
     and the training time so far.
     """
 
-    def __init__(self, *, cfg, dist, out_dir: Path, model, precision, scaler, progress, evaluates,
-                 peak: tuple[float | None, str], log=print, optimizer=None, setup: dict | None = None, reference=None):
-        t = cfg.train
+    def __init__(self, options: ObserverOptions, *, dist, out_dir: Path, model, precision, scaler, progress,
+                 evaluates, peak: tuple[float | None, str], log=print, optimizer=None, setup: dict | None = None,
+                 reference=None):
+        self.options = options
         self.setup, self.reference = setup, reference  # the run's setup, and the shipped reference it matches (or None)
-        self.band = BandWatch(reference, cfg.train.seed) if reference is not None else None
+        self.band = BandWatch(reference, options.seed) if reference is not None else None
         self.optimizer = optimizer
-        self.t, self.dist, self.model, self.precision, self.scaler = t, dist, model, precision, scaler
-        self.progress, self.evaluates = progress, evaluates
-        # every rank's windows of every micro-batch: the tokens one optimizer step trains on
-        tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
-        self.tokens_per_step, self.log, self.out_dir = tokens_per_step, log, out_dir
+        self.dist, self.model, self.precision, self.scaler = dist, model, precision, scaler
+        self.progress, self.evaluates, self.log, self.out_dir = progress, evaluates, log, out_dir
         # one device's peak FLOP/s and where the figure comes from (``nanolm.machine.hardware.peak_flops``); MFU
         # is measured against every rank's together
-        (self.device_peak, self.peak_source), self.cfg = peak, cfg
+        self.device_peak, self.peak_source = peak
         self.peak = self.device_peak * dist.world_size if self.device_peak else None
-        self.loss_read_every_step = reads_every_step(cfg.guard.on_nan, cfg.guard.on_spike)  # the guard reads each step
         self.monitor, self.meter, self.resumed = None, None, {}
         self.restarted_at = 0
 
@@ -105,14 +139,13 @@ class Observer:
         """Open the logs where the run stands (a resumed run's ``metrics.jsonl`` is cut back to
         its checkpoint's step), start the clocks, and for a new run record its step-0 row: the
         recipe and setup, with the untrained model's ``evaluation`` when there is one."""
-        t, step = self.t, self.progress.step
+        o, step = self.options, self.progress.step
         if self.dist.is_main:
-            self.monitor = Monitor(self.out_dir, t.steps, parse_sinks(t.log), self.cfg.to_dict(), self.log, t.progress,
+            self.monitor = Monitor(self.out_dir, o.steps, list(o.sinks), o.config, self.log, o.progress,
                                    resume_step=step if step else None)
-        self.meter = StepMeter(t.steps, self.tokens_per_step, self.model.flops_per_token(), self.peak,
-                               self.cfg.optim.clip, self.dist.device, start_step=step,
-                               clipped_steps=self.resumed.get("clipped_steps", 0),
-                               elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=self.loss_read_every_step)
+        self.meter = StepMeter(o.steps, o.tokens_per_step, self.model.flops_per_token(), self.peak, o.recipe["clip"],
+                               self.dist.device, start_step=step, clipped_steps=self.resumed.get("clipped_steps", 0),
+                               elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=o.loss_read_every_step)
         self.restarted_at = step
         self.announce_reference()
         if step == 0:
@@ -142,20 +175,13 @@ class Observer:
                 **{k: v for k, v in self.setup["run"].items() if k != "val_windows"}}
         if self.reference is not None:
             keys["reference"] = self.reference.name
-            keys["seed"] = self.cfg.train.seed  # a seed the reference trained is judged against its own curve
+            keys["seed"] = self.options.seed  # a seed the reference trained is judged against its own curve
         return keys
 
     def recipe(self) -> dict:
-        """The optimizer's settings, recorded once in the step-0 row: a reader of the logs (and
-        ``nanolm diagnose``) can tell a run without clipping or LR decay from the numbers alone."""
-        o = self.cfg.optim
-        recipe = {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup, "beta1": o.beta1, "beta2": o.beta2,
-                  "weight_decay": o.weight_decay, "clip": o.clip, "optimizer": o.optimizer, "schedule": o.schedule}
-        if o.schedule == "wsd":  # the peak until decay_start_step by design, then a line to min_lr at decay_end_step
-            recipe["decay_start_step"] = wsd_decay_start(o.warmup, self.cfg.train.steps, o.decay_fraction) + 1
-            recipe["decay_end_step"] = self.cfg.train.steps + 1
-        if o.optimizer == "muon":
-            recipe.update(muon_lr=o.muon_lr, muon_momentum=o.muon_momentum)
+        """The optimizer's settings for the step-0 row (:class:`ObserverOptions`), and how many
+        norms, biases and embeddings the optimizer really decays, whatever the options say."""
+        recipe = dict(self.options.recipe)
         if self.optimizer is not None:  # what the optimizer really decays, not what the options say
             embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
             recipe["decayed_norms_biases_embeddings"] = sum(
@@ -165,15 +191,15 @@ class Observer:
 
     # ---------------------------------------------------------------- one step
     def logs(self, step: int) -> bool:
-        t = self.t
-        return (step % t.log_every == 0 or self.evaluates(step) or step == t.steps or step == 1
-                or is_stats_step(step, t.stats_every) or step - self.restarted_at <= 3)  # a (re)start: all shown
+        o = self.options
+        return (step % o.log_every == 0 or self.evaluates(step) or step == o.steps or step == 1
+                or is_stats_step(step, o.stats_every) or step - self.restarted_at <= 3)  # a (re)start: all shown
 
     def gradient_watch(self, step: int, micro_batches) -> GradientWatch | None:
         """The watch on this step's gradients, or None when nothing is to be read of them.
         Per-layer figures are read on rank 0's own model; under FSDP no rank holds whole layers."""
         stats = (LayerStats(self.model, micro_batches[0], self.precision.autocast)
-                 if is_stats_step(step, self.t.stats_every) and self.dist.is_main and not self.dist.sharded else None)
+                 if is_stats_step(step, self.options.stats_every) and self.dist.is_main and not self.dist.sharded else None)
         underflow = self.logs(step) and self.precision.name == "fp16"
         return GradientWatch(self.model, stats, underflow, self.scaler) if stats is not None or underflow else None
 
@@ -193,7 +219,7 @@ class Observer:
         row.update(self.scaler.metrics())
         if result.watch is not None:
             row.update(result.watch.after_update())
-        if not (self.loss_read_every_step or self.scaler.enabled or math.isfinite(row["loss"])):
+        if not (self.options.loss_read_every_step or self.scaler.enabled or math.isfinite(row["loss"])):
             self.record(row)  # a guard that reads no step sees the loss only here (fp16: the scaler's to skip)
             raise NanolmError(f"the loss became {row['loss']} at step {row['step']}; lower --lr or raise --warmup")
         return row
@@ -215,9 +241,10 @@ class Observer:
 
     def target_reached(self, row: dict) -> bool:
         """``--target-val-bpb``: this evaluation is at or below it (every rank sees the same row)."""
-        reached = 0 < self.t.target_val_bpb and row.get("val_bpb", math.inf) <= self.t.target_val_bpb
+        target = self.options.target_val_bpb
+        reached = 0 < target and row.get("val_bpb", math.inf) <= target
         if reached:
-            self.log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {self.t.target_val_bpb} at step "
+            self.log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {target} at step "
                      f"{row['step']}: done")
         return reached
 
