@@ -786,3 +786,21 @@ def test_runs_on_the_same_prepared_data_share_it(tmp_path, stories_file):
             RunLock().take(shards, "--out")
     with RunLock() as writer:
         writer.take(shards, "--out")  # free again once the readers let go
+
+
+def test_resume_of_one_checkpoint_of_a_live_run_continues_from_a_copy(tmp_path, alone, monkeypatch):
+    """``--resume RUN/checkpoints/step_N`` while RUN trains: the run may prune that checkpoint at
+    its next save, so the command continues from a copy of it, as ``--resume RUN`` does."""
+    import shutil
+
+    import nanolm.run.directory as directory
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
+    monkeypatch.setattr(directory, "held_by_another", lambda d: "4242@host" if d == run else None)
+    said = []
+    found = directory.resume_checkpoint_at(checkpoint, said.append)
+    assert run not in found.parents and found.name == checkpoint.name and (found / "model.safetensors").is_file()
+    assert said == [f"resume: {run} is training now; continuing from a copy of {checkpoint.name} (it may be pruned "
+                    f"there)"]

@@ -431,3 +431,17 @@ def test_resume_path_into_an_attempt_that_never_saved_restarts_it_and_keeps_the_
                                                                    eval_windows=12)
     assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from "
                     f"step 0"]
+
+
+def test_a_run_named_after_its_data_says_what_it_found_there(tmp_path, monkeypatch):
+    """Without --out-dir the run lives in runs/NAME: an attempt there that never saved is started
+    again, said in the same line as with --out-dir."""
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig()
+    cfg.data.data = "data/toy.txt"
+    out = _run_dir(Path("runs") / "toy", "metrics.jsonl")
+    (out / "config.toml").write_text(cfg.to_toml())
+    said = []
+    assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(out, restart=True)
+    assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from "
+                    f"step 0"]
