@@ -804,3 +804,31 @@ def test_resume_of_one_checkpoint_of_a_live_run_continues_from_a_copy(tmp_path, 
     assert run not in found.parents and found.name == checkpoint.name and (found / "model.safetensors").is_file()
     assert said == [f"resume: {run} is training now; continuing from a copy of {checkpoint.name} (it may be pruned "
                     f"there)"]
+
+
+def test_resume_of_a_live_run_whose_newest_checkpoint_is_pruned_while_copied_continues_from_the_next(
+        tmp_path, alone, monkeypatch):
+    """``--resume RUN`` while RUN trains: the newest checkpoint pruned while it is being copied is
+    not an error; the command looks again and copies the one the run still keeps."""
+    import shutil
+
+    import nanolm.run.directory as directory
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    newest, *older = sorted((run / "checkpoints").glob("step_*"), reverse=True)
+    assert older
+    monkeypatch.setattr(directory, "held_by_another", lambda d: "4242@host" if d == run else None)
+    copy = directory._private_copy
+
+    def pruned_while_copied(source):
+        if source == newest:
+            shutil.rmtree(source)
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(source / "model.safetensors"))
+        return copy(source)
+
+    monkeypatch.setattr(directory, "_private_copy", pruned_while_copied)
+    said = []
+    found = directory.resume_checkpoint_at(run, said.append)
+    assert found.name == older[0].name and run not in found.parents
+    assert said[-1] == f"resume: {run} is training now; continuing from a copy of {older[0].name} (it may be pruned there)"
