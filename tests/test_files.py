@@ -475,3 +475,14 @@ def test_an_output_that_is_a_mount_point_is_refused_before_anything_is_built(tmp
     assert capsys.readouterr().err.strip() == (f"error: --out {mounted} is a mount point, which nanolm cannot replace in "
                                                 f"one step; choose a directory inside it (--out {mounted / 'out'})")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mounted", "text.txt"] and not any(mounted.iterdir())
+
+
+def test_a_command_writing_one_directory_per_item_refuses_an_out_holding_any_of_them(tmp_path):
+    """The lab's variants and the sweep's rates: a second command on the same --out starts none,
+    naming the first directory already there."""
+    files.refuse_taken_outputs(tmp_path / "new", ["a", "b"])  # an --out not made yet
+    (tmp_path / "out" / "b").mkdir(parents=True)
+    files.refuse_taken_outputs(tmp_path / "out", ["a", "c"])
+    with pytest.raises(files.NanolmError) as refused:
+        files.refuse_taken_outputs(tmp_path / "out", ["a", "b"], flag="--out-dir")
+    assert str(refused.value) == f"{tmp_path / 'out' / 'b'} already exists; choose another --out-dir"

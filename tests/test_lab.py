@@ -90,3 +90,12 @@ def test_lab_user_errors_are_one_line(tmp_path, args, message):
     r = run_cli("lab", "--quick", "--out", tmp_path / "lab", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "lab").exists()
+
+
+def test_a_lab_into_an_out_that_holds_one_of_its_variants_trains_none(tmp_path):
+    """A second lab on the same --out would mix its runs with the first one's: it starts none."""
+    (tmp_path / "lab" / "healthy").mkdir(parents=True)
+    r = run_cli("lab", "--quick", "--out", tmp_path / "lab", "--only", "healthy,high_lr_no_warmup")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"error: {tmp_path / 'lab' / 'healthy'} already exists; choose another --out"
+    assert sorted(p.name for p in (tmp_path / "lab").iterdir()) == ["healthy"]

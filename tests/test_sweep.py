@@ -63,3 +63,12 @@ def test_a_muon_sweep_moves_both_rates_together(tmp_path, stories_file):
     for lr in ("0.001", "0.01"):
         optim = load_toml(out / f"lr_{lr}" / "config.toml")["optim"]
         assert optim["optimizer"] == "muon" and optim["lr"] == optim["muon_lr"] == float(lr)
+
+
+def test_a_sweep_into_an_out_that_holds_one_of_its_rates_trains_none(tmp_path, stories_file):
+    """A second sweep on the same --out would mix its runs with the first one's: it starts none."""
+    (tmp_path / "sweep" / "lr_0.01").mkdir(parents=True)
+    r = run_cli("sweep", "--lrs", "1e-3,1e-2", "--out", tmp_path / "sweep", "--data", stories_file, *TINY)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"error: {tmp_path / 'sweep' / 'lr_0.01'} already exists; choose another --out"
+    assert sorted(p.name for p in (tmp_path / "sweep").iterdir()) == ["lr_0.01"]

@@ -578,6 +578,10 @@ BUGS = [
         "parts in a thousand, and the update ratio with them", "nanolm/watch/stats.py",
         "    squares = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()",
         "    squares = torch.stack(torch._foreach_norm(tensors, 2)).square()", tests=("test_stats",)),
+    Bug("second_lab_mixes_into_the_first", "a second lab or sweep on the same --out trains into the first one's "
+        "directories: the report compares runs of two commands as one", "nanolm/base/files.py",
+        "    taken = [name for name in names if (Path(out) / name).exists()]",
+        "    taken = [name for name in names if (Path(out) / name).exists() and False]"),
     # the layout: what a reader (and a plain run) meets
     Bug("faults_imported_by_a_plain_train", "every plain nanolm train imports the lab's broken components: the "
         "production path carries the fault models, and their imports, for nothing",

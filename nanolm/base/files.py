@@ -394,6 +394,15 @@ def check_seal(meta: dict, what: str) -> None:
         raise NanolmError(f"{what} is damaged (its seal does not match its content)")
 
 
+def refuse_taken_outputs(out: Path, names, flag: str = "--out") -> None:
+    """A command that writes one directory per item under ``out`` (the lab's variants, the sweep's
+    learning rates) starts none when any of them is already there: a second command on the same
+    ``out`` never mixes its runs with the first one's, or continues them by accident."""
+    taken = [name for name in names if (Path(out) / name).exists()]
+    if taken:
+        raise NanolmError(f"{Path(out) / taken[0]} already exists; choose another {flag}")
+
+
 def refuse_mount_point(path, flag: str) -> None:
     """Refuse an output that is a mount point: a command that replaces its whole output in one
     rename (prepare, export) cannot rename onto a mount point (the system answers EBUSY or

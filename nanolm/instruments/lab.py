@@ -41,6 +41,7 @@ from typing import Callable
 
 from ..errors import NanolmError
 from ..run.config import RunConfig
+from ..base.files import refuse_taken_outputs
 from ..base.lock import RunLock
 
 
@@ -254,9 +255,7 @@ def run_lab(out, only: list[str] | None = None, steps: int | None = None, quick:
 def _lab(names: list[str], out: Path, steps, quick: bool, seed: int, report: bool, only, log) -> list[LabResult]:
     from .diagnose import diagnose, format_findings  # here: `nanolm train` reads VARIANTS for --help, nothing more
 
-    taken = [n for n in names if (out / n).exists()]
-    if taken:
-        raise NanolmError(f"{out / taken[0]} already exists; choose another --out")
+    refuse_taken_outputs(out, names)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in names:

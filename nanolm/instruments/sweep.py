@@ -112,14 +112,13 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
 
 
 def _sweep(configs: dict, out: Path, tolerance: float, report: bool, log) -> dict:
+    from ..base.files import refuse_taken_outputs
     from ..base.lock import DirectoryBusy
     from ..train import train
     from .diagnose import diagnose
 
     lrs = list(configs)
-    taken = [lr for lr in lrs if (out / lr_dir_name(lr)).exists()]
-    if taken:
-        raise NanolmError(f"{out / lr_dir_name(taken[0])} already exists; choose another --out")
+    refuse_taken_outputs(out, [lr_dir_name(lr) for lr in lrs])
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for lr in lrs:
