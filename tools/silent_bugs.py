@@ -189,7 +189,7 @@ BUGS = [
         "nanolm/run/resume.py", '"model": {"loss_chunk"},', '"model": {"loss_chunk", "dropout"},',
         tests=("test_run_directory",)),
     Bug("tokens_per_step_ignores_accumulation", "tokens/s and MFU read grad_accum times too low",
-        "nanolm/watch/observer.py", "tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size",
+        "nanolm/train.py", "tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size",
         "tokens_per_step = t.batch_size * cfg.model.seq_len * dist.world_size"),
     # precision
     Bug("fp16_not_unscaled", "fp16 gradients reach clipping and Adam multiplied by the loss scale",
