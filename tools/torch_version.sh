@@ -10,7 +10,7 @@
 # kept. The venv is kept (one per version) so a second run costs only the suite. From the
 # package index, each version's default Linux wheel brings its CUDA libraries (~3 GB) and runs on
 # the CPU: allow several minutes for the first install. The closing lines give the version and
-# pytest's counts, as docs/usage.md#pytorch-versions records them.
+# pytest's counts, as docs/gpu.md#pytorch-versions records them.
 set -euo pipefail
 if [[ $# -lt 1 || "$1" == -h || "$1" == --help ]]; then
     sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
