@@ -832,3 +832,83 @@ def test_resume_of_a_live_run_whose_newest_checkpoint_is_pruned_while_copied_con
     found = directory.resume_checkpoint_at(run, said.append)
     assert found.name == older[0].name and run not in found.parents
     assert said[-1] == f"resume: {run} is training now; continuing from a copy of {older[0].name} (it may be pruned there)"
+
+
+def test_resume_of_a_live_run_pruning_faster_than_copies_are_made_gives_up_after_five_tries(tmp_path, monkeypatch):
+    """Each newest checkpoint pruned while it is copied: the command looks again, five times in
+    all, then says so in one line rather than trying for ever."""
+    import nanolm.run.directory as directory
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    monkeypatch.setattr(directory, "held_by_another", lambda d: "4242@host" if d == run else None)
+    chosen = []
+
+    def newest(path, log):  # a checkpoint the run has already pruned by the time it is copied
+        chosen.append(run / "checkpoints" / f"step_{len(chosen):06d}")
+        return chosen[-1]
+
+    monkeypatch.setattr(directory, "valid_resume_checkpoint", newest)
+    with pytest.raises(NanolmError) as refused:
+        directory.resume_checkpoint_at(run, print)
+    assert str(refused.value) == (f"--resume {run}: its checkpoints were pruned faster than they could be copied; "
+                                  f"try again")
+    assert len(chosen) == 5
+
+
+def test_resume_of_one_checkpoint_of_a_live_run_pruned_while_copied_says_to_pass_the_run(tmp_path, alone, monkeypatch):
+    import shutil
+
+    import nanolm.run.directory as directory
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
+    monkeypatch.setattr(directory, "held_by_another", lambda d: "4242@host" if d == run else None)
+
+    def pruned_while_copied(source):
+        shutil.rmtree(source)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(source / "model.safetensors"))
+
+    monkeypatch.setattr(directory, "_private_copy", pruned_while_copied)
+    with pytest.raises(NanolmError) as refused:
+        directory.resume_checkpoint_at(checkpoint, print)
+    assert str(refused.value) == (f"--resume {checkpoint}: its run removed that checkpoint while it was read (a live "
+                                  f"run keeps --keep of them); pass the run directory to continue from its newest")
+
+
+def test_resume_of_a_run_whose_newest_checkpoint_is_damaged_says_so_and_takes_the_next(tmp_path, alone):
+    import shutil
+
+    import nanolm.run.directory as directory
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    newest, older = sorted((run / "checkpoints").glob("step_*"), reverse=True)[:2]
+    (newest / "model.safetensors").write_bytes(b"damaged")
+    said = []
+    assert directory.resume_checkpoint_at(run, said.append) == older
+    assert len(said) == 1 and said[0].startswith("warning: ") and newest.name in said[0], said
+
+
+def test_resume_of_one_checkpoint_whose_training_state_lacks_a_part_names_it(tmp_path, alone):
+    """A checkpoint that verifies but whose state.pt lacks what a resume restores (written by
+    another version): refused before anything is restored, naming the checkpoint."""
+    import json
+    import shutil
+
+    import nanolm.run.directory as directory
+    from nanolm.base.files import sha256_file
+
+    source = sorted((alone / "checkpoints").glob("step_*"))[-1]
+    checkpoint = tmp_path / source.name
+    shutil.copytree(source, checkpoint)
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+    del state["scaler"]
+    torch.save(state, checkpoint / "state.pt")
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["files"]["state.pt"] = sha256_file(checkpoint / "state.pt")
+    (checkpoint / "meta.json").write_text(json.dumps(ckpt.sealed(meta)))
+    with pytest.raises(NanolmError) as refused:
+        directory.resume_checkpoint_at(checkpoint, print)
+    assert str(refused.value) == f"checkpoint {checkpoint}: state.pt has no valid 'scaler'"
