@@ -7,6 +7,8 @@ output refused (naming the flag, what it would break and what to do instead) or 
 called finished or not, the directory a command without ``--out-dir`` picks."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -445,3 +447,22 @@ def test_a_run_named_after_its_data_says_what_it_found_there(tmp_path, monkeypat
     assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(out, restart=True)
     assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from "
                     f"step 0"]
+
+
+@pytest.mark.parametrize("removed_before_exit", [False, True])
+def test_a_private_copy_of_a_checkpoint_goes_when_its_process_ends_and_the_end_stays_quiet(tmp_path,
+                                                                                           removed_before_exit):
+    """The copy a resume of a live run continues from is this process's own: removed at its exit,
+    quietly even when something removed it first; a leftover (after a SIGKILL) says what it is."""
+    checkpoint = tmp_path / "step_000004"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    code = ("import shutil, sys; from pathlib import Path; from nanolm.run.directory import _private_copy\n"
+            "copy = _private_copy(Path(sys.argv[1])); print(copy, flush=True)\n"
+            "assert (copy / 'model.safetensors').read_bytes() == b'weights'\n"
+            "if sys.argv[2] == 'removed': shutil.rmtree(copy.parent)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(checkpoint), "removed" if removed_before_exit else "kept"],
+                          capture_output=True, text=True, timeout=120)
+    copy = Path(done.stdout.strip())
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert copy.name == checkpoint.name and copy.parent.name.startswith("nanolm-resume-") and not copy.parent.exists()
