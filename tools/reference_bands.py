@@ -210,8 +210,8 @@ def main() -> int:
     p.add_argument("--plants", default="", help="with --check: comma-separated bugs of tools/silent_bugs.py, each "
                    "planted in a copy of nanolm and trained with each seed instead of the healthy code")
     p.add_argument("--out", type=Path, default=REFERENCE_DIR, help="where the reference files are written")
-    p.add_argument("--table", action="store_true", help="print the shipped references as docs/health.md's table, "
-                   "and train nothing")
+    p.add_argument("--table", action="store_true", help="print the shipped references as a table (the whole of it is in "
+                   "dev/health.md; docs/health.md shows a row per recipe), and train nothing")
     p.add_argument("--refloor", action="store_true", help="raise the shipped references' own-seed noise to the "
                    "current RERUN_FLOOR (nanolm/watch/curve.py) and simulate their thresholds again; trains nothing "
                    "(it only raises: a lower floor needs the references regenerated)")

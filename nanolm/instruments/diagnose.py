@@ -25,7 +25,7 @@ from pathlib import Path
 from ..errors import NanolmError
 from ..watch.reference import curve_departure, departures, population_look, reference_for_digest
 
-# ---- thresholds (see docs/health.md for why each value)
+# ---- thresholds (docs/health.md lists them; dev/health.md says why each value)
 MIN_STEPS = 50  # rules about a run's course need at least this many steps of it
 STUCK_FRACTION = 0.9  # loss_stuck: never below this share of the starting loss
 LEAK_FRACTION = 0.85  # leak: a loss below this share of the floor (sampling noise stays far above)
