@@ -37,11 +37,30 @@ def test_a_recheck_keeps_the_earlier_verdicts_and_counts_a_survivor_listed_since
 
 def test_a_recheck_needs_the_very_source_it_rechecks(tmp_path):
     tool = _tool()
-    earlier = {"module": "nanolm/base/lock.py", "source_sha256": "0" * 16, "survived": [], "untested": [], "killed": 1,
+    earlier = {"module": "nanolm/base/lock.py", "program_sha256": "0" * 16, "survived": [], "untested": [], "killed": 1,
                "equivalent": 0, "timeouts": 0}
     with pytest.raises(SystemExit, match="changed since the run being rechecked"):
         tool.score("nanolm/base/lock.py", ("tests/test_run_lock.py",), 1, False, 15.0, earlier)
     assert tool.source_digest("nanolm/base/lock.py") != "0" * 16 and len(tool.source_digest("nanolm/base/lock.py")) == 16
+
+
+def test_a_recheck_outlives_a_reformat_but_not_an_edit_of_the_code(tmp_path, monkeypatch):
+    """mutmut names a function's mutants in the order of its code: a reformatted file or an edited
+    comment keeps every name, so an earlier run's survivors may be run again; an edited line may not."""
+    tool = _tool()
+    monkeypatch.setattr(tool, "ROOT", tmp_path)
+    module = tmp_path / "m.py"
+    module.write_text("def f(a, b):\n    return a + b  # the sum\n")
+    earlier = {"program_sha256": tool.source_digest("m.py")}
+    module.write_text("def f(a,b):\n    # the sum\n    return (a\n            + b)\n")
+    assert tool._same_program(earlier, "m.py")
+    module.write_text("def f(a, b):\n    return a - b\n")
+    assert not tool._same_program(earlier, "m.py")
+    module.write_text("def f(a, b):\n    return a + b, 'xy'\n")  # one string, or two joined: two for mutmut
+    joined = {"program_sha256": tool.source_digest("m.py")}
+    module.write_text("def f(a, b):\n    return a + b, ('x'\n                   \"y\")\n")
+    assert not tool._same_program(joined, "m.py")
+    assert not tool._same_program({"source_sha256": "0" * 16}, "m.py")  # a result of the file's bytes
 
 
 def test_every_listed_equivalent_still_describes_the_code_it_was_read_in():

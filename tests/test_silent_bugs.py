@@ -9,6 +9,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,12 +45,11 @@ def _tree(source: str) -> str:
     return ast.dump(tree)
 
 
-def test_a_planted_bug_survives_reformatting_of_its_file():
-    """Each bug is found by its tokens: reformatted by black (88 columns, its own quotes, line
-    breaks, parentheses and trailing commas), every file still holds each of its bugs exactly
+@pytest.mark.parametrize("columns", [88, 100])
+def test_a_planted_bug_survives_reformatting_of_its_file(columns):
+    """Each bug is found by its tokens: reformatted by black (88 or 100 columns, its own quotes,
+    line breaks, parentheses and trailing commas), every file still holds each of its bugs exactly
     once, and planting it there gives the program planting it before reformatting gives."""
-    import pytest
-
     black = pytest.importorskip("black")
     tool, formatted = _tool(), {}
     for bug in tool.BUGS:
@@ -56,8 +57,7 @@ def test_a_planted_bug_survives_reformatting_of_its_file():
             continue
         text = (ROOT / bug.file).read_text()
         if bug.file not in formatted:
-            formatted[bug.file] = black.format_str(text, mode=black.Mode())
-            assert formatted[bug.file] != text  # the formatter did change the layout
+            formatted[bug.file] = black.format_str(text, mode=black.Mode(line_length=columns))
         expected = text.replace(bug.correct, bug.broken)
         assert _tree(tool.planted(formatted[bug.file], bug)) == _tree(expected), bug.name
 

@@ -322,9 +322,29 @@ def pin_describes_code(module: str, pin: str) -> bool:
 
 
 def source_digest(module: str) -> str:
-    """The module's source as mutated: a recheck is valid only against the very same source (mutmut
-    numbers a module's mutants in order, so any edit renames them)."""
-    return hashlib.sha256((ROOT / module).read_bytes()).hexdigest()[:16]
+    """The module's program as mutated: a recheck is valid only against the very same program (mutmut
+    numbers a module's mutants in order, so an edit of the code renames them; a reformat or an edited
+    comment does not). Its strings count as written: ``"a" "b"`` is one string to Python but two for
+    mutmut to change, so a formatter that joins them renumbers the mutants after them."""
+    text = (ROOT / module).read_text()
+    strings = [_literal(t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
+               if t.type == tokenize.STRING]
+    return hashlib.sha256((ast.dump(ast.parse(text)) + repr(strings)).encode()).hexdigest()[:16]
+
+
+def _literal(token: str):
+    try:
+        return ast.literal_eval(token)
+    except (ValueError, SyntaxError):  # an f-string: as written
+        return token
+
+
+def _same_program(previous: dict, module: str) -> bool:
+    """Whether ``previous`` (an earlier result) was measured on the module's program as it is now;
+    results written before the digest was of the program hold the digest of the file's bytes."""
+    if "program_sha256" in previous:
+        return previous["program_sha256"] == source_digest(module)
+    return previous.get("source_sha256") == hashlib.sha256((ROOT / module).read_bytes()).hexdigest()[:16]
 
 
 def tally_mutants(status: dict[str, str], equivalents: dict[str, str], previous: dict | None = None,
@@ -359,7 +379,7 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
     given). With ``previous`` (an earlier result for the same source), only its survivors run again,
     against today's tests and equivalents: what it killed stays killed."""
     functions = functions or FUNCTIONS.get(module, ())
-    if previous is not None and previous.get("source_sha256") != source_digest(module):
+    if previous is not None and not _same_program(previous, module):
         raise SystemExit(f"error: {module} changed since the run being rechecked; run it whole again")
     equivalents = _equivalents(module)  # before the hour a run may take: a listed change gone stops it here
     names = None
@@ -419,7 +439,7 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
     # each survivor named by what it changes: the key to list it under in tools/mutation_equivalent.toml
     left = survived + untested
     changes = mutant_changes(module, functions={_function_name(n) for n in left}) if left else {}
-    result = {"module": module, "source_sha256": source_digest(module), "tests": list(tests),
+    result = {"module": module, "program_sha256": source_digest(module), "tests": list(tests),
               "functions": list(functions) or "all", **tally, "changes": {n: changes[n][0] for n in left},
               "minutes": round((time.perf_counter() - start) / 60, 1)}
     killed, counted, timeouts = tally["killed"], tally["mutants"] - tally["equivalent"], tally["timeouts"]
