@@ -912,3 +912,23 @@ def test_resume_of_one_checkpoint_whose_training_state_lacks_a_part_names_it(tmp
     with pytest.raises(NanolmError) as refused:
         directory.resume_checkpoint_at(checkpoint, print)
     assert str(refused.value) == f"checkpoint {checkpoint}: state.pt has no valid 'scaler'"
+
+
+def test_a_runs_damaged_data_is_prepared_again_saying_so_where_the_run_logs(tmp_path, alone):
+    """A resume whose copy of the data is damaged prepares it again from its source: every line of
+    that (the warning, the source it reads) goes to the run's log, as the rest of the run's lines."""
+    import shutil
+
+    import nanolm.run.directory as directory
+    from nanolm.run.config import load_run_config
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    (run / "data" / "meta.json").write_text("{damaged")
+    checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
+    said = []
+    data = directory.open_run_data(run / "data", checkpoint, load_run_config(checkpoint / "config.toml"),
+                                   tmp_path / "scratch", said.append)
+    assert data.digest == ckpt.read_checkpoint_meta(checkpoint)["data_digest"]
+    assert said[0].startswith("warning: ") and said[0].endswith("; preparing the run's data again from its source")
+    assert any(line.startswith("data: ") for line in said[1:]), said
