@@ -8,6 +8,7 @@ notice. These tests trace which of nanolm's files run during one quiet step.
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 from conftest import REPO, tiny_run_config
@@ -20,26 +21,29 @@ PACKAGE = Path(nanolm.__file__).parent
 # The loop, the step, the model with its reference loss, the loss fused with the head, the
 # batches: the files a reader opens.
 WEEKS_FILES = {"train.py", "step.py", "model.py", "fused_loss.py", "batches.py"}
-# The components the step consults, one call each: the guard's decision (take, skip, roll back,
-# stop) and the observer's choice of what to read of the gradients, whose contract StepSetup
-# states, and the thread tuner the loop calls by name before the step (--threads auto, the
-# default on a CPU: whether a trial of thread counts is due, and the trial when it is).
-COMPONENTS = {"watch/guards.py": {"decide", "check", "is_spike", "zscore", "add", "_scaled"},
-              "watch/observer.py": {"gradient_watch", "logs", "is_stats_step"},
-              "watch/validator.py": {"due"},  # the observer logs every evaluation step: it asks the schedule
-              "machine/threads.py": {"before_step", "_due", "<lambda>", "trial", "candidate_counts", "_time_pass"}}
+# The components the step consults, one call each, by their public entry (what they do inside is
+# theirs: a helper renamed or split changes nothing here): the guard's decision (take, skip, roll
+# back, stop), the observer's choice of what to read of the gradients (which asks the validator's
+# schedule: every evaluation step is logged), and the thread tuner the loop calls by name before
+# the step (--threads auto, the default on a CPU: whether a trial of thread counts is due, and the
+# trial when it is).
+COMPONENTS = {"watch/guards.py": {"decide"}, "watch/observer.py": {"gradient_watch"}, "watch/validator.py": {"due"},
+              "machine/threads.py": {"before_step"}}
 
 
-def _files_one_step_runs(tmp_path, monkeypatch, stories_file, **train) -> dict[str, set[str]]:
-    """{file: functions} of nanolm's code run by one optimizer step of a default run (the
-    batches drawn, the thread tuner asked, then ``train_step``: the loop's first two parts), on
-    a step that logs nothing. ``--threads auto``, the default, unless ``train`` says otherwise."""
-    ran: dict[str, set[str]] = {}
+def _files_one_step_runs(tmp_path, monkeypatch, stories_file, **train) -> tuple[set[str], Counter]:
+    """The files of nanolm's code run by one optimizer step of a default run (the batches drawn,
+    the thread tuner asked, then ``train_step``: the loop's first two parts), on a step that logs
+    nothing, and how often each function of a component was entered from another file.
+    ``--threads auto``, the default, unless ``train`` says otherwise."""
+    ran, entered = set(), Counter()
 
     def profile(frame, event, arg):
         if event == "call" and frame.f_code.co_filename.startswith(str(PACKAGE)):
             name = Path(frame.f_code.co_filename).relative_to(PACKAGE).as_posix()
-            ran.setdefault(name, set()).add(frame.f_code.co_name)
+            ran.add(name)
+            if name in COMPONENTS and (frame.f_back is None or frame.f_back.f_code.co_filename != frame.f_code.co_filename):
+                entered[name, frame.f_code.co_name] += 1
 
     def one_quiet_step(run, log=print):
         for step in (1, 2, 3, 4, 5):  # a (re)start logs its first steps; step 5 is quiet
@@ -57,20 +61,22 @@ def _files_one_step_runs(tmp_path, monkeypatch, stories_file, **train) -> dict[s
     monkeypatch.setattr(train_module, "run_loop", one_quiet_step)
     cfg = tiny_run_config(stories_file, tmp_path / "run", steps=50, log_every=10, **train)
     train_module.train(cfg, log=lambda *a: None)
-    return ran
+    return ran, entered
 
 
 def test_a_quiet_step_runs_only_the_weeks_files_and_one_call_of_each_component(tmp_path, monkeypatch, stories_file):
     """On the default path (``--threads auto`` on a CPU of several cores) and with a fixed count."""
     for threads in ({}, {"threads": 1}):
-        ran = _files_one_step_runs(tmp_path / str(len(threads)), monkeypatch, stories_file, **threads)
-        outside = {f: sorted(fns) for f, fns in ran.items() if f not in WEEKS_FILES and f not in COMPONENTS}
+        ran, entered = _files_one_step_runs(tmp_path / str(len(threads)), monkeypatch, stories_file, **threads)
+        outside = sorted(ran - WEEKS_FILES - set(COMPONENTS))
         assert not outside, f"one step on one process runs code outside the week's files: {outside}"
-        for component, allowed in COMPONENTS.items():
-            assert ran.get(component, set()) <= allowed, f"the step calls more of {component}: {ran[component]}"
-        assert {"step.py", "model.py", "batches.py"} <= set(ran)  # the trace saw the step
+        calls = {(file, function) for file, allowed in COMPONENTS.items() for function in allowed}
+        assert set(entered) <= calls, f"the step enters its components elsewhere: {sorted(set(entered) - calls)}"
+        assert all(n == 1 for n in entered.values()), f"a component entered more than once: {entered}"
+        assert {"step.py", "model.py", "batches.py"} <= ran  # the trace saw the step
+        assert ("watch/guards.py", "decide") in entered and ("watch/observer.py", "gradient_watch") in entered
         if not threads and (os.cpu_count() or 1) > 1:
-            assert "before_step" in ran.get("machine/threads.py", set())  # the tuner is asked, by name
+            assert ("machine/threads.py", "before_step") in entered  # the tuner is asked, by name
 
 
 def test_a_quiet_step_without_a_reading_guard_never_enters_the_guard(tmp_path, monkeypatch, stories_file):
@@ -83,7 +89,7 @@ def test_a_quiet_step_without_a_reading_guard_never_enters_the_guard(tmp_path, m
 
     real = train_module.train
     monkeypatch.setattr(train_module, "train", lambda cfg, log=print: real(guard_options(cfg), log=log))
-    ran = _files_one_step_runs(tmp_path, monkeypatch, stories_file)
+    ran, _ = _files_one_step_runs(tmp_path, monkeypatch, stories_file)
     assert "watch/guards.py" not in ran
 
 

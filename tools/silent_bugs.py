@@ -256,6 +256,11 @@ BUGS = [
         "numbers, and one more file on the path a reader follows through one step",
         "nanolm/step.py", "    if setup.scaler.enabled:\n        setup.scaler.unscale_(", "    if True:\n        setup.scaler.unscale_(",
         tests=("test_layout",)),
+    Bug("step_asks_the_observer_twice", "each step asks the observer for its gradient watch twice: on a statistics "
+        "step two probes hook the model and the first is never read, the same numbers for twice the cost",
+        "nanolm/step.py", "    watch = setup.watch(step, micro_batches) if setup.watch is not None else None\n",
+        "    watch = setup.watch(step, micro_batches) if setup.watch is not None else None\n"
+        "    watch = setup.watch(step, micro_batches) if setup.watch is not None else watch\n", tests=("test_layout",)),
     Bug("skipped_step_still_updates", "a NaN or spike the guard skipped is trained on anyway",
         "nanolm/step.py", 'updated = action == "take" and (not setup.scaler.enabled or',
         "updated = (not setup.scaler.enabled or"),
