@@ -466,3 +466,33 @@ def test_a_private_copy_of_a_checkpoint_goes_when_its_process_ends_and_the_end_s
     copy = Path(done.stdout.strip())
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert copy.name == checkpoint.name and copy.parent.name.startswith("nanolm-resume-") and not copy.parent.exists()
+
+
+@pytest.mark.parametrize("source, named", [("", "the built-in corpus"), ("corpus.txt", "corpus.txt")])
+def test_damaged_run_data_whose_source_gives_other_data_is_refused_naming_the_source(tmp_path, monkeypatch, source,
+                                                                                     named):
+    cfg = RunConfig()
+    cfg.data.data = source
+    damaged = tmp_path / "run" / "data"
+    damaged.mkdir(parents=True)
+    (damaged / "meta.json").write_text("{damaged")
+    monkeypatch.setattr(directory, "load_training_data", lambda cfg, scratch, log, compressor_bounds: type(
+        "Prepared", (), {"digest": "1" * 64})())
+    monkeypatch.setattr(directory, "read_checkpoint_meta", lambda checkpoint: {"data_digest": "0" * 64})
+    with pytest.raises(NanolmError) as refused:
+        directory.open_run_data(damaged, tmp_path / "run" / "checkpoints" / "step_000004", cfg, tmp_path / "scratch",
+                                log=lambda *_: None)
+    assert str(refused.value) == (f"{damaged} is damaged, and its source ({named}) no longer gives the data the run "
+                                  f"was trained on; restore the source, or start a new run with another --out-dir")
+
+
+def test_the_built_in_corpus_reads_no_meta_json_of_the_directory_it_runs_in(tmp_path, monkeypatch):
+    """Without --data there is no prepared directory to take a tokenizer from, whatever the
+    current directory holds (a prepared directory's meta.json among them)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": "bpe", "vocab_size": 300}))
+    cfg = RunConfig()
+    cfg.data.data = ""
+    before = (cfg.data.tokenizer, cfg.data.vocab_size)
+    use_prepared_tokenizer(cfg)
+    assert (cfg.data.tokenizer, cfg.data.vocab_size) == before
