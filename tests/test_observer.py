@@ -16,6 +16,7 @@ from nanolm.run.config import RunConfig
 from nanolm.step import StepResult, wsd_decay_start
 from nanolm.train import Progress
 from nanolm.watch.observer import Observer, ObserverOptions, is_stats_step
+from nanolm.watch.sinks import read_metrics
 
 
 def _observer(tmp_path, precision="fp32", peak=(2.5e12, "measured"), optimizer=None, evaluates=lambda s: s % 8 == 0,
@@ -141,3 +142,96 @@ def test_gradients_are_watched_on_statistics_steps_and_for_fp16_underflow_on_log
     assert _observer(tmp_path).gradient_watch(5, batch) is None
     fp16 = _observer(tmp_path, precision="fp16")
     assert fp16.gradient_watch(10, batch).underflow and fp16.gradient_watch(5, batch) is None
+
+
+def test_the_observers_options_are_the_configurations_once():
+    cfg = RunConfig()
+    t = cfg.train
+    t.steps, t.log_every, t.stats_every, t.log, t.progress, t.seed, t.target_val_bpb = 77, 7, 11, \
+        "tensorboard, wandb,tensorboard", "bar", 5, 1.25
+    options = ObserverOptions.from_config(cfg, tokens_per_step=1234)
+    assert (options.steps, options.tokens_per_step, options.log_every, options.stats_every, options.sinks,
+            options.progress, options.seed, options.target_val_bpb) == (77, 1234, 7, 11, ("tensorboard", "wandb"),
+                                                                      "bar", 5, 1.25)
+    assert options.config == cfg.to_dict() and options.loss_read_every_step is True  # the default guard rolls back
+
+
+def _result_with(watch):
+    return StepResult(step=10, lr=1e-3, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), updated=True, read=None,
+                      watch=watch)
+
+
+def test_fp16s_underflow_is_read_from_the_gradients_at_the_scale_backward_ran_at(tmp_path):
+    from nanolm.precision import grad_subnormal_fraction, grad_zero_fraction
+    from nanolm.watch.observer import GradientWatch
+
+    model = tiny_model()
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.zeros_like(p) if i % 3 == 0 else torch.full_like(p, 1e-6)
+    scaler = DynamicLossScaler(enabled=True)
+    watch = GradientWatch(model, None, underflow=True, scaler=scaler)
+    watch.capture()
+    figures = watch.after_update()
+    assert figures == {"grad_zero_frac": grad_zero_fraction(model.parameters()).item(),
+                       "grad_subnormal_frac": grad_subnormal_fraction(model.parameters(), scaler.loss_scale).item()}
+    assert 0 < figures["grad_zero_frac"] < 1 and figures["grad_subnormal_frac"] > 0
+    unscaled = GradientWatch(model, None, underflow=True, scaler=None)  # no scaler: a scale of 1
+    unscaled.capture()
+    assert unscaled.after_update()["grad_subnormal_frac"] == grad_subnormal_fraction(model.parameters(), 1.0).item()
+    quiet = GradientWatch(model, None, underflow=False)
+    quiet.capture()
+    assert quiet.after_update() == {}
+
+
+def test_a_shipped_recipes_run_is_announced_judged_and_recorded_with_its_reference(tmp_path):
+    from nanolm.watch.reference import no_reference_line, setup_digest, shipped_references
+
+    reference = next(r for r in shipped_references() if r.bands.get("val_loss") is not None)
+    observer = _observer(tmp_path)
+    observer.setup, observer.reference = reference.setup, reference
+    from nanolm.watch.reference import BandWatch
+
+    observer.band = BandWatch(reference, observer.options.seed)
+    observer.start(evaluation={"val_loss": 99.0, "val_bpb": 9.0})
+    assert observer.said[0] == (f"reference: this is {reference.describe()}; each evaluation says whether the "
+                                f"validation loss is inside its band")
+    observer.close()
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    keys = {k: v for k, v in reference.setup["run"].items() if k != "val_windows"}
+    assert row["setup_digest"] == setup_digest(reference.setup) and row["reference"] == reference.name
+    assert row["seed"] == observer.options.seed and all(row[k] == v for k, v in keys.items())
+    assert row["step"] == 0 and row["val_loss"] == 99.0 and row["n_params"] == observer.model.num_params()
+    lo, hi = reference.bands["val_loss"].at(0)  # judged against the band at step 0: far above it
+    assert (row["val_band_lo"], row["val_band_hi"], row["val_band_side"], row["val_band_since"]) == (lo, hi, 1, 0)
+    assert row["tokens_per_step"] == 96 and row["peak_flops"] == 2.5e12 and row["peak_lr"] == RunConfig().optim.lr
+
+    plain = _observer(tmp_path / "plain")  # no setup: nothing said, nothing of a reference recorded
+    (tmp_path / "plain").mkdir(exist_ok=True)
+    plain.start()
+    assert plain.said == [] and plain.reference_keys() == {}
+    plain.close()
+    unknown = _observer(tmp_path / "unknown")
+    (tmp_path / "unknown").mkdir(exist_ok=True)
+    unknown.setup = {**reference.setup, "run": {**reference.setup["run"], "steps": 3}}
+    unknown.start()
+    assert unknown.said == [no_reference_line(unknown.setup)]
+    assert unknown.reference_keys() == {"setup_digest": setup_digest(unknown.setup),
+                                        **{k: v for k, v in unknown.setup["run"].items() if k != "val_windows"}}
+    unknown.close()
+
+
+def test_a_rollback_discards_the_rows_after_its_checkpoint_and_shows_the_next_steps(tmp_path):
+    observer = _observer(tmp_path)
+    observer.start()
+    for step in (1, 2, 3, 10, 20):
+        observer.record_step(observer.observe(_result(step)))
+    observer.record_step({})  # a step not logged records nothing
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 10, 20]
+    observer.rewound(10)
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 10]
+    assert observer.restarted_at == 10 and observer.logs(13) and not observer.logs(14)
+    observer.write("a line for the person watching")
+    observer.close()
+    lone = _observer(tmp_path / "lone")  # not started (no monitor): its lines go to the log
+    lone.write("said")
+    assert lone.said == ["said"]
