@@ -932,3 +932,33 @@ def test_a_runs_damaged_data_is_prepared_again_saying_so_where_the_run_logs(tmp_
     assert data.digest == ckpt.read_checkpoint_meta(checkpoint)["data_digest"]
     assert said[0].startswith("warning: ") and said[0].endswith("; preparing the run's data again from its source")
     assert any(line.startswith("data: ") for line in said[1:]), said
+
+
+def test_a_second_rank_reads_the_data_rank_0_wrote_and_prepares_nothing(tmp_path, alone, monkeypatch):
+    """Under torchrun every rank sets the run up after rank 0 (``main_first``): the others read the
+    data rank 0 has just written or verified, and neither prepare nor write anything."""
+    import contextlib
+    import shutil
+
+    import nanolm.run.directory as directory
+    from nanolm.run.config import load_run_config
+    from nanolm.run.directory import RunPlan
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    cfg = load_run_config(run / "config.toml")
+
+    class SecondRank:
+        is_main, world_size, mode, device = False, 2, "ddp", torch.device("cpu")
+
+        def main_first(self):
+            return contextlib.nullcontext()
+
+    def never(*args, **kwargs):
+        raise AssertionError("a second rank prepared the data itself")
+
+    monkeypatch.setattr(directory, "load_training_data", never)
+    monkeypatch.setattr(directory, "open_run_data", never)
+    before = sorted(p.name for p in run.iterdir())
+    data = directory.set_up_run_directory(cfg, SecondRank(), RunPlan(run), "fp32", log=never)
+    assert data.dir == run / "data" and sorted(p.name for p in run.iterdir()) == before
