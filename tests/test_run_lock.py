@@ -930,6 +930,7 @@ def test_a_runs_damaged_data_is_prepared_again_saying_so_where_the_run_logs(tmp_
     data = directory.open_run_data(run / "data", checkpoint, load_run_config(checkpoint / "config.toml"),
                                    tmp_path / "scratch", said.append)
     assert data.digest == ckpt.read_checkpoint_meta(checkpoint)["data_digest"]
+    assert data.meta["compressor_bpb"] is None  # a run skips the compressors: xz would compete with its step
     assert said[0].startswith("warning: ") and said[0].endswith("; preparing the run's data again from its source")
     assert any(line.startswith("data: ") for line in said[1:]), said
 
@@ -962,3 +963,11 @@ def test_a_second_rank_reads_the_data_rank_0_wrote_and_prepares_nothing(tmp_path
     before = sorted(p.name for p in run.iterdir())
     data = directory.set_up_run_directory(cfg, SecondRank(), RunPlan(run), "fp32", log=never)
     assert data.dir == run / "data" and sorted(p.name for p in run.iterdir()) == before
+
+
+def test_a_run_prepares_its_data_without_the_compressors_bounds(alone):
+    """``nanolm prepare`` measures zlib and xz on the text (bounds a model must beat); a run
+    preparing its own data does not: xz would compete with the training steps for the cores."""
+    import json
+
+    assert json.loads((alone / "data" / "meta.json").read_text())["compressor_bpb"] is None
