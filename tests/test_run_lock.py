@@ -971,3 +971,22 @@ def test_a_run_prepares_its_data_without_the_compressors_bounds(alone):
     import json
 
     assert json.loads((alone / "data" / "meta.json").read_text())["compressor_bpb"] is None
+
+
+def test_a_resume_whose_data_copy_is_damaged_says_so_where_the_run_logs(tmp_path, alone):
+    import shutil
+
+    import nanolm.run.directory as directory
+    from nanolm.distributed import Distributed
+    from nanolm.run.config import load_run_config
+    from nanolm.run.directory import RunPlan
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    (run / "data" / "meta.json").write_text("{damaged")
+    checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
+    cfg = load_run_config(checkpoint / "config.toml")
+    said = []
+    data = directory.set_up_run_directory(cfg, Distributed(), RunPlan(run, checkpoint=checkpoint), "fp32", said.append)
+    assert data.dir == run / "data" and (run / "data" / "meta.json").read_text() != "{damaged"
+    assert said[0].endswith("; preparing the run's data again from its source") and len(said) > 1, said

@@ -496,3 +496,33 @@ def test_the_built_in_corpus_reads_no_meta_json_of_the_directory_it_runs_in(tmp_
     before = (cfg.data.tokenizer, cfg.data.vocab_size)
     use_prepared_tokenizer(cfg)
     assert (cfg.data.tokenizer, cfg.data.vocab_size) == before
+
+
+def test_a_training_split_of_exactly_one_window_is_enough_and_one_token_less_is_refused(tmp_path):
+    """A window is --seq-len + 1 tokens (its inputs and, shifted by one, its targets): a split of
+    exactly that many trains; one token fewer is refused before the run directory is written."""
+    from nanolm.distributed import Distributed
+    from nanolm.run.directory import set_up_run_directory
+
+    text = tmp_path / "text.txt"
+    text.write_text("a short document, the whole of the training split\n")
+    cfg = RunConfig()
+    cfg.data.data, cfg.data.tokenizer, cfg.data.val_fraction = str(text), "char", 0.0
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.seq_len = 1, 2, 32, 8
+    cfg.train.eval_windows = 1
+
+    said = []
+
+    def set_up(out):
+        return set_up_run_directory(cfg, Distributed(), RunPlan(out), "fp32", log=said.append)
+
+    n = len(set_up(tmp_path / "first").train)
+    assert said == [f"data: {text}"]  # the run's own lines go where the run logs
+    cfg.model.seq_len = n - 1  # seq_len + 1 == n: one window
+    assert len(set_up(tmp_path / "fits").train) == n
+    cfg.model.seq_len = n
+    with pytest.raises(NanolmError) as refused:
+        set_up(tmp_path / "refused")
+    assert str(refused.value) == (f"the training split holds {n} tokens, fewer than one window of --seq-len + 1 = "
+                                  f"{n + 1}; use more text or a smaller --seq-len")
+    assert not (tmp_path / "refused").exists()
