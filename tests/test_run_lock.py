@@ -990,3 +990,29 @@ def test_a_resume_whose_data_copy_is_damaged_says_so_where_the_run_logs(tmp_path
     data = directory.set_up_run_directory(cfg, Distributed(), RunPlan(run, checkpoint=checkpoint), "fp32", said.append)
     assert data.dir == run / "data" and (run / "data" / "meta.json").read_text() != "{damaged"
     assert said[0].endswith("; preparing the run's data again from its source") and len(said) > 1, said
+
+
+def test_a_resume_in_another_world_size_is_judged_by_the_global_batch_of_this_world(tmp_path, alone):
+    """Set up on two processes (rank 0 of torchrun's two), a run checkpointed on one would train
+    on twice the global batch: refused, naming the world size, before anything is written."""
+    import contextlib
+    import shutil
+
+    import nanolm.run.directory as directory
+    from nanolm.distributed import Distributed
+    from nanolm.run.config import load_run_config
+    from nanolm.run.directory import RunPlan
+
+    class RankZeroOfTwo(Distributed):
+        def main_first(self):  # no process group here: rank 0's part alone
+            return contextlib.nullcontext()
+
+    run = tmp_path / "run"
+    shutil.copytree(alone, run)
+    checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
+    cfg = load_run_config(checkpoint / "config.toml")
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+    with pytest.raises(NanolmError, match=r"world size: 1 -> 2 \(global batch"):
+        directory.set_up_run_directory(cfg, RankZeroOfTwo(mode="ddp", world_size=2), RunPlan(run, checkpoint=checkpoint),
+                                       "fp32", log=lambda *_: None)
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
