@@ -526,3 +526,27 @@ def test_a_training_split_of_exactly_one_window_is_enough_and_one_token_less_is_
     assert str(refused.value) == (f"the training split holds {n} tokens, fewer than one window of --seq-len + 1 = "
                                   f"{n + 1}; use more text or a smaller --seq-len")
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_run_directory_is_made_with_its_parents_or_taken_as_the_lock_left_it_and_this_runs_memory_checked(
+        tmp_path, monkeypatch):
+    import nanolm.run.plan
+    from nanolm.distributed import Distributed
+    from nanolm.run.directory import set_up_run_directory
+
+    text = tmp_path / "text.txt"
+    text.write_text("a short document, the whole of the training split\n")
+    cfg = RunConfig()
+    cfg.data.data, cfg.data.tokenizer, cfg.data.val_fraction = str(text), "char", 0.0
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.seq_len = 1, 2, 32, 8
+    cfg.train.eval_windows, cfg.train.batch_size, cfg.train.grad_accum = 3, 2, 5
+    checked = []
+    monkeypatch.setattr(nanolm.run.plan, "check_memory", lambda *args, **kwargs: checked.append((args, kwargs)))
+    existing = tmp_path / "existing"  # what the lock leaves: the directory, empty
+    existing.mkdir()
+    for out in (tmp_path / "new" / "deeper" / "run", existing):
+        data = set_up_run_directory(cfg, Distributed(), RunPlan(out), "fp32", log=lambda *_: None)
+        assert (out / "config.toml").read_text() == cfg.to_toml() and (out / "data" / "meta.json").is_file()
+    args, kwargs = checked[0]
+    assert args[0] == cfg.model.gpt_config(data.tokenizer.vocab_size) and args[1] == "fp32"
+    assert args[3:] == (2, 3, cfg.optim.optimizer) and kwargs == {"grad_accum": 5}
