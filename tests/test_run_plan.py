@@ -550,3 +550,27 @@ def test_a_run_directory_is_made_with_its_parents_or_taken_as_the_lock_left_it_a
     args, kwargs = checked[0]
     assert args[0] == cfg.model.gpt_config(data.tokenizer.vocab_size) and args[1] == "fp32"
     assert args[3:] == (2, 3, cfg.optim.optimizer) and kwargs == {"grad_accum": 5}
+
+
+def test_setting_up_a_run_removes_its_killed_writes_and_a_restarted_attempts_logs(tmp_path):
+    """A ``kill -9`` between an atomic write's temporary file and its rename leaves ``.NAME.xxxxxxxx``
+    (config.toml, tokenizer.json, metrics.jsonl); an attempt that never saved left its logs and
+    maybe final.json: the set-up removes all of them before the run writes anything."""
+    from nanolm.distributed import Distributed
+    from nanolm.run.directory import set_up_run_directory
+
+    text = tmp_path / "text.txt"
+    text.write_text("a short document, the whole of the training split\n")
+    cfg = RunConfig()
+    cfg.data.data, cfg.data.tokenizer, cfg.data.val_fraction = str(text), "char", 0.0
+    cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd, cfg.model.seq_len = 1, 2, 32, 8
+    cfg.train.eval_windows = 1
+    out = tmp_path / "run"
+    out.mkdir()
+    killed = [f".{name}.a1b2c3d4" for name in ("config.toml", "tokenizer.json", "metrics.jsonl")]
+    stale = ["metrics.jsonl", "events.jsonl", "final.json"]
+    for name in [*killed, *stale, ".notes.a1b2c3d4", "notes.txt"]:
+        (out / name).write_text("left")
+    set_up_run_directory(cfg, Distributed(), RunPlan(out, restart=True), "fp32", log=lambda *_: None)
+    assert sorted(p.name for p in out.iterdir()) == [".notes.a1b2c3d4", "config.toml", "data", "notes.txt",
+                                                     "tokenizer.json"]
