@@ -167,13 +167,13 @@ def test_a_command_without_out_dir_takes_the_first_directory_holding_no_other_ru
     monkeypatch.setattr(directory, "_plan_for", plan_for)
     cfg, lock, said = RunConfig(), _Lock(), []
     cfg.data.data = "data/toy.txt"
-    assert locate_run(cfg, lock, log=said.append).out_dir == Path("runs/toy-3")
+    assert locate_run(cfg, lock, 1, log=said.append).out_dir == Path("runs/toy-3")
     assert lock.taken == [Path("runs/toy"), Path("runs/toy-2"), Path("runs/toy-3")] and lock.released == 2
     assert said == ["runs/toy holds a different run (model.n_layer: 4 -> 2; b; c ...); this one is runs/toy-3 "
                     "(pass --out-dir to choose)"]
     differences[Path("runs/toy")] = ["model.n_layer: 4 -> 2", "b", "c"]  # three are shown whole
     said.clear()
-    locate_run(cfg, _Lock(), log=said.append)
+    locate_run(cfg, _Lock(), 1, log=said.append)
     assert said[0].startswith("runs/toy holds a different run (model.n_layer: 4 -> 2; b; c); ")
 
 
@@ -189,7 +189,7 @@ def test_when_every_numbered_directory_holds_another_run_the_command_asks_for_ou
     cfg = RunConfig()
     cfg.data.data = "toy.txt"
     with pytest.raises(NanolmError, match=r"^runs/toy \.\.\. runs/toy-9999 all hold other runs; pass --out-dir$"):
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
     assert len(tried) == 9999 and tried[-1] == Path("runs/toy-9999")
 
 
@@ -210,13 +210,13 @@ def test_a_live_run_of_this_very_command_is_refused_as_busy_and_one_of_another_i
     other = RunConfig()
     other.data.data, other.model.n_layer = "toy.txt", cfg.model.n_layer + 1
     (live / "config.toml").write_text(other.to_toml())
-    assert locate_run(cfg, _Lock(), log=lambda *_: None).out_dir == Path("runs/toy-2")
+    assert locate_run(cfg, _Lock(), 1, log=lambda *_: None).out_dir == Path("runs/toy-2")
     (live / "config.toml").write_text(cfg.to_toml())
     with pytest.raises(directory.DirectoryBusy):
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
     (live / "config.toml").write_text("[model\n")  # not written whole yet: treated as this command's
     with pytest.raises(directory.DirectoryBusy):
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
 
 
 # ------------------------------------------------------------------ the directory's state
@@ -229,7 +229,7 @@ def test_a_directory_holding_run_files_but_no_config_toml_is_refused_listing_the
     cfg = RunConfig()
     cfg.train.out_dir = str(out)
     with pytest.raises(NanolmError) as e:
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
     assert str(e.value) == (f"{out} holds checkpoints, metrics.jsonl but no config.toml: it is not a nanolm run this "
                             f"command can continue; choose another --out-dir")
 
@@ -241,7 +241,7 @@ def test_an_empty_or_foreign_directory_is_a_new_run_there(tmp_path):
     cfg = RunConfig()
     cfg.train.out_dir = str(out)
     lock = _Lock()
-    plan = locate_run(cfg, lock)
+    plan = locate_run(cfg, lock, 1)
     assert plan == RunPlan(out) and lock.taken == [out]
 
 
@@ -252,7 +252,7 @@ def test_a_run_whose_config_cannot_be_read_is_refused_or_skipped(tmp_path, monke
     cfg.train.out_dir = str(out)
     with pytest.raises(NanolmError, match=rf"^{out} holds a run whose configuration cannot be read \(.+\); choose "
                                           r"another --out-dir$"):
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
     found = directory._plan_for(out, cfg, 1, print, quiet_mismatch=True, lock=_Lock())
     assert isinstance(found, list) and len(found) == 1 and found[0].startswith("its config.toml is unreadable (")
 
@@ -272,20 +272,20 @@ def test_resume_never_refuses_a_directory_with_final_weights(tmp_path):
     out, cfg = _this_commands_run(tmp_path, "model.safetensors", resume="never")
     with pytest.raises(NanolmError, match="already holds a run with checkpoints; --resume never does not train over "
                                           "it: choose another --out-dir"):
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
 
 
 def test_final_weights_without_a_checkpoint_are_not_trained_over(tmp_path):
     out, cfg = _this_commands_run(tmp_path, "model.safetensors")
     with pytest.raises(NanolmError, match=f"^{out} holds final weights but no checkpoint to continue from; start a "
                                           f"new run with another --out-dir$"):
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
 
 
 def test_a_run_stopped_before_its_first_checkpoint_is_started_again_and_says_so(tmp_path):
     out, cfg = _this_commands_run(tmp_path, "metrics.jsonl")
     said = []
-    assert locate_run(cfg, _Lock(), log=said.append) == RunPlan(out, restart=True)
+    assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(out, restart=True)
     assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from "
                     f"step 0"]
 
@@ -356,7 +356,7 @@ def test_a_run_inside_another_runs_checkpoint_is_refused_naming_out_dir(tmp_path
     cfg.train.out_dir = str(checkpoint / "again")
     lock = _Lock()
     with pytest.raises(NanolmError, match=rf"^--out-dir {checkpoint / 'again'} is inside {checkpoint}, a checkpoint "):
-        locate_run(cfg, lock)
+        locate_run(cfg, lock, 1)
     assert lock.taken == [] and not (checkpoint / "again").exists()  # refused before anything is locked or made
 
 
@@ -368,7 +368,7 @@ def test_a_directory_written_without_a_lock_says_so_through_the_commands_log(tmp
     cfg.train.out_dir = str(tmp_path / "out")
     said = []
     with RunLock() as lock:
-        assert locate_run(cfg, lock, log=said.append) == RunPlan(tmp_path / "out")
+        assert locate_run(cfg, lock, 1, log=said.append) == RunPlan(tmp_path / "out")
     assert said == [f"warning: {tmp_path / 'out'} is written without a lock ({NO_LOCK}=1): make sure no other process "
                     f"writes there"]
 
@@ -382,12 +382,12 @@ def test_incompatible_changes_are_listed_together_and_gone_data_named_only_when_
     (out / "config.toml").write_text(cfg.to_toml())
     cfg.model.n_layer, cfg.model.n_embd = cfg.model.n_layer + 1, cfg.model.n_embd * 2
     with pytest.raises(NanolmError) as e:
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
     assert str(e.value) == (f"data path {tmp_path / 'gone.txt'} does not exist: the run in {out} trained on it; "
                             f"restore it, or start a new run with another --out-dir")
     (out / "data").mkdir()
     with pytest.raises(NanolmError) as e:
-        locate_run(cfg, _Lock())
+        locate_run(cfg, _Lock(), 1)
     differences = str(e.value).removeprefix(f"cannot continue the run in {out}: incompatible changes: ").split("; ")
     assert [line.split(":")[0] for line in differences] == ["n_layer", "n_embd"], str(e.value)
     assert str(e.value).endswith(". Keep those settings, or start a new run with another --out-dir")
@@ -403,7 +403,7 @@ def test_a_run_that_finished_with_no_checkpoint_left_is_done(tmp_path):
     out, cfg = _this_commands_run(tmp_path, "metrics.jsonl", steps=5)
     train_char(["abc"]).save(out / "tokenizer.json")
     write_final(out, tiny_model(), step=5)
-    plan = locate_run(cfg, _Lock())
+    plan = locate_run(cfg, _Lock(), 1)
     assert plan.finished and plan.checkpoint is None and plan.out_dir == out
     assert plan.message == (f"{out} finished at step 5 of 5; nothing to do (raise --steps to train longer, or choose "
                             f"another --out-dir for a new run)")
@@ -412,7 +412,7 @@ def test_a_run_that_finished_with_no_checkpoint_left_is_done(tmp_path):
 def test_resume_never_starts_a_new_run_in_an_empty_directory(tmp_path):
     cfg = RunConfig()
     cfg.train.out_dir, cfg.train.resume = str(tmp_path / "new"), "never"
-    assert locate_run(cfg, _Lock()) == RunPlan(tmp_path / "new")
+    assert locate_run(cfg, _Lock(), 1) == RunPlan(tmp_path / "new")
 
 
 def test_resume_path_into_an_attempt_that_never_saved_restarts_it_and_keeps_the_checkpoints_validation_set(
@@ -431,8 +431,8 @@ def test_resume_path_into_an_attempt_that_never_saved_restarts_it_and_keeps_the_
     said = []
     assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(out, checkpoint=checkpoint, restart=True,
                                                                    eval_windows=12)
-    assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from "
-                    f"step 0"]
+    assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; its files give way to "
+                    f"the run continued from {checkpoint}"]
 
 
 def test_a_run_named_after_its_data_says_what_it_found_there(tmp_path, monkeypatch):

@@ -583,6 +583,10 @@ BUGS = [
         "parts in a thousand, and the update ratio with them", "nanolm/watch/stats.py",
         "    squares = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()",
         "    squares = torch.stack(torch._foreach_norm(tensors, 2)).square()", tests=("test_stats",)),
+    Bug("resume_into_an_attempt_said_to_start_at_step_0", "--resume PATH into a directory whose attempt never saved "
+        "says the run starts again from step 0 while it continues from the checkpoint: the log contradicts the run",
+        "nanolm/run/directory.py", 'if plan.checkpoint is not None\n             else "starting it again from step 0"',
+        'if False\n             else "starting it again from step 0"'),
     Bug("second_lab_mixes_into_the_first", "a second lab or sweep on the same --out trains into the first one's "
         "directories: the report compares runs of two commands as one", "nanolm/base/files.py",
         "    taken = [name for name in names if (Path(out) / name).exists()]",

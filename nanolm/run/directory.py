@@ -215,7 +215,6 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
     if final is not None or (out_dir / "model.safetensors").exists():
         raise NanolmError(f"{out_dir} holds final weights but no checkpoint to continue from; "
                           f"start a new run with another --out-dir")
-    log(f"{out_dir} holds a run that stopped before its first checkpoint was saved; starting it again from step 0")
     return RunPlan(out_dir, restart=True)
 
 
@@ -223,7 +222,7 @@ def _step(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step_"))
 
 
-def locate_run(cfg: RunConfig, lock: RunLock, world_size: int = 1, log=print) -> RunPlan:
+def locate_run(cfg: RunConfig, lock: RunLock, world_size: int, log=print) -> RunPlan:
     """Decide where this command's run lives and whether it starts, continues, restarts or
     is already done, and lock that directory with ``lock`` (held until the caller lets go).
     Nothing else is written here."""
@@ -241,6 +240,10 @@ def locate_run(cfg: RunConfig, lock: RunLock, world_size: int = 1, log=print) ->
         moved = saved.data.data != cfg.data.data and data_moved_to(cfg, checkpoint)
         plan = RunPlan(plan.out_dir, checkpoint=checkpoint, restart=plan.restart, data_moved=moved,
                        eval_windows=saved.train.eval_windows)
+    if plan.restart:  # an attempt that never saved: its logs give way to this run's
+        log(f"{plan.out_dir} holds a run that stopped before its first checkpoint was saved; " +
+            (f"its files give way to the run continued from {plan.checkpoint}" if plan.checkpoint is not None
+             else "starting it again from step 0"))
     past = _past_steps(plan.out_dir, _step(plan.checkpoint), t.steps) if plan.checkpoint is not None else ""
     if past:
         log(past)
