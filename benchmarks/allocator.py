@@ -44,8 +44,16 @@ def one_process(args) -> None:
     torch.set_num_threads(args.threads)
     kept = args.keep == "1" and keep_freed_memory_for_reuse(torch.device("cpu"))
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=4,
-                          n_embd=args.width, qk_norm=args.qk_norm))
+    model = GPT(
+        GPTConfig(
+            vocab_size=args.vocab,
+            seq_len=args.seq_len,
+            n_layer=args.layers,
+            n_head=4,
+            n_embd=args.width,
+            qk_norm=args.qk_norm,
+        )
+    )
     idx, targets = torch.randint(args.vocab, (2, args.batch, args.seq_len))
     doc_ids = (torch.arange(args.seq_len) >= args.seq_len // 2).int().expand_as(idx).contiguous()
     batch = Batch(idx, targets, torch.ones_like(idx, dtype=torch.bool), doc_ids)
@@ -79,27 +87,56 @@ def main() -> None:
         args.qk_norm = args.qk_norm == "on"
         one_process(args)
         return
-    shape = ["--threads", str(args.threads), "--steps", str(args.steps), "--precision", args.precision,
-             "--vocab", str(args.vocab), "--seq-len", str(args.seq_len), "--batch", str(args.batch),
-             "--layers", str(args.layers), "--width", str(args.width)]
+    shape = [
+        "--threads",
+        str(args.threads),
+        "--steps",
+        str(args.steps),
+        "--precision",
+        args.precision,
+        "--vocab",
+        str(args.vocab),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+    ]
     configs = [(qk, keep) for qk in args.qk_norm.split(",") for keep in ("1", "0")]
     runs: dict = {c: [] for c in configs}
     for r in range(args.rounds):
         for qk, keep in configs if r % 2 == 0 else list(reversed(configs)):
-            out = subprocess.run([sys.executable, __file__, "--child", "--keep", keep, "--qk-norm", qk, *shape],
-                                 check=True, capture_output=True, text=True, cwd=REPO,
-                                 env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", "--keep", keep, "--qk-norm", qk, *shape],
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            ).stdout
             runs[(qk, keep)].append(json.loads(out.strip().splitlines()[-1]))
     results = []
     for qk in args.qk_norm.split(","):
         kept, given_back = (statistics.median(r["ms"] for r in runs[(qk, k)]) for k in ("1", "0"))
-        results.append({"qk_norm": qk, "kept_ms": kept, "given_back_ms": given_back,
-                        "applied": all(r["kept"] for r in runs[(qk, "1")]),
-                        "speedup_kept": round(given_back / kept, 2),
-                        "kept_ms_each": [r["ms"] for r in runs[(qk, "1")]],
-                        "given_back_ms_each": [r["ms"] for r in runs[(qk, "0")]]})
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "shape": shape,
-                      "results": results}, indent=2))
+        results.append(
+            {
+                "qk_norm": qk,
+                "kept_ms": kept,
+                "given_back_ms": given_back,
+                "applied": all(r["kept"] for r in runs[(qk, "1")]),
+                "speedup_kept": round(given_back / kept, 2),
+                "kept_ms_each": [r["ms"] for r in runs[(qk, "1")]],
+                "given_back_ms_each": [r["ms"] for r in runs[(qk, "0")]],
+            }
+        )
+    print(
+        json.dumps(
+            {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "shape": shape, "results": results}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

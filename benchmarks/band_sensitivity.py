@@ -66,9 +66,14 @@ def _temperature(t: float):
 
 
 REGRESSIONS = {  # name: (planted (file, correct, broken) or None, extra flags)
-    "lr_x0.95": (_lr(0.95), ()), "lr_x0.9": (_lr(0.9), ()), "lr_x0.8": (_lr(0.8), ()), "lr_x0.5": (_lr(0.5), ()),
-    "attention_t1.25": (_temperature(1.25), ()), "attention_t2": (_temperature(2), ()),
-    "corrupt_3pct": (None, ("--debug-corrupt-data", "0.03")), "corrupt_10pct": (None, ("--debug-corrupt-data", "0.1")),
+    "lr_x0.95": (_lr(0.95), ()),
+    "lr_x0.9": (_lr(0.9), ()),
+    "lr_x0.8": (_lr(0.8), ()),
+    "lr_x0.5": (_lr(0.5), ()),
+    "attention_t1.25": (_temperature(1.25), ()),
+    "attention_t2": (_temperature(2), ()),
+    "corrupt_3pct": (None, ("--debug-corrupt-data", "0.03")),
+    "corrupt_10pct": (None, ("--debug-corrupt-data", "0.1")),
 }
 
 
@@ -107,18 +112,26 @@ def main() -> int:
     p.add_argument("--recipe", default="quick", choices=list(RECIPES))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--held-out", default="100-119", help="healthy seeds the reference never saw (false alarms)")
-    p.add_argument("--regressions", default=",".join(REGRESSIONS), help=f"comma-separated, of: {', '.join(REGRESSIONS)}")
+    p.add_argument(
+        "--regressions", default=",".join(REGRESSIONS), help=f"comma-separated, of: {', '.join(REGRESSIONS)}"
+    )
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "nanolm" / "reference_runs")
     p.add_argument("--data-dir", type=Path, default=None)
-    p.add_argument("--rerun-seeds", default="", help="the reference seeds whose reruns it judges (the reference's "
-                   "--reruns; default: every curve seed, none where the reference holds no seeds' own curves)")
+    p.add_argument(
+        "--rerun-seeds",
+        default="",
+        help="the reference seeds whose reruns it judges (the reference's "
+        "--reruns; default: every curve seed, none where the reference holds no seeds' own curves)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="trainings at once, one thread each")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args()
     ref = next((r for r in shipped_references() if r.name == f"{args.recipe}-{args.precision}"), None)
     if ref is None or ref.curve is None:
-        raise SystemExit(f"error: nanolm ships no reference {args.recipe}-{args.precision} with a curve test "
-                         f"(tools/reference_bands.py --curve-seeds ...)")
+        raise SystemExit(
+            f"error: nanolm ships no reference {args.recipe}-{args.precision} with a curve test "
+            f"(tools/reference_bands.py --curve-seeds ...)"
+        )
     data_dir = (args.data_dir or default_data_dir()).resolve()
     seeds, held_out = ref.curve_seeds, parse_seeds(args.held_out)
     if set(held_out) & set(seeds):
@@ -127,11 +140,15 @@ def main() -> int:
     # seeds; --rerun-seeds then measures what the own-seed test would have done
     rerun_seeds = parse_seeds(args.rerun_seeds) if args.rerun_seeds else (seeds if ref.seed_curves is not None else [])
     if not set(rerun_seeds) <= set(seeds):
-        raise SystemExit("error: --rerun-seeds must be among the reference's curve seeds (a rerun is judged against "
-                         "its seed's first run)")
+        raise SystemExit(
+            "error: --rerun-seeds must be among the reference's curve seeds (a rerun is judged against "
+            "its seed's first run)"
+        )
     if rerun_seeds and len(rerun_seeds) < 6:
-        raise SystemExit("error: --rerun-seeds needs at least 6 seeds (each rerun is judged against the noise of the "
-                         "others, at least 5)")
+        raise SystemExit(
+            "error: --rerun-seeds needs at least 6 seeds (each rerun is judged against the noise of the "
+            "others, at least 5)"
+        )
     regressions = [r for r in args.regressions.split(",") if r]
     unknown = [r for r in regressions if r not in REGRESSIONS]
     if unknown:
@@ -157,29 +174,51 @@ def main() -> int:
         others = {k: val_curve(d) for k, d in reruns.items() if k != s}
         own = seed_curves_from_runs("val_loss", curves, others)
         own_alarms += _flagged(own.looks(s, val_curve(reruns[s])))
-    report = {"reference": ref.name, "band_seeds": len(ref.seeds), "curve_seeds": len(seeds),
-              "false_alarms": {"own_seed": [own_alarms, len(rerun_seeds)], "among_seeds": [among_alarms, len(held)],
-                               "band": [band_alarms, len(held)]}, "regressions": {}}
-    own_line = f"own seed {own_alarms} of {len(rerun_seeds)} reruns (left-one-out)" if rerun_seeds else "no reruns judged"
+    report = {
+        "reference": ref.name,
+        "band_seeds": len(ref.seeds),
+        "curve_seeds": len(seeds),
+        "false_alarms": {
+            "own_seed": [own_alarms, len(rerun_seeds)],
+            "among_seeds": [among_alarms, len(held)],
+            "band": [band_alarms, len(held)],
+        },
+        "regressions": {},
+    }
+    own_line = (
+        f"own seed {own_alarms} of {len(rerun_seeds)} reruns (left-one-out)" if rerun_seeds else "no reruns judged"
+    )
     if ref.seed_curves is None and rerun_seeds:
         own_line += " (the reference holds no own-seed test: what it would do)"
-    print(f"{ref.name}: false alarms: {own_line}, among seeds {among_alarms} of {len(held)} held-out seeds, band "
-          f"{band_alarms} of {len(held)}", flush=True)
+    print(
+        f"{ref.name}: false alarms: {own_line}, among seeds {among_alarms} of {len(held)} held-out seeds, band "
+        f"{band_alarms} of {len(held)}",
+        flush=True,
+    )
 
     # a loss X % higher at every evaluation, as a bug of that cost shows: healthy curves scaled, no training needed
-    loo_own = {s: seed_curves_from_runs("val_loss", curves, {k: val_curve(d) for k, d in reruns.items() if k != s})
-               for s in rerun_seeds}
+    loo_own = {
+        s: seed_curves_from_runs("val_loss", curves, {k: val_curve(d) for k, d in reruns.items() if k != s})
+        for s in rerun_seeds
+    }
     report["shifted"] = {}
     for shift in SHIFTS:
         own = sum(_flagged(loo_own[s].looks(s, _scaled(val_curve(reruns[s]), shift))) for s in rerun_seeds)
         own_share = own / len(rerun_seeds) if rerun_seeds else None
         among = sum(_flagged(ref.curve.looks(_scaled(val_curve(d), shift))) for d in held)
-        band = sum(any(ref.bands["val_loss"].side(step, v) for step, v in _scaled(val_curve(d), shift).items())
-                   for d in held)
-        report["shifted"][f"{100 * shift:g}%"] = {"own_seed": own_share, "among_seeds": among / len(held),
-                                                  "val_loss_band": band / len(held)}
-        print(f"val loss +{100 * shift:g} % at every evaluation: flagged own seed {_share(own_share)}  "
-              f"among seeds {among / len(held):4.0%}  val_loss band {band / len(held):4.0%}", flush=True)
+        band = sum(
+            any(ref.bands["val_loss"].side(step, v) for step, v in _scaled(val_curve(d), shift).items()) for d in held
+        )
+        report["shifted"][f"{100 * shift:g}%"] = {
+            "own_seed": own_share,
+            "among_seeds": among / len(held),
+            "val_loss_band": band / len(held),
+        }
+        print(
+            f"val loss +{100 * shift:g} % at every evaluation: flagged own seed {_share(own_share)}  "
+            f"among seeds {among / len(held):4.0%}  val_loss band {band / len(held):4.0%}",
+            flush=True,
+        )
 
     loo = {s: curve_from_seeds("val_loss", [c for k, c in curves.items() if k != s]) for s in seeds}
     for name in regressions:
@@ -188,9 +227,24 @@ def main() -> int:
             copy = planted_tree(Path(tmp), plant)
             planted_env = {**os.environ, "PYTHONPATH": str(copy)}
             with ThreadPoolExecutor(args.jobs) as pool:
-                runs = dict(zip(seeds, pool.map(lambda s: train(
-                    args.recipe, args.precision, s, args.work / f"regression-{name}", data_dir, env=planted_env,
-                    cwd=copy, extra=flags), seeds)))
+                runs = dict(
+                    zip(
+                        seeds,
+                        pool.map(
+                            lambda s: train(
+                                args.recipe,
+                                args.precision,
+                                s,
+                                args.work / f"regression-{name}",
+                                data_dir,
+                                env=planted_env,
+                                cwd=copy,
+                                extra=flags,
+                            ),
+                            seeds,
+                        ),
+                    )
+                )
         costs, own, among, band = [], 0, 0, 0
         for s, d in runs.items():
             rows, values = read_metrics(d / "metrics.jsonl"), val_curve(d)
@@ -200,21 +254,32 @@ def main() -> int:
             among += _flagged(loo[s].looks(values))
             band += bool(departures(ref, rows))
         n = len(runs)
-        entry = {"final_val_loss_regression_percent": round(statistics.fmean(costs), 2),
-                 "regression_percent_range": [round(min(costs), 2), round(max(costs), 2)], "runs": n,
-                 "flagged_own_seed": round(own / n, 3) if ref.seed_curves is not None else None,
-                 "flagged_among_seeds": round(among / n, 3),
-                 "flagged_band": round(band / n, 3)}
+        entry = {
+            "final_val_loss_regression_percent": round(statistics.fmean(costs), 2),
+            "regression_percent_range": [round(min(costs), 2), round(max(costs), 2)],
+            "runs": n,
+            "flagged_own_seed": round(own / n, 3) if ref.seed_curves is not None else None,
+            "flagged_among_seeds": round(among / n, 3),
+            "flagged_band": round(band / n, 3),
+        }
         report["regressions"][name] = entry
-        print(f"{name:16s} final val loss {entry['final_val_loss_regression_percent']:+6.2f} % "
-              f"({min(costs):+.1f}..{max(costs):+.1f})   flagged: own seed {_share(entry['flagged_own_seed'])}  "
-              f"among seeds {among / n:4.0%}  band {band / n:4.0%}  ({n} seeds)", flush=True)
+        print(
+            f"{name:16s} final val loss {entry['final_val_loss_regression_percent']:+6.2f} % "
+            f"({min(costs):+.1f}..{max(costs):+.1f})   flagged: own seed {_share(entry['flagged_own_seed'])}  "
+            f"among seeds {among / n:4.0%}  band {band / n:4.0%}  ({n} seeds)",
+            flush=True,
+        )
     for test in ("own_seed", "among_seeds"):
-        caught = [(v["final_val_loss_regression_percent"], k) for k, v in report["regressions"].items()
-                  if (v[f"flagged_{test}"] or 0) >= 0.95 and v["final_val_loss_regression_percent"] > 0]
+        caught = [
+            (v["final_val_loss_regression_percent"], k)
+            for k, v in report["regressions"].items()
+            if (v[f"flagged_{test}"] or 0) >= 0.95 and v["final_val_loss_regression_percent"] > 0
+        ]
         report[f"smallest_flagged_in_95_percent_{test}"] = min(caught) if caught else None
-        print(f"smallest regression flagged in >= 95 % of seeds, {test.replace('_', ' ')}: "
-              + (f"{min(caught)[0]:+.2f} % ({min(caught)[1]})" if caught else "none of those tried"))
+        print(
+            f"smallest regression flagged in >= 95 % of seeds, {test.replace('_', ' ')}: "
+            + (f"{min(caught)[0]:+.2f} % ({min(caught)[1]})" if caught else "none of those tried")
+        )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

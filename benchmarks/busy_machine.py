@@ -37,9 +37,26 @@ def spin() -> None:
 
 
 def time_run(threads: str, steps: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "nanolm", "train", "--data", str(REPO / "data" / "toy.txt"), "--steps", str(steps),
-           "--vocab-size", "400", "--out-dir", str(out), "--threads", threads, "--progress", "lines",
-           "--sample-tokens", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanolm",
+        "train",
+        "--data",
+        str(REPO / "data" / "toy.txt"),
+        "--steps",
+        str(steps),
+        "--vocab-size",
+        "400",
+        "--out-dir",
+        str(out),
+        "--threads",
+        threads,
+        "--progress",
+        "lines",
+        "--sample-tokens",
+        "0",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("OMP_NUM_THREADS", None)
     start = time.perf_counter()
@@ -49,9 +66,13 @@ def time_run(threads: str, steps: int, out: Path) -> dict:
         raise SystemExit(f"--threads {threads} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     used = sorted({r["threads"] for r in rows if "threads" in r})
-    return {"threads": threads, "wall_s": round(wall, 2), "thread_counts_used": used,
-            "switches": [line for line in proc.stdout.splitlines() if line.startswith("threads: ")],
-            "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)}
+    return {
+        "threads": threads,
+        "wall_s": round(wall, 2),
+        "thread_counts_used": used,
+        "switches": [line for line in proc.stdout.splitlines() if line.startswith("threads: ")],
+        "final_val_loss": next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None),
+    }
 
 
 def main() -> None:
@@ -75,9 +96,19 @@ def main() -> None:
     auto = next((r["wall_s"] for r in results if r["threads"] == "auto"), None)
     for r in results:
         r["wall_vs_auto"] = round(r["wall_s"] / auto, 2) if auto else None
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "busy_cores": args.busy,
-                      "steps": args.steps, "load_average_after": [round(x, 2) for x in os.getloadavg()],
-                      "runs": results}, indent=2))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "cores": os.cpu_count(),
+                "busy_cores": args.busy,
+                "steps": args.steps,
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+                "runs": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

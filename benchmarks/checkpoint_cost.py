@@ -39,8 +39,13 @@ def main():
     model(torch.randint(args.vocab_size, (2, 64)), targets=torch.randint(args.vocab_size, (2, 64)))[1].backward()
     opt.step()
     tok = train_char(["abc"])
-    state = {"step": 1, "optimizer": opt.state_dict(), "sampler": {"epoch": 0, "cursor": 1, "seed": 0},
-             "rng": capture_rng("cpu"), "counters": {"tokens_seen": 128}}
+    state = {
+        "step": 1,
+        "optimizer": opt.state_dict(),
+        "sampler": {"epoch": 0, "cursor": 1, "seed": 0},
+        "rng": capture_rng("cpu"),
+        "counters": {"tokens_seen": 128},
+    }
     saves, loads = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
@@ -56,14 +61,19 @@ def main():
             restore_rng(loaded["rng"], "cpu")
             loads.append(time.perf_counter() - start)
         sizes = {f.name: f.stat().st_size for f in path.iterdir()}
-    print(json.dumps({
-        "parameters": model.num_params(),
-        "save_s_median": round(statistics.median(saves), 3),
-        "resume_load_s_median": round(statistics.median(loads), 3),
-        "checkpoint_mb": round(sum(sizes.values()) / 1e6, 2),
-        "files_mb": {k: round(v / 1e6, 3) for k, v in sizes.items()},
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "parameters": model.num_params(),
+                "save_s_median": round(statistics.median(saves), 3),
+                "resume_load_s_median": round(statistics.median(loads), 3),
+                "checkpoint_mb": round(sum(sizes.values()) / 1e6, 2),
+                "files_mb": {k: round(v / 1e6, 3) for k, v in sizes.items()},
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -53,12 +53,20 @@ def main() -> None:
 
     def variant(compile: bool):
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=vocab, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                              n_embd=args.n_embd))
-        setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3,
-                          step_model=torch.compile(model) if compile else model)
-        batches = TrainBatches(tokens, WindowSampler(len(tokens), args.seq_len, args.batch_size, seed=0), args.seq_len,
-                               eos)
+        model = GPT(
+            GPTConfig(
+                vocab_size=vocab, seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+            )
+        )
+        setup = StepSetup(
+            model,
+            build_optimizer(model, 1e-3, 0.1),
+            schedule=lambda step: 1e-3,
+            step_model=torch.compile(model) if compile else model,
+        )
+        batches = TrainBatches(
+            tokens, WindowSampler(len(tokens), args.seq_len, args.batch_size, seed=0), args.seq_len, eos
+        )
         state = {"step": 0}
 
         def step() -> float:
@@ -75,19 +83,27 @@ def main() -> None:
     compiled_first = sum(compiled() for _ in range(args.first))
     times = {"eager": [], "compiled": []}
     for i in range(args.steps):
-        for name, run in ((("eager", eager), ("compiled", compiled)) if i % 2 == 0 else
-                          (("compiled", compiled), ("eager", eager))):
+        for name, run in (
+            (("eager", eager), ("compiled", compiled)) if i % 2 == 0 else (("compiled", compiled), ("eager", eager))
+        ):
             times[name].append(run())
     e, c = statistics.median(times["eager"]), statistics.median(times["compiled"])
     overhead = compiled_first - eager_first
-    print(json.dumps({
-        "shape": {k: getattr(args, k) for k in ("n_layer", "n_embd", "seq_len", "batch_size")},
-        "torch_threads": torch.get_num_threads(),
-        "eager_step_s": round(e, 5), "compiled_step_s": round(c, 5), "speedup": round(e / c, 3),
-        f"first_{args.first}_steps_s": {"eager": round(eager_first, 2), "compiled": round(compiled_first, 2)},
-        "compile_overhead_s": round(overhead, 2),
-        "break_even_steps": round(overhead / (e - c)) if e > c else None,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "shape": {k: getattr(args, k) for k in ("n_layer", "n_embd", "seq_len", "batch_size")},
+                "torch_threads": torch.get_num_threads(),
+                "eager_step_s": round(e, 5),
+                "compiled_step_s": round(c, 5),
+                "speedup": round(e / c, 3),
+                f"first_{args.first}_steps_s": {"eager": round(eager_first, 2), "compiled": round(compiled_first, 2)},
+                "compile_overhead_s": round(overhead, 2),
+                "break_even_steps": round(overhead / (e - c)) if e > c else None,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

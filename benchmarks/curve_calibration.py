@@ -55,8 +55,11 @@ def flagged(truth: np.ndarray, runs: int, trials: int, samples: int, paired: boo
         else:
             cov = np.atleast_2d(np.cov(draws[:runs], rowvar=False, ddof=1))
             middle, inflation, df = centre + draws[:runs].mean(axis=0), 1 / runs, runs - 1
-        threshold = (threshold_before(cov, df, C.FALSE_ALARM, trial, samples) if before
-                     else C.max_t_threshold(cov, runs, C.FALSE_ALARM, trial, samples, paired=paired))
+        threshold = (
+            threshold_before(cov, df, C.FALSE_ALARM, trial, samples)
+            if before
+            else C.max_t_threshold(cov, runs, C.FALSE_ALARM, trial, samples, paired=paired)
+        )
         values = dict(zip(steps, np.exp(centre + draws[runs]).tolist()))
         looks = C._looks("val_loss", steps, middle, cov, inflation, df, threshold, values)
         count += any(look.departs for look in looks)
@@ -70,8 +73,10 @@ def main() -> int:
     args = p.parse_args()
     ref = next(r for r in shipped_references() if r.name == "default-fp32")
     seeds_truth, rerun_truth = np.array(ref.curve.cov_log), 9 * np.array(ref.seed_curves.rerun_cov)
-    print(f"{'test':18s} {'N':>3s}  {'now':>14s}  {'before 2026-12-06':>18s}   (1 % stated; "
-          f"binomial sd {100 * math.sqrt(0.01 * 0.99 / args.trials):.2f} %)")
+    print(
+        f"{'test':18s} {'N':>3s}  {'now':>14s}  {'before 2026-12-06':>18s}   (1 % stated; "
+        f"binomial sd {100 * math.sqrt(0.01 * 0.99 / args.trials):.2f} %)"
+    )
     rows = []
     for paired, truth, label in ((False, seeds_truth, "among seeds"), (True, rerun_truth, "own seed")):
         for runs in (5, 10, 20):

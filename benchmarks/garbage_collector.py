@@ -60,8 +60,12 @@ def one_process(args: list[str], freeze: bool) -> dict:
         raise SystemExit(f"error: `nanolm {' '.join(args)}` failed:\n{proc.stderr[-2000:]}")
     line = next(x for x in proc.stdout.splitlines() if x.startswith("PROBE "))
     _, _, returned_at, _, gc_seconds, _, frozen = line.split()
-    return {"wall_s": end - start, "exit_s": end - float(returned_at), "gc_s": float(gc_seconds),
-            "frozen_objects": int(frozen)}
+    return {
+        "wall_s": end - start,
+        "exit_s": end - float(returned_at),
+        "gc_s": float(gc_seconds),
+        "frozen_objects": int(frozen),
+    }
 
 
 def main() -> None:
@@ -85,10 +89,14 @@ def main() -> None:
                 runs[freeze].append(one_process(command + extra, freeze))
     out = {"date": time.strftime("%Y-%m-%d"), "command": command, "python": sys.version.split()[0]}
     for freeze, name in ((True, "exempted"), (False, "collector_alone")):
-        out[name] = {key: round(statistics.median(r[key] for r in runs[freeze]), 3) for key in ("gc_s", "exit_s", "wall_s")}
+        out[name] = {
+            key: round(statistics.median(r[key] for r in runs[freeze]), 3) for key in ("gc_s", "exit_s", "wall_s")
+        }
         out[name]["each"] = [{k: round(v, 3) for k, v in r.items()} for r in runs[freeze]]
         out[name]["frozen_objects"] = statistics.median(r["frozen_objects"] for r in runs[freeze])
-    out["saved_s"] = {key: round(out["collector_alone"][key] - out["exempted"][key], 3) for key in ("gc_s", "exit_s", "wall_s")}
+    out["saved_s"] = {
+        key: round(out["collector_alone"][key] - out["exempted"][key], 3) for key in ("gc_s", "exit_s", "wall_s")
+    }
     print(json.dumps(out, indent=2))
 
 

@@ -98,8 +98,22 @@ class Context:
         FlexAttention's document mask), a one-block char model on a CPU; then ``run_args``."""
         base = ["--data", str(TOY), "--device", self.device, "--progress", "lines"]
         if self.tiny:
-            base += ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
-                     "--batch-size", "4", "--eval-batches", "2"]
+            base += [
+                "--tokenizer",
+                "char",
+                "--n-layer",
+                "1",
+                "--n-head",
+                "2",
+                "--n-embd",
+                "32",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "4",
+                "--eval-batches",
+                "2",
+            ]
         if self.threads:
             base += ["--threads", str(self.threads)]
         return [*base, *run_args, *self.append]
@@ -174,9 +188,11 @@ def learned(rows: list[dict], what: str) -> tuple[float, float]:
     """(first, last) validation bits per byte; the last must be clearly lower."""
     evals = evaluations(rows)
     first, last = evals[0], evals[-1]
-    check(last["val_loss"] < 0.95 * first["val_loss"],
-          f"{what} did not learn: val loss {first['val_loss']:.3f} at step {first['step']}, {last['val_loss']:.3f} "
-          f"at step {last['step']}")
+    check(
+        last["val_loss"] < 0.95 * first["val_loss"],
+        f"{what} did not learn: val loss {first['val_loss']:.3f} at step {first['step']}, {last['val_loss']:.3f} "
+        f"at step {last['step']}",
+    )
     return first["val_bpb"], last["val_bpb"]
 
 
@@ -215,12 +231,19 @@ def part_train(ctx: Context) -> str:
     ``nanolm export`` on the finished run."""
     steps = ctx.sized(300, 20)
     run = ctx.work / "run"
-    said = ctx.nanolm("train", *ctx.train_args("--steps", steps, *ctx.sized([], ["--eval-every", "10", "--stats-every",
-                                                                                   "5", "--sample-tokens", "20"])),
-                      "--out-dir", run)
+    said = ctx.nanolm(
+        "train",
+        *ctx.train_args(
+            "--steps", steps, *ctx.sized([], ["--eval-every", "10", "--stats-every", "5", "--sample-tokens", "20"])
+        ),
+        "--out-dir",
+        run,
+    )
     device = re.search(r"\| device (\S+) \|", said)
-    check(device is not None and device.group(1).split(":")[0] == ctx.device.split(":")[0],
-          f"the run did not train on {ctx.device}: {device.group(0) if device else 'no device line'}")
+    check(
+        device is not None and device.group(1).split(":")[0] == ctx.device.split(":")[0],
+        f"the run did not train on {ctx.device}: {device.group(0) if device else 'no device line'}",
+    )
     precision = re.search(r"^precision: (\S+)", said, re.M)
     rows = metrics(run)
     first, last = learned(rows, "the default run")
@@ -241,12 +264,24 @@ def part_train(ctx: Context) -> str:
     check({"config.json", "model.safetensors"} <= set(exported), f"the export holds {exported}")
     tokens_per_s, mfu = median_of(rows, "tokens_per_sec"), median_of(rows, "mfu")
     memory = max((r["cuda_max_alloc_mb"] for r in rows if "cuda_max_alloc_mb" in r), default=None)
-    ctx.figures.update(steps=steps, precision=precision.group(1) if precision else None, val_bpb_start=first,
-                       val_bpb_end=last, eval_bpb_whole_file=scored["bpb"], tokens_per_sec=tokens_per_s, mfu=mfu,
-                       cuda_max_alloc_mb=memory, stats_steps=[r["step"] for r in stats], exported=exported)
-    return (f"{ctx.figures['precision']}, val bpb {first:.3f} -> {last:.3f} in {steps} steps, "
-            f"{tokens_per_s / 1e3:.0f}k tokens/s" + (f", MFU {mfu:.1%}" if mfu is not None else "")
-            + "; evaluation, statistics, checkpoint, sample, eval, export")
+    ctx.figures.update(
+        steps=steps,
+        precision=precision.group(1) if precision else None,
+        val_bpb_start=first,
+        val_bpb_end=last,
+        eval_bpb_whole_file=scored["bpb"],
+        tokens_per_sec=tokens_per_s,
+        mfu=mfu,
+        cuda_max_alloc_mb=memory,
+        stats_steps=[r["step"] for r in stats],
+        exported=exported,
+    )
+    return (
+        f"{ctx.figures['precision']}, val bpb {first:.3f} -> {last:.3f} in {steps} steps, "
+        f"{tokens_per_s / 1e3:.0f}k tokens/s"
+        + (f", MFU {mfu:.1%}" if mfu is not None else "")
+        + "; evaluation, statistics, checkpoint, sample, eval, export"
+    )
 
 
 def part_bf16_vs_fp32(ctx: Context) -> str:
@@ -279,18 +314,24 @@ def part_bf16_vs_fp32(ctx: Context) -> str:
     cosine = gradient_cosine(model_bf16, model_fp32)
     rel = abs(loss16 - loss32) / loss32
     ctx.figures.update(loss_fp32=loss32, loss_bf16=loss16, relative_loss_difference=rel, gradient_cosine=cosine)
-    check(rel < 0.02 and cosine > 0.99, f"bf16 autocast strays from fp32: loss {loss16:.4f} vs {loss32:.4f}, "
-                                        f"gradient cosine {cosine:.4f}")
+    check(
+        rel < 0.02 and cosine > 0.99,
+        f"bf16 autocast strays from fp32: loss {loss16:.4f} vs {loss32:.4f}, gradient cosine {cosine:.4f}",
+    )
     figure = f"loss {loss16:.4f} (bf16) vs {loss32:.4f} (fp32), relative {rel:.1e}; gradient cosine {cosine:.5f}"
     with settings_restored():  # an fp32 run on Ampere or later multiplies on TF32 tensor cores (--no-tf32: not)
         if configure_tf32(device, "fp32", True):
             model_tf32 = default_model(ctx, vocab)
             loss_tf32 = (accumulate_gradients(model_tf32, [batch], count) / count).item()
             cosine_tf32, rel_tf32 = gradient_cosine(model_tf32, model_fp32), abs(loss_tf32 - loss32) / loss32
-            ctx.figures.update(loss_tf32=loss_tf32, relative_loss_difference_tf32=rel_tf32,
-                               gradient_cosine_tf32=cosine_tf32)
-            check(rel_tf32 < 0.005 and cosine_tf32 > 0.999, f"TF32 products stray from fp32: loss {loss_tf32:.5f} vs "
-                                                            f"{loss32:.5f}, gradient cosine {cosine_tf32:.5f}")
+            ctx.figures.update(
+                loss_tf32=loss_tf32, relative_loss_difference_tf32=rel_tf32, gradient_cosine_tf32=cosine_tf32
+            )
+            check(
+                rel_tf32 < 0.005 and cosine_tf32 > 0.999,
+                f"TF32 products stray from fp32: loss {loss_tf32:.5f} vs "
+                f"{loss32:.5f}, gradient cosine {cosine_tf32:.5f}",
+            )
             figure += f"; TF32 loss relative {rel_tf32:.1e}, gradient cosine {cosine_tf32:.5f}"
         else:
             ctx.notes.append("no TF32 on this device")
@@ -329,15 +370,23 @@ def part_fp16_overflow(ctx: Context) -> str:
     batches = bad.batches(tokens, WindowSampler(len(tokens), T, B, seed=0), T, eos)
     scaler = DynamicLossScaler(growth_interval=growth)
     optimizer = build_optimizer(model, 3e-3, 0.1)
-    setup = StepSetup(model, optimizer, schedule=lambda step: 3e-3, scaler=scaler, autocast=fp16.autocast,
-                      loss_fn=bad.loss_fn)
+    setup = StepSetup(
+        model, optimizer, schedule=lambda step: 3e-3, scaler=scaler, autocast=fp16.autocast, loss_fn=bad.loss_fn
+    )
     history = []
     for step in range(1, bad_step + growth + 2):
         before = [p.detach().clone() for p in model.parameters()]
         result = train_step(setup, step, batches.next(step))
         unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-        history.append({"step": step, "updated": bool(result.updated), "weights_unchanged": unchanged,
-                        "grad_norm": float(result.grad_norm), "loss_scale": scaler.loss_scale})
+        history.append(
+            {
+                "step": step,
+                "updated": bool(result.updated),
+                "weights_unchanged": unchanged,
+                "grad_norm": float(result.grad_norm),
+                "loss_scale": scaler.loss_scale,
+            }
+        )
     ctx.figures["history"] = history
     scales = [h["loss_scale"] for h in history]
     start = 2.0**16
@@ -346,13 +395,19 @@ def part_fp16_overflow(ctx: Context) -> str:
     check(skipped == [bad_step], f"steps skipped: {skipped}, expected only the overflowing step {bad_step}")
     check(not math.isfinite(history[bad_step - 1]["grad_norm"]), "the 2^24 batch did not overflow fp16")
     check(history[bad_step - 1]["weights_unchanged"], "the overflowing step changed the weights")
-    check(scales == expected, f"loss scale per step {scales}, expected {expected} (halve on overflow, "
-                              f"double after {growth} clean steps)")
+    check(
+        scales == expected,
+        f"loss scale per step {scales}, expected {expected} (halve on overflow, double after {growth} clean steps)",
+    )
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    check(all(bool(torch.isfinite(t).all()) for t in state + list(model.parameters())),
-          "a weight or an optimizer moment is not finite after the overflow")
-    return (f"step {bad_step} overflowed (grad norm inf) and was skipped; scale 65536 -> 32768 -> 65536 after "
-            f"{growth} clean steps; weights and AdamW moments finite")
+    check(
+        all(bool(torch.isfinite(t).all()) for t in state + list(model.parameters())),
+        "a weight or an optimizer moment is not finite after the overflow",
+    )
+    return (
+        f"step {bad_step} overflowed (grad norm inf) and was skipped; scale 65536 -> 32768 -> 65536 after "
+        f"{growth} clean steps; weights and AdamW moments finite"
+    )
 
 
 def part_bf16_pure(ctx: Context) -> str:
@@ -380,8 +435,10 @@ def part_bf16_pure(ctx: Context) -> str:
 
 
 def short_run(ctx: Context) -> list[str]:
-    return ctx.sized(["--steps", "60", "--eval-every", "30", "--sample-tokens", "0"],
-                     ["--steps", "20", "--eval-every", "10", "--sample-tokens", "0"])
+    return ctx.sized(
+        ["--steps", "60", "--eval-every", "30", "--sample-tokens", "0"],
+        ["--steps", "20", "--eval-every", "10", "--sample-tokens", "0"],
+    )
 
 
 def part_muon(ctx: Context) -> str:
@@ -418,13 +475,21 @@ def part_compile(ctx: Context) -> str:
     rel_first = abs(first["compiled"] - first["eager"]) / first["eager"]
     rel_final = abs(final["compiled"] - final["eager"]) / final["eager"]
     tps = {name: median_of(rows, "tokens_per_sec") for name, (rows, _) in runs.items()}
-    ctx.figures.update(first_loss=first, final_val_loss=final, relative_first=rel_first, relative_final=rel_final,
-                       tokens_per_sec=tps, wall_s={"eager": eager_s, "compiled": compiled_s})
+    ctx.figures.update(
+        first_loss=first,
+        final_val_loss=final,
+        relative_first=rel_first,
+        relative_final=rel_final,
+        tokens_per_sec=tps,
+        wall_s={"eager": eager_s, "compiled": compiled_s},
+    )
     check(rel_first < 5e-3, f"the first loss differs: {first['compiled']:.5f} compiled vs {first['eager']:.5f} eager")
     check(rel_final < 0.03, f"the final val loss differs: {final['compiled']:.4f} compiled vs {final['eager']:.4f}")
-    return (f"first loss {first['compiled']:.5f} vs {first['eager']:.5f} eager, final val loss within {rel_final:.2%}; "
-            f"{tps['compiled'] / 1e3:.0f}k vs {tps['eager'] / 1e3:.0f}k tokens/s; the run took {compiled_s:.0f} s "
-            f"compiled, {eager_s:.0f} s eager")
+    return (
+        f"first loss {first['compiled']:.5f} vs {first['eager']:.5f} eager, final val loss within {rel_final:.2%}; "
+        f"{tps['compiled'] / 1e3:.0f}k vs {tps['eager'] / 1e3:.0f}k tokens/s; the run took {compiled_s:.0f} s "
+        f"compiled, {eager_s:.0f} s eager"
+    )
 
 
 def part_kill9(ctx: Context) -> str:
@@ -432,9 +497,20 @@ def part_kill9(ctx: Context) -> str:
     same command again: every logged figure and the final weights' bytes must equal those of a
     run that was never interrupted (invariant 15, on the device)."""
     steps, every = ctx.sized((120, 40), (100, 20))
-    args = ctx.train_args("--deterministic", "--steps", steps, "--ckpt-every", every, "--eval-every", every,
-                          "--log-every", "1", "--sample-tokens", "0",
-                          *ctx.sized([], ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--batch-size", "8"]))
+    args = ctx.train_args(
+        "--deterministic",
+        "--steps",
+        steps,
+        "--ckpt-every",
+        every,
+        "--eval-every",
+        every,
+        "--log-every",
+        "1",
+        "--sample-tokens",
+        "0",
+        *ctx.sized([], ["--n-layer", "2", "--n-embd", "64", "--seq-len", "64", "--batch-size", "8"]),
+    )
     reference, crashed = ctx.work / "uninterrupted", ctx.work / "killed"
     ctx.nanolm("train", *args, "--out-dir", reference)
     proc = ctx.start_nanolm("train", *args, "--out-dir", crashed, log=ctx.work / "killed.log")
@@ -449,8 +525,10 @@ def part_kill9(ctx: Context) -> str:
         time.sleep(0.002)
     proc.wait()
     print((ctx.work / "killed.log").read_text() + f"(exit {proc.returncode}: killed after step {killed_after})")
-    check(killed_after is not None and proc.returncode == -signal.SIGKILL,
-          f"the run ended (exit {proc.returncode}) before it could be killed after its first checkpoint")
+    check(
+        killed_after is not None and proc.returncode == -signal.SIGKILL,
+        f"the run ended (exit {proc.returncode}) before it could be killed after its first checkpoint",
+    )
     rerun = ctx.nanolm("train", *args, "--out-dir", crashed)
     resumed = re.search(r"resumed from \S+ at step (\d+)", rerun)
     check(resumed is not None, "the rerun did not resume from a checkpoint")
@@ -461,11 +539,18 @@ def part_kill9(ctx: Context) -> str:
     differing = differing or sorted(set(got) ^ set(want))
     check(not differing, f"the resumed run's metrics differ from the uninterrupted run's at steps {differing[:5]}")
     same_bytes = (reference / "model.safetensors").read_bytes() == (crashed / "model.safetensors").read_bytes()
-    ctx.figures.update(steps=steps, killed_after_step=killed_after, resumed_at_step=int(resumed.group(1)),
-                       steps_compared=len(want), identical_weights=same_bytes)
+    ctx.figures.update(
+        steps=steps,
+        killed_after_step=killed_after,
+        resumed_at_step=int(resumed.group(1)),
+        steps_compared=len(want),
+        identical_weights=same_bytes,
+    )
     check(same_bytes, "model.safetensors differs from the uninterrupted run's")
-    return (f"killed after step {killed_after}, resumed at step {resumed.group(1)}: {len(want)} logged steps and "
-            f"model.safetensors bit-identical to the uninterrupted run")
+    return (
+        f"killed after step {killed_after}, resumed at step {resumed.group(1)}: {len(want)} logged steps and "
+        f"model.safetensors bit-identical to the uninterrupted run"
+    )
 
 
 def logged_steps(run: Path) -> list[int]:
@@ -482,19 +567,40 @@ def part_nan_rollback(ctx: Context) -> str:
     the last checkpoint, the run finishes with finite weights and losses."""
     nan_at, every, steps = ctx.sized((30, 20, 60), (8, 5, 20))
     run = ctx.work / "run"
-    ctx.nanolm("train", *ctx.train_args("--steps", steps, "--ckpt-every", every, "--eval-every", every * 2,
-                                        "--sample-tokens", "0", "--debug-inject-nan-at", nan_at), "--out-dir", run)
+    ctx.nanolm(
+        "train",
+        *ctx.train_args(
+            "--steps",
+            steps,
+            "--ckpt-every",
+            every,
+            "--eval-every",
+            every * 2,
+            "--sample-tokens",
+            "0",
+            "--debug-inject-nan-at",
+            nan_at,
+        ),
+        "--out-dir",
+        run,
+    )
     actions = [(e.get("step"), e.get("action"), e.get("to_step")) for e in events(run) if e.get("kind") == "nan"]
-    check(actions == [(nan_at, "rollback", nan_at - nan_at % every)],
-          f"NaN events {actions}, expected one at step {nan_at} rolled back to step {nan_at - nan_at % every}")
+    check(
+        actions == [(nan_at, "rollback", nan_at - nan_at % every)],
+        f"NaN events {actions}, expected one at step {nan_at} rolled back to step {nan_at - nan_at % every}",
+    )
     rows = metrics(run)
-    check(rows[-1]["step"] == steps and all(finite(r["loss"]) for r in rows if "loss" in r),
-          f"the run after the rollback ended at step {rows[-1]['step']} or logged a non-finite loss")
+    check(
+        rows[-1]["step"] == steps and all(finite(r["loss"]) for r in rows if "loss" in r),
+        f"the run after the rollback ended at step {rows[-1]['step']} or logged a non-finite loss",
+    )
     last = evaluations(rows)[-1]
     final_weights(run)
     ctx.figures.update(nan_at=nan_at, rolled_back_to=nan_at - nan_at % every, final_val_bpb=last["val_bpb"])
-    return (f"NaN at step {nan_at} rolled back to step {nan_at - nan_at % every}; finished {steps} steps, "
-            f"val bpb {last['val_bpb']:.3f}, weights finite")
+    return (
+        f"NaN at step {nan_at} rolled back to step {nan_at - nan_at % every}; finished {steps} steps, "
+        f"val bpb {last['val_bpb']:.3f}, weights finite"
+    )
 
 
 def flex_windows(ctx: Context):
@@ -509,8 +615,10 @@ def flex_windows(ctx: Context):
     tokens, _, eos = toy_tokens(ctx)
     B, H, T, D = ctx.sized((8, 12, 1024, 64), (4, 2, 256, 16))
     doc_ids = pack_windows(tokens, WindowSampler(len(tokens), T, B, seed=0).next_starts(), T, eos).doc_ids.to(device)
-    check(bool((doc_ids[:, -1] > 0).float().mean() >= 0.5), "fewer than half the windows hold two documents: "
-                                                             "too little for the mask to separate")
+    check(
+        bool((doc_ids[:, -1] > 0).float().mean() >= 0.5),
+        "fewer than half the windows hold two documents: too little for the mask to separate",
+    )
     return device, device.type == "cuda", doc_ids, (B, H, T, D)  # FlexAttention has no backward pass on a CPU
 
 
@@ -550,8 +658,11 @@ def part_flex(ctx: Context) -> str:
             for tensor, a, b in zip(("out", "dq", "dk", "dv"), results["flex"], results[other]):
                 err = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                 errors[f"{label} {tensor} vs {other}"] = err
-                check(err < tolerance, f"{label}: FlexAttention's {tensor} differs from {other}'s by {err:.2e} "
-                                       f"of its largest value (tolerance {tolerance})")
+                check(
+                    err < tolerance,
+                    f"{label}: FlexAttention's {tensor} differs from {other}'s by {err:.2e} "
+                    f"of its largest value (tolerance {tolerance})",
+                )
     ctx.figures.update(shape=[B, H, T, D], documents_per_window=docs, relative_max_errors=errors)
     worst = max(errors, key=errors.get)
     return f"largest difference {errors[worst]:.1e} ({worst}), {docs:.1f} documents per window"
@@ -578,20 +689,30 @@ def part_flex_cost(ctx: Context) -> str:
         "flex_document": lambda q, k, v: flex_attention(q, k, v, doc_mask),
         "flex_causal": lambda q, k, v: flex_attention(q, k, v, causal_mask),
         "sdpa_causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "sdpa_boolean_document": lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
-                                                                              attn_mask=document_causal_mask(doc_ids)),
+        "sdpa_boolean_document": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=document_causal_mask(doc_ids)
+        ),
     }
-    ms = {name: timed_ms(device, lambda f=f: attend(f, (q, k, v), grad, backward), ctx.sized(20, 3))
-          for name, f in variants.items()}
+    ms = {
+        name: timed_ms(device, lambda f=f: attend(f, (q, k, v), grad, backward), ctx.sized(20, 3))
+        for name, f in variants.items()
+    }
     ms["block_mask_build"] = timed_ms(device, lambda: flex_document_mask(doc_ids), ctx.sized(20, 3))
     kept = document_causal_mask(doc_ids).float().mean().item() / ((T + 1) / (2 * T))
     ratio = ms["flex_document"] / ms["sdpa_causal"]
-    ctx.figures.update(cost_dtype=str(dtype), ms=ms, timed="forward and backward" if backward
-                       else "forward", share_of_causal_pairs_kept=kept, flex_document_over_sdpa_causal=ratio,
-                       flex_document_over_flex_causal=ms["flex_document"] / ms["flex_causal"])
-    return (f"document mask {ms['flex_document']:.2f} ms vs "
-            f"{ms['sdpa_causal']:.2f} ms plain causal ({ratio:.2f}x, keeping {kept:.0%} of the causal pairs), "
-            f"block mask {ms['block_mask_build']:.2f} ms")
+    ctx.figures.update(
+        cost_dtype=str(dtype),
+        ms=ms,
+        timed="forward and backward" if backward else "forward",
+        share_of_causal_pairs_kept=kept,
+        flex_document_over_sdpa_causal=ratio,
+        flex_document_over_flex_causal=ms["flex_document"] / ms["flex_causal"],
+    )
+    return (
+        f"document mask {ms['flex_document']:.2f} ms vs "
+        f"{ms['sdpa_causal']:.2f} ms plain causal ({ratio:.2f}x, keeping {kept:.0%} of the causal pairs), "
+        f"block mask {ms['block_mask_build']:.2f} ms"
+    )
 
 
 def attend(f, qkv, grad, backward: bool):
@@ -631,8 +752,17 @@ def part_throughput(ctx: Context) -> str:
     from nanolm.machine.hardware import gpu_peak_flops
     from nanolm.precision import resolve_precision
 
-    args = ["--device", ctx.device, "--no-reference", "--rounds", ctx.sized("3", "1"), "--steps", ctx.sized("5", "1"),
-            "--warmup", ctx.sized("2", "1")]
+    args = [
+        "--device",
+        ctx.device,
+        "--no-reference",
+        "--rounds",
+        ctx.sized("3", "1"),
+        "--steps",
+        ctx.sized("5", "1"),
+        "--warmup",
+        ctx.sized("2", "1"),
+    ]
     if ctx.tiny:
         args += ["--shapes", "nanogpt", "--batch-size", "2"] + (["--threads", str(ctx.threads)] if ctx.threads else [])
     else:
@@ -640,13 +770,18 @@ def part_throughput(ctx: Context) -> str:
         auto = resolve_precision("auto", torch.device(ctx.device))
         name = torch.cuda.get_device_name(ctx.device)
         declared = os.environ.get("PEAK_TFLOPS")  # a GPU the data sheet table does not know
-        peak = float(declared) * 1e12 if declared else gpu_peak_flops(name, auto.autocast_dtype or torch.float32,
-                                                                        torch.backends.cuda.matmul.allow_tf32)
+        peak = (
+            float(declared) * 1e12
+            if declared
+            else gpu_peak_flops(name, auto.autocast_dtype or torch.float32, torch.backends.cuda.matmul.allow_tf32)
+        )
         if peak:
             args += ["--peak-tflops", f"{peak / 1e12:g}"]
         else:
-            ctx.notes.append(f"MFU against throughput.py's 989 TFLOP/s: {name} is not in nanolm.machine.hardware's table; "
-                             f"set PEAK_TFLOPS")
+            ctx.notes.append(
+                f"MFU against throughput.py's 989 TFLOP/s: {name} is not in nanolm.machine.hardware's table; "
+                f"set PEAK_TFLOPS"
+            )
         ctx.figures["peak_tflops"] = peak / 1e12 if peak else None
     shape = ctx.sized("gpt2", "nanogpt")
     report = run_benchmark(ctx, "throughput.py", args)
@@ -657,13 +792,25 @@ def part_throughput(ctx: Context) -> str:
     check(all(v["tokens_per_sec"] > 0 for v in variants.values()), "a variant measured no throughput")
     if ctx.tiny:
         ctx.notes.append("no compiled variants and no MFU at toy sizes on a CPU")
-    ctx.figures.update(parameters=s["parameters"], precision=report["precision"], variants=variants,
-                       time_ratios=s["time_ratios"]["wall"], peak_vram_mb=report.get("peak_vram_mb"))
-    labels = {"nanolm": "mask on", "nanolm_mask_off": "mask off", "nanolm_compiled": "compiled mask on",
-              "nanolm_mask_off_compiled": "compiled mask off"}
-    shown = [f"{label} {variants[name]['tokens_per_sec'] / 1e3:.0f}k"
-             + (f" ({variants[name]['mfu']:.0%})" if "mfu" in variants[name] else "")
-             for name, label in labels.items() if name in variants]
+    ctx.figures.update(
+        parameters=s["parameters"],
+        precision=report["precision"],
+        variants=variants,
+        time_ratios=s["time_ratios"]["wall"],
+        peak_vram_mb=report.get("peak_vram_mb"),
+    )
+    labels = {
+        "nanolm": "mask on",
+        "nanolm_mask_off": "mask off",
+        "nanolm_compiled": "compiled mask on",
+        "nanolm_mask_off_compiled": "compiled mask off",
+    }
+    shown = [
+        f"{label} {variants[name]['tokens_per_sec'] / 1e3:.0f}k"
+        + (f" ({variants[name]['mfu']:.0%})" if "mfu" in variants[name] else "")
+        for name, label in labels.items()
+        if name in variants
+    ]
     return f"{s['parameters'] / 1e6:.0f}M, {report['precision']}, tokens/s (MFU): " + ", ".join(shown)
 
 
@@ -683,8 +830,10 @@ def part_head_and_loss(ctx: Context) -> str:
     """``benchmarks/head_and_loss.py`` at GPT-2's vocabulary (50,304), 16 x 1024 positions of
     width 768: the output head and the loss from the whole logits against nanolm's fused chunks,
     time and peak memory of each, and whether their gradients agree."""
-    args = ctx.sized(["--vocab", "50304", "--tokens", "16384", "--width", "768", "--rounds", "5"],
-                     ["--vocab", "256", "--tokens", "256", "--width", "32", "--rounds", "1", "--threads", "1"])
+    args = ctx.sized(
+        ["--vocab", "50304", "--tokens", "16384", "--width", "768", "--rounds", "5"],
+        ["--vocab", "256", "--tokens", "256", "--width", "32", "--rounds", "1", "--threads", "1"],
+    )
     report = run_benchmark(ctx, "head_and_loss.py", ["--device", ctx.device.split(":")[0], *args])
     r = report["results"][0]
     ctx.figures.update(r)
@@ -696,15 +845,17 @@ def part_head_and_loss(ctx: Context) -> str:
 def part_gpu_tests(ctx: Context) -> str:
     """The GPU-marked tests (``pytest -m gpu``): fused AdamW, bf16 autocast, FlexAttention, torch.compile
     and NCCL against their plain counterparts. On a CPU they all skip, which is what this checks there."""
-    code, output = streamed([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs",
-                             str(ROOT / "tests")], ROOT)
+    code, output = streamed(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rs", str(ROOT / "tests")], ROOT
+    )
     summary = last_line(output)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}
     ctx.figures.update(counts=counts, summary=summary)
     check(code == 0, f"pytest -m gpu: {summary}")
     if ctx.device == "cpu":
-        check(counts.get("passed", 0) == 0 and counts.get("skipped", 0) > 0,
-              f"on a CPU every GPU test skips: {summary}")
+        check(
+            counts.get("passed", 0) == 0 and counts.get("skipped", 0) > 0, f"on a CPU every GPU test skips: {summary}"
+        )
         ctx.notes.append("every GPU test skipped on the CPU")
     return summary.strip("= ")
 
@@ -740,10 +891,10 @@ PARTS = [
 ]
 GROUPS = {
     "first": "the first contact: the default training loop end to end, kill -9 and a bit-identical resume, "
-             "FlexAttention against SDPA, bf16 against fp32",
+    "FlexAttention against SDPA, bf16 against fp32",
     "second": "the other number formats, the NaN guard, Muon, --compile, the GPU-marked tests",
     "timing": "what the device does per second, each part alone: FlexAttention's cost, tokens/s and MFU, "
-              "the head and the loss",
+    "the head and the loss",
 }
 BY_NAME = {p.name: p for p in PARTS}
 
@@ -781,8 +932,10 @@ def run_one_part(args) -> int:
     append = shlex.split(dict(args.append).get(args.part, ""))
     ctx = Context(args.device, args.tiny, Path(args.work), args.threads, append)
     part = BY_NAME[args.part]
-    print(f"== {part.name} on {args.device}{' (toy sizes)' if args.tiny else ''}: {part.run.__doc__.split(chr(10))[0]}",
-          flush=True)
+    print(
+        f"== {part.name} on {args.device}{' (toy sizes)' if args.tiny else ''}: {part.run.__doc__.split(chr(10))[0]}",
+        flush=True,
+    )
     start = time.perf_counter()
     status, figure = "PASS", ""
     try:
@@ -792,8 +945,14 @@ def run_one_part(args) -> int:
     except Skipped as e:
         status, figure = "SKIP", str(e)
     print(f"== {status} {part.name}: {figure}", flush=True)
-    result = {"part": args.part, "status": status, "figure": figure, "notes": ctx.notes,
-              "seconds": round(time.perf_counter() - start, 1), "figures": ctx.figures}
+    result = {
+        "part": args.part,
+        "status": status,
+        "figure": figure,
+        "notes": ctx.notes,
+        "seconds": round(time.perf_counter() - start, 1),
+        "figures": ctx.figures,
+    }
     Path(args.result).write_text(json.dumps(result, indent=2, default=str))
     return 0
 
@@ -823,8 +982,13 @@ def machine(device: str) -> dict:
 
     import torch
 
-    info = {"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(), "python": platform.python_version(),
-            "torch": torch.__version__, "device": device}
+    info = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+    }
     if device.startswith("cuda"):
         p = torch.cuda.get_device_properties(device)
         try:
@@ -833,9 +997,15 @@ def machine(device: str) -> dict:
             triton_version = triton.__version__
         except ImportError:
             triton_version = "missing (torch.compile and FlexAttention need it)"
-        info.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",
-                    gpus=torch.cuda.device_count(), cuda=torch.version.cuda, triton=triton_version,
-                    bf16=torch.cuda.is_bf16_supported(including_emulation=False))
+        info.update(
+            gpu=p.name,
+            memory_gib=round(p.total_memory / 2**30, 1),
+            capability=f"{p.major}.{p.minor}",
+            gpus=torch.cuda.device_count(),
+            cuda=torch.version.cuda,
+            triton=triton_version,
+            bf16=torch.cuda.is_bf16_supported(including_emulation=False),
+        )
     else:
         info.update(cpus=os.cpu_count())
     return info
@@ -846,8 +1016,10 @@ def parse_pairs(values: list[str], what: str, kind=str) -> list[tuple[str, objec
     for value in values:
         name, sep, rest = value.partition("=")
         if not sep or name not in BY_NAME:
-            print(f"gpu_check: --{what} wants PART=VALUE with PART one of {', '.join(BY_NAME)}, got {value!r}",
-                  file=sys.stderr)
+            print(
+                f"gpu_check: --{what} wants PART=VALUE with PART one of {', '.join(BY_NAME)}, got {value!r}",
+                file=sys.stderr,
+            )
             raise SystemExit(2)
         pairs.append((name, kind(rest)))
     return pairs
@@ -855,23 +1027,50 @@ def parse_pairs(values: list[str], what: str, kind=str) -> list[tuple[str, objec
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/gpu_check", help="directory for the figures (JSON) and the logs, absolute "
-                                                          "or relative to the current one (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        default="runs/gpu_check",
+        help="directory for the figures (JSON) and the logs, absolute "
+        "or relative to the current one (default: %(default)s)",
+    )
     p.add_argument("--device", default="cuda", help="cuda, cuda:N, or cpu (with --tiny: the harness's own test)")
     p.add_argument("--tiny", action="store_true", help="toy sizes, for running the parts on a CPU")
-    p.add_argument("--parts", default="first", help="comma-separated groups or parts (default: %(default)s). Groups: "
-                   + "; ".join(f"{g}: {', '.join(p.name for p in PARTS if p.group == g)}" for g in GROUPS)
-                   + "; all: every part")
-    p.add_argument("--jobs", type=int, default=None, help="parts that only check numbers run this many at a time "
-                                                          "(default: 4 on a GPU, 1 on a CPU)")
-    p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run: a part that cannot start "
-                   "before it ends is not run (default: %(default)s; the estimates of the parts chosen are printed "
-                   "at the start)")
-    p.add_argument("--timeout", action="append", default=[], metavar="PART=SECONDS",
-                   help="a part's own time limit instead of its default")
-    p.add_argument("--append", action="append", default=[], metavar="PART=ARGS",
-                   help="options added to every `nanolm train` of a part (the tests plant faults this way, e.g. "
-                        "kill9='--debug-drop-optimizer-state')")
+    p.add_argument(
+        "--parts",
+        default="first",
+        help="comma-separated groups or parts (default: %(default)s). Groups: "
+        + "; ".join(f"{g}: {', '.join(p.name for p in PARTS if p.group == g)}" for g in GROUPS)
+        + "; all: every part",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="parts that only check numbers run this many at a time (default: 4 on a GPU, 1 on a CPU)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=BUDGET_S,
+        help="seconds for the whole run: a part that cannot start "
+        "before it ends is not run (default: %(default)s; the estimates of the parts chosen are printed "
+        "at the start)",
+    )
+    p.add_argument(
+        "--timeout",
+        action="append",
+        default=[],
+        metavar="PART=SECONDS",
+        help="a part's own time limit instead of its default",
+    )
+    p.add_argument(
+        "--append",
+        action="append",
+        default=[],
+        metavar="PART=ARGS",
+        help="options added to every `nanolm train` of a part (the tests plant faults this way, e.g. "
+        "kill9='--debug-drop-optimizer-state')",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads of every process (default: PyTorch's)")
     p.add_argument("--work", default=None, help="scratch directory for the runs (default: a temporary one, removed)")
     p.add_argument("--part", help=argparse.SUPPRESS)  # the child: run this one part
@@ -886,7 +1085,9 @@ class PartRunner:
 
     def __init__(self, args, names: list[str], limits: dict, jobs: int, out: Path, work: Path, env: dict):
         self.args, self.limits, self.jobs, self.out, self.work, self.env = args, limits, jobs, out, work, env
-        self.queue = [BY_NAME[n] for n in names if not BY_NAME[n].alone] + [BY_NAME[n] for n in names if BY_NAME[n].alone]
+        self.queue = [BY_NAME[n] for n in names if not BY_NAME[n].alone] + [
+            BY_NAME[n] for n in names if BY_NAME[n].alone
+        ]
         self.running: list[Running] = []
         self.results: dict[str, dict] = {}
         self.deadline = time.perf_counter() + args.budget
@@ -897,9 +1098,18 @@ class PartRunner:
                 now = time.perf_counter()
                 alone_next = self.queue and self.queue[0].alone
                 while self.queue and self.deadline - now < 5:  # no time left to start anything
-                    self.record(self.queue.pop(0), {"status": "FAIL", "figure": f"not run: the {self.args.budget:.0f} s "
-                                                    f"budget was spent", "figures": {}}, 0.0)
-                if self.queue and ((not alone_next and len(self.running) < self.jobs) or (alone_next and not self.running)):
+                    self.record(
+                        self.queue.pop(0),
+                        {
+                            "status": "FAIL",
+                            "figure": f"not run: the {self.args.budget:.0f} s budget was spent",
+                            "figures": {},
+                        },
+                        0.0,
+                    )
+                if self.queue and (
+                    (not alone_next and len(self.running) < self.jobs) or (alone_next and not self.running)
+                ):
                     self.launch(self.queue.pop(0))
                     continue
                 for r in list(self.running):
@@ -916,14 +1126,25 @@ class PartRunner:
     def launch(self, part: Part) -> None:
         args, work = self.args, self.work
         limit = min(self.limits[part.name], self.deadline - time.perf_counter())
-        argv = [sys.executable, str(Path(__file__).resolve()), "--part", part.name, "--device", args.device,
-                "--work", str(work / part.name), "--result", str(work / f"{part.name}.result.json")]
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--part",
+            part.name,
+            "--device",
+            args.device,
+            "--work",
+            str(work / part.name),
+            "--result",
+            str(work / f"{part.name}.result.json"),
+        ]
         argv += ["--tiny"] * args.tiny + (["--threads", str(args.threads)] if args.threads else [])
         argv += [f"--append={name}={value}" for name, value in args.append]
         (work / f"{part.name}.result.json").unlink(missing_ok=True)  # a --work used before holds old ones
         log = open(self.out / "logs" / f"{part.name}.log", "w")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=work,
-                                start_new_session=True)  # its own process group: a timeout kills its children too
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=work, start_new_session=True
+        )  # its own process group: a timeout kills its children too
         self.running.append(Running(part, proc, time.perf_counter(), limit, log))
 
     def finish(self, r: Running, timed_out: bool) -> None:
@@ -932,14 +1153,21 @@ class PartRunner:
         result_file = self.work / f"{r.part.name}.result.json"
         if timed_out:
             budget_end = r.limit < self.limits[r.part.name]
-            result = {"status": "FAIL", "figure": f"timed out after {r.limit:.0f} s"
-                      + (" (the end of the --budget)" if budget_end else " (the part's time limit)"), "figures": {}}
+            result = {
+                "status": "FAIL",
+                "figure": f"timed out after {r.limit:.0f} s"
+                + (" (the end of the --budget)" if budget_end else " (the part's time limit)"),
+                "figures": {},
+            }
         elif result_file.exists():
             result = json.loads(result_file.read_text())
         else:
-            result = {"status": "FAIL", "figure": f"crashed (exit {r.proc.returncode}): "
-                      f"{last_line((self.out / 'logs' / f'{r.part.name}.log').read_text(errors='replace'))}",
-                      "figures": {}}
+            result = {
+                "status": "FAIL",
+                "figure": f"crashed (exit {r.proc.returncode}): "
+                f"{last_line((self.out / 'logs' / f'{r.part.name}.log').read_text(errors='replace'))}",
+                "figures": {},
+            }
         self.record(r.part, result, seconds)
 
     def record(self, part: Part, result: dict, seconds: float) -> None:
@@ -958,14 +1186,20 @@ def main(argv=None) -> int:
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA GPU is visible to PyTorch {torch.__version__} (torch.cuda.is_available() is False); "
-              f"nothing was run", file=sys.stderr)
+        print(
+            f"gpu_check: no CUDA GPU is visible to PyTorch {torch.__version__} (torch.cuda.is_available() is False); "
+            f"nothing was run",
+            file=sys.stderr,
+        )
         return 2
     names = chosen_parts(args.parts)
     unknown = [n for n in names if n not in BY_NAME]
     if unknown or not names:
-        print(f"gpu_check: unknown part(s) {unknown}; known: {', '.join(BY_NAME)}, or the groups "
-              f"{', '.join(GROUPS)}, all", file=sys.stderr)
+        print(
+            f"gpu_check: unknown part(s) {unknown}; known: {', '.join(BY_NAME)}, or the groups "
+            f"{', '.join(GROUPS)}, all",
+            file=sys.stderr,
+        )
         return 2
     limits = {p.name: p.limit_s for p in PARTS} | dict(parse_pairs(args.timeout, "timeout", float))
     jobs = args.jobs or (4 if args.device.startswith("cuda") else 1)
@@ -974,20 +1208,33 @@ def main(argv=None) -> int:
     (out / "summary.json").unlink(missing_ok=True)
     work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "PYTHONUNBUFFERED": "1",
+    }
     env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor_cache"))  # cold: the budget holds without a warm one
     info = machine(args.device)
-    where = (f"{info['gpu']}, {info['memory_gib']} GiB, compute capability {info['capability']} | "
-             f"torch {info['torch']}, CUDA {info['cuda']}, Triton {info['triton']}" if "gpu" in info
-             else f"cpu, {info['cpus']} cores{', toy sizes' if args.tiny else ''} | torch {info['torch']}")
+    where = (
+        f"{info['gpu']}, {info['memory_gib']} GiB, compute capability {info['capability']} | "
+        f"torch {info['torch']}, CUDA {info['cuda']}, Triton {info['triton']}"
+        if "gpu" in info
+        else f"cpu, {info['cpus']} cores{', toy sizes' if args.tiny else ''} | torch {info['torch']}"
+    )
     print(f"gpu_check: {where} | {len(names)} parts, {args.budget:.0f} s budget | {info['date']}", flush=True)
     estimates = {n: BY_NAME[n].estimate_s for n in names}
     planned = planned_seconds([BY_NAME[n] for n in names], jobs)
-    print("gpu_check: estimated seconds on a cold H200: " + ", ".join(f"{n} {e}" for n, e in estimates.items())
-          + f"; {sum(estimates.values())} s one after another, ~{planned:.0f} s {jobs} at a time"
-          + ("" if planned <= args.budget else
-             f": more than the {args.budget:.0f} s budget, raise --budget or choose fewer --parts"), flush=True)
+    print(
+        "gpu_check: estimated seconds on a cold H200: "
+        + ", ".join(f"{n} {e}" for n, e in estimates.items())
+        + f"; {sum(estimates.values())} s one after another, ~{planned:.0f} s {jobs} at a time"
+        + (
+            ""
+            if planned <= args.budget
+            else f": more than the {args.budget:.0f} s budget, raise --budget or choose fewer --parts"
+        ),
+        flush=True,
+    )
 
     start = time.perf_counter()
     runner = PartRunner(args, names, limits, jobs, out, work, env)
@@ -1004,14 +1251,28 @@ def main(argv=None) -> int:
     passed = sum(r["status"] == "PASS" for r in results.values())
     skipped = sum(r["status"] == "SKIP" for r in results.values())
     failed = [name for name, r in results.items() if r["status"] == "FAIL"]
-    summary = {"passed": passed, "skipped": skipped, "failed": failed, "parts": len(names),
-               "seconds": round(seconds, 1), "budget_s": args.budget, "estimates_s": estimates,
-               "planned_s": planned, "machine": info, "argv": sys.argv[1:] if argv is None else argv,
-               "results": {n: results[n] for n in names}}
+    summary = {
+        "passed": passed,
+        "skipped": skipped,
+        "failed": failed,
+        "parts": len(names),
+        "seconds": round(seconds, 1),
+        "budget_s": args.budget,
+        "estimates_s": estimates,
+        "planned_s": planned,
+        "machine": info,
+        "argv": sys.argv[1:] if argv is None else argv,
+        "results": {n: results[n] for n in names},
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(f"gpu_check: {passed}/{len(names)} parts passed" + (f", {skipped} skipped" if skipped else "")
-          + (f", FAILED: {', '.join(failed)}" if failed else "") + f" in {seconds:.0f} s on "
-          f"{info.get('gpu', 'cpu (toy sizes: this proves the harness, not a GPU)')}; figures in {out}", flush=True)
+    print(
+        f"gpu_check: {passed}/{len(names)} parts passed"
+        + (f", {skipped} skipped" if skipped else "")
+        + (f", FAILED: {', '.join(failed)}" if failed else "")
+        + f" in {seconds:.0f} s on "
+        f"{info.get('gpu', 'cpu (toy sizes: this proves the harness, not a GPU)')}; figures in {out}",
+        flush=True,
+    )
     return 1 if failed else 0
 
 

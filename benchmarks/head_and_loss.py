@@ -83,18 +83,27 @@ def measure(vocab: int, tokens: int, width: int, rows: int, autocast, rounds: in
     same = all(float((a - b).norm() / b.norm()) < tolerance for a, b in zip(grads["whole"], grads["fused"]))
     times = {"whole": [], "fused": []}
     for i in range(rounds):
-        for name, chunk in ((("whole", None), ("fused", rows)) if i % 2 == 0 else (("fused", rows), ("whole", None))):
+        for name, chunk in (("whole", None), ("fused", rows)) if i % 2 == 0 else (("fused", rows), ("whole", None)):
             weight.grad = hidden.grad = None
             times[name].append(timed(lambda: head_and_loss(hidden, weight, targets, autocast, chunk), device))
     # to the microsecond, and the speedup is of the two figures printed: on a small problem each is
     # a fraction of a millisecond, where rounding to 0.01 ms would move the ratio by several percent
     whole, fused = (round(statistics.median(times[n]) * 1e3, 3) for n in ("whole", "fused"))
-    peaks = {f"peak_mb_{name}": peak_memory_mb(lambda: head_and_loss(hidden, weight, targets, autocast, chunk), device)
-             for name, chunk in (("whole", None), ("fused", rows))}
-    return {"vocab": vocab, "rows_per_chunk": rows or loss_chunk_positions(vocab, device), **peaks,
-            "logits_mb_fp32": round(tokens * vocab * 4 / 2**20, 1), "whole_ms": whole,
-            "fused_ms": fused, "speedup_fused": round(whole / fused, 2), "same_gradients": same,
-            **measure_step(vocab, tokens, width, rows, autocast, rounds, device)}
+    peaks = {
+        f"peak_mb_{name}": peak_memory_mb(lambda: head_and_loss(hidden, weight, targets, autocast, chunk), device)
+        for name, chunk in (("whole", None), ("fused", rows))
+    }
+    return {
+        "vocab": vocab,
+        "rows_per_chunk": rows or loss_chunk_positions(vocab, device),
+        **peaks,
+        "logits_mb_fp32": round(tokens * vocab * 4 / 2**20, 1),
+        "whole_ms": whole,
+        "fused_ms": fused,
+        "speedup_fused": round(whole / fused, 2),
+        "same_gradients": same,
+        **measure_step(vocab, tokens, width, rows, autocast, rounds, device),
+    }
 
 
 def loss_of_whole_logits(model, batch):
@@ -108,7 +117,9 @@ def measure_step(vocab: int, tokens: int, width: int, rows: int, autocast, round
     documents per window) at this vocabulary: its loss from the whole logits, or fused."""
     seq_len = min(128, tokens)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=4, n_head=4, n_embd=width, loss_chunk=rows)).to(device)
+    model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq_len, n_layer=4, n_head=4, n_embd=width, loss_chunk=rows)).to(
+        device
+    )
     idx, targets = torch.randint(vocab, (2, tokens // seq_len, seq_len), device=device)
     doc_ids = (torch.arange(seq_len, device=device) >= seq_len // 2).int().expand_as(idx).contiguous()
     batch = Batch(idx, targets, torch.ones_like(idx, dtype=torch.bool), doc_ids)
@@ -116,37 +127,62 @@ def measure_step(vocab: int, tokens: int, width: int, rows: int, autocast, round
     for i in range(rounds):
         for name in ("whole", "fused") if i % 2 == 0 else ("fused", "whole"):
             loss_fn = loss_of_whole_logits if name == "whole" else summed_token_loss
-            times[name].append(timed(lambda: accumulate_gradients(model, [batch], idx.numel(), autocast, loss_fn=loss_fn),
-                                     device))
+            times[name].append(
+                timed(lambda: accumulate_gradients(model, [batch], idx.numel(), autocast, loss_fn=loss_fn), device)
+            )
             model.zero_grad(set_to_none=True)
     whole, fused = (round(statistics.median(times[n]) * 1e3, 2) for n in ("whole", "fused"))
-    return {"step_whole_ms": whole, "step_fused_ms": fused,
-            "step_speedup_fused": round(whole / fused, 2)}
+    return {"step_whole_ms": whole, "step_fused_ms": fused, "step_speedup_fused": round(whole / fused, 2)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vocab", default="1024,2048,4096", help="comma-separated vocabulary sizes")
-    p.add_argument("--tokens", type=int, default=16 * 128, help="rows: tokens of one micro-batch (TinyStories: 16 × 128)")
+    p.add_argument(
+        "--tokens", type=int, default=16 * 128, help="rows: tokens of one micro-batch (TinyStories: 16 × 128)"
+    )
     p.add_argument("--width", type=int, default=128, help="n_embd")
     p.add_argument("--rows", type=int, default=0, help="positions per chunk (0: nanolm's choice for each vocabulary)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="the head's matmul under autocast or not")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda also reports the peak memory of each (peak_mb_*): what chunking saves on a GPU")
+    p.add_argument(
+        "--precision", choices=["bf16", "fp32"], default="bf16", help="the head's matmul under autocast or not"
+    )
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda also reports the peak memory of each (peak_mb_*): what chunking saves on a GPU",
+    )
     p.add_argument("--threads", type=int, default=1, help="CPU threads")
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this PyTorch sees no CUDA GPU; run on a GPU machine or drop --device")
     torch.set_num_threads(args.threads)
-    autocast = ((lambda: torch.autocast(args.device, dtype=torch.bfloat16)) if args.precision == "bf16"
-                else contextlib.nullcontext)
-    results = [measure(int(v), args.tokens, args.width, args.rows, autocast, args.rounds, args.device)
-               for v in args.vocab.split(",")]
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpu": f"{os.cpu_count()} cores",
-                      "device": args.device, "threads": args.threads, "precision": args.precision,
-                      "tokens": args.tokens, "width": args.width,
-                      "results": results}, indent=2))
+    autocast = (
+        (lambda: torch.autocast(args.device, dtype=torch.bfloat16))
+        if args.precision == "bf16"
+        else contextlib.nullcontext
+    )
+    results = [
+        measure(int(v), args.tokens, args.width, args.rows, autocast, args.rounds, args.device)
+        for v in args.vocab.split(",")
+    ]
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "torch": torch.__version__,
+                "cpu": f"{os.cpu_count()} cores",
+                "device": args.device,
+                "threads": args.threads,
+                "precision": args.precision,
+                "tokens": args.tokens,
+                "width": args.width,
+                "results": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

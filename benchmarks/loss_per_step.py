@@ -69,8 +69,10 @@ def nanogpt_optimizer(model: torch.nn.Module, lr: float, betas, weight_decay: fl
     """nanoGPT's ``configure_optimizers``: every tensor of two or more dimensions decayed
     (matrices and embeddings alike), the rest (biases, norm gains) not; PyTorch's AdamW."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
@@ -87,9 +89,16 @@ class Trainee:
         if name == "reference":
             self.model = RefGPT(vocab, shape["seq_len"], shape["n_layer"], shape["n_head"], shape["n_embd"], bias=False)
         else:
-            self.model = GPT(GPTConfig(vocab_size=vocab, seq_len=shape["seq_len"], n_layer=shape["n_layer"],
-                                       n_head=shape["n_head"], n_embd=shape["n_embd"],
-                                       mlp="gelu" if name == "nanolm_model_gelu" else "swiglu"))
+            self.model = GPT(
+                GPTConfig(
+                    vocab_size=vocab,
+                    seq_len=shape["seq_len"],
+                    n_layer=shape["n_layer"],
+                    n_head=shape["n_head"],
+                    n_embd=shape["n_embd"],
+                    mlp="gelu" if name == "nanolm_model_gelu" else "swiglu",
+                )
+            )
         if name == "nanolm":
             optimizer = build_optimizer(self.model, args.lr, args.weight_decay, betas=betas)
             self.parts = StepSetup(self.model, optimizer, schedule=self.lr, clip=1.0)
@@ -156,32 +165,57 @@ def load_data(data: str | None, tmp: Path):
     val = torch.from_numpy(np.array(prepared.val.tokens, dtype=np.int64))
     n = (len(val) - 1) // T
     if n < 1 or len(prepared.train) < T + 1:
-        raise NanolmError(f"{source} is too short: each split needs a window of {T + 1} characters (the training "
-                          f"split holds {len(prepared.train)}, the held-out one {len(val)}); use a longer text")
+        raise NanolmError(
+            f"{source} is too short: each split needs a window of {T + 1} characters (the training "
+            f"split holds {len(prepared.train)}, the held-out one {len(val)}); use a longer text"
+        )
     windows = torch.stack([val[i * T : i * T + T + 1] for i in range(n)])
     token_bytes = torch.from_numpy(prepared.tokenizer.token_bytes()).long()
-    return (np.array(prepared.train.tokens), windows, token_bytes, prepared.tokenizer.vocab_size,
-            prepared.tokenizer.eos_id)
+    return (
+        np.array(prepared.train.tokens),
+        windows,
+        token_bytes,
+        prepared.tokenizer.vocab_size,
+        prepared.tokenizer.eos_id,
+    )
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=None, help="a text file (tiny-shakespeare for the recipe); "
-                   "default: the built-in story corpus")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--data", default=None, help="a text file (tiny-shakespeare for the recipe); default: the built-in story corpus"
+    )
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps; the cosine ends there (nanoGPT's 2,000)")
     p.add_argument("--eval-every", type=int, default=250, help="steps between evaluations (nanoGPT's 250)")
     p.add_argument("--seeds", default="1337,1,2", help="comma-separated seeds: each model's initialisation and windows")
     p.add_argument("--models", default=",".join(MODELS), help=f"which of {', '.join(MODELS + OPTIONAL)}")
-    p.add_argument("--target", type=float, default=2.72, help="validation bits per byte whose first crossing is reported "
-                   "(2.72: where nanoGPT's recipe ends on tiny-shakespeare)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of every model (nanoGPT's 1e-3); "
-                   "the cosine ends at a tenth of it")
+    p.add_argument(
+        "--target",
+        type=float,
+        default=2.72,
+        help="validation bits per byte whose first crossing is reported "
+        "(2.72: where nanoGPT's recipe ends on tiny-shakespeare)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-3,
+        help="peak learning rate of every model (nanoGPT's 1e-3); the cosine ends at a tenth of it",
+    )
     p.add_argument("--beta2", type=float, default=0.99, help="AdamW's beta2 (nanoGPT's 0.99 for this recipe)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay on the decayed group")
+    p.add_argument(
+        "--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay on the decayed group"
+    )
     p.add_argument("--warmup", type=int, default=100, help="linear warmup steps (nanoGPT's 100)")
-    p.add_argument("--val-windows", type=int, default=0, help="evaluate on this many windows, evenly spaced over the "
-                   "held-out split (0: all of them, every target counted once)")
+    p.add_argument(
+        "--val-windows",
+        type=int,
+        default=0,
+        help="evaluate on this many windows, evenly spaced over the "
+        "held-out split (0: all of them, every target counted once)",
+    )
     p.add_argument("--threads", type=int, default=0, help="PyTorch threads (0: PyTorch's default)")
     args = p.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -207,16 +241,26 @@ def main(argv=None) -> None:
             p.error(str(e))
     if args.val_windows and args.val_windows < len(windows):
         windows = windows[np.linspace(0, len(windows) - 1, args.val_windows).round().astype(np.int64)]
-    results = {"recipe": {k: getattr(args, k) for k in ("steps", "lr", "beta2", "weight_decay", "warmup")},
-               "shape": SHAPES["nanogpt"], "vocab_size": vocab, "threads": torch.get_num_threads(), "val_windows": len(windows),
-               "target_bpb": args.target, "seeds": {}}
+    results = {
+        "recipe": {k: getattr(args, k) for k in ("steps", "lr", "beta2", "weight_decay", "warmup")},
+        "shape": SHAPES["nanogpt"],
+        "vocab_size": vocab,
+        "threads": torch.get_num_threads(),
+        "val_windows": len(windows),
+        "target_bpb": args.target,
+        "seeds": {},
+    }
     for seed in seeds:
         results["seeds"][seed] = {}
         for name in models:
             run = train_and_evaluate(Trainee(name, args, vocab, train_tokens, eos, seed), args, windows, token_bytes)
             results["seeds"][seed][name] = run
-            print(f"seed {seed} {name:13s} final bpb {run['curve'][-1]['bpb']:.4f}, target {args.target} at step "
-                  f"{run['reached_target_at_step']}, {run['ms_per_step']} ms/step", file=sys.stderr, flush=True)
+            print(
+                f"seed {seed} {name:13s} final bpb {run['curve'][-1]['bpb']:.4f}, target {args.target} at step "
+                f"{run['reached_target_at_step']}, {run['ms_per_step']} ms/step",
+                file=sys.stderr,
+                flush=True,
+            )
     summary = {}
     for name in models:
         runs = [results["seeds"][s][name] for s in seeds]
@@ -225,8 +269,9 @@ def main(argv=None) -> None:
             "final_bpb_median": statistics.median(r["curve"][-1]["bpb"] for r in runs),
             "reached_target_at_step": reached,
             "ms_per_step_median": statistics.median(r["ms_per_step"] for r in runs),
-            "bpb_median_by_step": {c["step"]: statistics.median(r["curve"][i]["bpb"] for r in runs)
-                                   for i, c in enumerate(runs[0]["curve"])},
+            "bpb_median_by_step": {
+                c["step"]: statistics.median(r["curve"][i]["bpb"] for r in runs) for i, c in enumerate(runs[0]["curve"])
+            },
         }
     results["summary"] = summary
     print(json.dumps(results, indent=2))

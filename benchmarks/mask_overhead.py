@@ -42,12 +42,21 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         write_stories(Path(tmp) / "s.txt", 2000, seed=0)
-        data = prepare(Path(tmp) / "s.txt", Path(tmp) / "d", "bpe", args.vocab_size, progress=False, log=lambda *_: None)
+        data = prepare(
+            Path(tmp) / "s.txt", Path(tmp) / "d", "bpe", args.vocab_size, progress=False, log=lambda *_: None
+        )
         tokens = data.train.tokens.copy()
     eos = data.tokenizer.eos_id
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=data.tokenizer.vocab_size, seq_len=args.seq_len, n_layer=args.n_layer,
-                          n_head=args.n_head, n_embd=args.n_embd))
+    model = GPT(
+        GPTConfig(
+            vocab_size=data.tokenizer.vocab_size,
+            seq_len=args.seq_len,
+            n_layer=args.n_layer,
+            n_head=args.n_head,
+            n_embd=args.n_embd,
+        )
+    )
     setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, clip=1.0)
     sampler = WindowSampler(len(tokens), args.seq_len, args.batch_size, seed=0)
 
@@ -61,22 +70,27 @@ def main():
     run(True, 5), run(False, 5)  # warm up both paths
     times = {True: [], False: []}
     for r in range(args.rounds):
-        for mask in ((True, False) if r % 2 == 0 else (False, True)):
+        for mask in (True, False) if r % 2 == 0 else (False, True):
             times[mask].append(run(mask, args.steps))
     on, off = statistics.median(times[True]), statistics.median(times[False])
     tokens_per_step = args.batch_size * args.seq_len
     crossing, windows = boundary_crossing_windows(data.train.doc_starts, len(tokens), args.seq_len)
-    print(json.dumps({
-        "shape": vars(args),
-        "threads": torch.get_num_threads(),
-        "mask_on_ms_per_step": round(on * 1e3, 2),
-        "mask_off_ms_per_step": round(off * 1e3, 2),
-        "mask_on_tokens_per_sec": round(tokens_per_step / on),
-        "mask_off_tokens_per_sec": round(tokens_per_step / off),
-        "ratio_on_over_off": round(on / off, 3),
-        "windows_crossing_a_document_boundary": round(crossing / windows, 3),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "shape": vars(args),
+                "threads": torch.get_num_threads(),
+                "mask_on_ms_per_step": round(on * 1e3, 2),
+                "mask_off_ms_per_step": round(off * 1e3, 2),
+                "mask_on_tokens_per_sec": round(tokens_per_step / on),
+                "mask_off_tokens_per_sec": round(tokens_per_step / off),
+                "ratio_on_over_off": round(on / off, 3),
+                "windows_crossing_a_document_boundary": round(crossing / windows, 3),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

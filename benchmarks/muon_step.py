@@ -57,16 +57,24 @@ def main() -> None:
     if not muon_available():
         raise SystemExit("muon_step.py: torch.optim.Muon needs PyTorch 2.9 or later")
     torch.set_num_threads(args.threads)
-    config = GPTConfig(vocab_size=args.vocab, seq_len=128, n_layer=args.layers, n_head=max(1, args.width // 32),
-                       n_embd=args.width, qk_norm=True)
+    config = GPTConfig(
+        vocab_size=args.vocab,
+        seq_len=128,
+        n_layer=args.layers,
+        n_head=max(1, args.width // 32),
+        n_embd=args.width,
+        qk_norm=True,
+    )
     models = {}
     for name in ("torch_muon", "grouped_muon", "adamw"):
         torch.manual_seed(0)
         models[name] = GPT(config)
     options = dict(lr=3e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    optimizers = {"torch_muon": torch.optim.Muon(split_for_muon(models["torch_muon"]), **options),
-                  "grouped_muon": GroupedMuon(split_for_muon(models["grouped_muon"]), **options),
-                  "adamw": build_optimizer(models["adamw"], 3e-3, 0.1)}
+    optimizers = {
+        "torch_muon": torch.optim.Muon(split_for_muon(models["torch_muon"]), **options),
+        "grouped_muon": GroupedMuon(split_for_muon(models["grouped_muon"]), **options),
+        "adamw": build_optimizer(models["adamw"], 3e-3, 0.1),
+    }
     generator = torch.Generator().manual_seed(1)
     muon_params = {name: split_for_muon(models[name]) for name in ("torch_muon", "grouped_muon")}
     travelled = [0.0] * len(muon_params["torch_muon"])  # the sum of each matrix's step sizes
@@ -93,15 +101,30 @@ def main() -> None:
     formats = (torch.bfloat16, grouped_format)  # torch.optim.Muon: bf16 on every device
     ns_steps = optimizers["grouped_muon"].param_groups[0]["ns_steps"]
     shapes = sorted({tuple(p.shape) for p in muon_params["grouped_muon"]})
-    print(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cpus": os.cpu_count(), "threads": args.threads,
-        "matrices": len(split_for_muon(models["grouped_muon"])), "shapes": shapes,
-        "step_ms": ms, "grouped_over_torch": round(ms["torch_muon"] / ms["grouped_muon"], 2),
-        "grouped_over_adamw": round(ms["grouped_muon"] / ms["adamw"], 2),
-        "same_weights_to_the_bit": same, "largest_weight_difference": largest_difference,
-        "orthogonalisation_format": {"torch_muon": str(formats[0]).removeprefix("torch."),
-                                     "grouped_muon": str(formats[1]).removeprefix("torch.")},
-        "relative_weight_difference": relative, "rounding_bound": rounding_bound(formats, ns_steps)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "torch": torch.__version__,
+                "cpus": os.cpu_count(),
+                "threads": args.threads,
+                "matrices": len(split_for_muon(models["grouped_muon"])),
+                "shapes": shapes,
+                "step_ms": ms,
+                "grouped_over_torch": round(ms["torch_muon"] / ms["grouped_muon"], 2),
+                "grouped_over_adamw": round(ms["grouped_muon"] / ms["adamw"], 2),
+                "same_weights_to_the_bit": same,
+                "largest_weight_difference": largest_difference,
+                "orthogonalisation_format": {
+                    "torch_muon": str(formats[0]).removeprefix("torch."),
+                    "grouped_muon": str(formats[1]).removeprefix("torch."),
+                },
+                "relative_weight_difference": relative,
+                "rounding_bound": rounding_bound(formats, ns_steps),
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

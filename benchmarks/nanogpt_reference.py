@@ -46,8 +46,19 @@ from pathlib import Path
 
 import numpy as np
 
-RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
-          "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", "--dropout=0.0"]
+RECIPE = [
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--dropout=0.0",
+]
 EVAL_LINE = re.compile(r"^step (\d+): train loss ([0-9.]+), val loss ([0-9.]+)")
 
 
@@ -72,10 +83,18 @@ def prepare_chars(text: str, out: Path) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nanogpt", required=True, help="a checkout of https://github.com/karpathy/nanoGPT")
-    p.add_argument("--data", required=True, help="tiny-shakespeare (input.txt of char-rnn, 1,115,394 bytes), or any "
-                                                 "UTF-8 text to train the same char model on")
-    p.add_argument("--target", type=float, default=2.72,
-                   help="validation bits per byte (bits per character on ASCII text such as tiny-shakespeare)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="tiny-shakespeare (input.txt of char-rnn, 1,115,394 bytes), or any "
+        "UTF-8 text to train the same char model on",
+    )
+    p.add_argument(
+        "--target",
+        type=float,
+        default=2.72,
+        help="validation bits per byte (bits per character on ASCII text such as tiny-shakespeare)",
+    )
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the run (default: PyTorch's)")
     p.add_argument("--max-iters", type=int, default=2000, help="the recipe's 2000; fewer for a quick check")
     args = p.parse_args()
@@ -102,24 +121,35 @@ def main() -> None:
         m = EVAL_LINE.match(line)
         if m:
             val = float(m.group(3))
-            curve.append({"iter": int(m.group(1)), "seconds": round(time.perf_counter() - start, 2),
-                          "val_loss": val, "val_bpb": round(val / math.log(2) * chars_per_byte, 4)})
+            curve.append(
+                {
+                    "iter": int(m.group(1)),
+                    "seconds": round(time.perf_counter() - start, 2),
+                    "val_loss": val,
+                    "val_bpb": round(val / math.log(2) * chars_per_byte, 4),
+                }
+            )
     proc.wait()
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit("nanoGPT failed:\n" + "\n".join(tail))
     reached = [c for c in curve if c["val_bpb"] <= args.target]
-    print(json.dumps({
-        "command": " ".join(cmd),
-        "wall_s": round(wall, 2),
-        "data_step_s": round(data_s, 2),
-        "val_chars_per_byte": round(chars_per_byte, 5),
-        "target_val_bpb": args.target,
-        "target_seen_at_s": reached[0]["seconds"] if reached else None,
-        "final_val_bpb": curve[-1]["val_bpb"] if curve else None,
-        "curve": curve,
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "command": " ".join(cmd),
+                "wall_s": round(wall, 2),
+                "data_step_s": round(data_s, 2),
+                "val_chars_per_byte": round(chars_per_byte, 5),
+                "target_val_bpb": args.target,
+                "target_seen_at_s": reached[0]["seconds"] if reached else None,
+                "final_val_bpb": curve[-1]["val_bpb"] if curve else None,
+                "curve": curve,
+                "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

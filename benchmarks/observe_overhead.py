@@ -54,8 +54,12 @@ def components(data, cfg: RunConfig, device: str, steps: int) -> dict:
     model = GPT(cfg.model.gpt_config(data.tokenizer.vocab_size)).to(device)
     setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, clip=1.0)
     t = cfg.train
-    batches = TrainBatches(data.train.tokens, WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=0),
-                           cfg.model.seq_len, data.tokenizer.eos_id)
+    batches = TrainBatches(
+        data.train.tokens,
+        WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size, seed=0),
+        cfg.model.seq_len,
+        data.tokenizer.eos_id,
+    )
     plain, watched = [], []
     for i in range(steps):
         micro = batches.next(i + 1)
@@ -72,9 +76,13 @@ def components(data, cfg: RunConfig, device: str, steps: int) -> dict:
     step_s, watched_s = statistics.median(plain), statistics.median(watched)
     extra_s = watched_s - step_s
     K = TrainOptions().stats_every
-    return {"step_s": step_s, "stats_extra_s": extra_s, "stats_cost_in_steps": extra_s / step_s,
-            "overhead_at_default_K": extra_s / (K * step_s),
-            "overhead_at_K": {k: extra_s / (k * step_s) for k in (10, 20, 50, 100)}}
+    return {
+        "step_s": step_s,
+        "stats_extra_s": extra_s,
+        "stats_cost_in_steps": extra_s / step_s,
+        "overhead_at_default_K": extra_s / (K * step_s),
+        "overhead_at_K": {k: extra_s / (k * step_s) for k in (10, 20, 50, 100)},
+    }
 
 
 def end_to_end(data_dir: Path, cfg: RunConfig, steps: int, repeats: int, K: int) -> dict:
@@ -90,8 +98,13 @@ def end_to_end(data_dir: Path, cfg: RunConfig, steps: int, repeats: int, K: int)
                 rows = [row for row in read_metrics(Path(out) / "metrics.jsonl") if "loss" in row]
                 times[every].append(rows[-1]["elapsed_s"] - rows[0]["elapsed_s"])
     ratios = [w / b for w, b in zip(times[K], times[0])]
-    return {"steps": steps, "seconds_without_stats": times[0], f"seconds_with_stats_every_{K}": times[K],
-            "ratio_per_pair": ratios, "overhead_median": statistics.median(ratios) - 1}
+    return {
+        "steps": steps,
+        "seconds_without_stats": times[0],
+        f"seconds_with_stats_every_{K}": times[K],
+        "ratio_per_pair": ratios,
+        "overhead_median": statistics.median(ratios) - 1,
+    }
 
 
 def main() -> None:
@@ -111,12 +124,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         source = Path(scratch) / "stories.txt"
         write_stories(source, 2000, seed=0)
-        data = prepare(source, Path(scratch) / "data", "char", 512, 0.1, cfg.data.separator, "text",
-                       seq_len=cfg.model.seq_len, progress=False, log=lambda *_: None)
-        result = {"device": args.device, "torch_threads": torch.get_num_threads(), "default_stats_every": K,
-                  "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_embd", "seq_len")},
-                  "batch_size": cfg.train.batch_size,
-                  "components": components(data, cfg, args.device, args.component_steps)}
+        data = prepare(
+            source,
+            Path(scratch) / "data",
+            "char",
+            512,
+            0.1,
+            cfg.data.separator,
+            "text",
+            seq_len=cfg.model.seq_len,
+            progress=False,
+            log=lambda *_: None,
+        )
+        result = {
+            "device": args.device,
+            "torch_threads": torch.get_num_threads(),
+            "default_stats_every": K,
+            "model": {k: getattr(cfg.model, k) for k in ("n_layer", "n_embd", "seq_len")},
+            "batch_size": cfg.train.batch_size,
+            "components": components(data, cfg, args.device, args.component_steps),
+        }
         if args.repeats:
             result["end_to_end"] = end_to_end(data.dir, cfg, args.steps, args.repeats, K)
     print(json.dumps(result, indent=2))

@@ -51,9 +51,13 @@ def judge(ref, out: Path) -> dict:
     looks = curve_looks(ref, rows)
     own = bool(looks) and looks[-1].own_seed
     threshold = (ref.seed_curves if own else ref.curve).threshold if looks else None
-    return {"own_seed": own, "curve_alarm": any(look.departs for look in looks),
-            "closest": max((abs(look.t) / threshold for look in looks), default=0.0) if looks else None,
-            "last_t": looks[-1].t if looks else None, "band_alarm": bool(departures(ref, rows))}
+    return {
+        "own_seed": own,
+        "curve_alarm": any(look.departs for look in looks),
+        "closest": max((abs(look.t) / threshold for look in looks), default=0.0) if looks else None,
+        "last_t": looks[-1].t if looks else None,
+        "band_alarm": bool(departures(ref, rows)),
+    }
 
 
 def rms(values) -> float:
@@ -69,8 +73,11 @@ def main() -> int:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated kernel paths, of: {', '.join(PATHS)}")
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts each path is trained with")
-    p.add_argument("--own-seeds", default="1337,1-4", help="seeds the reference trained (judged against their own "
-                   "curves, where the reference holds them)")
+    p.add_argument(
+        "--own-seeds",
+        default="1337,1-4",
+        help="seeds the reference trained (judged against their own curves, where the reference holds them)",
+    )
     p.add_argument("--new-seeds", default="100-104", help="seeds the reference never saw (judged among seeds)")
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "nanolm" / "other_cpus")
     p.add_argument("--data-dir", type=Path, default=None)
@@ -96,8 +103,10 @@ def main() -> int:
     if set(new_seeds) & set(ref.curve_seeds or ref.seeds):
         raise SystemExit("error: --new-seeds must be seeds the reference never trained")
     data_dir = (args.data_dir or default_data_dir()).resolve()
-    print(f"{ref.name}: measured on {ref.machine} (torch {ref.torch}); judged here on {paths} x threads {threads}",
-          flush=True)
+    print(
+        f"{ref.name}: measured on {ref.machine} (torch {ref.torch}); judged here on {paths} x threads {threads}",
+        flush=True,
+    )
 
     report = {"reference": ref.name, "reference_machine": ref.machine, "settings": []}
     for path in paths:
@@ -117,19 +126,26 @@ def main() -> int:
             verdicts = [judge(ref, d) for d in dirs]
             own = [v for v in verdicts if v["own_seed"]]
             among = [v for v in verdicts if not v["own_seed"]]
-            row = {"path": path, "runs_as": runs_as, "threads": n,
-                   "own_seed": [sum(v["curve_alarm"] for v in own), len(own)],
-                   "among_seeds": [sum(v["curve_alarm"] for v in among), len(among)],
-                   "band": [sum(v["band_alarm"] for v in verdicts), len(verdicts)],
-                   "closest_own": round(max((v["closest"] for v in own), default=0.0), 3),
-                   "closest_among": round(max((v["closest"] for v in among if v["closest"] is not None),
-                                              default=0.0), 3),
-                   "rms_t_own": rms(v["last_t"] for v in own), "rms_t_among": rms(v["last_t"] for v in among)}
+            row = {
+                "path": path,
+                "runs_as": runs_as,
+                "threads": n,
+                "own_seed": [sum(v["curve_alarm"] for v in own), len(own)],
+                "among_seeds": [sum(v["curve_alarm"] for v in among), len(among)],
+                "band": [sum(v["band_alarm"] for v in verdicts), len(verdicts)],
+                "closest_own": round(max((v["closest"] for v in own), default=0.0), 3),
+                "closest_among": round(max((v["closest"] for v in among if v["closest"] is not None), default=0.0), 3),
+                "rms_t_own": rms(v["last_t"] for v in own),
+                "rms_t_among": rms(v["last_t"] for v in among),
+            }
             report["settings"].append(row)
-            print(f"{path:8s} ({runs_as}) threads {n}: false alarms own seed {row['own_seed'][0]}/{row['own_seed'][1]} "
-                  f"(closest {row['closest_own']:.2f}, rms t {row['rms_t_own']:.2f}), among seeds "
-                  f"{row['among_seeds'][0]}/{row['among_seeds'][1]} (closest {row['closest_among']:.2f}, rms t "
-                  f"{row['rms_t_among']:.2f}), band {row['band'][0]}/{row['band'][1]}", flush=True)
+            print(
+                f"{path:8s} ({runs_as}) threads {n}: false alarms own seed {row['own_seed'][0]}/{row['own_seed'][1]} "
+                f"(closest {row['closest_own']:.2f}, rms t {row['rms_t_own']:.2f}), among seeds "
+                f"{row['among_seeds'][0]}/{row['among_seeds'][1]} (closest {row['closest_among']:.2f}, rms t "
+                f"{row['rms_t_among']:.2f}), band {row['band'][0]}/{row['band'][1]}",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -37,16 +37,27 @@ def main():
         if not args.data:
             write_stories(source, args.stories, seed=0)
         mb = source.stat().st_size / 1e6
-        results = {"date": time.strftime("%Y-%m-%d"), "source": str(args.data or f"{args.stories} generated stories"),
-                   "mb": round(mb, 2), "rounds": args.rounds}
+        results = {
+            "date": time.strftime("%Y-%m-%d"),
+            "source": str(args.data or f"{args.stories} generated stories"),
+            "mb": round(mb, 2),
+            "rounds": args.rounds,
+        }
         for kind in args.tokenizers.split(","):
             seconds = {True: [], False: []}
             for r in range(args.rounds):
                 for bounds in (True, False) if r % 2 == 0 else (False, True):
                     out = Path(tmp) / f"{kind}_{r}_{bounds}"
                     start = time.perf_counter()
-                    data = prepare(source, out, kind, args.vocab_size, progress=False, log=lambda *_: None,
-                                   compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if bounds else 0)
+                    data = prepare(
+                        source,
+                        out,
+                        kind,
+                        args.vocab_size,
+                        progress=False,
+                        log=lambda *_: None,
+                        compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if bounds else 0,
+                    )
                     seconds[bounds].append(time.perf_counter() - start)
                     if bounds:
                         meta = data.meta

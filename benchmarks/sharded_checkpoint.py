@@ -33,8 +33,11 @@ FORMATS = ("pickle", "safetensors")
 
 
 def _shape(big: bool) -> dict:
-    return dict(vocab_size=8192, seq_len=64, n_layer=6, n_head=6, n_embd=384) if big else \
-        dict(vocab_size=67, seq_len=32, n_layer=2, n_head=2, n_embd=36)
+    return (
+        dict(vocab_size=8192, seq_len=64, n_layer=6, n_head=6, n_embd=384)
+        if big
+        else dict(vocab_size=67, seq_len=32, n_layer=2, n_head=2, n_embd=36)
+    )
 
 
 def worker(args) -> None:
@@ -49,8 +52,8 @@ def worker(args) -> None:
     )
     from torch.distributed.fsdp import fully_shard
 
-    from nanolm.model import GPT, GPTConfig
     from nanolm.base.sharded import _untied, load_sharded, save_sharded
+    from nanolm.model import GPT, GPTConfig
 
     dist.init_process_group("gloo")
     torch.manual_seed(0 if args.action == "save" else 1)  # a load starts from other weights
@@ -104,8 +107,8 @@ def plain_load(args) -> None:
     """One plain process (what ``nanolm sample`` does with a sharded checkpoint)."""
     import torch
 
-    from nanolm.model import GPT, GPTConfig
     from nanolm.base.sharded import load_sharded
+    from nanolm.model import GPT, GPTConfig
 
     model = GPT(GPTConfig(**_shape(args.big)))
     start = time.perf_counter()
@@ -121,8 +124,22 @@ def _launch(ranks: int, *argv) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(ranks),
-           "--master_addr", "127.0.0.1", "--master_port", str(port), __file__, "--worker", *argv]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(ranks),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        __file__,
+        "--worker",
+        *argv,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"a worker failed:\n{r.stderr[-3000:]}")
@@ -165,14 +182,22 @@ def main() -> None:
                 "mb": round(sum(f.stat().st_size for f in files) / 1e6, 1),
             }
             if fmt == "safetensors":
-                r = subprocess.run([sys.executable, __file__, "--plain", "--dir", tmp, *size], capture_output=True,
-                                   text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                r = subprocess.run(
+                    [sys.executable, __file__, "--plain", "--dir", tmp, *size],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                )
                 if r.returncode:
                     raise SystemExit(f"the plain load failed:\n{r.stderr[-3000:]}")
-                results[fmt]["plain_process_load_s"] = round(json.loads(r.stdout.strip().splitlines()[-1])["seconds"], 3)
+                results[fmt]["plain_process_load_s"] = round(
+                    json.loads(r.stdout.strip().splitlines()[-1])["seconds"], 3
+                )
     s, pk = results["safetensors"], results["pickle"]
-    results["safetensors_over_pickle"] = {"save": round(s["save_s_median"] / pk["save_s_median"], 2),
-                                          "load": round(s["load_s_median"] / pk["load_s_median"], 2)}
+    results["safetensors_over_pickle"] = {
+        "save": round(s["save_s_median"] / pk["save_s_median"], 2),
+        "load": round(s["load_s_median"] / pk["load_s_median"], 2),
+    }
     print(json.dumps(results, indent=2))
 
 

@@ -61,8 +61,20 @@ TRAIN_LINE = re.compile(r"^step +(\d+)/\d+ \| loss ([0-9.]+)")
 def run_once(args, out_dir: Path) -> dict:
     # a budget run trains the config's steps: a target the config may carry (the 1.20 speedrun's) is switched off
     target = ["--target-val-bpb", "0" if args.budget else str(args.target)]
-    cmd = [sys.executable, "-m", "nanolm", "train", "--config", args.config, "--data", args.data,
-           "--out-dir", str(out_dir), *target, *args.extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanolm",
+        "train",
+        "--config",
+        args.config,
+        "--data",
+        args.data,
+        "--out-dir",
+        str(out_dir),
+        *target,
+        *args.extra,
+    ]
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -92,8 +104,16 @@ def run_once(args, out_dir: Path) -> dict:
     # the values themselves from metrics.jsonl (stdout only gives each one its time since launch)
     seen = {row["step"]: row["seconds"] for row in curve}
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    curve = [{"step": r["step"], "seconds": seen.get(r["step"]), "train_elapsed_s": round(r["elapsed_s"], 2),
-              "val_bpb": round(r["val_bpb"], 4)} for r in rows if "val_bpb" in r]
+    curve = [
+        {
+            "step": r["step"],
+            "seconds": seen.get(r["step"]),
+            "train_elapsed_s": round(r["elapsed_s"], 2),
+            "val_bpb": round(r["val_bpb"], 4),
+        }
+        for r in rows
+        if "val_bpb" in r
+    ]
     common = {
         "before_training_s": phases.get("data_ready_s"),
         "launch_to_exit_s": round(wall, 2),
@@ -151,8 +171,10 @@ def shifted_holdout(data: str, shift: int, separator: str, directory: Path) -> s
             current.append(line)
     docs.append(current)
     if not 0 < shift < len(docs):
-        raise SystemExit(f"error: --holdout-shift must be between 1 and {len(docs) - 1} (the file holds {len(docs)} "
-                         f"documents), got {shift}")
+        raise SystemExit(
+            f"error: --holdout-shift must be between 1 and {len(docs) - 1} (the file holds {len(docs)} "
+            f"documents), got {shift}"
+        )
     docs = docs[shift:] + docs[:shift]
     shifted = directory / f"{Path(data).stem}.shift{shift}{Path(data).suffix}"
     shifted.write_text(f"\n{separator}\n".join("\n".join(doc) for doc in docs), encoding="utf-8")
@@ -178,24 +200,45 @@ def full_validation_bpb(run_dir: Path, threads: int | None) -> dict:
     data = PreparedData(run_dir / "data")
     model = GPT(cfg.model.gpt_config(data.tokenizer.vocab_size))
     load_weights(model, run_dir / "model.safetensors")
-    batches = eval_batches(data.val, cfg.model.seq_len, 64, data.tokenizer.eos_id, doc_mask=cfg.data.doc_mask,
-                           reset_positions=cfg.data.reset_positions, mask_boundary=cfg.data.mask_boundary)
+    batches = eval_batches(
+        data.val,
+        cfg.model.seq_len,
+        64,
+        data.tokenizer.eos_id,
+        doc_mask=cfg.data.doc_mask,
+        reset_positions=cfg.data.reset_positions,
+        mask_boundary=cfg.data.mask_boundary,
+    )
     with resolve_precision(cfg.train.precision, torch.device("cpu")).autocast():
         result = estimate_loss(model, batches, torch.from_numpy(data.tokenizer.token_bytes()))
     all_windows = len(eval_window_starts(len(data.val.tokens), cfg.model.seq_len)[0])
-    return {"full_val_bpb": round(result["bpb"], 4), "val_tokens": result["tokens"], "val_bytes": result["bytes"],
-            "decided_on_the_full_val_split": cfg.train.eval_batches * cfg.train.batch_size >= all_windows}
+    return {
+        "full_val_bpb": round(result["bpb"], 4),
+        "val_tokens": result["tokens"],
+        "val_bytes": result["bytes"],
+        "decided_on_the_full_val_split": cfg.train.eval_batches * cfg.train.batch_size >= all_windows,
+    }
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default="shakespeare", help="tiny-shakespeare: a local path, or 'shakespeare' to download it")
+    p.add_argument(
+        "--data", default="shakespeare", help="tiny-shakespeare: a local path, or 'shakespeare' to download it"
+    )
     p.add_argument("--config", default="configs/speedrun_cpu.toml")
     p.add_argument("--target", type=float, default=2.72, help="validation bits per byte to reach")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds of training: the time-budget track (no target; the config's steps must fit)")
-    p.add_argument("--holdout-shift", type=int, default=0,
-                   help="move the file's first K documents to its end: another tenth of them held out")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds of training: the time-budget track (no target; the config's steps must fit)",
+    )
+    p.add_argument(
+        "--holdout-shift",
+        type=int,
+        default=0,
+        help="move the file's first K documents to its end: another tenth of them held out",
+    )
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the run (default: PyTorch's)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seeds", default="", help="comma-separated seeds: one run each (× --repeats), --seed passed on")
@@ -222,33 +265,48 @@ def main():
             result.update(full_validation_bpb(run_dir, args.threads))
             runs.append(result)
     if args.budget:
-        print(json.dumps({
-            "date": time.strftime("%Y-%m-%d"), "config": args.config, "data": args.data, "budget_s": args.budget,
-            "holdout_shift": args.holdout_shift, "threads": args.threads or "default", "cpus": os.cpu_count(),
-            "extra_flags": flags,
-            "median_full_val_bpb": statistics.median(r["full_val_bpb"] for r in runs),
-            "median_training_time_s": statistics.median(r["training_time_s"] for r in runs),
-            "fits_budget": statistics.median(r["training_time_s"] for r in runs) <= args.budget,
-            "passes": statistics.median(r["passes"] for r in runs),
-            "runs": runs,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "config": args.config,
+                    "data": args.data,
+                    "budget_s": args.budget,
+                    "holdout_shift": args.holdout_shift,
+                    "threads": args.threads or "default",
+                    "cpus": os.cpu_count(),
+                    "extra_flags": flags,
+                    "median_full_val_bpb": statistics.median(r["full_val_bpb"] for r in runs),
+                    "median_training_time_s": statistics.median(r["training_time_s"] for r in runs),
+                    "fits_budget": statistics.median(r["training_time_s"] for r in runs) <= args.budget,
+                    "passes": statistics.median(r["passes"] for r in runs),
+                    "runs": runs,
+                },
+                indent=2,
+            )
+        )
         return
     times = [r["training_time_to_target_s"] for r in runs if r["training_time_to_target_s"] is not None]
     whole = [r["launch_to_exit_s"] for r in runs if r["reached_target"]]
-    print(json.dumps({
-        "date": time.strftime("%Y-%m-%d"),
-        "config": args.config,
-        "data": args.data,
-        "target_val_bpb": args.target,
-        "threads": args.threads or "default",
-        "cpus": os.cpu_count(),
-        "extra_flags": flags,
-        "median_training_time_to_target_s": statistics.median(times) if times else None,
-        "median_before_training_s": statistics.median(r["before_training_s"] for r in runs),
-        "median_launch_to_exit_s": statistics.median(whole) if whole else None,
-        "reached": f"{len(times)}/{len(runs)}",
-        "runs": runs,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d"),
+                "config": args.config,
+                "data": args.data,
+                "target_val_bpb": args.target,
+                "threads": args.threads or "default",
+                "cpus": os.cpu_count(),
+                "extra_flags": flags,
+                "median_training_time_to_target_s": statistics.median(times) if times else None,
+                "median_before_training_s": statistics.median(r["before_training_s"] for r in runs),
+                "median_launch_to_exit_s": statistics.median(whole) if whole else None,
+                "reached": f"{len(times)}/{len(runs)}",
+                "runs": runs,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -212,8 +212,15 @@ def model_in_plain_loop_runner(name, shape, vocab, tokens, device, autocast, lr=
     ``F.cross_entropy``, PyTorch's clipping, nanolm's fused AdamW): what the model costs
     apart from the step around it."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, seq_len=shape["seq_len"], n_layer=shape["n_layer"],
-                          n_head=shape["n_head"], n_embd=shape["n_embd"])).to(device)
+    model = GPT(
+        GPTConfig(
+            vocab_size=vocab,
+            seq_len=shape["seq_len"],
+            n_layer=shape["n_layer"],
+            n_head=shape["n_head"],
+            n_embd=shape["n_embd"],
+        )
+    ).to(device)
     opt = build_optimizer(model, lr, 0.1)
     g = torch.Generator().manual_seed(0)
 
@@ -236,19 +243,49 @@ def layer_norm_instead(self, x):
     return F.layer_norm(x, (x.shape[-1],), self.weight, None, self.eps)
 
 
-def nanolm_runner(name, shape, vocab, tokens, eos, device, autocast, doc_mask=True, compile=False,
-                  fused_adamw=True, lr=1e-3, patch=None):
+def nanolm_runner(
+    name,
+    shape,
+    vocab,
+    tokens,
+    eos,
+    device,
+    autocast,
+    doc_mask=True,
+    compile=False,
+    fused_adamw=True,
+    lr=1e-3,
+    patch=None,
+):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=vocab, seq_len=shape["seq_len"], n_layer=shape["n_layer"],
-                          n_head=shape["n_head"], n_embd=shape["n_embd"])).to(device)
+    model = GPT(
+        GPTConfig(
+            vocab_size=vocab,
+            seq_len=shape["seq_len"],
+            n_layer=shape["n_layer"],
+            n_head=shape["n_head"],
+            n_embd=shape["n_embd"],
+        )
+    ).to(device)
     if fused_adamw:
         opt = build_optimizer(model, lr, 0.1)
     else:  # PyTorch's default AdamW for the device: one tensor at a time on CPU
         opt = torch.optim.AdamW(get_param_groups(model, 0.1), lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    setup = StepSetup(model, opt, schedule=lambda step: lr, clip=1.0,
-                      step_model=torch.compile(model) if compile else model, autocast=autocast)
-    batches = TrainBatches(tokens, WindowSampler(len(tokens), shape["seq_len"], shape["batch_size"], seed=0),
-                           shape["seq_len"], eos, doc_mask=doc_mask)
+    setup = StepSetup(
+        model,
+        opt,
+        schedule=lambda step: lr,
+        clip=1.0,
+        step_model=torch.compile(model) if compile else model,
+        autocast=autocast,
+    )
+    batches = TrainBatches(
+        tokens,
+        WindowSampler(len(tokens), shape["seq_len"], shape["batch_size"], seed=0),
+        shape["seq_len"],
+        eos,
+        doc_mask=doc_mask,
+    )
     steps = iter(range(1, 1 << 62))
 
     def step():  # the training loop's own step (no loss scaler: fp32 or bf16; no guard: every step taken)
@@ -260,12 +297,14 @@ def nanolm_runner(name, shape, vocab, tokens, eos, device, autocast, doc_mask=Tr
 
 def all_of(*patches):
     """One patch context made of several."""
+
     @contextlib.contextmanager
     def combined():
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch())
             yield
+
     return combined
 
 
@@ -307,7 +346,7 @@ def interleaved(runners: list[Runner], rounds: int, steps: int, warmup: int) -> 
         r.timed(warmup)
     times = {r.name: [] for r in runners}
     for i in range(rounds):
-        for r in (runners if i % 2 == 0 else runners[::-1]):
+        for r in runners if i % 2 == 0 else runners[::-1]:
             times[r.name].append(r.timed(steps))
     wall = {name: statistics.median(w for w, _ in t) for name, t in times.items()}
     cpu = {name: statistics.median(c for _, c in t) for name, t in times.items()}
@@ -359,10 +398,15 @@ def matmul_floor_seconds(runner: Runner, repeats: int = 7) -> tuple[float, int]:
     inputs, products = {}, []
     for key in recorded.seen:
         if key not in inputs:
-            inputs[key] = (torch.randn(key[0], device=runner.device, dtype=key[2]),
-                           torch.randn(key[1], device=runner.device, dtype=key[2]))
+            inputs[key] = (
+                torch.randn(key[0], device=runner.device, dtype=key[2]),
+                torch.randn(key[1], device=runner.device, dtype=key[2]),
+            )
         products.append(inputs[key])
-    mm = lambda a, b: torch.bmm(a, b) if a.dim() == 3 else torch.mm(a, b)
+
+    def mm(a, b):
+        return torch.bmm(a, b) if a.dim() == 3 else torch.mm(a, b)
+
     times = []
     for _ in range(repeats + 1):
         sync(runner.device)
@@ -394,39 +438,63 @@ def peak_memory(device) -> dict:
 def build_runners(args, shape, vocab, tokens, eos, device, precision, threads):
     auto = precision.autocast
     bf16 = resolve_precision("bf16", device).autocast
-    runners = [nanolm_runner("nanolm", shape, vocab, tokens, eos, device, auto),
-               nanolm_runner("nanolm_mask_off", shape, vocab, tokens, eos, device, auto, doc_mask=False)]
+    runners = [
+        nanolm_runner("nanolm", shape, vocab, tokens, eos, device, auto),
+        nanolm_runner("nanolm_mask_off", shape, vocab, tokens, eos, device, auto, doc_mask=False),
+    ]
     extra_bf16 = device.type == "cpu" and precision.name == "fp32" and cpu_has_native_bf16()
     if extra_bf16:
         runners.append(nanolm_runner("nanolm_bf16", shape, vocab, tokens, eos, device, bf16))
     if not args.no_reference:
-        runners.append(reference_runner(shape, vocab, tokens, device, resolve_precision(args.reference_precision, device).autocast))
+        runners.append(
+            reference_runner(shape, vocab, tokens, device, resolve_precision(args.reference_precision, device).autocast)
+        )
     base = runners[0]
     if args.ablations or args.breakdown:
-        runners += [nanolm_runner("nanolm_twin", shape, vocab, tokens, eos, device, auto),  # another runner: its noise
-                    toggled(base, "nanolm_again")]  # the same runner again: the noise of the toggled variants
+        runners += [
+            nanolm_runner("nanolm_twin", shape, vocab, tokens, eos, device, auto),  # another runner: its noise
+            toggled(base, "nanolm_again"),
+        ]  # the same runner again: the noise of the toggled variants
     if args.ablations:
         sdpa_as_is = functools.partial(patched, attention=F.scaled_dot_product_attention)
-        qkv_indexed = functools.partial(patched, nanolm.model.Attention, queries_keys_values=queries_keys_values_indexed)
-        runners += [nanolm_runner("before_fused_adamw", shape, vocab, tokens, eos, device, auto, fused_adamw=False),
-                    before_rope(toggled(base, "before_rope_roll")),
-                    toggled(base, "before_qkv_split", qkv_indexed),
-                    before_rope(nanolm_runner("before_all", shape, vocab, tokens, eos, device, auto, fused_adamw=False,
-                                              patch=qkv_indexed))]
+        qkv_indexed = functools.partial(
+            patched, nanolm.model.Attention, queries_keys_values=queries_keys_values_indexed
+        )
+        runners += [
+            nanolm_runner("before_fused_adamw", shape, vocab, tokens, eos, device, auto, fused_adamw=False),
+            before_rope(toggled(base, "before_rope_roll")),
+            toggled(base, "before_qkv_split", qkv_indexed),
+            before_rope(
+                nanolm_runner(
+                    "before_all", shape, vocab, tokens, eos, device, auto, fused_adamw=False, patch=qkv_indexed
+                )
+            ),
+        ]
         if extra_bf16:
-            runners.append(nanolm_runner("before_fp32_attention_bf16", shape, vocab, tokens, eos, device, bf16,
-                                         patch=sdpa_as_is))
+            runners.append(
+                nanolm_runner("before_fp32_attention_bf16", shape, vocab, tokens, eos, device, bf16, patch=sdpa_as_is)
+            )
     if args.breakdown:
-        runners += [model_in_plain_loop_runner("nanolm_model_in_plain_loop", shape, vocab, tokens, device, auto),
-                    toggled(base, "without_rope", functools.partial(patched, apply_rope=lambda x, cos, sin: x)),
-                    toggled(base, "layer_norm_for_rms_norm",
-                            functools.partial(patched, nanolm.model.RMSNorm, forward=layer_norm_instead))]
+        runners += [
+            model_in_plain_loop_runner("nanolm_model_in_plain_loop", shape, vocab, tokens, device, auto),
+            toggled(base, "without_rope", functools.partial(patched, apply_rope=lambda x, cos, sin: x)),
+            toggled(
+                base,
+                "layer_norm_for_rms_norm",
+                functools.partial(patched, nanolm.model.RMSNorm, forward=layer_norm_instead),
+            ),
+        ]
     if args.compile:
-        for r in [nanolm_runner("nanolm_compiled", shape, vocab, tokens, eos, device, auto, compile=True),
-                  nanolm_runner("nanolm_mask_off_compiled", shape, vocab, tokens, eos, device, auto, doc_mask=False,
-                                compile=True)] + (
-                [nanolm_runner("nanolm_bf16_compiled", shape, vocab, tokens, eos, device, bf16, compile=True)]
-                if extra_bf16 else []):
+        for r in [
+            nanolm_runner("nanolm_compiled", shape, vocab, tokens, eos, device, auto, compile=True),
+            nanolm_runner(
+                "nanolm_mask_off_compiled", shape, vocab, tokens, eos, device, auto, doc_mask=False, compile=True
+            ),
+        ] + (
+            [nanolm_runner("nanolm_bf16_compiled", shape, vocab, tokens, eos, device, bf16, compile=True)]
+            if extra_bf16
+            else []
+        ):
             if threads:
                 torch.set_num_threads(threads)
             start = time.perf_counter()
@@ -442,19 +510,21 @@ def time_ratios(runners, secs: dict, thread_counts: list) -> dict:
     """Each variant's time over nanolm's at the same thread count, nanolm compiled with the mask
     over without it, and every nanolm variant's speedup over the reference loop."""
     ratios = {}
-    for suffix in ([f"@{t}" for t in thread_counts] if len(thread_counts) > 1 else [""]):
+    for suffix in [f"@{t}" for t in thread_counts] if len(thread_counts) > 1 else [""]:
         base = secs[f"nanolm{suffix}"]
         for r in runners:
             if r.name.endswith(suffix) and r.name != f"nanolm{suffix}":
                 ratios[f"{r.name} / nanolm{suffix}"] = round(secs[r.name] / base, 3)
         if f"nanolm_compiled{suffix}" in secs:
             ratios[f"nanolm_compiled{suffix} / nanolm_mask_off_compiled{suffix}"] = round(
-                secs[f"nanolm_compiled{suffix}"] / secs[f"nanolm_mask_off_compiled{suffix}"], 3)
+                secs[f"nanolm_compiled{suffix}"] / secs[f"nanolm_mask_off_compiled{suffix}"], 3
+            )
         if f"reference{suffix}" in secs:
             for n in ("nanolm", "nanolm_bf16", "nanolm_compiled", "nanolm_bf16_compiled"):
                 if f"{n}{suffix}" in secs:
                     ratios[f"speedup {n}{suffix} over reference{suffix}"] = round(
-                        secs[f"reference{suffix}"] / secs[f"{n}{suffix}"], 3)
+                        secs[f"reference{suffix}"] / secs[f"{n}{suffix}"], 3
+                    )
     return ratios
 
 
@@ -463,9 +533,12 @@ def main():
     p.add_argument("--shapes", default="nanogpt,large", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--data", default=None, help="text file (default: generated stories), char tokenizer")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default=None,
-                   help="nanolm's --precision (default: fp32 on CPU, the reference's, with a nanolm_bf16 variant "
-                        "beside it where the CPU multiplies bf16 natively; auto elsewhere: bf16 on a GPU that has it)")
+    p.add_argument(
+        "--precision",
+        default=None,
+        help="nanolm's --precision (default: fp32 on CPU, the reference's, with a nanolm_bf16 variant "
+        "beside it where the CPU multiplies bf16 natively; auto elsewhere: bf16 on a GPU that has it)",
+    )
     p.add_argument("--reference-precision", default="fp32")
     p.add_argument("--threads", default="", help="comma-separated thread counts to compare (default: PyTorch's)")
     p.add_argument("--rounds", type=int, default=8)
@@ -474,9 +547,12 @@ def main():
     p.add_argument("--batch-size", type=int, default=None, help="override the shapes' batch size")
     p.add_argument("--no-reference", action="store_true", help="skip the plain loop")
     p.add_argument("--ablations", action="store_true", help="also nanolm with each optimisation undone")
-    p.add_argument("--breakdown", action="store_true",
-                   help="also what each difference from the reference costs: nanolm's model in the reference's "
-                        "loop, nanolm without RoPE, with LayerNorm for RMSNorm (stand-ins, not models to train)")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also what each difference from the reference costs: nanolm's model in the reference's "
+        "loop, nanolm without RoPE, with LayerNorm for RMSNorm (stand-ins, not models to train)",
+    )
     p.add_argument("--compile", action="store_true", help="also nanolm under torch.compile (slow to start)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="for MFU on CUDA (H100/H200 bf16 dense: 989)")
     args = p.parse_args()
@@ -513,28 +589,40 @@ def main():
         seconds, cpu_seconds = interleaved(runners, args.rounds, args.steps, args.warmup)
         tokens_per_step = shape["batch_size"] * shape["seq_len"]
         flops = runners[0].model.flops_per_token()
-        out = {"shape": shape, "vocab_size": vocab, "parameters": runners[0].model.num_params(),
-               "flops_per_token": flops}
+        out = {
+            "shape": shape,
+            "vocab_size": vocab,
+            "parameters": runners[0].model.num_params(),
+            "flops_per_token": flops,
+        }
         for r in runners:
             tps = tokens_per_step / seconds[r.name]
-            row = {"ms_per_step": round(seconds[r.name] * 1e3, 2), "tokens_per_sec": round(tps),
-                   "gflops_per_sec": round(flops * tps / 1e9, 1),
-                   "cpu_ms_per_step": round(cpu_seconds[r.name] * 1e3, 2)}
+            row = {
+                "ms_per_step": round(seconds[r.name] * 1e3, 2),
+                "tokens_per_sec": round(tps),
+                "gflops_per_sec": round(flops * tps / 1e9, 1),
+                "cpu_ms_per_step": round(cpu_seconds[r.name] * 1e3, 2),
+            }
             if device.type == "cuda" and not r.name.startswith("reference"):
                 row["mfu"] = round(flops * tps / (args.peak_tflops * 1e12), 4)
             if hasattr(r, "compile_s"):
                 row["compile_s"] = r.compile_s
             out[r.name] = row
-        out["time_ratios"] = {kind: time_ratios(runners, secs, thread_counts)  # "cpu": process CPU time,
-                              for kind, secs in (("wall", seconds), ("cpu", cpu_seconds))}  # robust on a busy machine
+        out["time_ratios"] = {
+            kind: time_ratios(runners, secs, thread_counts)  # "cpu": process CPU time,
+            for kind, secs in (("wall", seconds), ("cpu", cpu_seconds))
+        }  # robust on a busy machine
         loader = loader_seconds(tokens, eos, shape)
         out["loader_ms_per_step"] = round(loader * 1e3, 3)
         out["loader_share_of_step"] = round(loader / seconds[runners[0].name], 4)
         if runners[0].threads:
             torch.set_num_threads(runners[0].threads)
         floor, count = matmul_floor_seconds(runners[0])
-        out["matmuls_alone"] = {"count_per_step": count, "ms_per_step": round(floor * 1e3, 2),
-                                "share_of_nanolm_step": round(floor / seconds[runners[0].name], 3)}
+        out["matmuls_alone"] = {
+            "count_per_step": count,
+            "ms_per_step": round(floor * 1e3, 2),
+            "share_of_nanolm_step": round(floor / seconds[runners[0].name], 3),
+        }
         results["shapes"][name] = out
     results["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     results.update(peak_memory(device))

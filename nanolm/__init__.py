@@ -9,8 +9,16 @@ __version__ = "0.1.0"
 
 from .errors import NanolmError
 
-_WHERE = {"GPT": "model", "GPTConfig": "model", "head_cross_entropy_sum": "fused_loss", "masked_cross_entropy": "model",
-          "masked_cross_entropy_sum": "model", "get_param_groups": "optim", "cosine_lr": "step", "wsd_lr": "step"}
+_WHERE = {
+    "GPT": "model",
+    "GPTConfig": "model",
+    "head_cross_entropy_sum": "fused_loss",
+    "masked_cross_entropy": "model",
+    "masked_cross_entropy_sum": "model",
+    "get_param_groups": "optim",
+    "cosine_lr": "step",
+    "wsd_lr": "step",
+}
 
 __all__ = ["NanolmError", *sorted(_WHERE)]
 

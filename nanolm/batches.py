@@ -66,6 +66,7 @@ class Batch:
             if device.type == "cuda" and not t.is_cuda:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device, non_blocking=t.is_cuda)
+
         return Batch(move(self.idx), move(self.targets), move(self.loss_mask), move(self.doc_ids), move(self.positions))
 
     @property
@@ -112,8 +113,10 @@ def pack_windows(
 def fewer_tokens_than_a_window(n_tokens: int, seq_len: int) -> NanolmError:
     """The refusal of a training split too short to cut one window from (the run's directory
     checks it before anything is written; the sampler, where the windows are cut)."""
-    return NanolmError(f"the training split holds {n_tokens} tokens, fewer than one window of --seq-len + 1 = "
-                       f"{seq_len + 1}; use more text or a smaller --seq-len")
+    return NanolmError(
+        f"the training split holds {n_tokens} tokens, fewer than one window of --seq-len + 1 = "
+        f"{seq_len + 1}; use more text or a smaller --seq-len"
+    )
 
 
 class WindowSampler:
@@ -130,8 +133,16 @@ class WindowSampler:
     its own disjoint slice of every global batch.
     """
 
-    def __init__(self, n_tokens: int, seq_len: int, batch_size: int, seed: int = 0,
-                 random_offset: bool = False, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        n_tokens: int,
+        seq_len: int,
+        batch_size: int,
+        seed: int = 0,
+        random_offset: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.random_offset, self.rank, self.world_size = random_offset, rank, world_size
         self.n_windows = (n_tokens - 1 - (seq_len if random_offset else 0)) // seq_len
@@ -176,16 +187,32 @@ class TrainBatches:
     of windows drawn by the sampler. Its state is the sampler's position (a few integers),
     which a checkpoint saves and a rollback leaves where it is."""
 
-    def __init__(self, tokens: np.ndarray, sampler: "WindowSampler", seq_len: int, eos_id: int, grad_accum: int = 1,
-                 doc_mask: bool = True, reset_positions: bool = False, mask_boundary: bool = False):
-        self.tokens, self.sampler, self.seq_len, self.eos_id, self.grad_accum = tokens, sampler, seq_len, eos_id, \
-            grad_accum
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        sampler: "WindowSampler",
+        seq_len: int,
+        eos_id: int,
+        grad_accum: int = 1,
+        doc_mask: bool = True,
+        reset_positions: bool = False,
+        mask_boundary: bool = False,
+    ):
+        self.tokens, self.sampler, self.seq_len, self.eos_id, self.grad_accum = (
+            tokens,
+            sampler,
+            seq_len,
+            eos_id,
+            grad_accum,
+        )
         self.pack = dict(doc_mask=doc_mask, reset_positions=reset_positions, mask_boundary=mask_boundary)
 
     def next(self, step: int) -> list[Batch]:
         """The micro-batches of optimizer step ``step``."""
-        return [pack_windows(self.tokens, self.sampler.next_starts(), self.seq_len, self.eos_id, **self.pack)
-                for _ in range(self.grad_accum)]
+        return [
+            pack_windows(self.tokens, self.sampler.next_starts(), self.seq_len, self.eos_id, **self.pack)
+            for _ in range(self.grad_accum)
+        ]
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
@@ -241,8 +268,9 @@ DEFAULT_EVAL_WINDOWS = 320
 default 16 windows, as it was first counted; a run continued keeps its own."""
 
 
-def eval_batches(split: Split, seq_len: int, batch_size: int, eos_id: int, max_windows: int | None = None,
-                 **pack_options) -> list[Batch]:
+def eval_batches(
+    split: Split, seq_len: int, batch_size: int, eos_id: int, max_windows: int | None = None, **pack_options
+) -> list[Batch]:
     """The validation set as a list of batches, identical at every evaluation."""
     starts, tail_from = eval_window_starts(len(split.tokens), seq_len, max_windows)
     batches = []

@@ -22,9 +22,6 @@ from pathlib import Path
 
 import torch
 
-from .errors import NanolmError, brief
-from .machine.runtime import capture_rng, derived_seed, restore_rng, seed_everything
-from .model import GPT
 from .base import disk
 from .base.documents import read_json
 from .base.files import (
@@ -42,6 +39,9 @@ from .base.files import (
     sealed,
 )
 from .base.sharded import SHARDS, load_sharded, save_sharded
+from .errors import NanolmError, brief
+from .machine.runtime import capture_rng, derived_seed, restore_rng, seed_everything
+from .model import GPT
 from .tokenizer import Tokenizer
 
 CHECKPOINTS = "checkpoints"
@@ -87,7 +87,9 @@ def load_weights(model: GPT, path) -> None:
     except Exception as e:
         raise NanolmError(f"{path} could not be loaded into this model ({type(e).__name__}: {brief(e)})") from None
     if missing or unexpected:
-        raise NanolmError(f"{path} does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        raise NanolmError(
+            f"{path} does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+        )
 
 
 def weights_are_finite(model: torch.nn.Module) -> bool:
@@ -123,9 +125,19 @@ def list_checkpoints(run_dir) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: dict, config_toml: str,
-                    tokenizer: Tokenizer, val_loss: float | None = None, keep: int = 3, *,
-                    staged: Path | None = None, meta_extra: dict | None = None) -> Path:
+def save_checkpoint(
+    run_dir,
+    step: int,
+    model: torch.nn.Module | None,
+    state: dict,
+    config_toml: str,
+    tokenizer: Tokenizer,
+    val_loss: float | None = None,
+    keep: int = 3,
+    *,
+    staged: Path | None = None,
+    meta_extra: dict | None = None,
+) -> Path:
     """Write checkpoint ``step`` crash-safely, move ``latest`` to it, prune old ones.
 
     ``state`` holds everything but the weights (optimizer, sampler, RNG, counters...), made
@@ -152,9 +164,17 @@ def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: di
         tokenizer.save(tmp / "tokenizer.json")
         for sub in (p for p in tmp.rglob("*") if p.is_dir()):
             fsync_dir(sub)
-        meta = {"format": FORMAT, "step": step, "val_loss": _json_float(val_loss), "config_hash": config_hash(config_toml),
-                "layout": "single" if model is not None else "sharded", "world_size": 1,
-                "saved_at": time.time(), **(meta_extra or {}), "files": manifest(tmp)}
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "val_loss": _json_float(val_loss),
+            "config_hash": config_hash(config_toml),
+            "layout": "single" if model is not None else "sharded",
+            "world_size": 1,
+            "saved_at": time.time(),
+            **(meta_extra or {}),
+            "files": manifest(tmp),
+        }
         atomic_write_text(tmp / "meta.json", json.dumps(sealed(meta), indent=2))
         fsync_dir(tmp)
         if final.exists():  # a checkpoint of the same step from an abandoned attempt
@@ -166,8 +186,10 @@ def save_checkpoint(run_dir, step: int, model: torch.nn.Module | None, state: di
         if tmp is not None:
             disk.remove_tree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
-            raise NanolmError(f"could not save the checkpoint of step {step}: {describe_os_error(e)}; the previous "
-                              f"checkpoint is intact: run the same command again to resume") from None
+            raise NanolmError(
+                f"could not save the checkpoint of step {step}: {describe_os_error(e)}; the previous "
+                f"checkpoint is intact: run the same command again to resume"
+            ) from None
         raise
     _prune(run_dir, keep)
     return final
@@ -198,7 +220,6 @@ def _prune(run_dir, keep: int) -> None:
     for _, path in checkpoints[:-keep]:
         if path != best and path != latest:
             _discard(path)
-
 
 
 def _discard(path: Path) -> None:
@@ -240,9 +261,15 @@ def read_checkpoint_meta(path) -> dict:
     if not isinstance(meta, dict):
         raise NanolmError(f"{what}: meta.json is not an object")
     check_seal(meta, f"{what}: meta.json")
-    expected = {"format": _is_int, "step": _is_int, "config_hash": lambda v: isinstance(v, str),
-                "layout": lambda v: v in LAYOUTS, "world_size": lambda v: _is_int(v) and v >= 1,
-                "val_loss": lambda v: v is None or _is_number(v), "files": lambda v: isinstance(v, dict)}
+    expected = {
+        "format": _is_int,
+        "step": _is_int,
+        "config_hash": lambda v: isinstance(v, str),
+        "layout": lambda v: v in LAYOUTS,
+        "world_size": lambda v: _is_int(v) and v >= 1,
+        "val_loss": lambda v: v is None or _is_number(v),
+        "files": lambda v: isinstance(v, dict),
+    }
     for key, ok in expected.items():
         if key not in meta:
             raise NanolmError(f"{what}: meta.json has no {key!r}")
@@ -269,11 +296,16 @@ def verify_checkpoint(path) -> dict:
     needed = set(STANDALONE_FILES) | ({"model.safetensors"} if meta["layout"] == "single" else set())
     lacking = sorted(needed - set(files))
     if lacking:
-        raise NanolmError(f"checkpoint {path}: its manifest lacks {lacking[0]}, which a {meta['layout']} checkpoint holds")
+        raise NanolmError(
+            f"checkpoint {path}: its manifest lacks {lacking[0]}, which a {meta['layout']} checkpoint holds"
+        )
     shards = [n for n in files if n.startswith(f"{SHARDS}/")]
-    if meta["layout"] == "sharded" and (not shards or not all(n.endswith(".safetensors") and n.count("/") == 1
-                                                             for n in shards)):
-        raise NanolmError(f"checkpoint {path}: a sharded checkpoint holds safetensors files in {SHARDS}/ and only those")
+    if meta["layout"] == "sharded" and (
+        not shards or not all(n.endswith(".safetensors") and n.count("/") == 1 for n in shards)
+    ):
+        raise NanolmError(
+            f"checkpoint {path}: a sharded checkpoint holds safetensors files in {SHARDS}/ and only those"
+        )
     if meta["layout"] == "single" and shards:
         raise NanolmError(f"checkpoint {path}: meta.json says layout single, yet it lists files in {SHARDS}/")
     check_manifest(path, files, f"checkpoint {path}", skip=("meta.json",))
@@ -327,8 +359,15 @@ def load_state(path) -> dict:
     return state
 
 
-TRAINING_STATE = {"sampler": dict, "scaler": dict, "progress": dict, "guard": dict, "observer": dict, "rng": dict,
-                  "optimizer": dict}
+TRAINING_STATE = {
+    "sampler": dict,
+    "scaler": dict,
+    "progress": dict,
+    "guard": dict,
+    "observer": dict,
+    "rng": dict,
+    "optimizer": dict,
+}
 
 
 def check_training_state(path, state: dict) -> None:
@@ -345,6 +384,7 @@ def check_training_state(path, state: dict) -> None:
 
 def valid_resume_checkpoint(run_dir, log) -> Path | None:
     """The newest checkpoint that verifies *and* whose state a resume can restore."""
+
     def loadable(path):
         check_training_state(path, load_state(path))
 
@@ -352,8 +392,19 @@ def valid_resume_checkpoint(run_dir, log) -> Path | None:
 
 
 # --------------------------------------------------------------------------- a run's checkpoints
-def save_run_checkpoint(dist, run_dir, step: int, model, optimizer, state: dict, config_toml: str, tokenizer,
-                        val_loss: float | None = None, keep: int = 3, meta_extra: dict | None = None) -> Path:
+def save_run_checkpoint(
+    dist,
+    run_dir,
+    step: int,
+    model,
+    optimizer,
+    state: dict,
+    config_toml: str,
+    tokenizer,
+    val_loss: float | None = None,
+    keep: int = 3,
+    meta_extra: dict | None = None,
+) -> Path:
     """Save a checkpoint of every rank's state (every rank calls it); returns its directory.
 
     ``state`` holds what all ranks share (step, sampler, scaler, progress...); this adds the
@@ -367,6 +418,7 @@ def save_run_checkpoint(dist, run_dir, step: int, model, optimizer, state: dict,
         state["rng_ranks"] = rngs
     meta = {**(meta_extra or {}), "world_size": dist.world_size, "layout": "sharded" if dist.sharded else "single"}
     if not dist.sharded:
+
         def write():
             state["optimizer"] = optimizer.state_dict()
             return save_checkpoint(run_dir, step, model, state, config_toml, tokenizer, val_loss, keep, meta_extra=meta)
@@ -378,8 +430,11 @@ def save_run_checkpoint(dist, run_dir, step: int, model, optimizer, state: dict,
     staged = Path(run_dir) / CHECKPOINTS / f".tmp-step_{step:06d}-sharded"
     dist.from_main(lambda: _fresh_dir(staged))
     state["optimizer"] = save_sharded(staged / SHARDS, model, optimizer)
-    return dist.from_main(lambda: save_checkpoint(run_dir, step, None, state, config_toml, tokenizer, val_loss,
-                                                  keep, staged=staged, meta_extra=meta))
+    return dist.from_main(
+        lambda: save_checkpoint(
+            run_dir, step, None, state, config_toml, tokenizer, val_loss, keep, staged=staged, meta_extra=meta
+        )
+    )
 
 
 def _fresh_dir(path: Path) -> None:
@@ -398,15 +453,17 @@ def load_run_checkpoint(dist, checkpoint: Path, state: dict, model, optimizer, l
         load_sharded(checkpoint, model, optimizer, state["optimizer"])
     else:
         if dist.sharded:
-            raise NanolmError(f"{checkpoint} holds full weights (a --dist none or ddp run); "
-                              "resume it with --dist ddp or none")
+            raise NanolmError(
+                f"{checkpoint} holds full weights (a --dist none or ddp run); resume it with --dist ddp or none"
+            )
         load_weights(model, checkpoint / "model.safetensors")
         if optimizer is not None:
             try:
                 optimizer.load_state_dict(state["optimizer"])
             except (KeyError, ValueError, TypeError, IndexError) as e:
-                raise NanolmError(f"checkpoint {checkpoint}: the optimizer state does not fit this model "
-                                  f"({type(e).__name__}: {e})") from None
+                raise NanolmError(
+                    f"checkpoint {checkpoint}: the optimizer state does not fit this model ({type(e).__name__}: {e})"
+                ) from None
     if not rng:
         return
     saved_world = int(state.get("world_size", 1))
@@ -417,8 +474,10 @@ def load_run_checkpoint(dist, checkpoint: Path, state: dict, model, optimizer, l
         restore_rng(ranks[dist.rank] if saved_world > 1 else state["rng"], dist.device)
     else:
         seed_everything(derived_seed(int(state["sampler"]["seed"]), int(state["step"]), dist.rank))
-        log(f"resume: the checkpoint was written by {saved_world} process(es), this run has {dist.world_size}: "
-            f"random streams (dropout) are re-derived from (seed, step, rank)")
+        log(
+            f"resume: the checkpoint was written by {saved_world} process(es), this run has {dist.world_size}: "
+            f"random streams (dropout) are re-derived from (seed, step, rank)"
+        )
 
 
 class Checkpointer:
@@ -433,32 +492,74 @@ class Checkpointer:
     bad batches are not replayed) and the guard's own count of rollbacks.
     """
 
-    def __init__(self, *, dist, run_dir, model, optimizer, stateful: dict, config_toml: str, tokenizer,
-                 data_digest: str, every: int, last_step: int, keep: int = 3, log=print,
-                 kept_by_rollback=("sampler", "guard")):
+    def __init__(
+        self,
+        *,
+        dist,
+        run_dir,
+        model,
+        optimizer,
+        stateful: dict,
+        config_toml: str,
+        tokenizer,
+        data_digest: str,
+        every: int,
+        last_step: int,
+        keep: int = 3,
+        log=print,
+        kept_by_rollback=("sampler", "guard"),
+    ):
         self.dist, self.run_dir, self.model, self.optimizer = dist, Path(run_dir), model, optimizer
         self.kept_by_rollback = set(kept_by_rollback)
-        self.stateful, self.config_toml, self.tokenizer, self.data_digest = stateful, config_toml, tokenizer, data_digest
+        self.stateful, self.config_toml, self.tokenizer, self.data_digest = (
+            stateful,
+            config_toml,
+            tokenizer,
+            data_digest,
+        )
         self.every, self.last_step, self.keep, self.log = every, last_step, keep, log
 
     @classmethod
-    def for_run(cls, cfg, *, dist, run_dir, model, optimizer, stateful: dict, tokenizer, data_digest: str,
-                log=print) -> "Checkpointer":
+    def for_run(
+        cls, cfg, *, dist, run_dir, model, optimizer, stateful: dict, tokenizer, data_digest: str, log=print
+    ) -> "Checkpointer":
         """The checkpointer of a run configured by ``cfg``: its ``[train]`` section says how
         often (``ckpt_every``), until which step, and how many to keep; the config is saved
         in every checkpoint."""
         t = cfg.train
-        return cls(dist=dist, run_dir=run_dir, model=model, optimizer=optimizer, stateful=stateful,
-                   config_toml=cfg.to_toml(), tokenizer=tokenizer, data_digest=data_digest, every=t.ckpt_every,
-                   last_step=t.steps, keep=t.keep, log=log)
+        return cls(
+            dist=dist,
+            run_dir=run_dir,
+            model=model,
+            optimizer=optimizer,
+            stateful=stateful,
+            config_toml=cfg.to_toml(),
+            tokenizer=tokenizer,
+            data_digest=data_digest,
+            every=t.ckpt_every,
+            last_step=t.steps,
+            keep=t.keep,
+            log=log,
+        )
 
     def due(self, step: int, stop_signal: int | None = None, target_reached: bool = False) -> bool:
         return step % self.every == 0 or step == self.last_step or bool(stop_signal) or target_reached
 
     def save(self, step: int, val_loss: float | None = None) -> Path:
         state = {"step": step, **{name: c.state_dict() for name, c in self.stateful.items()}}
-        return save_run_checkpoint(self.dist, self.run_dir, step, self.model, self.optimizer, state, self.config_toml,
-                                   self.tokenizer, val_loss, self.keep, meta_extra={"data_digest": self.data_digest})
+        return save_run_checkpoint(
+            self.dist,
+            self.run_dir,
+            step,
+            self.model,
+            self.optimizer,
+            state,
+            self.config_toml,
+            self.tokenizer,
+            val_loss,
+            self.keep,
+            meta_extra={"data_digest": self.data_digest},
+        )
 
     def restore(self, path: Path, keep_data_position: bool = False) -> int:
         """Load checkpoint ``path`` into the live run; returns its step. A rollback
@@ -473,8 +574,9 @@ class Checkpointer:
                 except NanolmError:
                     raise
                 except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
-                    raise NanolmError(f"checkpoint {path}: state.pt holds a malformed {name} state ({type(e).__name__}: "
-                                      f"{brief(e)})") from None
+                    raise NanolmError(
+                        f"checkpoint {path}: state.pt holds a malformed {name} state ({type(e).__name__}: {brief(e)})"
+                    ) from None
         return state["step"]
 
 

@@ -284,10 +284,17 @@ class Distributed:
         if self.mode == "ddp":
             DDP = torch.nn.parallel.DistributedDataParallel
             # the only buffers are the RoPE tables, identical everywhere: no need to resend them every forward
-            quiet = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                     else "broadcast_buffers")
-            ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                      gradient_as_bucket_view=True, **{quiet: False})
+            quiet = (
+                "forward_sync_buffers"
+                if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                else "broadcast_buffers"
+            )
+            ddp = DDP(
+                model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+                **{quiet: False},
+            )
             ddp.register_comm_hook(None, _sum_gradients)
             return ddp
         if self.mode == "fsdp":
@@ -346,13 +353,17 @@ class Distributed:
         after = t.batch_size * t.grad_accum * self.world_size
         allowed, refused = [], []
         if saved_world != self.world_size:
-            line = (f"world size: {saved_world} -> {self.world_size} (global batch: batch_size × grad_accum × "
-                    f"world size = {s.batch_size}×{s.grad_accum}×{saved_world} = {before} -> "
-                    f"{t.batch_size}×{t.grad_accum}×{self.world_size} = {after} windows per step)")
+            line = (
+                f"world size: {saved_world} -> {self.world_size} (global batch: batch_size × grad_accum × "
+                f"world size = {s.batch_size}×{s.grad_accum}×{saved_world} = {before} -> "
+                f"{t.batch_size}×{t.grad_accum}×{self.world_size} = {after} windows per step)"
+            )
             (allowed if before == after else refused).append(line)
         if meta.get("layout", "single") == "single" and self.sharded:
-            refused.append("dist: the checkpoint holds full weights (--dist none or ddp); --dist fsdp resumes only "
-                           "sharded checkpoints")
+            refused.append(
+                "dist: the checkpoint holds full weights (--dist none or ddp); --dist fsdp resumes only "
+                "sharded checkpoints"
+            )
         return (SPLIT_OPTIONS if before == after else set()), allowed, refused
 
     def close(self, failed: bool = False) -> None:
@@ -391,13 +402,17 @@ def setup(mode: str, device: torch.device) -> Distributed:
     env = torchrun_env()
     if env is None:
         if mode in ("ddp", "fsdp"):
-            raise NanolmError(f"--dist {mode} needs processes started by torchrun, e.g. "
-                              f"torchrun --nproc_per_node 2 -m nanolm.train --dist {mode} ... (see docs/distributed.md)")
+            raise NanolmError(
+                f"--dist {mode} needs processes started by torchrun, e.g. "
+                f"torchrun --nproc_per_node 2 -m nanolm.train --dist {mode} ... (see docs/distributed.md)"
+            )
         return Distributed("none", device)
     rank, world_size, local_rank = env
     if mode == "none" and world_size > 1:
-        raise NanolmError(f"--dist none under torchrun with {world_size} processes would train {world_size} separate "
-                          "copies writing to one run directory; use --dist ddp or fsdp (or auto)")
+        raise NanolmError(
+            f"--dist none under torchrun with {world_size} processes would train {world_size} separate "
+            "copies writing to one run directory; use --dist ddp or fsdp (or auto)"
+        )
     if mode in ("none", "auto") and world_size == 1:
         return Distributed("none", device)
     mode = "ddp" if mode == "auto" else mode
@@ -407,12 +422,16 @@ def setup(mode: str, device: torch.device) -> Distributed:
         raise NanolmError("--dist: PyTorch has no distributed backend for MPS; use --device cpu")
     if device.type == "cuda":
         if device.index is not None and device.index != local_rank:
-            raise NanolmError(f"--device {device}: under torchrun every process uses cuda:LOCAL_RANK (here "
-                              f"cuda:{local_rank}); pass --device cuda (or auto), and choose GPUs with CUDA_VISIBLE_DEVICES")
+            raise NanolmError(
+                f"--device {device}: under torchrun every process uses cuda:LOCAL_RANK (here "
+                f"cuda:{local_rank}); pass --device cuda (or auto), and choose GPUs with CUDA_VISIBLE_DEVICES"
+            )
         count = torch.cuda.device_count()
         if local_rank >= count:
-            raise NanolmError(f"torchrun started local rank {local_rank} on a node with {count} GPU(s); "
-                              f"use --nproc_per_node {count} or fewer")
+            raise NanolmError(
+                f"torchrun started local rank {local_rank} on a node with {count} GPU(s); "
+                f"use --nproc_per_node {count} or fewer"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"

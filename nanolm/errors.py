@@ -14,4 +14,4 @@ def brief(text, limit: int = 160) -> str:
     """``text`` (a library's message, a value from a file) cut to what a one-line error can quote:
     a crafted file's megabyte string must not become a megabyte message."""
     text = " ".join(str(text).split())
-    return text if len(text) <= limit else f"{text[:limit - 40]}... ({len(text)} characters)"
+    return text if len(text) <= limit else f"{text[: limit - 40]}... ({len(text)} characters)"

@@ -36,8 +36,14 @@ def estimate_loss(model: GPT, batches: list[Batch], token_bytes: torch.Tensor, d
         token_bytes = token_bytes.to(device)
         for batch in batches:
             batch = batch.to(device)
-            _, total = model(batch.idx, targets=batch.targets, loss_mask=batch.loss_mask, doc_ids=batch.doc_ids,
-                             positions=batch.positions, reduction="sum")
+            _, total = model(
+                batch.idx,
+                targets=batch.targets,
+                loss_mask=batch.loss_mask,
+                doc_ids=batch.doc_ids,
+                positions=batch.positions,
+                reduction="sum",
+            )
             batch_nats.append(total.float())
             tokens += batch.loss_mask.sum()
             n_bytes += (token_bytes[batch.targets] * batch.loss_mask).sum()

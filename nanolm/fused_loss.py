@@ -41,8 +41,11 @@ def head_cross_entropy_sum(hidden, weight, targets, mask=None, chunk: int = 0):
     chunk = chunk or loss_chunk_positions(weight.shape[0], hidden.device)
     wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     device = hidden.device.type
-    product_dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                     else torch.promote_types(hidden.dtype, weight.dtype))
+    product_dtype = (
+        torch.get_autocast_dtype(device)
+        if torch.is_autocast_enabled(device)
+        else torch.promote_types(hidden.dtype, weight.dtype)
+    )
     hidden = hidden.reshape(-1, hidden.shape[-1])
     return _ChunkedHeadLoss.apply(hidden, weight, counted_targets, chunk, wants_grad, product_dtype), mask.sum()
 
@@ -132,8 +135,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
-        return ((grad_hidden * grad_total).to(hidden_dtype), (grad_weight * grad_total).to(weight_dtype),
-                None, None, None, None)
+        return (
+            (grad_hidden * grad_total).to(hidden_dtype),
+            (grad_weight * grad_total).to(weight_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _fp16_scale(bound: torch.Tensor) -> torch.Tensor:

@@ -63,15 +63,15 @@ class GPTConfig:
                 f"try n_embd={self.n_head * max(2, round(self.n_embd / self.n_head / 2) * 2)}"
             )
         if self.head_dim % 2:
-            raise NanolmError(
-                f"head size n_embd/n_head = {self.head_dim} must be even for rotary embeddings"
-            )
+            raise NanolmError(f"head size n_embd/n_head = {self.head_dim} must be even for rotary embeddings")
         if self.mlp not in MLP_KINDS:
             raise NanolmError(f"mlp must be one of {', '.join(MLP_KINDS)}, got {self.mlp!r}")
         if self.attention not in ATTENTION_BACKENDS:
             raise NanolmError(f"attention must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
         if self.loss_chunk < 0:
-            raise NanolmError(f"loss_chunk must be 0 (chosen for the vocabulary and device) or positive, got {self.loss_chunk}")
+            raise NanolmError(
+                f"loss_chunk must be 0 (chosen for the vocabulary and device) or positive, got {self.loss_chunk}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise NanolmError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -279,8 +279,7 @@ class Attention(nn.Module):
         (3, B, H, T, D) tensor and a strided copy; a split's backward is one concatenation.)
         """
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(x).split(C, dim=-1))
+        q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in self.qkv(x).split(C, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -335,12 +334,12 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
-
 def flex_attention_chosen(attention: str, device) -> bool:
     """The one rule for the document mask's kernel: FlexAttention when ``--attention flex`` asks
     for it, or under ``auto`` on CUDA with Triton (there it is a compiled kernel, far cheaper than a
     boolean mask); SDPA with a boolean mask everywhere else."""
     return attention == "flex" or (attention == "auto" and torch.device(device).type == "cuda" and machine.has_triton())
+
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):

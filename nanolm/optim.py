@@ -101,8 +101,11 @@ def split_for_muon(model: nn.Module) -> list[nn.Parameter]:
     head = getattr(model, "lm_head", None)
     if head is not None:
         excluded.add(id(head.weight))
-    return [p for p in dict.fromkeys(model.parameters())  # a tied matrix once
-            if p.requires_grad and p.dim() == 2 and id(p) not in excluded]
+    return [
+        p
+        for p in dict.fromkeys(model.parameters())  # a tied matrix once
+        if p.requires_grad and p.dim() == 2 and id(p) not in excluded
+    ]
 
 
 class MuonWithAdamW:
@@ -120,15 +123,30 @@ class MuonWithAdamW:
     decayed group (no decay on norms, biases, embeddings, as :func:`get_param_groups`).
     """
 
-    def __init__(self, model: nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 muon_lr: float | None = None, momentum: float = 0.95):
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        weight_decay: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        muon_lr: float | None = None,
+        momentum: float = 0.95,
+    ):
         matrices = split_for_muon(model)
         self.lr_ratio = (muon_lr if muon_lr is not None else lr) / lr
-        self.muon = GroupedMuon([{"params": matrices, "lr_ratio": self.lr_ratio}], lr=lr * self.lr_ratio,
-                                weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+        self.muon = GroupedMuon(
+            [{"params": matrices, "lr_ratio": self.lr_ratio}],
+            lr=lr * self.lr_ratio,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            adjust_lr_fn="match_rms_adamw",
+        )
         in_muon = {id(p) for p in matrices}
-        rest = [{**group, "params": [p for p in group["params"] if id(p) not in in_muon]}  # decayed as for AdamW
-                for group in get_param_groups(model, weight_decay)]
+        rest = [
+            {**group, "params": [p for p in group["params"] if id(p) not in in_muon]}  # decayed as for AdamW
+            for group in get_param_groups(model, weight_decay)
+        ]
         self.adamw = torch.optim.AdamW(rest, lr=lr, betas=betas, eps=eps, fused=_fused_adamw(model) or None)
 
     @property
@@ -161,8 +179,10 @@ class MuonWithAdamW:
         adamw = [p for g in self.adamw.param_groups for p in g["params"]]
         kinds = sorted({names[id(p)].split(".")[-2] if "." in names[id(p)] else names[id(p)] for p in muon})
         count = lambda ps: sum(p.numel() for p in ps)  # noqa: E731
-        return (f"optimizer: Muon on {len(muon)} hidden matrices ({', '.join(kinds)}; {count(muon):,} parameters), "
-                f"AdamW on {len(adamw)} others (embeddings, head, norms, biases; {count(adamw):,} parameters)")
+        return (
+            f"optimizer: Muon on {len(muon)} hidden matrices ({', '.join(kinds)}; {count(muon):,} parameters), "
+            f"AdamW on {len(adamw)} others (embeddings, head, norms, biases; {count(adamw):,} parameters)"
+        )
 
 
 def _fused_adamw(model: nn.Module) -> bool:
@@ -178,8 +198,13 @@ def optimizer_for(model: nn.Module, cfg, precision) -> torch.optim.Optimizer:
     o = cfg.optim
     betas = (o.beta1, o.beta2)
     if precision.pure_bf16:
-        return BF16AdamW(get_param_groups(model, o.weight_decay), lr=o.lr, betas=betas,
-                         master_weights=cfg.train.fp32_master, seed=cfg.train.seed)
+        return BF16AdamW(
+            get_param_groups(model, o.weight_decay),
+            lr=o.lr,
+            betas=betas,
+            master_weights=cfg.train.fp32_master,
+            seed=cfg.train.seed,
+        )
     if o.optimizer == "muon":
         return MuonWithAdamW(model, o.lr, o.weight_decay, betas, muon_lr=o.muon_lr, momentum=o.muon_momentum)
     return build_optimizer(model, o.lr, o.weight_decay, betas=betas)
@@ -217,8 +242,16 @@ class BF16AdamW(torch.optim.Optimizer):
     every parameter through memory once per operation, slower than updating one tensor at a
     time (measured in docs/benchmarks.md)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 master_weights: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        master_weights: bool = False,
+        seed: int = 0,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.master_weights = master_weights
         self.seed = seed
@@ -277,8 +310,15 @@ class BF16AdamW(torch.optim.Optimizer):
                     if self.master_weights and p.dtype != torch.float32:
                         state["master"] = p.detach().float()
                 state["step"] += 1
-                write_back = ("in place" if p.dtype == torch.float32 else "from master" if "master" in state
-                              else "stochastic" if p.dtype == torch.bfloat16 else "nearest")
+                write_back = (
+                    "in place"
+                    if p.dtype == torch.float32
+                    else "from master"
+                    if "master" in state
+                    else "stochastic"
+                    if p.dtype == torch.bfloat16
+                    else "nearest"
+                )
                 buckets.setdefault((g, p.device, p.dtype, write_back, state["step"]), []).append((index, p))
         for (g, device, _, write_back, t), members in buckets.items():
             limit = self.cpu_bucket_elements if device.type == "cpu" else self.bucket_elements
@@ -343,8 +383,9 @@ def _bounded(members: list, limit: int) -> list[list]:
 
 
 # --------------------------------------------------------------------------- Muon, made fast
-def newton_schulz_batched(updates: torch.Tensor, coefficients, steps: int, eps: float,
-                          dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def newton_schulz_batched(
+    updates: torch.Tensor, coefficients, steps: int, eps: float, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """The nearest orthogonal matrix to each of ``updates`` (n, rows, cols), all at once.
 
     The same quintic Newton-Schulz iteration as ``torch.optim.Muon`` (each matrix scaled to
@@ -435,10 +476,17 @@ class GroupedMuon(_MUON):
             for (shape, device), members in by_shape.items():
                 per_batch = max(1, self.BATCH_ELEMENTS // math.prod(shape))
                 for start in range(0, len(members), per_batch):
-                    batch = members[start:start + per_batch]
-                    orthogonal = newton_schulz_batched(torch.stack([updates[i] for i in batch]),
-                                                       group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                                       self.newton_schulz_dtype(device))
-                    torch._foreach_add_([params[i] for i in batch], list(orthogonal.unbind(0)),
-                                        alpha=-lr * muon_lr_factor(group["adjust_lr_fn"], shape))
+                    batch = members[start : start + per_batch]
+                    orthogonal = newton_schulz_batched(
+                        torch.stack([updates[i] for i in batch]),
+                        group["ns_coefficients"],
+                        group["ns_steps"],
+                        group["eps"],
+                        self.newton_schulz_dtype(device),
+                    )
+                    torch._foreach_add_(
+                        [params[i] for i in batch],
+                        list(orthogonal.unbind(0)),
+                        alpha=-lr * muon_lr_factor(group["adjust_lr_fn"], shape),
+                    )
         return loss

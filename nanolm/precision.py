@@ -78,22 +78,37 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
         if kind == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
             return Precision("bf16", kind, "auto: this GPU computes in bf16 natively; weights stay fp32")
         if kind == "cuda":
-            return Precision("fp16", kind, "auto: this GPU has no bf16 tensor cores (T4/V100 class); fp16 is its fast "
-                                           "format, with dynamic loss scaling; weights stay fp32")
+            return Precision(
+                "fp16",
+                kind,
+                "auto: this GPU has no bf16 tensor cores (T4/V100 class); fp16 is its fast "
+                "format, with dynamic loss scaling; weights stay fp32",
+            )
         if kind == "mps":
-            return Precision("fp32", kind, "auto: on an Apple GPU nanolm has not measured 16-bit autocast to pay; "
-                                           "--precision fp16 or bf16 to try it")
+            return Precision(
+                "fp32",
+                kind,
+                "auto: on an Apple GPU nanolm has not measured 16-bit autocast to pay; "
+                "--precision fp16 or bf16 to try it",
+            )
         if kind == "cpu" and cpu_has_native_bf16():
-            return Precision("bf16", kind, "auto: this CPU multiplies bf16 natively, where bf16 reached both speedrun "
-                                           "targets sooner than fp32 with the same final loss "
-                                           "(docs/precision.md); weights stay fp32; --precision fp32 to override")
-        return Precision("fp32", kind, f"auto: on {kind} bf16 is usually slower than fp32; "
-                                       "ask --precision bf16 to override")
+            return Precision(
+                "bf16",
+                kind,
+                "auto: this CPU multiplies bf16 natively, where bf16 reached both speedrun "
+                "targets sooner than fp32 with the same final loss "
+                "(docs/precision.md); weights stay fp32; --precision fp32 to override",
+            )
+        return Precision(
+            "fp32", kind, f"auto: on {kind} bf16 is usually slower than fp32; ask --precision bf16 to override"
+        )
     if name == "fp32":
         return Precision("fp32", kind, "requested")
     if "bf16" in name and kind == "cuda" and not torch.cuda.is_bf16_supported():
-        raise NanolmError(f"--precision {name}: this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; "
-                          "use --precision fp16 (with loss scaling) or fp32")
+        raise NanolmError(
+            f"--precision {name}: this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; "
+            "use --precision fp16 (with loss scaling) or fp32"
+        )
     dtype = AUTOCAST_DTYPES[name]
     if not torch.amp.is_autocast_available(kind):
         raise NanolmError(f"--precision {name}: PyTorch has no autocast for {kind} devices; use --precision fp32")
@@ -101,12 +116,16 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
         warnings.simplefilter("always")
         torch.autocast(kind, dtype=dtype)
     if caught:
-        raise NanolmError(f"--precision {name} is not supported on {kind} by this PyTorch "
-                          f"({str(caught[0].message).strip()}); use --precision fp32")
+        raise NanolmError(
+            f"--precision {name} is not supported on {kind} by this PyTorch "
+            f"({str(caught[0].message).strip()}); use --precision fp32"
+        )
     reason = "requested"
     if kind == "cpu" and "bf16" in name and cpu_has_native_bf16():
-        reason += ("; this CPU has native bf16 dot products: the Linear layers' matrix multiplies run "
-                   "faster than in fp32 (attention stays fp32, see docs/benchmarks.md)")
+        reason += (
+            "; this CPU has native bf16 dot products: the Linear layers' matrix multiplies run "
+            "faster than in fp32 (attention stays fp32, see docs/benchmarks.md)"
+        )
     elif kind == "cpu":
         reason += "; a CPU without native 16-bit units emulates it, slower than fp32 (fine to check numerics)"
     if "bf16" in name and kind == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
@@ -150,8 +169,14 @@ class DynamicLossScaler:
     is taken: a non-finite gradient in fp32 is a real failure, not an overflow to ride out.
     """
 
-    def __init__(self, enabled: bool = True, init_scale: float = 2.0**16, growth_interval: int = 2000,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5):
+    def __init__(
+        self,
+        enabled: bool = True,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+    ):
         self.enabled = enabled
         self.loss_scale = float(init_scale) if enabled else 1.0
         self.growth_interval = growth_interval
@@ -215,7 +240,7 @@ class DynamicLossScaler:
         self.skipped_steps = int(state["skipped_steps"])
 
 
-FP16_SMALLEST_NORMAL = 2.0 ** -14  # ~6.1e-5: below it fp16 keeps fewer digits (subnormals), below 2^-24 none
+FP16_SMALLEST_NORMAL = 2.0**-14  # ~6.1e-5: below it fp16 keeps fewer digits (subnormals), below 2^-24 none
 
 
 @torch.no_grad()

@@ -15,14 +15,30 @@ import torch
 from .model import GPT
 
 
-def sample_text(model: GPT, tokenizer, device, max_new_tokens: int, prompt: str = "",
-                temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None, seed: int = 0) -> str:
+def sample_text(
+    model: GPT,
+    tokenizer,
+    device,
+    max_new_tokens: int,
+    prompt: str = "",
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int = 0,
+) -> str:
     """Generate text: a new document (it starts after EOS) continuing ``prompt``."""
     ids = [tokenizer.eos_id] + list(tokenizer.encode(prompt)) if prompt else [tokenizer.eos_id]
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature, top_k, top_p,
-                         eos_id=tokenizer.eos_id, generator=generator)
-    new = out[0, len(ids):].tolist()
+    out = model.generate(
+        torch.tensor([ids], device=device),
+        max_new_tokens,
+        temperature,
+        top_k,
+        top_p,
+        eos_id=tokenizer.eos_id,
+        generator=generator,
+    )
+    new = out[0, len(ids) :].tolist()
     if tokenizer.eos_id in new:
         new = new[: new.index(tokenizer.eos_id)]
     return prompt + tokenizer.decode(new)

@@ -49,8 +49,9 @@ def default_min_lr(max_lr: float) -> float:
     return max_lr / 10
 
 
-def _warmup_peak_decay(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None,
-                       decay_start: int, decay) -> float:
+def _warmup_peak_decay(
+    step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None, decay_start: int, decay
+) -> float:
     """The frame every schedule shares, at optimizer step ``step`` (1 for the first, as the
     loop counts): the linear warmup over steps 1..``warmup_steps``, the peak held through step
     ``decay_start``, then ``decay(progress, max_lr, min_lr)``, where progress is the share of
@@ -82,8 +83,15 @@ def _warmup_peak_decay(step: int, max_lr: float, warmup_steps: int, total_steps:
 def cosine_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None) -> float:
     """Learning rate at optimizer step ``step`` (1 for the first): linear warmup, then half a
     cosine from max_lr down toward ``min_lr``, which it reaches after step ``total_steps``."""
-    return _warmup_peak_decay(step, max_lr, warmup_steps, total_steps, min_lr, warmup_steps,
-                              lambda p, top, floor: floor + 0.5 * (top - floor) * (1.0 + math.cos(math.pi * p)))
+    return _warmup_peak_decay(
+        step,
+        max_lr,
+        warmup_steps,
+        total_steps,
+        min_lr,
+        warmup_steps,
+        lambda p, top, floor: floor + 0.5 * (top - floor) * (1.0 + math.cos(math.pi * p)),
+    )
 
 
 def wsd_decay_start(warmup_steps: int, total_steps: int, decay_fraction: float) -> int:
@@ -93,8 +101,14 @@ def wsd_decay_start(warmup_steps: int, total_steps: int, decay_fraction: float) 
     return max(warmup_steps, total_steps - max(2, round(decay_fraction * total_steps)))
 
 
-def wsd_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float | None = None,
-           decay_fraction: float = 0.2) -> float:
+def wsd_lr(
+    step: int,
+    max_lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr: float | None = None,
+    decay_fraction: float = 0.2,
+) -> float:
     """Learning rate at optimizer step ``step`` (1 for the first): warmup, stable, decay (WSD).
 
     The same linear warmup as :func:`cosine_lr`, then the peak rate held flat, then a straight
@@ -106,9 +120,15 @@ def wsd_lr(step: int, max_lr: float, warmup_steps: int, total_steps: int, min_lr
     short, steep decay at the end, where the loss falls most. Runs of different lengths can
     also share the stable phase: a checkpoint from it can be resumed with more ``--steps``.
     """
-    return _warmup_peak_decay(step, max_lr, warmup_steps, total_steps, min_lr,
-                              wsd_decay_start(warmup_steps, total_steps, decay_fraction),
-                              lambda p, top, floor: top - (top - floor) * p)
+    return _warmup_peak_decay(
+        step,
+        max_lr,
+        warmup_steps,
+        total_steps,
+        min_lr,
+        wsd_decay_start(warmup_steps, total_steps, decay_fraction),
+        lambda p, top, floor: top - (top - floor) * p,
+    )
 
 
 SCHEDULES = ("cosine", "wsd")
@@ -139,8 +159,14 @@ def summed_token_loss(model, batch: Batch) -> torch.Tensor:
     nanolm's GPT computes its output head and the loss together, a chunk of positions at a
     time (``nanolm.fused_loss.head_cross_entropy_sum``), so the logits are never held whole.
     """
-    _, total = model(batch.idx, targets=batch.targets, loss_mask=batch.loss_mask,
-                     doc_ids=batch.doc_ids, positions=batch.positions, reduction="sum")
+    _, total = model(
+        batch.idx,
+        targets=batch.targets,
+        loss_mask=batch.loss_mask,
+        doc_ids=batch.doc_ids,
+        positions=batch.positions,
+        reduction="sum",
+    )
     return total
 
 
@@ -150,9 +176,15 @@ def at_least_one(count: int | torch.Tensor) -> int | torch.Tensor:
     return count.clamp(min=1) if torch.is_tensor(count) else max(1, count)
 
 
-def accumulate_gradients(model, micro_batches: list[Batch], count: int | torch.Tensor | PendingSum,
-                         autocast=contextlib.nullcontext, loss_scale: float = 1.0,
-                         loss_fn=summed_token_loss, across_ranks: bool = False) -> torch.Tensor:
+def accumulate_gradients(
+    model,
+    micro_batches: list[Batch],
+    count: int | torch.Tensor | PendingSum,
+    autocast=contextlib.nullcontext,
+    loss_scale: float = 1.0,
+    loss_fn=summed_token_loss,
+    across_ranks: bool = False,
+) -> torch.Tensor:
     """Forward and backward over every micro-batch of one optimizer step.
 
     Each micro-batch backpropagates (sum of its token losses) ÷ ``count``, the counted
@@ -250,6 +282,7 @@ def discarded_pass(model, batch: Batch, autocast=contextlib.nullcontext) -> None
     for p in model.parameters():
         p.grad = None
 
+
 def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepResult:
     """Optimizer step number ``step`` (1 for the first) on ``micro_batches``.
 
@@ -266,8 +299,15 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
     count = counted_tokens(micro_batches)  # every micro-batch, counted once
     if dist.active:  # torchrun: every rank's count, summed on the device while the first forward pass runs
         count = dist.sum_async(count)
-    loss_sum = accumulate_gradients(setup.step_model, micro_batches, count, setup.autocast,
-                                    setup.scaler.loss_scale, setup.loss_fn, across_ranks=dist.active)
+    loss_sum = accumulate_gradients(
+        setup.step_model,
+        micro_batches,
+        count,
+        setup.autocast,
+        setup.scaler.loss_scale,
+        setup.loss_fn,
+        across_ranks=dist.active,
+    )
     loss = dist.global_mean(loss_sum, count.value()) if dist.active else loss_sum / at_least_one(count)
 
     # c. unscale (fp16), clip once
@@ -276,8 +316,11 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
     if watch is not None:
         watch.capture()
     max_norm = setup.clip if setup.clip > 0 else math.inf
-    grad_norm = (dist.clip_grad_norm_(setup.model, max_norm) if dist.sharded  # FSDP: each rank holds a shard
-                 else torch.nn.utils.clip_grad_norm_(setup.model.parameters(), max_norm))
+    grad_norm = (
+        dist.clip_grad_norm_(setup.model, max_norm)
+        if dist.sharded  # FSDP: each rank holds a shard
+        else torch.nn.utils.clip_grad_norm_(setup.model.parameters(), max_norm)
+    )
 
     # d. the guard decides, on the step's global numbers (every rank alike)
     action, event, rollback_to, read = "take", None, None, None
@@ -287,8 +330,9 @@ def train_step(setup: StepSetup, step: int, micro_batches: list[Batch]) -> StepR
             action, event, rollback_to = setup.guard.decide(step, read[0], read[1], lr)
 
     # e. update and zero
-    updated = action == "take" and (not setup.scaler.enabled or setup.scaler.update(grad_norm if read is None
-                                                                                      else read[1]))
+    updated = action == "take" and (
+        not setup.scaler.enabled or setup.scaler.update(grad_norm if read is None else read[1])
+    )
     if updated:
         setup.optimizer.step()
     setup.optimizer.zero_grad(set_to_none=True)

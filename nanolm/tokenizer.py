@@ -73,9 +73,13 @@ class Tokenizer:
         pre = spec.get("pre_tokenizer") or {}
         # safe_pieces is exact for the pipeline nanolm trains; a tokenizer.json from elsewhere
         # (a normalizer, a post-processor, another pre-tokenizer) is encoded whole
-        self._cuttable = (pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
-                          and not pre.get("add_prefix_space") and spec.get("normalizer") is None
-                          and spec.get("post_processor") is None)
+        self._cuttable = (
+            pre.get("type") == "ByteLevel"
+            and pre.get("use_regex", True)
+            and not pre.get("add_prefix_space")
+            and spec.get("normalizer") is None
+            and spec.get("post_processor") is None
+        )
         self.eos_id = hf.token_to_id(EOS)
         if self.eos_id is None:
             raise NanolmError(f"tokenizer has no {EOS} token; retrain it with nanolm")
@@ -197,8 +201,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
             f"{MIN_BPE_VOCAB} (256 byte values + EOS); use --tokenizer char for a tiny vocabulary"
         )
     if vocab_size > MAX_BPE_VOCAB:
-        raise NanolmError(f"--vocab-size {vocab_size} is larger than nanolm trains (at most {MAX_BPE_VOCAB:,}, 64 times "
-                          f"the largest vocabularies in use)")
+        raise NanolmError(
+            f"--vocab-size {vocab_size} is larger than nanolm trains (at most {MAX_BPE_VOCAB:,}, 64 times "
+            f"the largest vocabularies in use)"
+        )
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     hf.decoder = decoders.ByteLevel()

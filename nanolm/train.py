@@ -57,6 +57,7 @@ from typing import Callable
 
 import torch
 
+from .base.lock import ReadLock, RunLock
 from .batches import DEFAULT_EVAL_WINDOWS, TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: the course's name)
 from .checkpoint import Checkpointer, rollback_checkpoint
 from .distributed import Distributed, Muted, launch
@@ -82,7 +83,6 @@ from .precision import DynamicLossScaler, Precision, cast_weights_, resolve_prec
 from .run.config import RunConfig
 from .run.directory import RunPlan, hold_prepared_data, locate_run, set_up_run_directory, use_prepared_tokenizer
 from .run.final import clear_final, save_final_weights
-from .base.lock import ReadLock, RunLock
 from .sample import sample_text
 from .step import StepSetup, cosine_lr, discarded_pass, learning_rate, summed_token_loss, train_step  # noqa: F401 (cosine_lr: the course's)
 from .watch.guards import Guard, nan_origin
@@ -158,8 +158,10 @@ class Run:
 
 
 SET_UP_STOPPED = "while the run was being set up, before its first step: run the same command again to go on"
-FINISH_STOPPED = ("while the run was finishing (its final weights, its sample): the last checkpoint is saved; run the "
-                  "same command again to finish")
+FINISH_STOPPED = (
+    "while the run was finishing (its final weights, its sample): the last checkpoint is saved; run the "
+    "same command again to finish"
+)
 
 
 def train(cfg: RunConfig, log=print, factories: Factories | None = None) -> dict:
@@ -197,15 +199,24 @@ def train(cfg: RunConfig, log=print, factories: Factories | None = None) -> dict
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not is_out_of_memory(e):
             raise
-        raise NanolmError(f"out of memory on {device} (--batch-size {cfg.train.batch_size}, --seq-len "
-                          f"{cfg.model.seq_len}); lower --batch-size and raise --grad-accum for the same tokens "
-                          f"per step, then run the same command again: it resumes from the last checkpoint") from None
+        raise NanolmError(
+            f"out of memory on {device} (--batch-size {cfg.train.batch_size}, --seq-len "
+            f"{cfg.model.seq_len}); lower --batch-size and raise --grad-accum for the same tokens "
+            f"per step, then run the same command again: it resumes from the last checkpoint"
+        ) from None
 
 
 def run_loop(run: Run, log=print) -> dict:
     """The loop: the six steps of this module's docstring, then the final weights."""
-    t, dist, progress, guard, observer, validator, checkpointer = (run.cfg.train, run.dist, run.progress, run.guard,
-                                                                    run.observer, run.validator, run.checkpointer)
+    t, dist, progress, guard, observer, validator, checkpointer = (
+        run.cfg.train,
+        run.dist,
+        run.progress,
+        run.guard,
+        run.observer,
+        run.validator,
+        run.checkpointer,
+    )
     row: dict = {}
     with StopOnSignal() as stop, contextlib.closing(observer):
         observer.start(validator.evaluate(0) if progress.step == 0 and validator.due(0) else None)
@@ -241,8 +252,11 @@ def run_loop(run: Run, log=print) -> dict:
                 saved = checkpointer.save(step, row.get("val_loss"))
                 stop_signal = dist.first_signal(stop.requested)
                 if stop_signal:
-                    raise TrainingInterrupted(f"{stop_reason(stop_signal)} at step {step}: checkpoint saved to {saved}; "
-                                              f"run the same command again to resume", stop_signal)
+                    raise TrainingInterrupted(
+                        f"{stop_reason(stop_signal)} at step {step}: checkpoint saved to {saved}; "
+                        f"run the same command again to resume",
+                        stop_signal,
+                    )
             # 6. stop early at --target-val-bpb
             if reached:
                 break
@@ -250,8 +264,9 @@ def run_loop(run: Run, log=print) -> dict:
         return finish(run, row, log)
 
 
-def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
-              factories: Factories | None = None) -> Run:
+def build_run(
+    cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print, factories: Factories | None = None
+) -> Run:
     """Everything the loop needs, for the run ``plan`` locates (``nanolm.run.directory.locate_run``;
     its directory is locked by the caller until the run ends): PyTorch's settings for the run
     (threads, determinism, TF32, seeds; ``train()`` restores them when it returns), the run
@@ -277,9 +292,20 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
     progress, model = Progress(), trainable.model
     # every rank's windows of every micro-batch: the tokens one optimizer step trains on
     tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
-    observer, validator, guard, step_setup, checkpointer = build_components(cfg, dist, plan.out_dir, data, precision,
-                                                                            trainable, batches, val_batches, progress,
-                                                                            tokens_per_step, factories, log)
+    observer, validator, guard, step_setup, checkpointer = build_components(
+        cfg,
+        dist,
+        plan.out_dir,
+        data,
+        precision,
+        trainable,
+        batches,
+        val_batches,
+        progress,
+        tokens_per_step,
+        factories,
+        log,
+    )
 
     # resume, or start
     if plan.checkpoint is not None:
@@ -290,18 +316,36 @@ def build_run(cfg: RunConfig, dist: Distributed, plan: RunPlan, *, log=print,
     finishing = progress.step >= t.steps or target_met
     if dist.is_main and not finishing:
         clear_final(plan.out_dir)  # this run trains on: its old final weights no longer describe it
-    log(f"model: {model.num_params() / 1e6:.2f}M parameters | {data.tokenizer.kind} vocabulary of "
+    log(
+        f"model: {model.num_params() / 1e6:.2f}M parameters | {data.tokenizer.kind} vocabulary of "
         f"{data.tokenizer.vocab_size} | {tokens_per_step} tokens per step | device {device} | "
-        f"run dir {plan.out_dir}")
+        f"run dir {plan.out_dir}"
+    )
     if not val_batches:
         log("warning: the validation split is shorter than one window; no validation loss will be reported")
     log(observer.describe_mfu())
     threads = ThreadTuner.fixed()
     if auto_threads:  # --threads auto: on a busy CPU, the thread count that is fastest now
-        threads = ThreadTuner(partial(discarded_pass, trainable.step_model, autocast=precision.autocast), observer.write)
-    return Run(cfg=cfg, dist=dist, out_dir=plan.out_dir, model=model, step_setup=step_setup, batches=batches, threads=threads,
-               progress=progress, guard=guard, observer=observer, validator=validator, checkpointer=checkpointer,
-               tokenizer=data.tokenizer, tokens_per_step=tokens_per_step, finishing=finishing)
+        threads = ThreadTuner(
+            partial(discarded_pass, trainable.step_model, autocast=precision.autocast), observer.write
+        )
+    return Run(
+        cfg=cfg,
+        dist=dist,
+        out_dir=plan.out_dir,
+        model=model,
+        step_setup=step_setup,
+        batches=batches,
+        threads=threads,
+        progress=progress,
+        guard=guard,
+        observer=observer,
+        validator=validator,
+        checkpointer=checkpointer,
+        tokenizer=data.tokenizer,
+        tokens_per_step=tokens_per_step,
+        finishing=finishing,
+    )
 
 
 @dataclass
@@ -315,8 +359,9 @@ class Trainable:
     scaler: DynamicLossScaler
 
 
-def build_model(cfg: RunConfig, dist: Distributed, precision: Precision, vocab_size: int, factories: Factories,
-                log=print) -> Trainable:
+def build_model(
+    cfg: RunConfig, dist: Distributed, precision: Precision, vocab_size: int, factories: Factories, log=print
+) -> Trainable:
     """The model (sharded or wrapped for data parallelism before the optimizer sees it), the
     module the step runs forward (wrapped, maybe compiled), the optimizer and the loss scaler."""
     t = cfg.train
@@ -337,16 +382,34 @@ def build_batches(cfg: RunConfig, dist: Distributed, data, factories: Factories)
     """The training stream (this rank's share of each step's windows) and the fixed validation set."""
     t, d, seq_len, eos = cfg.train, cfg.data, cfg.model.seq_len, data.tokenizer.eos_id
     pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
-    sampler = WindowSampler(len(data.train), seq_len, t.batch_size, seed=t.seed, random_offset=d.random_offset,
-                            rank=dist.rank, world_size=dist.world_size)
+    sampler = WindowSampler(
+        len(data.train),
+        seq_len,
+        t.batch_size,
+        seed=t.seed,
+        random_offset=d.random_offset,
+        rank=dist.rank,
+        world_size=dist.world_size,
+    )
     batches = factories.batches(data.train.tokens, sampler, seq_len, eos, t.grad_accum, **pack)
     val_batches = eval_batches(data.val, seq_len, t.batch_size, eos, max_windows=t.eval_windows, **pack)
     return batches, val_batches
 
 
-def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, precision: Precision,
-                     trainable: Trainable, batches, val_batches, progress: Progress, tokens_per_step: int,
-                     factories: Factories, log=print):
+def build_components(
+    cfg: RunConfig,
+    dist: Distributed,
+    out_dir: Path,
+    data,
+    precision: Precision,
+    trainable: Trainable,
+    batches,
+    val_batches,
+    progress: Progress,
+    tokens_per_step: int,
+    factories: Factories,
+    log=print,
+):
     """The observer, the validator, the guard, the step's setup and the checkpointer, each given
     what it needs when it is built: the validator first (the observer logs every step it
     evaluates), then the observer (the others write their lines through it, above the progress
@@ -358,23 +421,62 @@ def build_components(cfg: RunConfig, dist: Distributed, out_dir: Path, data, pre
     model, optimizer, scaler = trainable.model, trainable.optimizer, trainable.scaler
     peak = peak_flops(dist.device, precision.autocast_dtype or next(model.parameters()).dtype, t.peak_flops)
     setup = setup_of(cfg, data.digest, precision.name, dist.device.type, dist.world_size)
-    validator = Validator.for_run(cfg, model=model, dist=dist, precision=precision, batches=val_batches,
-                                  token_bytes=torch.from_numpy(tokenizer.token_bytes()), progress=progress,
-                                  floor=data.meta.get("floor"))
-    observer = Observer(ObserverOptions.from_config(cfg, tokens_per_step), dist=dist, out_dir=out_dir, model=model,
-                        precision=precision, scaler=scaler, progress=progress, evaluates=validator.due, peak=peak,
-                        log=log, optimizer=optimizer, setup=setup, reference=find_reference(setup))
-    guard = Guard.from_options(g, out_dir=out_dir if dist.is_main else None, log=observer.write,
-                               rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
-                               explain_nan=lambda batch: nan_origin(model, batch, precision.autocast,
-                                                                    tokenizer.vocab_size))
-    step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
-                           step_model=trainable.step_model, scaler=scaler, autocast=precision.autocast, dist=dist,
-                           guard=guard, loss_fn=factories.loss_fn, watch=observer.gradient_watch)
+    validator = Validator.for_run(
+        cfg,
+        model=model,
+        dist=dist,
+        precision=precision,
+        batches=val_batches,
+        token_bytes=torch.from_numpy(tokenizer.token_bytes()),
+        progress=progress,
+        floor=data.meta.get("floor"),
+    )
+    observer = Observer(
+        ObserverOptions.from_config(cfg, tokens_per_step),
+        dist=dist,
+        out_dir=out_dir,
+        model=model,
+        precision=precision,
+        scaler=scaler,
+        progress=progress,
+        evaluates=validator.due,
+        peak=peak,
+        log=log,
+        optimizer=optimizer,
+        setup=setup,
+        reference=find_reference(setup),
+    )
+    guard = Guard.from_options(
+        g,
+        out_dir=out_dir if dist.is_main else None,
+        log=observer.write,
+        rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
+        explain_nan=lambda batch: nan_origin(model, batch, precision.autocast, tokenizer.vocab_size),
+    )
+    step_setup = StepSetup(
+        model,
+        optimizer,
+        schedule=partial(learning_rate, o=o, total_steps=t.steps),
+        clip=o.clip,
+        step_model=trainable.step_model,
+        scaler=scaler,
+        autocast=precision.autocast,
+        dist=dist,
+        guard=guard,
+        loss_fn=factories.loss_fn,
+        watch=observer.gradient_watch,
+    )
     checkpointer = factories.checkpointer.for_run(
-        cfg, dist=dist, run_dir=out_dir, model=model, optimizer=optimizer, tokenizer=tokenizer,
+        cfg,
+        dist=dist,
+        run_dir=out_dir,
+        model=model,
+        optimizer=optimizer,
+        tokenizer=tokenizer,
         stateful={"sampler": batches, "scaler": scaler, "progress": progress, "guard": guard, "observer": observer},
-        data_digest=data.digest, log=observer.write)
+        data_digest=data.digest,
+        log=observer.write,
+    )
     return observer, validator, guard, step_setup, checkpointer
 
 
@@ -383,10 +485,13 @@ def finish(run: Run, row: dict, log=print) -> dict:
     A model whose final validation loss is not finite is not a finished run: it is an error."""
     t, dist, out_dir, progress = run.cfg.train, run.dist, run.out_dir, run.progress
     if progress.val_loss is not None and not math.isfinite(progress.val_loss):  # e.g. --on-nan skip to the end
-        raise NanolmError(f"the final model's validation loss is {progress.val_loss}: the run did not produce a "
-                          f"usable model (no final weights written); run `nanolm diagnose {out_dir}`")
-    whole = save_final_weights(dist, run.model, out_dir, progress.step,
-                               {"val_loss": progress.val_loss, "val_bpb": progress.val_bpb})
+        raise NanolmError(
+            f"the final model's validation loss is {progress.val_loss}: the run did not produce a "
+            f"usable model (no final weights written); run `nanolm diagnose {out_dir}`"
+        )
+    whole = save_final_weights(
+        dist, run.model, out_dir, progress.step, {"val_loss": progress.val_loss, "val_bpb": progress.val_bpb}
+    )
     result = {"out_dir": str(out_dir), "elapsed_s": run.observer.elapsed(), **row}
     if t.sample_tokens and dist.is_main and not dist.sharded:
         with run.step_setup.autocast():

@@ -15,8 +15,19 @@ from nanolm.model import GPT, GPTConfig
 REPO = Path(__file__).resolve().parent.parent
 LIST_GPU_MARKS = "NANOLM_LIST_GPU_MARKS"
 
-SHELL_SETTINGS = ("PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONUTF8", "NANOLM_NO_LOCK", "NANOLM_CACHE", "RANK",
-                  "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SHELL_SETTINGS = (
+    "PYTHONUNBUFFERED",
+    "PYTHONIOENCODING",
+    "PYTHONUTF8",
+    "NANOLM_NO_LOCK",
+    "NANOLM_CACHE",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 """What a developer's shell or a CI service may set that changes how nanolm or Python behaves: the
 suite runs without them, as in a user's bare shell, and its commands with them too (a child
 process inherits this environment). A test that needs one sets it itself."""
@@ -26,8 +37,9 @@ for _name in SHELL_SETTINGS:
 # the machine's own kernels, loaded again under ATEN_CPU_CAPABILITY=avx2, computes garbage. The
 # suite keeps one cache per path, as a machine of that kind would have.
 _USER = os.getuid() if hasattr(os, "getuid") else getpass.getuser()  # one cache per user: /tmp is shared
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / f"nanolm-tests-inductor-{_USER}-"
-                                                                         f"{torch.backends.cpu.get_cpu_capability()}")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+    Path(tempfile.gettempdir()) / f"nanolm-tests-inductor-{_USER}-{torch.backends.cpu.get_cpu_capability()}"
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,8 +59,9 @@ def tiny_model(seed=0, **overrides) -> GPT:
 
 def run_cli(*args, cwd=None, timeout=300):
     """Run ``python -m nanolm ARGS`` in a fresh process; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, "-m", "nanolm", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "nanolm", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout
+    )
 
 
 def run_harness(harness: Path, data, work: Path) -> dict:
@@ -56,20 +69,45 @@ def run_harness(harness: Path, data, work: Path) -> dict:
     fresh process (a child must not be forked from one that ran PyTorch) and return its result;
     its own failures fail the test, one line each."""
     result = work / "result.json"
-    proc = subprocess.run([sys.executable, str(harness), "--data", str(data), "--work", str(work / "w"), "--json",
-                           str(result)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(  # a mutated copy's path stays first
-                              filter(None, [os.environ.get("PYTHONPATH"), str(harness.parents[1])]))})
+    proc = subprocess.run(
+        [sys.executable, str(harness), "--data", str(data), "--work", str(work / "w"), "--json", str(result)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(  # a mutated copy's path stays first
+                filter(None, [os.environ.get("PYTHONPATH"), str(harness.parents[1])])
+            ),
+        },
+    )
     assert result.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     outcome = json.loads(result.read_text())
-    assert not outcome["failures"], "\n".join(f"{case}: {'; '.join(broken)}"
-                                              for case, broken in outcome["failures"].items())
+    assert not outcome["failures"], "\n".join(
+        f"{case}: {'; '.join(broken)}" for case, broken in outcome["failures"].items()
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return outcome
 
 
-TINY_TRAIN = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
-              "--eval-batches", "2", "--sample-tokens", "20", "--vocab-size", "300"]
+TINY_TRAIN = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "20",
+    "--vocab-size",
+    "300",
+]
 
 
 @pytest.fixture(scope="session")

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from signal_points import (TINY, Case, _digest, _files, _run_child, default_corpus,  # noqa: E402
-                           import_for_children, report)
+from signal_points import TINY, Case, _digest, _files, _run_child, default_corpus, import_for_children, report  # noqa: E402
 
 STOP = Case("step", ("SIGTERM",))
 """How each run is stopped before its edge: SIGTERM during step 2, so it saves step 2."""
@@ -123,8 +122,9 @@ def _prepared(d: Path) -> Path:
 
 
 def _prepare(source: Path, out: Path, work: Path) -> None:
-    code = _run_child(["prepare", "--data", str(source), "--out", str(out), "--tokenizer", "char"], None, work,
-                      "prepare")
+    code = _run_child(
+        ["prepare", "--data", str(source), "--out", str(out), "--tokenizer", "char"], None, work, "prepare"
+    )
     if code != 0:
         raise AssertionError(f"prepare failed ({code}): {_tell(work, 'prepare')[-1500:]}")
 
@@ -152,8 +152,11 @@ def _unreadable(path: Path) -> None:
 EDGES = [
     # the source named by --data: nanolm keeps a tokenized copy in the run, and checks the source against it
     Edge("data absent", lambda d: _corpus(d).unlink(), _restore_corpus),
-    Edge("data moved to another path", lambda d: (_corpus(d).rename(d / "moved.txt"), d / "moved.txt")[1],
-         _restore_corpus),
+    Edge(
+        "data moved to another path",
+        lambda d: (_corpus(d).rename(d / "moved.txt"), d / "moved.txt")[1],
+        _restore_corpus,
+    ),
     Edge("data changed by one byte", lambda d: _flip_byte(_corpus(d)), _restore_corpus),
     Edge("data replaced by other stories", lambda d: _rewrite(d, _other_text(d)), _restore_corpus),
     Edge("data emptied", lambda d: _rewrite(d, ""), _restore_corpus),
@@ -169,30 +172,70 @@ EDGES = [
     Edge("the run's training shard changed", lambda d: _flip_byte(_run_data(d) / "train.bin"), _restore_run_data),
     Edge("the run's validation shard changed", lambda d: _flip_byte(_run_data(d) / "val.bin"), _restore_run_data),
     Edge("the run's validation shard absent", lambda d: (_run_data(d) / "val.bin").unlink(), _restore_run_data),
-    Edge("the run's data a symbolic link to a copy",
-         lambda d: (shutil.move(_run_data(d), d / "data-copy"), _run_data(d).symlink_to(d / "data-copy")),
-         _restore_run_data),
-    Edge("the run's data and its source both changed",
-         lambda d: (_flip_byte(_run_data(d) / "train.bin"), _rewrite(d, _other_text(d))),
-         lambda d: (_restore_run_data(d), _restore_corpus(d))),
+    Edge(
+        "the run's data a symbolic link to a copy",
+        lambda d: (shutil.move(_run_data(d), d / "data-copy"), _run_data(d).symlink_to(d / "data-copy")),
+        _restore_run_data,
+    ),
+    Edge(
+        "the run's data and its source both changed",
+        lambda d: (_flip_byte(_run_data(d) / "train.bin"), _rewrite(d, _other_text(d))),
+        lambda d: (_restore_run_data(d), _restore_corpus(d)),
+    ),
     # a directory made by `nanolm prepare`: the run reads it where it is, and checks it against the checkpoint
-    Edge("prepared data absent", lambda d: shutil.rmtree(_prepared(d)), _restore_prepared, prepared=True,
-         names="does not exist"),
-    Edge("prepared data moved to another path",
-         lambda d: (shutil.move(_prepared(d), d / "moved"), d / "moved")[1], _restore_prepared, prepared=True),
-    Edge("prepared training shard changed", lambda d: _flip_byte(_prepared(d) / "train.bin"), _restore_prepared,
-         prepared=True, names="train.bin"),
-    Edge("prepared validation shard changed", lambda d: _flip_byte(_prepared(d) / "val.bin"), _restore_prepared,
-         prepared=True, names="val.bin"),
-    Edge("prepared validation shard absent", lambda d: (_prepared(d) / "val.bin").unlink(), _restore_prepared,
-         prepared=True, names="val.bin"),
-    Edge("prepared data prepared again from other stories", _prepared_from_other_stories, _restore_prepared,
-         prepared=True),
-    Edge("prepared data a symbolic link to a copy",
-         lambda d: (shutil.move(_prepared(d), d / "copy"), _prepared(d).symlink_to(d / "copy")), _restore_prepared,
-         prepared=True),
-    Edge("prepared data's meta.json emptied", lambda d: (_prepared(d) / "meta.json").write_text("{}"),
-         _restore_prepared, prepared=True, names="meta.json"),
+    Edge(
+        "prepared data absent",
+        lambda d: shutil.rmtree(_prepared(d)),
+        _restore_prepared,
+        prepared=True,
+        names="does not exist",
+    ),
+    Edge(
+        "prepared data moved to another path",
+        lambda d: (shutil.move(_prepared(d), d / "moved"), d / "moved")[1],
+        _restore_prepared,
+        prepared=True,
+    ),
+    Edge(
+        "prepared training shard changed",
+        lambda d: _flip_byte(_prepared(d) / "train.bin"),
+        _restore_prepared,
+        prepared=True,
+        names="train.bin",
+    ),
+    Edge(
+        "prepared validation shard changed",
+        lambda d: _flip_byte(_prepared(d) / "val.bin"),
+        _restore_prepared,
+        prepared=True,
+        names="val.bin",
+    ),
+    Edge(
+        "prepared validation shard absent",
+        lambda d: (_prepared(d) / "val.bin").unlink(),
+        _restore_prepared,
+        prepared=True,
+        names="val.bin",
+    ),
+    Edge(
+        "prepared data prepared again from other stories",
+        _prepared_from_other_stories,
+        _restore_prepared,
+        prepared=True,
+    ),
+    Edge(
+        "prepared data a symbolic link to a copy",
+        lambda d: (shutil.move(_prepared(d), d / "copy"), _prepared(d).symlink_to(d / "copy")),
+        _restore_prepared,
+        prepared=True,
+    ),
+    Edge(
+        "prepared data's meta.json emptied",
+        lambda d: (_prepared(d) / "meta.json").write_text("{}"),
+        _restore_prepared,
+        prepared=True,
+        names="meta.json",
+    ),
     # the options it checks against the run
     Edge("--precision given, then left out", start=("--precision", "fp32")),
     Edge("--precision changed", then=("--precision", "bf16"), names="precision"),
@@ -210,8 +253,10 @@ def _argv(data: Path, out: Path, extra=()) -> list[str]:
 
 
 def _snapshot(directory: Path) -> dict[str, str]:
-    return {name: (_digest(directory / name) if (directory / name).is_file() else "dir")
-            for name in sorted(_files(directory))}
+    return {
+        name: (_digest(directory / name) if (directory / name).is_file() else "dir")
+        for name in sorted(_files(directory))
+    }
 
 
 def _tell(case_dir: Path, name: str) -> str:
@@ -263,7 +308,7 @@ def judge(edge: Edge, corpus: Path, work: Path, references: dict) -> list[str]:
     said = _tell(case_dir, "continued")
     broken = []
     if "Traceback" in said:
-        broken.append("a traceback:\n" + said[said.index("Traceback"):][-1500:])
+        broken.append("a traceback:\n" + said[said.index("Traceback") :][-1500:])
     if code == 0:
         same = _digest(out / "model.safetensors") == reference
         if edge.may_change_numbers:
@@ -271,8 +316,9 @@ def judge(edge: Edge, corpus: Path, work: Path, references: dict) -> list[str]:
                 broken.append("it continued with other numbers and no `resume:` line saying an option changed")
         elif not same:
             resumed = [line for line in said.splitlines() if line.startswith(("resume", "warning"))]
-            broken.append(f"it continued (exit 0) and ended with other weights than the run never stopped; it "
-                          f"said: {resumed}")
+            broken.append(
+                f"it continued (exit 0) and ended with other weights than the run never stopped; it said: {resumed}"
+            )
         return broken
     errors = [line for line in said.strip().splitlines() if line.strip()]
     last = errors[-1] if errors else ""
@@ -286,8 +332,10 @@ def judge(edge: Edge, corpus: Path, work: Path, references: dict) -> list[str]:
     edge.undo(case_dir)
     again = _run_child(_argv(data, out, edge.start), None, case_dir, "undone")
     if again != 0 or _digest(out / "model.safetensors") != reference:
-        broken.append(f"with the edge undone the same command did not end bit-identical ({again}): "
-                      f"{_tell(case_dir, 'undone')[-800:]}")
+        broken.append(
+            f"with the edge undone the same command did not end bit-identical ({again}): "
+            f"{_tell(case_dir, 'undone')[-800:]}"
+        )
     return broken
 
 
@@ -300,15 +348,25 @@ def run(corpus: Path, work: Path, edges=EDGES, log=print) -> dict:
             skipped.append(edge.name)  # root reads a file whatever its mode
             continue
         broken = judge(edge, corpus, work, references)
-        said = _tell(_case_dir(work, edge), "continued") \
-            if not broken or "continued" in " ".join(broken) else ""
-        outcomes[edge.name] = next((line for line in reversed(said.strip().splitlines())
-                                    if line.startswith(("error:", "resume:", "warning:"))), "continued")
+        said = _tell(_case_dir(work, edge), "continued") if not broken or "continued" in " ".join(broken) else ""
+        outcomes[edge.name] = next(
+            (
+                line
+                for line in reversed(said.strip().splitlines())
+                if line.startswith(("error:", "resume:", "warning:"))
+            ),
+            "continued",
+        )
         if broken:
             failures[edge.name] = broken
             log(f"FAIL {edge.name}: " + "; ".join(broken))
-    return {"edges": len(edges) - len(skipped), "skipped": skipped, "failures": failures, "outcomes": outcomes,
-            "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "edges": len(edges) - len(skipped),
+        "skipped": skipped,
+        "failures": failures,
+        "outcomes": outcomes,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 def main() -> int:

@@ -33,9 +33,21 @@ a failing disk would make it fail."""
 EXPLORE = os.environ.get("NANOLM_EXPLORE") == "1"
 
 _CHANGING_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-_CHANGING_EVENTS = {"os.rename": 2, "os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "shutil.rmtree": 1,
-                    "os.chmod": 1, "os.truncate": 1, "tempfile.mkdtemp": 1, "tempfile.mkstemp": 1,
-                    "shutil.copyfile": 2, "os.link": 2, "os.symlink": 2, "os.utime": 1}
+_CHANGING_EVENTS = {
+    "os.rename": 2,
+    "os.remove": 1,
+    "os.rmdir": 1,
+    "os.mkdir": 1,
+    "shutil.rmtree": 1,
+    "os.chmod": 1,
+    "os.truncate": 1,
+    "tempfile.mkdtemp": 1,
+    "tempfile.mkstemp": 1,
+    "shutil.copyfile": 2,
+    "os.link": 2,
+    "os.symlink": 2,
+    "os.utime": 1,
+}
 """Audit events that change the disk, and how many of their first arguments are paths."""
 
 
@@ -59,7 +71,7 @@ def _audit(event: str, args: tuple) -> None:
             return
         paths = [path]
     elif event in _CHANGING_EVENTS:
-        paths = list(args[:_CHANGING_EVENTS[event]])
+        paths = list(args[: _CHANGING_EVENTS[event]])
     else:
         return
     for path in paths:
@@ -87,6 +99,7 @@ def _watched(root: Path, plan: disk.FaultPlan):
 class Trial:
     """One run of the operation under a fault: ``at`` (1-based step), ``fault`` and what the
     operation raised (None if it returned)."""
+
     at: int
     fault: str | int
     step: tuple[str, str]
@@ -164,8 +177,7 @@ def _log(name: str, steps: list[tuple[str, str]], tried: dict) -> None:
     kinds: dict[str, int] = {}
     for kind, _ in steps:
         kinds[kind] = kinds.get(kind, 0) + 1
-    line = {"operation": name, "steps": len(steps), "kinds": kinds, "trials": sum(tried.values()),
-            "explored": EXPLORE}
+    line = {"operation": name, "steps": len(steps), "kinds": kinds, "trials": sum(tried.values()), "explored": EXPLORE}
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -175,5 +187,8 @@ def tree(directory: Path, skip: tuple[str, ...] = ()) -> dict[str, bytes] | None
     directory = Path(directory)
     if not directory.exists():
         return None
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name not in skip}
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name not in skip
+    }

@@ -22,8 +22,22 @@ PATHOLOGICAL_JSON = [
     "[" * 5000 + "]" * 5000,  # deeper than the recursion limit
     '{"a":' * 3000 + "1" + "}" * 3000,
     "[" * 100 + "]" * 100,  # deep, though Python would parse it
-    "1e999999", "-1e999999", "NaN", "Infinity", "1." + "1" * 5000,
-    '"' + "x" * 100_000 + '"', "", " ", "\x00", "\ufeff{}", "null", "true", "[]", "{}", '"text"', "0",
+    "1e999999",
+    "-1e999999",
+    "NaN",
+    "Infinity",
+    "1." + "1" * 5000,
+    '"' + "x" * 100_000 + '"',
+    "",
+    " ",
+    "\x00",
+    "\ufeff{}",
+    "null",
+    "true",
+    "[]",
+    "{}",
+    '"text"',
+    "0",
 ]
 
 PATHOLOGICAL_TOML = [
@@ -32,11 +46,24 @@ PATHOLOGICAL_TOML = [
     "a = " + "[" * 3000 + "]" * 3000,
     "a = " + "{b = " * 1000 + "1" + "}" * 1000,
     "[" + "a." * 2000 + "b]",
-    "model = 3", "model = [1, 2]", "model = 'text'", "[model]\nn_layer = 0x7fffffffffffffff",
-    "[train]\nsteps = 9223372036854775807", "[train]\nsteps = -9223372036854775808", "[train]\nlr = inf",
-    "[train]\nlr = nan", "[optim]\nlr = 1e308", "[data]\ndata = '" + "x" * 5000 + "'",
-    "[model]\n[model]", "[train]\nsteps = 1\nsteps = 2", "\x00", "[train]\nseed = 1979-05-27",
-    "[[train]]\nsteps = 2", "[train.sub]\nx = 1", "[train]\nthreads = 'many'", "[train]\nthreads = ''",
+    "model = 3",
+    "model = [1, 2]",
+    "model = 'text'",
+    "[model]\nn_layer = 0x7fffffffffffffff",
+    "[train]\nsteps = 9223372036854775807",
+    "[train]\nsteps = -9223372036854775808",
+    "[train]\nlr = inf",
+    "[train]\nlr = nan",
+    "[optim]\nlr = 1e308",
+    "[data]\ndata = '" + "x" * 5000 + "'",
+    "[model]\n[model]",
+    "[train]\nsteps = 1\nsteps = 2",
+    "\x00",
+    "[train]\nseed = 1979-05-27",
+    "[[train]]\nsteps = 2",
+    "[train.sub]\nx = 1",
+    "[train]\nthreads = 'many'",
+    "[train]\nthreads = ''",
 ]
 
 INTERESTING_INTEGERS = [0, 1, -1, 2, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), 2**64, 10**30]
@@ -44,16 +71,23 @@ INTERESTING_INTEGERS = [0, 1, -1, 2, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 -
 
 def leaves():
     return st.one_of(
-        st.none(), st.booleans(), st.sampled_from(INTERESTING_INTEGERS),
-        st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True, allow_infinity=True),
-        st.text(max_size=12), st.sampled_from(["", "nan", "inf", "step_000004", "single", "sharded", "x" * 10_000]),
+        st.none(),
+        st.booleans(),
+        st.sampled_from(INTERESTING_INTEGERS),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.text(max_size=12),
+        st.sampled_from(["", "nan", "inf", "step_000004", "single", "sharded", "x" * 10_000]),
     )
 
 
 def json_values():
     """Any JSON value, shallow and small, with the numbers and strings readers trip on."""
-    return st.recursive(leaves(), lambda inner: st.lists(inner, max_size=3)
-                        | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+    return st.recursive(
+        leaves(),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=8,
+    )
 
 
 def json_texts():

@@ -48,9 +48,34 @@ SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 PHASES = ("start-up", "model build", "first evaluation", "step", "evaluation", "sample", "exit")
 """The points that take no disk step, in the order a run reaches them."""
 STEPS, SIGNAL_STEP, EVAL_EVERY = 6, 2, 3
-TINY = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
-        "--batch-size", "4", "--eval-batches", "2", "--sample-tokens", "20", "--threads", "1", "--log-every", "1",
-        "--steps", str(STEPS), "--eval-every", str(EVAL_EVERY), "--ckpt-every", str(EVAL_EVERY)]
+TINY = [
+    "--tokenizer",
+    "char",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "20",
+    "--threads",
+    "1",
+    "--log-every",
+    "1",
+    "--steps",
+    str(STEPS),
+    "--eval-every",
+    str(EVAL_EVERY),
+    "--ckpt-every",
+    str(EVAL_EVERY),
+]
 
 
 @dataclass(frozen=True)
@@ -150,8 +175,11 @@ def _install_phase_hooks(case: Case, plan, events: _Events) -> None:
         return result
 
     original_step, original_evaluate = train_module.train_step, Validator.evaluate
-    original_build, original_sample, original_train = (train_module.build_model, train_module.sample_text,
-                                                       train_module.train)
+    original_build, original_sample, original_train = (
+        train_module.build_model,
+        train_module.sample_text,
+        train_module.train,
+    )
     train_module.train_step, Validator.evaluate, train_module.build_model = train_step, evaluate, build_model
     train_module.sample_text, train_module.train = sample_text, train
 
@@ -262,16 +290,18 @@ def judge(case: Case, data: Path, work: Path, ref: Reference) -> list[str]:
     elif log.strip() and sent[0] not in last and last != "interrupted":  # "SIGINT after SIGTERM: stopped at once..."
         broken.append(f"its last line does not name {sent[0]}: {last!r}")
     if "Traceback" in log:
-        broken.append("a traceback:\n" + log[log.index("Traceback"):][-1500:])
-    after = events[events.index(next(e for e in events if e.startswith("signal "))) + 1:]
+        broken.append("a traceback:\n" + log[log.index("Traceback") :][-1500:])
+    after = events[events.index(next(e for e in events if e.startswith("signal "))) + 1 :]
     if "step" in after:
         broken.append(f"{after.count('step')} step(s) began after the signal")
     if after.count("save") > 1:
         broken.append(f"{after.count('save')} checkpoint saves began after the signal")
     saved_at = log.split(" at step ")[1].split(":")[0] if "checkpoint saved to" in log else None
     if saved_at is not None and (out / "checkpoints" / "latest").read_text().strip() != f"step_{int(saved_at):06d}":
-        broken.append(f"it said it saved step {saved_at}, but checkpoints/latest is "
-                      f"{(out / 'checkpoints' / 'latest').read_text().strip()}")
+        broken.append(
+            f"it said it saved step {saved_at}, but checkpoints/latest is "
+            f"{(out / 'checkpoints' / 'latest').read_text().strip()}"
+        )
     again = _run_child(argv, None, case_dir, "again")
     if again != 0:
         broken.append(f"the same command again failed ({again}): {(case_dir / 'again.log').read_text()[-1500:]}")
@@ -292,8 +322,11 @@ def all_cases(steps: list) -> list[Case]:
     """Every point, every signal alone and every ordered pair; and a second Ctrl-C long after
     the first (the way to stop at once) during a step and during a checkpoint's save."""
     points = [*PHASES, *range(1, len(steps) + 1)]
-    return [Case(p, (s,)) for p in points for s in SIGNALS] + \
-           [Case(p, (a, b)) for p in points for a in SIGNALS for b in SIGNALS] + _stopped_at_once(steps)
+    return (
+        [Case(p, (s,)) for p in points for s in SIGNALS]
+        + [Case(p, (a, b)) for p in points for a in SIGNALS for b in SIGNALS]
+        + _stopped_at_once(steps)
+    )
 
 
 def _stopped_at_once(steps: list) -> list[Case]:
@@ -322,11 +355,12 @@ def selected_cases(steps: list) -> list[Case]:
 def import_for_children() -> None:
     """Import once, in the parent, what every child would otherwise import again (PyTorch's
     optimizer machinery among it), without running any PyTorch operation."""
-    import nanolm.instruments.cli  # noqa: F401
-    import nanolm.train  # noqa: F401
     import safetensors.torch  # noqa: F401
     import tokenizers  # noqa: F401
     import torch._dynamo  # noqa: F401 - what building an optimizer imports
+
+    import nanolm.instruments.cli  # noqa: F401
+    import nanolm.train  # noqa: F401
 
 
 def default_corpus(work: Path) -> Path:
@@ -352,8 +386,12 @@ def run(cases_of, data: Path, work: Path, log=print) -> dict:
         if broken:
             failures[str(case)] = broken
             log(f"FAIL {case}: " + "; ".join(broken))
-    return {"disk_steps": len(ref.steps), "cases": len(cases), "failures": failures,
-            "seconds": round(time.perf_counter() - start, 1)}
+    return {
+        "disk_steps": len(ref.steps),
+        "cases": len(cases),
+        "failures": failures,
+        "seconds": round(time.perf_counter() - start, 1),
+    }
 
 
 def main() -> int:
@@ -374,8 +412,9 @@ def main() -> int:
         if args.only:
             chooser = lambda steps: [c for c in all_cases(steps) if str(c) == args.only]  # noqa: E731
         result = run(chooser, data.resolve(), work.resolve())
-    return report(result, f"{result['cases']} cases over {result['disk_steps']} disk steps and {len(PHASES)} "
-                          f"phases", args.json)
+    return report(
+        result, f"{result['cases']} cases over {result['disk_steps']} disk steps and {len(PHASES)} phases", args.json
+    )
 
 
 def report(result: dict, what: str, json_path: Path | None) -> int:

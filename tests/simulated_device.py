@@ -74,7 +74,9 @@ class SimulatedDevice:
 
 
 def _accessor(func, attribute: str, kind: str) -> bool:
-    return getattr(func, "__name__", "") == kind and getattr(func, "__self__", None) is getattr(torch._C.TensorBase, attribute)
+    return getattr(func, "__name__", "") == kind and getattr(func, "__self__", None) is getattr(
+        torch._C.TensorBase, attribute
+    )
 
 
 def _is(func, *names) -> bool:
@@ -163,5 +165,7 @@ class _Dispatch(TorchDispatchMode):
 def _refused_dtype(sim: SimulatedDevice, func, out):
     for t in tree_flatten(out)[0]:
         if sim.refuse_float64 and isinstance(t, torch.Tensor) and t.dtype == torch.float64:
-            raise DeviceMix(f"{getattr(func, '__name__', func)} made a float64 tensor on {sim.device}, which has no float64")
+            raise DeviceMix(
+                f"{getattr(func, '__name__', func)} made a float64 tensor on {sim.device}, which has no float64"
+            )
     return out

@@ -39,26 +39,62 @@ def benchmark_json(monkeypatch, capsys, script: str, *args: str) -> dict:
 
 
 def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablations_patch(monkeypatch, capsys):
-    originals = (nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values,
-                 nanolm.model.RMSNorm.forward)
-    result = benchmark_json(monkeypatch, capsys, "throughput.py", "--shapes", "nanogpt", "--rounds", "1", "--steps",
-                                                 "1", "--warmup", "1", "--ablations", "--breakdown", "--threads", "1")
+    originals = (
+        nanolm.model.apply_rope,
+        nanolm.model.attention,
+        nanolm.model.Attention.queries_keys_values,
+        nanolm.model.RMSNorm.forward,
+    )
+    result = benchmark_json(
+        monkeypatch,
+        capsys,
+        "throughput.py",
+        "--shapes",
+        "nanogpt",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--ablations",
+        "--breakdown",
+        "--threads",
+        "1",
+    )
     shape = result["shapes"]["nanogpt"]
-    for name in ("nanolm", "nanolm_mask_off", "reference", "nanolm_twin", "nanolm_again", "before_fused_adamw",
-                 "before_rope_roll", "before_qkv_split", "before_all", "nanolm_model_in_plain_loop", "without_rope",
-                 "layer_norm_for_rms_norm"):
+    for name in (
+        "nanolm",
+        "nanolm_mask_off",
+        "reference",
+        "nanolm_twin",
+        "nanolm_again",
+        "before_fused_adamw",
+        "before_rope_roll",
+        "before_qkv_split",
+        "before_all",
+        "nanolm_model_in_plain_loop",
+        "without_rope",
+        "layer_norm_for_rms_norm",
+    ):
         row = shape[name]  # the figures hang together: a step's tokens, and the model's FLOPs per token
         assert row["tokens_per_sec"] * row["ms_per_step"] / 1e3 == pytest.approx(
-            shape["shape"]["batch_size"] * shape["shape"]["seq_len"], rel=2e-3)
-        assert row["gflops_per_sec"] == pytest.approx(shape["flops_per_token"] * row["tokens_per_sec"] / 1e9,
-                                                      rel=0.02, abs=0.1)
+            shape["shape"]["batch_size"] * shape["shape"]["seq_len"], rel=2e-3
+        )
+        assert row["gflops_per_sec"] == pytest.approx(
+            shape["flops_per_token"] * row["tokens_per_sec"] / 1e9, rel=0.02, abs=0.1
+        )
     assert "speedup nanolm over reference" in shape["time_ratios"]["wall"]
     assert 0 < shape["loader_share_of_step"] < 1 and result["peak_rss_mb"] > 0
     # 4 layers x (qkv, proj, gate, up, down) + the head, each forward once and backward twice
     assert shape["matmuls_alone"]["count_per_step"] == 3 * (4 * 5 + 1) and shape["matmuls_alone"]["ms_per_step"] > 0
     assert shape["parameters"] == 810_368  # nanoGPT's CPU shape with the char vocabulary of the stories
-    assert (nanolm.model.apply_rope, nanolm.model.attention, nanolm.model.Attention.queries_keys_values,
-            nanolm.model.RMSNorm.forward) == originals
+    assert (
+        nanolm.model.apply_rope,
+        nanolm.model.attention,
+        nanolm.model.Attention.queries_keys_values,
+        nanolm.model.RMSNorm.forward,
+    ) == originals
 
 
 def test_a_toggled_variant_runs_on_nanolms_own_runner_and_leaves_it_as_it_found_it():
@@ -96,8 +132,12 @@ def test_sharded_checkpoint_benchmark_compares_both_formats_and_checks_every_loa
     if "slow" not in request.config.getoption("markexpr", ""):
         pytest.skip("slow (~50 s on 2 cores): run with -m slow")
 
-    r = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_checkpoint.py"), "--small", "--repeats", "1"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "sharded_checkpoint.py"), "--small", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(r.stdout)
     assert ".metadata" in result["pickle"]["files"]
@@ -115,9 +155,34 @@ def test_every_shipped_config_trains_a_few_steps(config, tmp_path, stories_file)
     if "muon" in config.read_text() and not muon_available():
         pytest.skip("the config uses Muon (PyTorch >= 2.9)")
     out = tmp_path / "run"
-    assert main(["train", "--config", str(config), "--data", str(stories_file), "--out-dir", str(out), "--steps", "3",
-                 "--eval-every", "3", "--eval-batches", "1", "--warmup", "1", "--sample-tokens", "0",
-                 "--target-val-bpb", "0", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--data",
+                str(stories_file),
+                "--out-dir",
+                str(out),
+                "--steps",
+                "3",
+                "--eval-every",
+                "3",
+                "--eval-batches",
+                "1",
+                "--warmup",
+                "1",
+                "--sample-tokens",
+                "0",
+                "--target-val-bpb",
+                "0",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert (out / "final.json").is_file()
 
 
@@ -134,12 +199,23 @@ def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, mon
         "ids = np.fromfile('data/shakespeare_char/train.bin', dtype=np.uint16)\n"
         "assert '--max_iters=20' in sys.argv and '--n_embd=128' in sys.argv\n"
         "print(f'step 0: train loss 4.0000, val loss 4.1000')\n"
-        "print(f'step 20: train loss 1.8000, val loss {1.8 if len(ids) == 90 else 9:.4f}')\n")
+        "print(f'step 20: train loss 1.8000, val loss {1.8 if len(ids) == 90 else 9:.4f}')\n"
+    )
     path = tmp_path / "input.txt"
     path.write_text(text, encoding="utf-8")
-    result = benchmark_json(monkeypatch, capsys, "nanogpt_reference.py", "--nanogpt", str(repo), "--data", str(path),
-                                                 "--max-iters", "20", "--target",
-                                                 str(round(1.8 / math.log(2) * chars_per_byte, 4)))
+    result = benchmark_json(
+        monkeypatch,
+        capsys,
+        "nanogpt_reference.py",
+        "--nanogpt",
+        str(repo),
+        "--data",
+        str(path),
+        "--max-iters",
+        "20",
+        "--target",
+        str(round(1.8 / math.log(2) * chars_per_byte, 4)),
+    )
     assert [c["iter"] for c in result["curve"]] == [0, 20]
     assert result["final_val_bpb"] == pytest.approx(1.8 / math.log(2) * chars_per_byte, abs=1e-4)
     assert result["target_seen_at_s"] is not None
@@ -148,8 +224,21 @@ def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, mon
 def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(monkeypatch, capsys):
     """The figures behind the fused head and loss (docs/benchmarks.md): the fused one must
     compute what the whole one does, or its timing means nothing."""
-    results = benchmark_json(monkeypatch, capsys, "head_and_loss.py", "--vocab", "300,600", "--tokens", "96",
-                                                  "--width", "16", "--rows", "32", "--rounds", "2")["results"]
+    results = benchmark_json(
+        monkeypatch,
+        capsys,
+        "head_and_loss.py",
+        "--vocab",
+        "300,600",
+        "--tokens",
+        "96",
+        "--width",
+        "16",
+        "--rows",
+        "32",
+        "--rounds",
+        "2",
+    )["results"]
     assert [r["vocab"] for r in results] == [300, 600]
     assert all(r["same_gradients"] for r in results)
     for r in results:  # each speedup is of the two figures printed beside it, rounded to two decimals
@@ -161,9 +250,29 @@ def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(m
 def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processes(monkeypatch, capsys):
     """The figures behind keeping freed buffers (docs/benchmarks.md): each configuration in its
     own process, and the kept one really kept (on glibc)."""
-    results = benchmark_json(monkeypatch, capsys, "allocator.py", "--threads", "1", "--rounds", "1", "--steps", "1",
-                                                  "--precision", "fp32", "--vocab", "300", "--seq-len", "16",
-                                                  "--batch", "2", "--layers", "1", "--width", "16")["results"]
+    results = benchmark_json(
+        monkeypatch,
+        capsys,
+        "allocator.py",
+        "--threads",
+        "1",
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--precision",
+        "fp32",
+        "--vocab",
+        "300",
+        "--seq-len",
+        "16",
+        "--batch",
+        "2",
+        "--layers",
+        "1",
+        "--width",
+        "16",
+    )["results"]
     assert [r["qk_norm"] for r in results] == ["off", "on"]
     for r in results:  # each figure is the median of its own processes, and the ratio is of those two
         assert len(r["kept_ms_each"]) == len(r["given_back_ms_each"]) == 1
@@ -176,16 +285,28 @@ def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processe
         assert all(r["applied"] for r in results)
 
 
-def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bounds(monkeypatch, capsys,
-                                                                                  stories_file, tmp_path):
+def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bounds(
+    monkeypatch, capsys, stories_file, tmp_path
+):
     """The figures behind a training run skipping the compressors (docs/data.md): both ways, the
     bounds reported only by the way that computes them."""
-    out = benchmark_json(monkeypatch, capsys, "prepare_throughput.py", "--data", str(stories_file), "--tokenizers",
-                                              "char", "--rounds", "1")
+    out = benchmark_json(
+        monkeypatch,
+        capsys,
+        "prepare_throughput.py",
+        "--data",
+        str(stories_file),
+        "--tokenizers",
+        "char",
+        "--rounds",
+        "1",
+    )
     char = out["char"]
     assert out["mb"] == round(stories_file.stat().st_size / 1e6, 2)
-    for seconds, rate in (("seconds", "mb_per_s"), ("seconds_as_a_training_run_prepares",
-                                                     "mb_per_s_as_a_training_run_prepares")):
+    for seconds, rate in (
+        ("seconds", "mb_per_s"),
+        ("seconds_as_a_training_run_prepares", "mb_per_s_as_a_training_run_prepares"),
+    ):
         rounding = char[rate] * (0.005 / char[seconds] + 0.005 / out["mb"]) + 0.005  # each figure to 2 decimals
         assert char[rate] == pytest.approx(out["mb"] / char[seconds], abs=rounding)
     prepared = prepare(stories_file, tmp_path / "shards", "char", 4096, progress=False, log=lambda *_: None)
@@ -193,14 +314,40 @@ def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bou
     assert 0 < char["compressor_bpb"]["xz"] < 8
 
 
-def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exemption(monkeypatch, capsys,
-                                                                                     stories_file):
+def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exemption(
+    monkeypatch, capsys, stories_file
+):
     """The figures behind the quick exit (docs/benchmarks.md): a real ``python -m nanolm`` in fresh
     processes, exempting objects from collection by default and not under --process-tuning off."""
-    out = benchmark_json(monkeypatch, capsys, "garbage_collector.py", "--rounds", "1", "--", "train", "--data",
-                                              str(stories_file), "--steps", "1", "--tokenizer", "char", "--n-layer",
-                                              "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16",
-                                              "--batch-size", "2", "--eval-batches", "1", "--sample-tokens", "0")
+    out = benchmark_json(
+        monkeypatch,
+        capsys,
+        "garbage_collector.py",
+        "--rounds",
+        "1",
+        "--",
+        "train",
+        "--data",
+        str(stories_file),
+        "--steps",
+        "1",
+        "--tokenizer",
+        "char",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+    )
     assert out["exempted"]["frozen_objects"] > 10_000 and out["collector_alone"]["frozen_objects"] == 0
     for name in ("exempted", "collector_alone"):
         assert out[name]["exit_s"] > 0 and out[name]["gc_s"] >= 0 and out[name]["wall_s"] > out[name]["exit_s"]
@@ -219,8 +366,21 @@ def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(native_bf16,
     orthogonalise in bf16 (only the order of sums differs); without them GroupedMuon runs fp32
     against PyTorch's bf16, and the bound follows from bf16's rounding, not from one machine."""
     monkeypatch.setattr("nanolm.precision.cpu_has_native_bf16", lambda: native_bf16)
-    result = benchmark_json(monkeypatch, capsys, "muon_step.py", "--layers", "2", "--width", "32", "--vocab", "64",
-                                                 "--threads", "1", "--steps", "2")
+    result = benchmark_json(
+        monkeypatch,
+        capsys,
+        "muon_step.py",
+        "--layers",
+        "2",
+        "--width",
+        "32",
+        "--vocab",
+        "64",
+        "--threads",
+        "1",
+        "--steps",
+        "2",
+    )
     assert result["matrices"] == 10 and len(result["shapes"]) == 3  # qkv and the MLP's gate, up are all 96 x 32
     ms = result["step_ms"]
     assert set(ms) == {"torch_muon", "grouped_muon", "adamw"} and all(v > 0 for v in ms.values())
@@ -234,8 +394,9 @@ def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(native_bf16,
     assert result["relative_weight_difference"] <= result["rounding_bound"]
 
 
-def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_every_model_alike(monkeypatch, capsys,
-                                                                                               tmp_path):
+def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_every_model_alike(
+    monkeypatch, capsys, tmp_path
+):
     """The three models are judged by one evaluation: untrained, each predicts about uniformly
     (ln V nats per token); nanolm's model in the plain loop and in nanolm's step start from the
     same weights (the same seed), so their step-0 figures are equal; on ASCII text a character
@@ -244,10 +405,29 @@ def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_ever
     text = (Path(__file__).resolve().parents[1] / "data" / "toy.txt").read_text(encoding="utf-8")[:40_000]
     path = tmp_path / "text.txt"
     path.write_text(text.replace("<|endoftext|>\n", ""), encoding="utf-8")  # one document: no EOS in it
-    result = benchmark_json(monkeypatch, capsys, "loss_per_step.py", "--data", str(path), "--steps", "6",
-                                                 "--eval-every", "3", "--seeds", "1", "--warmup", "1", "--lr", "3e-3",
-                                                 "--val-windows", "8", "--threads", "1",
-                                                 "--models", "reference,nanolm_model,nanolm,nanolm_model_gelu")
+    result = benchmark_json(
+        monkeypatch,
+        capsys,
+        "loss_per_step.py",
+        "--data",
+        str(path),
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--seeds",
+        "1",
+        "--warmup",
+        "1",
+        "--lr",
+        "3e-3",
+        "--val-windows",
+        "8",
+        "--threads",
+        "1",
+        "--models",
+        "reference,nanolm_model,nanolm,nanolm_model_gelu",
+    )
     runs = result["seeds"]["1"]
     vocab = result["vocab_size"]
     assert len(set(path.read_text(encoding="utf-8"))) <= vocab <= 260
@@ -294,15 +474,46 @@ def test_every_loop_of_the_loss_per_step_benchmark_runs_the_same_recipe():
     assert weights["blocks.0.mlp_proj.weight"].std() < 0.5 * weights["blocks.0.c_fc.weight"].std()
 
 
-def test_the_speedrun_counts_training_time_from_the_first_step_to_the_target_evaluation(monkeypatch, capsys,
-                                                                                         stories_file):
+def test_the_speedrun_counts_training_time_from_the_first_step_to_the_target_evaluation(
+    monkeypatch, capsys, stories_file
+):
     """A row's time is training time (docs/speedrun.md): the process's start and data preparation
     are reported beside it, and the three parts add up to the process from launch to exit."""
-    out = benchmark_json(monkeypatch, capsys, "speedrun.py", "--data", str(stories_file), "--config",
-                         "configs/shakespeare_char.toml", "--target", "100", "--threads", "1", "--", "--steps", "4",
-                         "--eval-every", "2", "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32", "--n-head",
-                         "2", "--seq-len", "32", "--batch-size", "4", "--sample-tokens", "0", "--warmup", "1",
-                         "--no-eval-at-start")
+    out = benchmark_json(
+        monkeypatch,
+        capsys,
+        "speedrun.py",
+        "--data",
+        str(stories_file),
+        "--config",
+        "configs/shakespeare_char.toml",
+        "--target",
+        "100",
+        "--threads",
+        "1",
+        "--",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--eval-batches",
+        "1",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--sample-tokens",
+        "0",
+        "--warmup",
+        "1",
+        "--no-eval-at-start",
+    )
     run = out["runs"][0]
     assert out["reached"] == "1/1" and run["reached_target"]
     assert run["curve"][0]["step"] == 2  # the target (any loss) is met by the first evaluation
@@ -329,36 +540,54 @@ def test_every_regression_the_sensitivity_benchmark_plants_breaks_a_line_that_ex
         assert correct != broken and (BENCHMARKS.parent / file).read_text().count(correct) == 1, name
 
 
-@pytest.mark.parametrize("script, args, says", [
-    ("benchmarks/band_sensitivity.py", ["--rerun-seeds", "1,2,3"], "--rerun-seeds needs at least 6 seeds"),
-    ("benchmarks/band_sensitivity.py", ["--regressions", "lr_x0.9,lr_x7"], "unknown regression 'lr_x7'"),
-    ("benchmarks/band_sensitivity.py", ["--held-out", "100-1x9"], "'100-1x9' is not a seed or a range of seeds"),
-    ("benchmarks/other_cpus.py", ["--paths", "native,avx3"], "unknown kernel path 'avx3'"),
-    ("benchmarks/other_cpus.py", ["--threads", "1,two"], "--threads '1,two': write thread counts as 1,2"),
-    ("benchmarks/other_cpus.py", ["--new-seeds", "1-3"], "--new-seeds must be seeds the reference never trained"),
-    ("benchmarks/other_cpus.py", ["--jobs", "0"], "--jobs needs at least 1"),
-    ("tools/reference_bands.py", ["--widen", "quick-fp32=0.5"], "--widen 'quick-fp32=0.5': write NAME=FACTOR"),
-    ("tools/reference_bands.py", ["--widen", "default-fp32=1.2"], "default-fp32 is widened already"),
-    ("tools/reference_bands.py", ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1,2"],
-     "--reruns needs at least 5 of the --curve-seeds"),
-    ("tools/reference_bands.py", ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1-5,99"],
-     "--reruns SEEDS must be among the --curve-seeds"),
-])
+@pytest.mark.parametrize(
+    "script, args, says",
+    [
+        ("benchmarks/band_sensitivity.py", ["--rerun-seeds", "1,2,3"], "--rerun-seeds needs at least 6 seeds"),
+        ("benchmarks/band_sensitivity.py", ["--regressions", "lr_x0.9,lr_x7"], "unknown regression 'lr_x7'"),
+        ("benchmarks/band_sensitivity.py", ["--held-out", "100-1x9"], "'100-1x9' is not a seed or a range of seeds"),
+        ("benchmarks/other_cpus.py", ["--paths", "native,avx3"], "unknown kernel path 'avx3'"),
+        ("benchmarks/other_cpus.py", ["--threads", "1,two"], "--threads '1,two': write thread counts as 1,2"),
+        ("benchmarks/other_cpus.py", ["--new-seeds", "1-3"], "--new-seeds must be seeds the reference never trained"),
+        ("benchmarks/other_cpus.py", ["--jobs", "0"], "--jobs needs at least 1"),
+        ("tools/reference_bands.py", ["--widen", "quick-fp32=0.5"], "--widen 'quick-fp32=0.5': write NAME=FACTOR"),
+        ("tools/reference_bands.py", ["--widen", "default-fp32=1.2"], "default-fp32 is widened already"),
+        (
+            "tools/reference_bands.py",
+            ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1,2"],
+            "--reruns needs at least 5 of the --curve-seeds",
+        ),
+        (
+            "tools/reference_bands.py",
+            ["--recipes", "quick", "--curve-seeds", "1-20", "--reruns", "1-5,99"],
+            "--reruns SEEDS must be among the --curve-seeds",
+        ),
+    ],
+)
 def test_the_reference_tools_refuse_bad_seeds_in_one_line_before_training_anything(tmp_path, script, args, says):
     """These tools train for an hour or more before they judge: a mistyped option must stop them at
     once, with one line, not after the trainings with a traceback."""
     import subprocess
 
     work = tmp_path / "work"
-    done = subprocess.run([sys.executable, str(BENCHMARKS.parent / script), *args, "--work", str(work)],
-                          capture_output=True, text=True, timeout=120, cwd=BENCHMARKS.parent)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS.parent / script), *args, "--work", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=BENCHMARKS.parent,
+    )
     assert done.returncode != 0 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not work.exists()
 
 
 def test_the_calibration_benchmark_reports_both_thresholds_for_each_test_and_number_of_runs():
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "curve_calibration.py"), "--trials", "20", "--samples",
-                           "200"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "curve_calibration.py"), "--trials", "20", "--samples", "200"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout.strip().splitlines()[-1])["rows"]
     assert [(r["test"], r["runs"]) for r in rows] == [(t, n) for t in ("among seeds", "own seed") for n in (5, 10, 20)]
@@ -366,12 +595,45 @@ def test_the_calibration_benchmark_reports_both_thresholds_for_each_test_and_num
 
 
 def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_passes_over_the_data(
-        monkeypatch, capsys, stories_file):
-    out = benchmark_json(monkeypatch, capsys, "speedrun.py", "--data", str(stories_file), "--config",
-                         "configs/shakespeare_char.toml", "--budget", "600", "--threads", "1", "--holdout-shift", "5",
-                         "--", "--steps", "4", "--eval-every", "4", "--eval-batches", "1", "--n-layer", "1",
-                         "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--sample-tokens",
-                         "0", "--warmup", "1", "--no-eval-at-start")
+    monkeypatch, capsys, stories_file
+):
+    out = benchmark_json(
+        monkeypatch,
+        capsys,
+        "speedrun.py",
+        "--data",
+        str(stories_file),
+        "--config",
+        "configs/shakespeare_char.toml",
+        "--budget",
+        "600",
+        "--threads",
+        "1",
+        "--holdout-shift",
+        "5",
+        "--",
+        "--steps",
+        "4",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "1",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--sample-tokens",
+        "0",
+        "--warmup",
+        "1",
+        "--no-eval-at-start",
+    )
     run = out["runs"][0]
     assert run["steps"] == 4 and run["tokens_trained"] == 4 * 4 * 32 and out["fits_budget"] and run["fits_budget"]
     assert run["passes"] == round(run["tokens_trained"] / run["train_split_tokens"], 2) == out["passes"]

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
 import nanolm.machine.runtime as runtime
+from nanolm.base.files import sha256_file
 from nanolm.checkpoint import (
     latest_valid_checkpoint,
     list_checkpoints,
@@ -26,13 +27,32 @@ from nanolm.checkpoint import (
 from nanolm.errors import NanolmError
 from nanolm.instruments.cli import main
 from nanolm.optim import muon_available
-from nanolm.base.files import sha256_file
 from nanolm.run.final import load_run
 from nanolm.tokenizer import train_char
 from nanolm.watch.sinks import read_metrics
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--dropout", "0.1", "--log-every", "1"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "0",
+    "--tokenizer",
+    "char",
+    "--dropout",
+    "0.1",
+    "--log-every",
+    "1",
+]
 TIMING = {"tokens_per_sec", "elapsed_s", "mfu", "eta_s", "rss_mb", "cuda_max_alloc_mb", "peak_flops", "threads"}
 
 
@@ -58,8 +78,9 @@ def straight_run(tmp_path_factory, stories_file):
 
 def test_resume_after_sigkill_is_bit_identical(straight_run, tmp_path, stories_file):
     out = tmp_path / "run"
-    killed = _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 4,
-                    "--debug-kill-after-checkpoint", 4)
+    killed = _train(
+        stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 4, "--debug-kill-after-checkpoint", 4
+    )
     assert killed.returncode == -signal.SIGKILL
     assert read_latest(out).name == "step_000004" and not (out / "model.safetensors").exists()
     resumed = _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 4)
@@ -72,8 +93,12 @@ def test_resume_after_sigkill_is_bit_identical(straight_run, tmp_path, stories_f
 
 def test_resume_is_exact_across_a_change_of_eval_every(straight_run, tmp_path, stories_file):
     out = tmp_path / "run"
-    assert _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 4,
-                  "--debug-kill-after-checkpoint", 4).returncode == -signal.SIGKILL
+    assert (
+        _train(
+            stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 4, "--debug-kill-after-checkpoint", 4
+        ).returncode
+        == -signal.SIGKILL
+    )
     resumed = _train(stories_file, out, "--steps", 8, "--eval-every", 3, "--ckpt-every", 4)
     assert resumed.returncode == 0, resumed.stderr
     assert "eval_every: 2 -> 3 (allowed)" in resumed.stdout
@@ -89,10 +114,29 @@ def test_resume_without_optimizer_state_visibly_changes_the_first_step(straight_
     state on resume shows up as an oversized first update."""
     normal, dropped = tmp_path / "normal", tmp_path / "dropped"
     for out, extra in ((normal, []), (dropped, ["--debug-drop-optimizer-state"])):
-        assert _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 1, "--keep", 0,
-                      "--debug-kill-after-checkpoint", 5).returncode == -signal.SIGKILL
-        assert _train(stories_file, out, "--steps", 6, "--eval-every", 2, "--ckpt-every", 1, "--keep", 0,
-                      *extra).returncode == 0
+        assert (
+            _train(
+                stories_file,
+                out,
+                "--steps",
+                8,
+                "--eval-every",
+                2,
+                "--ckpt-every",
+                1,
+                "--keep",
+                0,
+                "--debug-kill-after-checkpoint",
+                5,
+            ).returncode
+            == -signal.SIGKILL
+        )
+        assert (
+            _train(
+                stories_file, out, "--steps", 6, "--eval-every", 2, "--ckpt-every", 1, "--keep", 0, *extra
+            ).returncode
+            == 0
+        )
 
     def update_norm(run):
         w5 = load_file(str(run / "checkpoints" / "step_000005" / "model.safetensors"))
@@ -104,9 +148,28 @@ def test_resume_without_optimizer_state_visibly_changes_the_first_step(straight_
 
 def test_sigterm_saves_a_checkpoint_then_exits_and_the_run_resumes(tmp_path, stories_file):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "nanolm", "train", "--data", str(stories_file), "--out-dir", str(out),
-                             *TINY, "--steps", "100000", "--eval-every", "1000", "--ckpt-every", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanolm",
+            "train",
+            "--data",
+            str(stories_file),
+            "--out-dir",
+            str(out),
+            *TINY,
+            "--steps",
+            "100000",
+            "--eval-every",
+            "1000",
+            "--ckpt-every",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while read_latest(out) is None and time.time() < deadline:
         time.sleep(0.2)
@@ -125,8 +188,22 @@ def test_incompatible_resume_is_refused_with_a_readable_diff(straight_run, tmp_p
     out = tmp_path / "run"
     assert _train(stories_file, out, "--steps", 4, "--eval-every", 2).returncode == 0
     before = sorted(p.name for p in out.iterdir())
-    code = main(["train", "--data", str(stories_file), "--out-dir", str(out), *TINY, "--steps", "8",
-                 "--n-embd", "64", "--batch-size", "8"])
+    code = main(
+        [
+            "train",
+            "--data",
+            str(stories_file),
+            "--out-dir",
+            str(out),
+            *TINY,
+            "--steps",
+            "8",
+            "--n-embd",
+            "64",
+            "--batch-size",
+            "8",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "n_embd: 32 -> 64" in err and "batch_size: 4 -> 8" in err and len(err.strip().splitlines()) == 1
@@ -189,8 +266,12 @@ def test_a_corrupted_checkpoint_is_named_and_skipped(tmp_path):
 
 def test_a_truncated_checkpoint_falls_back_during_auto_resume(straight_run, tmp_path, stories_file):
     out = tmp_path / "run"
-    assert _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 2,
-                  "--debug-kill-after-checkpoint", 6).returncode == -signal.SIGKILL
+    assert (
+        _train(
+            stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 2, "--debug-kill-after-checkpoint", 6
+        ).returncode
+        == -signal.SIGKILL
+    )
     state = out / "checkpoints" / "step_000006" / "state.pt"
     state.write_bytes(state.read_bytes()[:100])
     r = _train(stories_file, out, "--steps", 8, "--eval-every", 2, "--ckpt-every", 2)
@@ -247,10 +328,17 @@ def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 
-@pytest.mark.parametrize("setting", [
-    ["--precision", "fp16"], ["--precision", "bf16-pure"],
-    pytest.param(["--optimizer", "muon"], marks=pytest.mark.skipif(not muon_available(), reason="needs PyTorch >= 2.9")),
-], ids=["fp16", "bf16-pure", "muon"])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        ["--precision", "fp16"],
+        ["--precision", "bf16-pure"],
+        pytest.param(
+            ["--optimizer", "muon"], marks=pytest.mark.skipif(not muon_available(), reason="needs PyTorch >= 2.9")
+        ),
+    ],
+    ids=["fp16", "bf16-pure", "muon"],
+)
 def test_resume_is_bit_identical_under_low_precision_and_muon(tmp_path, stories_file, setting):
     """The loss scaler's state (fp16), the bf16 optimizer's state and Muon's momentum beside
     AdamW's moments resume exactly too."""
@@ -321,10 +409,16 @@ def test_a_file_the_manifest_does_not_list_makes_a_checkpoint_invalid(tmp_path):
     assert "not in its manifest" in _fallback_warning(tmp_path)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("format", 2, "format 2"), ("layout", "striped", "malformed 'layout'"), ("world_size", 0, "malformed 'world_size'"),
-    ("val_loss", "low", "malformed 'val_loss'"), ("files", [], "malformed 'files'"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("format", 2, "format 2"),
+        ("layout", "striped", "malformed 'layout'"),
+        ("world_size", 0, "malformed 'world_size'"),
+        ("val_loss", "low", "malformed 'val_loss'"),
+        ("files", [], "malformed 'files'"),
+    ],
+)
 def test_every_meta_field_is_type_checked(tmp_path, field, value, message):
     path = _two_checkpoints(tmp_path)
     _reseal(path, lambda m: m.update({field: value}))
@@ -394,8 +488,17 @@ def test_a_checkpointer_built_for_a_run_takes_its_schedule_and_config_from_the_t
     cfg = RunConfig()
     cfg.train.ckpt_every, cfg.train.steps, cfg.train.keep = 7, 50, 2
     for kind in (Checkpointer, ForgetfulCheckpointer):
-        c = kind.for_run(cfg, dist=Distributed(), run_dir=tmp_path, model=None, optimizer=None, stateful={},
-                         tokenizer=None, data_digest="d", log=print)
+        c = kind.for_run(
+            cfg,
+            dist=Distributed(),
+            run_dir=tmp_path,
+            model=None,
+            optimizer=None,
+            stateful={},
+            tokenizer=None,
+            data_digest="d",
+            log=print,
+        )
         assert type(c) is kind and (c.every, c.last_step, c.keep, c.data_digest) == (7, 50, 2, "d")
         assert c.config_toml == cfg.to_toml() and c.run_dir == tmp_path
         assert [s for s in range(1, 51) if c.due(s)] == [7, 14, 21, 28, 35, 42, 49, 50]

@@ -15,8 +15,20 @@ TRAIN_ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, stories_file):
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    result = run_cli("train", "--data", stories_file, "--steps", 6, "--eval-every", 3, "--log-every", 2,
-                     "--out-dir", out, *TINY_TRAIN)
+    result = run_cli(
+        "train",
+        "--data",
+        stories_file,
+        "--steps",
+        6,
+        "--eval-every",
+        3,
+        "--log-every",
+        2,
+        "--out-dir",
+        out,
+        *TINY_TRAIN,
+    )
     assert result.returncode == 0, result.stderr
     return out, result
 
@@ -56,8 +68,11 @@ def test_module_entry_points_match_the_cli(trained_run, tmp_path, stories_file):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "nanolm.sample", "--run", str(out), "--max-new-tokens", "5"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "nanolm.sample", "--run", str(out), "--max-new-tokens", "5"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-m", "nanolm.train", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--grad-accum" in r.stdout
@@ -65,9 +80,30 @@ def test_module_entry_points_match_the_cli(trained_run, tmp_path, stories_file):
 
 def test_help_documents_every_flag_with_its_default():
     r = run_cli("train", "--help")
-    flags = ["--data", "--tokenizer", "--vocab-size", "--steps", "--lr", "--min-lr", "--warmup", "--batch-size",
-             "--grad-accum", "--seq-len", "--n-layer", "--n-head", "--n-embd", "--weight-decay", "--clip", "--seed",
-             "--device", "--compile", "--eval-every", "--eval-batches", "--out-dir", "--config"]
+    flags = [
+        "--data",
+        "--tokenizer",
+        "--vocab-size",
+        "--steps",
+        "--lr",
+        "--min-lr",
+        "--warmup",
+        "--batch-size",
+        "--grad-accum",
+        "--seq-len",
+        "--n-layer",
+        "--n-head",
+        "--n-embd",
+        "--weight-decay",
+        "--clip",
+        "--seed",
+        "--device",
+        "--compile",
+        "--eval-every",
+        "--eval-batches",
+        "--out-dir",
+        "--config",
+    ]
     for flag in flags:
         assert flag in r.stdout, flag
     assert r.stdout.count("(default:") >= len(flags) - 1
@@ -79,53 +115,88 @@ def _error_line(capsys):
     return err[0]
 
 
-@pytest.mark.parametrize("content, flags, message", [
-    (None, [], "does not exist"),
-    (b"", [], "is empty"),
-    (b"\x89PNG\r\n\x1a\n\x00\x00\x00", [], "binary"),
-    ("caf\u00e9".encode("latin-1") * 100, [], "not valid UTF-8"),
-    (b"too short", [], "fewer than one window"),
-    (b"plenty of text " * 500, ["--vocab-size", "100"], "at least 257"),
-    (b"plenty of text " * 500, ["--n-embd", "30", "--n-head", "4"], "divisible"),
-    (b"plenty of text " * 500, ["--device", "tpu"], "device"),
-    (b"plenty of text " * 500, ["--device", "cuda:7"], "device"),
-    (b"plenty of text " * 500, ["--steps", "0"], "--steps must be positive"),
-    (b"plenty of text " * 500, ["--batch-size", "-2"], "--batch-size must be positive"),
-    (b"plenty of text " * 500, ["--lr", "-1"], "--lr"),
-    (b"plenty of text " * 500, ["--attention", "flex", "--device", "cpu"], "FlexAttention has no backward"),
-    (b"plenty of text " * 500, ["--stats-every", "-1"], "--stats-every must be >= 0"),
-    (b"plenty of text " * 500, ["--threads", "-1"], "--threads must be auto, or a number of threads from 1 to 1024"),
-    (b"plenty of text " * 500, ["--threads", "100000"], "--threads must be auto, or a number of threads from 1 to 1024"),
-    (b"plenty of text " * 500, ["--vocab-size", str(2**29)], "--vocab-size must be positive and at most 16777216"),
-    (b"plenty of text " * 500, ["--grad-accum", str(2**40)], "micro-batches of --batch-size"),
-    (b"plenty of text " * 500, ["--peak-flops", "-5"], "--peak-flops"),
-    (b"plenty of text " * 500, ["--log", "tensorboard,csv"], "unknown --log sink 'csv'"),
-    (b"plenty of text " * 500, ["--ckpt-every", "0"], "--ckpt-every must be positive"),
-    (b"plenty of text " * 500, ["--beta1", "2"], "--beta1 must be in [0, 1)"),
-    (b"plenty of text " * 500, ["--beta2", "-0.5"], "--beta2 must be in [0, 1)"),
-    (b"plenty of text " * 500, ["--keep", "-2"], "--keep must be >= 0"),
-    (b"plenty of text " * 500, ["--sample-tokens", "-1"], "--sample-tokens must be >= 0"),
-    (b"plenty of text " * 500, ["--rope-theta", "0"], "--rope-theta must be a positive number"),
-    (b"plenty of text " * 500, ["--warmup", "500"], "--warmup must be at most --steps (2)"),
-    (b"plenty of text " * 500, ["--dropout", "1"], "--dropout must be in [0, 1)"),
-    (b"plenty of text " * 500, ["--lr", "nan"], "--lr must be a positive number"),
-    (b"plenty of text " * 500, ["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
-    (b"plenty of text " * 500, ["--seed", "-1"], "--seed must be in [0, 2^32)"),
-    (b"plenty of text " * 500, ["--n-layer", "0"], "--n-layer must be positive"),
-    (b"plenty of text " * 500, ["--clip", "inf"], "--clip must be >= 0"),
-    (b"plenty of text " * 500, ["--val-fraction", "1"], "--val-fraction must be in [0, 1)"),
-    (b"plenty of text " * 500, ["--spike-window", "2"], "--spike-window must be >= 5"),
-    (b"plenty of text " * 500, ["--rollback-lr-scale", "0"], "--rollback-lr-scale must be in (0, 1]"),
-    (b"plenty of text " * 500, ["--target-val-bpb", "-1"], "--target-val-bpb must be >= 0"),
-    (b"plenty of text " * 500, ["--resume", "no/such/run"], "no valid checkpoint there"),
-    (b"plenty of text " * 500, ["--optimizer", "muon", "--dist", "fsdp"], "--optimizer muon does not combine with --dist fsdp"),
-    (b"plenty of text " * 500, ["--optimizer", "muon", "--precision", "bf16-pure"], "use --precision bf16"),
-    (b"plenty of text " * 500, ["--muon-lr", "0.01"], "--muon-lr only applies to --optimizer muon"),
-    (b"plenty of text " * 500, ["--optimizer", "muon", "--muon-lr", "0"], "--muon-lr must be a positive number"),
-    (b"plenty of text " * 500, ["--optimizer", "muon", "--muon-momentum", "1"], "--muon-momentum must be in [0, 1)"),
-    (b"plenty of text " * 2000, ["--batch-size", "100000", "--tokenizer", "char", "--n-layer", "4", "--n-head", "4",
-                                  "--n-embd", "128", "--seq-len", "128"], "lower --batch-size"),  # ~700 GB
-])
+@pytest.mark.parametrize(
+    "content, flags, message",
+    [
+        (None, [], "does not exist"),
+        (b"", [], "is empty"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00", [], "binary"),
+        ("caf\u00e9".encode("latin-1") * 100, [], "not valid UTF-8"),
+        (b"too short", [], "fewer than one window"),
+        (b"plenty of text " * 500, ["--vocab-size", "100"], "at least 257"),
+        (b"plenty of text " * 500, ["--n-embd", "30", "--n-head", "4"], "divisible"),
+        (b"plenty of text " * 500, ["--device", "tpu"], "device"),
+        (b"plenty of text " * 500, ["--device", "cuda:7"], "device"),
+        (b"plenty of text " * 500, ["--steps", "0"], "--steps must be positive"),
+        (b"plenty of text " * 500, ["--batch-size", "-2"], "--batch-size must be positive"),
+        (b"plenty of text " * 500, ["--lr", "-1"], "--lr"),
+        (b"plenty of text " * 500, ["--attention", "flex", "--device", "cpu"], "FlexAttention has no backward"),
+        (b"plenty of text " * 500, ["--stats-every", "-1"], "--stats-every must be >= 0"),
+        (
+            b"plenty of text " * 500,
+            ["--threads", "-1"],
+            "--threads must be auto, or a number of threads from 1 to 1024",
+        ),
+        (
+            b"plenty of text " * 500,
+            ["--threads", "100000"],
+            "--threads must be auto, or a number of threads from 1 to 1024",
+        ),
+        (b"plenty of text " * 500, ["--vocab-size", str(2**29)], "--vocab-size must be positive and at most 16777216"),
+        (b"plenty of text " * 500, ["--grad-accum", str(2**40)], "micro-batches of --batch-size"),
+        (b"plenty of text " * 500, ["--peak-flops", "-5"], "--peak-flops"),
+        (b"plenty of text " * 500, ["--log", "tensorboard,csv"], "unknown --log sink 'csv'"),
+        (b"plenty of text " * 500, ["--ckpt-every", "0"], "--ckpt-every must be positive"),
+        (b"plenty of text " * 500, ["--beta1", "2"], "--beta1 must be in [0, 1)"),
+        (b"plenty of text " * 500, ["--beta2", "-0.5"], "--beta2 must be in [0, 1)"),
+        (b"plenty of text " * 500, ["--keep", "-2"], "--keep must be >= 0"),
+        (b"plenty of text " * 500, ["--sample-tokens", "-1"], "--sample-tokens must be >= 0"),
+        (b"plenty of text " * 500, ["--rope-theta", "0"], "--rope-theta must be a positive number"),
+        (b"plenty of text " * 500, ["--warmup", "500"], "--warmup must be at most --steps (2)"),
+        (b"plenty of text " * 500, ["--dropout", "1"], "--dropout must be in [0, 1)"),
+        (b"plenty of text " * 500, ["--lr", "nan"], "--lr must be a positive number"),
+        (b"plenty of text " * 500, ["--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+        (b"plenty of text " * 500, ["--seed", "-1"], "--seed must be in [0, 2^32)"),
+        (b"plenty of text " * 500, ["--n-layer", "0"], "--n-layer must be positive"),
+        (b"plenty of text " * 500, ["--clip", "inf"], "--clip must be >= 0"),
+        (b"plenty of text " * 500, ["--val-fraction", "1"], "--val-fraction must be in [0, 1)"),
+        (b"plenty of text " * 500, ["--spike-window", "2"], "--spike-window must be >= 5"),
+        (b"plenty of text " * 500, ["--rollback-lr-scale", "0"], "--rollback-lr-scale must be in (0, 1]"),
+        (b"plenty of text " * 500, ["--target-val-bpb", "-1"], "--target-val-bpb must be >= 0"),
+        (b"plenty of text " * 500, ["--resume", "no/such/run"], "no valid checkpoint there"),
+        (
+            b"plenty of text " * 500,
+            ["--optimizer", "muon", "--dist", "fsdp"],
+            "--optimizer muon does not combine with --dist fsdp",
+        ),
+        (b"plenty of text " * 500, ["--optimizer", "muon", "--precision", "bf16-pure"], "use --precision bf16"),
+        (b"plenty of text " * 500, ["--muon-lr", "0.01"], "--muon-lr only applies to --optimizer muon"),
+        (b"plenty of text " * 500, ["--optimizer", "muon", "--muon-lr", "0"], "--muon-lr must be a positive number"),
+        (
+            b"plenty of text " * 500,
+            ["--optimizer", "muon", "--muon-momentum", "1"],
+            "--muon-momentum must be in [0, 1)",
+        ),
+        (
+            b"plenty of text " * 2000,
+            [
+                "--batch-size",
+                "100000",
+                "--tokenizer",
+                "char",
+                "--n-layer",
+                "4",
+                "--n-head",
+                "4",
+                "--n-embd",
+                "128",
+                "--seq-len",
+                "128",
+            ],
+            "lower --batch-size",
+        ),  # ~700 GB
+    ],
+)
 def test_bad_input_gets_one_line_exit_2_and_writes_nothing(tmp_path, capsys, content, flags, message):
     data = tmp_path / "data.txt"
     if content is not None:
@@ -137,13 +208,16 @@ def test_bad_input_gets_one_line_exit_2_and_writes_nothing(tmp_path, capsys, con
     assert not out.exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["sample", "--top-k", "-3"], "--top-k must be >= 0"),
-    (["sample", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
-    (["sample", "--temperature", "nan"], "--temperature must be >= 0"),
-    (["sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["eval", "--batch-size", "0", "--data", "x.txt"], "--batch-size must be positive"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sample", "--top-k", "-3"], "--top-k must be >= 0"),
+        (["sample", "--max-new-tokens", "0"], "--max-new-tokens must be positive"),
+        (["sample", "--temperature", "nan"], "--temperature must be >= 0"),
+        (["sample", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["eval", "--batch-size", "0", "--data", "x.txt"], "--batch-size must be positive"),
+    ],
+)
 def test_bad_sampling_and_evaluation_options_get_one_line(trained_run, capsys, argv, message):
     out, _ = trained_run
     assert main([argv[0], "--run", str(out), *argv[1:]]) == 2
@@ -181,8 +255,10 @@ def test_an_existing_run_is_never_overwritten(trained_run, capsys, stories_file)
 
 def test_config_file_sets_options_and_flags_win(tmp_path, capsys, stories_file):
     toml = tmp_path / "c.toml"
-    toml.write_text(f'[data]\ndata = "{stories_file}"\ntokenizer = "char"\n[train]\nsteps = 2\nsample_tokens = 0\n'
-                    f'[model]\nn_layer = 1\nn_embd = 32\nseq_len = 16\n')
+    toml.write_text(
+        f'[data]\ndata = "{stories_file}"\ntokenizer = "char"\n[train]\nsteps = 2\nsample_tokens = 0\n'
+        f"[model]\nn_layer = 1\nn_embd = 32\nseq_len = 16\n"
+    )
     out = tmp_path / "run"
     assert main(["train", "--config", str(toml), "--steps", "3", "--out-dir", str(out)]) == 0
     written = (out / "config.toml").read_text()
@@ -196,19 +272,22 @@ def test_config_file_sets_options_and_flags_win(tmp_path, capsys, stories_file):
     assert [r["loss"] for r in rows] == [r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("[train]\nstep = 3\n", "unknown option 'step'"),
-    ("[train]\nlr = 0.1\n", "belongs in [optim]"),
-    ("[training]\n", "unknown section"),
-    ("[train]\nsteps = 'many'\n", "must be a int"),
-    ("[data]\ntokenizer = 'word'\n", "must be one of"),
-    ("[train\n", "not valid TOML"),
-    ("model = 3\n", "model in"),  # was "unknown section [model] ... known: [model], ..."
-    ("[train]\nsteps = " + "1" * 5000 + "\n", "holds a value Python cannot read"),
-    ("[train]\nsteps = 0x" + "f" * 5000 + "\n", "holds an integer of 20001 bits"),
-    ("[train]\nsteps = " + "[" * 3000 + "]" * 3000 + "\n", "deeper than Python can parse"),
-    ("[train]\nsteps = '" + "x" * 5000 + "'\n", "(5002 characters)"),  # the value quoted, not a page of it
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[train]\nstep = 3\n", "unknown option 'step'"),
+        ("[train]\nlr = 0.1\n", "belongs in [optim]"),
+        ("[training]\n", "unknown section"),
+        ("[train]\nsteps = 'many'\n", "must be a int"),
+        ("[data]\ntokenizer = 'word'\n", "must be one of"),
+        ("[train\n", "not valid TOML"),
+        ("model = 3\n", "model in"),  # was "unknown section [model] ... known: [model], ..."
+        ("[train]\nsteps = " + "1" * 5000 + "\n", "holds a value Python cannot read"),
+        ("[train]\nsteps = 0x" + "f" * 5000 + "\n", "holds an integer of 20001 bits"),
+        ("[train]\nsteps = " + "[" * 3000 + "]" * 3000 + "\n", "deeper than Python can parse"),
+        ("[train]\nsteps = '" + "x" * 5000 + "'\n", "(5002 characters)"),  # the value quoted, not a page of it
+    ],
+)
 def test_bad_config_files_get_one_line(tmp_path, capsys, text, message):
     toml = tmp_path / "c.toml"
     toml.write_text(text)
@@ -246,8 +325,11 @@ def test_a_read_only_destination_names_the_commands_own_flag(trained_run, tmp_pa
     monkeypatch.setattr(cli, f"_{command}", read_only)
     parser = cli.build_parser()
     monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser, command, read_only))
-    argv = {"report": ["report", str(trained_run)], "export": ["export", str(trained_run), "--out", str(tmp_path / "h")],
-            "prepare": ["prepare", "--data", str(tmp_path), "--out", str(tmp_path / "p")]}[command]
+    argv = {
+        "report": ["report", str(trained_run)],
+        "export": ["export", str(trained_run), "--out", str(tmp_path / "h")],
+        "prepare": ["prepare", "--data", str(tmp_path), "--out", str(tmp_path / "p")],
+    }[command]
     assert main(argv) == 2
     line = _error_line(capsys)
     assert f"choose another {flag}" in line and "--out-dir" not in line
@@ -260,13 +342,16 @@ def _with_func(parser, command, func):
     return parser
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--val-fraction", "1"], "--val-fraction must be in [0, 1), got 1.0"),
-    (["--val-fraction", "-0.01"], "--val-fraction must be in [0, 1), got -0.01"),
-    (["--seq-len", "1"], "--seq-len must be at least 2, got 1"),
-    (["--vocab-size", "0"], "--vocab-size must be positive and at most 16777216, got 0"),
-    (["--vocab-size", str(2**24 + 1)], f"--vocab-size must be positive and at most 16777216, got {2**24 + 1}"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--val-fraction", "1"], "--val-fraction must be in [0, 1), got 1.0"),
+        (["--val-fraction", "-0.01"], "--val-fraction must be in [0, 1), got -0.01"),
+        (["--seq-len", "1"], "--seq-len must be at least 2, got 1"),
+        (["--vocab-size", "0"], "--vocab-size must be positive and at most 16777216, got 0"),
+        (["--vocab-size", str(2**24 + 1)], f"--vocab-size must be positive and at most 16777216, got {2**24 + 1}"),
+    ],
+)
 def test_prepare_refuses_numbers_past_their_bounds_in_one_line_and_writes_nothing(tmp_path, capsys, flags, message):
     data = tmp_path / "data.txt"
     data.write_text("plenty of text " * 50)
@@ -281,29 +366,38 @@ def test_prepare_accepts_its_bounds_and_sums_up_what_it_wrote_from_its_meta_json
 
     stories = tmp_path / "stories.txt"
     assert main(["data", "stories", "--docs", "60", "--out", str(stories)]) == 0
-    for flags in (["--val-fraction", "0", "--seq-len", "2", "--tokenizer", "char"],
-                  ["--vocab-size", str(2**24), "--seq-len", "16"],  # the largest vocabulary: BPE learns what it can
-                  ["--tokenizer", "char", "--seq-len", "16"]):
+    for flags in (
+        ["--val-fraction", "0", "--seq-len", "2", "--tokenizer", "char"],
+        ["--vocab-size", str(2**24), "--seq-len", "16"],  # the largest vocabulary: BPE learns what it can
+        ["--tokenizer", "char", "--seq-len", "16"],
+    ):
         out = tmp_path / f"p{len(list(tmp_path.iterdir()))}"
         capsys.readouterr()
         assert main(["prepare", "--data", str(stories), "--out", str(out), *flags]) == 0
         m = PreparedData(out).meta
         s = m["splits"]
-        expected = [f"prepared {stories} -> {out} in {m['seconds']:.1f}s ({m['mb_per_s']:.1f} MB/s)",
-                    f"tokenizer: {m['tokenizer']}, {m['vocab_size']} tokens, shards {m['dtype']}",
-                    *(f"{n}: {s[n]['documents']} documents, {s[n]['tokens']} tokens, {s[n]['bytes']} bytes"
-                      for n in ("train", "val")),
-                    f"mean document length: {m['mean_doc_tokens']} tokens; empty documents skipped: 0; bad records "
-                    f"skipped: 0",
-                    f"windows of {m['seq_len_for_stats']} tokens crossing a document boundary: "
-                    f"{m['windows_crossing_a_boundary']} of {m['windows']} "
-                    f"({100 * m['windows_crossing_a_boundary'] / m['windows']:.1f}%)"]
+        expected = [
+            f"prepared {stories} -> {out} in {m['seconds']:.1f}s ({m['mb_per_s']:.1f} MB/s)",
+            f"tokenizer: {m['tokenizer']}, {m['vocab_size']} tokens, shards {m['dtype']}",
+            *(
+                f"{n}: {s[n]['documents']} documents, {s[n]['tokens']} tokens, {s[n]['bytes']} bytes"
+                for n in ("train", "val")
+            ),
+            f"mean document length: {m['mean_doc_tokens']} tokens; empty documents skipped: 0; bad records skipped: 0",
+            f"windows of {m['seq_len_for_stats']} tokens crossing a document boundary: "
+            f"{m['windows_crossing_a_boundary']} of {m['windows']} "
+            f"({100 * m['windows_crossing_a_boundary'] / m['windows']:.1f}%)",
+        ]
         if m["compressor_bpb"]:
-            expected.append("compressor bits per byte on the validation text (a model must beat these): "
-                            f"zlib {m['compressor_bpb']['zlib']:.3f}, xz {m['compressor_bpb']['xz']:.3f}")
+            expected.append(
+                "compressor bits per byte on the validation text (a model must beat these): "
+                f"zlib {m['compressor_bpb']['zlib']:.3f}, xz {m['compressor_bpb']['xz']:.3f}"
+            )
         if "floor" in m:
-            expected.append(f"entropy floor of the validation text: {m['floor']['bpb']:.4f} bits/byte, "
-                            f"{m['floor']['nats_per_token']:.4f} nats/token")
+            expected.append(
+                f"entropy floor of the validation text: {m['floor']['bpb']:.4f} bits/byte, "
+                f"{m['floor']['nats_per_token']:.4f} nats/token"
+            )
         assert capsys.readouterr().out.splitlines() == expected
         assert m["seq_len_for_stats"] == int(flags[flags.index("--seq-len") + 1])
         assert ("floor" in m) == (s["val"]["documents"] > 0) and s["val"]["documents"] == (0 if "0" in flags else 6)
@@ -335,16 +429,26 @@ def test_each_way_a_command_can_end_has_its_status_and_one_line(capsys):
 
     assert _ended(capsys, None) == (0, "") and _ended(capsys, 3) == (3, "")
     assert _ended(capsys, NanolmError("a library's\n   two-line message\n")) == (
-        2, "error: a library's two-line message\n")
+        2,
+        "error: a library's two-line message\n",
+    )
     assert _ended(capsys, OutputClosed()) == (141, "")
     assert _ended(capsys, TrainingInterrupted("SIGTERM: stopped after step 3", 15)) == (
-        143, "SIGTERM: stopped after step 3\n")
-    for command, flag, more in (("train", "--out-dir", {}), ("data", "--dir", {"data_command": "download"}),
-                                ("data", "--out", {"data_command": "stories"}), ("export", "--out", {})):
+        143,
+        "SIGTERM: stopped after step 3\n",
+    )
+    for command, flag, more in (
+        ("train", "--out-dir", {}),
+        ("data", "--dir", {"data_command": "download"}),
+        ("data", "--out", {"data_command": "stories"}),
+        ("export", "--out", {}),
+    ):
         full = OSError(errno.ENOSPC, "No space left on device", "/disk/file")
         assert _ended(capsys, full, command, **more) == (
-            2, f"error: {describe_os_error(full, flag)}; whatever was saved before is intact: run the same command "
-               f"again once that is fixed\n")
+            2,
+            f"error: {describe_os_error(full, flag)}; whatever was saved before is intact: run the same command "
+            f"again once that is fixed\n",
+        )
     for bug in (OSError(errno.EBADF, "Bad file descriptor"), ValueError("a bug"), KeyError("x")):
         with pytest.raises(type(bug)):  # not the machine's state: a traceback, which a bug report needs
             _ended(capsys, bug)
@@ -397,8 +501,10 @@ def test_what_is_still_buffered_at_exit_is_flushed_and_a_reader_gone_or_a_full_d
     assert _flushed(0) == 141 and _flushed(2) == 2  # a reader that left: the quiet end of a pipe, unless it failed
     monkeypatch.setattr(sys, "stdout", ClosableOutput(_Stream(OSError(errno.ENOSPC, "No space left on device"))))
     assert _flushed(0) == 2
-    assert capsys.readouterr().err == ("error: the command's stdout could not be written (No space left on device); "
-                                       "free some space or write it elsewhere\n")
+    assert capsys.readouterr().err == (
+        "error: the command's stdout could not be written (No space left on device); "
+        "free some space or write it elsewhere\n"
+    )
     assert _flushed(3) == 3 and capsys.readouterr().err == ""  # an earlier failure's status and line stand
     monkeypatch.setattr(sys, "stdout", None)  # no console at all
     assert _flushed(0) == 0

@@ -38,8 +38,18 @@ from nanolm.watch.sinks import read_metrics
 
 
 def run(data, out, batch_size=8, grad_accum=1, seed=1, steps=30, eval_windows=16, **debug):
-    cfg = tiny_run_config(data, out, steps=steps, eval_every=10, seed=seed, batch_size=batch_size,
-                          grad_accum=grad_accum, eval_batches=None, eval_windows=eval_windows, threads=1)
+    cfg = tiny_run_config(
+        data,
+        out,
+        steps=steps,
+        eval_every=10,
+        seed=seed,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        eval_batches=None,
+        eval_windows=eval_windows,
+        threads=1,
+    )
     for k, v in debug.items():
         setattr(cfg.debug, k, v)
     train(cfg, log=lambda *_: None, factories=factories(cfg))
@@ -95,8 +105,9 @@ def test_a_run_far_from_the_other_seed_differs(big_batch, stories_file, tmp_path
 
 
 def test_different_setups_are_named(big_batch, stories_file, tmp_path):
-    cfg = tiny_run_config(stories_file, tmp_path / "lr", steps=30, eval_every=10, seed=1, batch_size=8,
-                          eval_batches=2, threads=1)
+    cfg = tiny_run_config(
+        stories_file, tmp_path / "lr", steps=30, eval_every=10, seed=1, batch_size=8, eval_batches=2, threads=1
+    )
     cfg.optim.lr = 1e-2
     train(cfg, log=lambda *_: None)
     result = compare_runs(big_batch, tmp_path / "lr")
@@ -135,8 +146,16 @@ def run_pairs(draw):
     the same or another seed, batch split, validation set size or learning rate."""
     n = draw(st.integers(4, 30))
     curve = draw(st.lists(st.floats(0.2, 6.0), min_size=n, max_size=n))
-    first = [{"step": 10 * i, "loss": v, "grad_norm": 1.0 + v / 10, "lr": 1e-3,
-              **({"val_loss": v * 1.05} if i % 3 == 0 else {})} for i, v in enumerate(curve, 1)]
+    first = [
+        {
+            "step": 10 * i,
+            "loss": v,
+            "grad_norm": 1.0 + v / 10,
+            "lr": 1e-3,
+            **({"val_loss": v * 1.05} if i % 3 == 0 else {}),
+        }
+        for i, v in enumerate(curve, 1)
+    ]
     second = []
     for row in first:
         if draw(st.integers(0, 9)) == 0:
@@ -144,12 +163,21 @@ def run_pairs(draw):
         second.append({k: (v if k == "step" else v * (1 + draw(_FACTORS))) for k, v in row.items()})
     if second and draw(st.booleans()):  # a step logged twice (a merged or hand-edited log): its last row counts
         twice = draw(st.sampled_from(second))
-        second.insert(second.index(twice), {**twice, "loss": twice["loss"] * draw(st.sampled_from([0.7, 0.99, 1.01, 1.3]))})
+        second.insert(
+            second.index(twice), {**twice, "loss": twice["loss"] * draw(st.sampled_from([0.7, 0.99, 1.01, 1.3]))}
+        )
     records = []
     for rows in (first, second):
         batch, accum = draw(st.sampled_from(_SPLITS))
-        cfg = tiny_run_config("d.txt", "run", seed=draw(st.sampled_from([1, 2])), batch_size=batch, grad_accum=accum,
-                              eval_batches=None, eval_windows=draw(st.sampled_from([16, 16, 32])))
+        cfg = tiny_run_config(
+            "d.txt",
+            "run",
+            seed=draw(st.sampled_from([1, 2])),
+            batch_size=batch,
+            grad_accum=accum,
+            eval_batches=None,
+            eval_windows=draw(st.sampled_from([16, 16, 32])),
+        )
         cfg.optim.lr = draw(st.sampled_from([1e-3, 1e-3, 1e-3, 2e-3]))
         cfg = cfg.resolved()
         records.append(RunRecord(Path("run"), cfg, rows, setup_of(cfg, "digest", "fp32", "cpu", 1)))
@@ -192,8 +220,13 @@ def test_a_run_is_read_with_the_setup_its_first_row_records_and_damage_is_a_warn
     _run_dir(tmp_path / "a", [first, {"step": 1, "loss": 2.9, "data_digest": "later"}], lines=["{broken\n"])
     record = read_run(tmp_path / "a")
     assert record.path == tmp_path / "a" and [r["step"] for r in record.rows] == [0, 1]
-    assert record.setup["run"] == {"data_digest": "abc", "precision": "bf16", "device_type": "cuda", "world_size": 2,
-                                   "val_windows": record.val_windows}
+    assert record.setup["run"] == {
+        "data_digest": "abc",
+        "precision": "bf16",
+        "device_type": "cuda",
+        "world_size": 2,
+        "val_windows": record.val_windows,
+    }
     assert capsys.readouterr().err == f"warning: {tmp_path / 'a' / 'metrics.jsonl'}: 1 damaged line(s) left out\n"
 
 
@@ -210,12 +243,17 @@ def test_a_run_logged_before_its_setup_was_recorded_gets_it_from_its_config_and_
     assert recorded_run(tmp_path / "old", cfg, {"world_size": 1, "tokens_per_step": 2 * per_rank})[3] == 1
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p.mkdir(), "{p} is not a run directory (no config.toml); give directories written by nanolm train"),
-    (lambda p: (_run_dir(p, []), (p / "metrics.jsonl").unlink()), "{p} has no metrics.jsonl: the run logged nothing "
-                                                                   "to compare"),
-    (lambda p: _run_dir(p, [], lines=["{broken\n"]), "{p}/metrics.jsonl holds no rows"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p.mkdir(), "{p} is not a run directory (no config.toml); give directories written by nanolm train"),
+        (
+            lambda p: (_run_dir(p, []), (p / "metrics.jsonl").unlink()),
+            "{p} has no metrics.jsonl: the run logged nothing to compare",
+        ),
+        (lambda p: _run_dir(p, [], lines=["{broken\n"]), "{p}/metrics.jsonl holds no rows"),
+    ],
+)
 def test_what_is_not_a_run_is_named_in_one_line(tmp_path, make, message):
     make(tmp_path / "r")
     with pytest.raises(NanolmError) as e:
@@ -227,16 +265,25 @@ def test_what_is_not_a_run_is_named_in_one_line(tmp_path, make, message):
 
 
 def _record(rows, seed=1, batch=8, accum=1, windows=16, lr=1e-3):
-    cfg = tiny_run_config("d.txt", "run", seed=seed, batch_size=batch, grad_accum=accum, eval_batches=None,
-                          eval_windows=windows)
+    cfg = tiny_run_config(
+        "d.txt", "run", seed=seed, batch_size=batch, grad_accum=accum, eval_batches=None, eval_windows=windows
+    )
     cfg.optim.lr = lr
     cfg = cfg.resolved()
     return RunRecord(Path("run"), cfg, rows, setup_of(cfg, "digest", "fp32", "cpu", 1))
 
 
 def _curve(n=20, scale=1.0, noise=0.0, val_every=5, val_scale=1.0):
-    return [{"step": s, "loss": scale * (3.0 - 0.05 * s + (noise if s % 2 else -noise)), "grad_norm": 1.0, "lr": 1e-3,
-             **({"val_loss": val_scale * (3.1 - 0.05 * s)} if s % val_every == 0 else {})} for s in range(1, n + 1)]
+    return [
+        {
+            "step": s,
+            "loss": scale * (3.0 - 0.05 * s + (noise if s % 2 else -noise)),
+            "grad_norm": 1.0,
+            "lr": 1e-3,
+            **({"val_loss": val_scale * (3.1 - 0.05 * s)} if s % val_every == 0 else {}),
+        }
+        for s in range(1, n + 1)
+    ]
 
 
 def test_two_splits_of_one_batch_that_agree_say_so_with_the_tolerance_and_the_steps_counted():
@@ -244,13 +291,19 @@ def test_two_splits_of_one_batch_that_agree_say_so_with_the_tolerance_and_the_st
     assert result.lines == [
         "same seed (1), data and recipe; the batch is split differently (train.batch_size 8 vs 4, train.grad_accum 1 "
         "vs 2): each step sees the same windows, so the curves must agree to floating-point rounding (relative 0.0001)",
-        "agree at every common logged step (20) within 0.0001"]
+        "agree at every common logged step (20) within 0.0001",
+    ]
     assert result.agree and result.kind == "same_training" and result.exit_code() == 0
-    assert format_comparison("A", "B", result).splitlines() == ["compare A B", *result.lines, "verdict: they agree (exit 0)"]
+    assert format_comparison("A", "B", result).splitlines() == [
+        "compare A B",
+        *result.lines,
+        "verdict: they agree (exit 0)",
+    ]
     alike = compare_records(_record(_curve()), _record(_curve(), windows=32))
     assert alike.lines[0].startswith("same seed (1), data and recipe; the same setup: each step")
-    assert alike.lines[1] == ("val_loss not compared: the validation sets differ (16 vs 32 windows); give both the same "
-                              "--eval-windows")
+    assert alike.lines[1] == (
+        "val_loss not compared: the validation sets differ (16 vs 32 windows); give both the same --eval-windows"
+    )
 
 
 def test_a_parting_names_its_step_its_number_both_values_and_their_ratio():
@@ -259,8 +312,10 @@ def test_a_parting_names_its_step_its_number_both_values_and_their_ratio():
     result = compare_records(_record(_curve()), _record(parted))
     assert result.kind == "same_training" and result.agree is False and result.parted_at == 10
     assert result.exit_code() == 1
-    assert result.lines[-1] == ("they part at step 10: grad_norm 1 vs 1.5 (3.3e-01 relative, 0.667x), against a "
-                                "rounding tolerance of 0.0001, with no drift before it")
+    assert result.lines[-1] == (
+        "they part at step 10: grad_norm 1 vs 1.5 (3.3e-01 relative, 0.667x), against a "
+        "rounding tolerance of 0.0001, with no drift before it"
+    )
     zero = _curve()
     zero[4]["val_loss"] = 0.0
     assert "(1.0e+00 relative, infx)" in compare_records(_record(_curve()), _record(zero)).lines[-1]
@@ -276,8 +331,10 @@ def test_a_run_that_went_nan_never_agrees_with_one_that_did_not():
             result = compare_records(_record(a), _record(b, seed=seed))
             assert not result.agree and result.parted_at == 12 and result.exit_code() == 1
             x, y = ("2.4", "nan") if a is not broken else ("nan", "2.4")
-            assert result.lines == [f"they differ at step 12: loss {x} vs {y}: one run's value is not finite, the other's is "
-                                    f"(only finite values are compared beyond it)"]
+            assert result.lines == [
+                f"they differ at step 12: loss {x} vs {y}: one run's value is not finite, the other's is "
+                f"(only finite values are compared beyond it)"
+            ]
     both = _curve()
     for row in both[11:]:
         row["loss"] = math.nan
@@ -286,10 +343,14 @@ def test_a_run_that_went_nan_never_agrees_with_one_that_did_not():
 
 def test_rounding_that_takes_over_hands_the_rest_to_the_seed_test():
     drifting = [dict(r, loss=r["loss"] * (1 + 1e-6 * 10 ** (r["step"] / 5))) for r in _curve()]  # 1e-6 ... 1e-2
-    result = compare_records(_record(_curve(noise=0.01)), _record([dict(d, loss=d["loss"] + (0.01 if d["step"] % 2 else -0.01))
-                                                                    for d in drifting]))
-    assert result.lines[1] == ("agree to rounding until step 10, where their rounding differences, growing step by "
-                               "step, pass 0.0001: from there on they are compared as two seeds are")
+    result = compare_records(
+        _record(_curve(noise=0.01)),
+        _record([dict(d, loss=d["loss"] + (0.01 if d["step"] % 2 else -0.01)) for d in drifting]),
+    )
+    assert result.lines[1] == (
+        "agree to rounding until step 10, where their rounding differences, growing step by "
+        "step, pass 0.0001: from there on they are compared as two seeds are"
+    )
     assert result.lines[2].startswith("tolerance: ") and result.agree and result.parted_at is None
 
 
@@ -314,9 +375,11 @@ def test_two_seeds_without_a_reference_are_judged_by_a_tolerance_from_their_own_
         agree = compare_records(_record(_curve(noise=0.02)), _record(_curve(noise=0.02), seed=2))
         assert agree.lines[0] == "different seeds (1, 2) of the same setup: the curves must agree within seed noise"
         sigma = statistics.median(_loss_noise(_curve(noise=0.02)) * 2)
-        assert agree.lines[1] == (f"tolerance: {4 * sigma * math.sqrt(2 / 5):.3g} nats (no reference band for this "
-                                  f"setup; estimated from the runs: the step-to-step scatter of their training loss, "
-                                  f"sigma {sigma:.3g}, for a mean over 5 logged steps; 4 sigma)")
+        assert agree.lines[1] == (
+            f"tolerance: {4 * sigma * math.sqrt(2 / 5):.3g} nats (no reference band for this "
+            f"setup; estimated from the runs: the step-to-step scatter of their training loss, "
+            f"sigma {sigma:.3g}, for a mean over 5 logged steps; 4 sigma)"
+        )
         assert agree.agree and agree.lines[-1] == "agree within that tolerance at every common step"
         lower = compare_records(_record(_curve(noise=0.02)), _record(_curve(noise=0.02, scale=0.9), seed=2))
         assert lower.kind == "seeds" and lower.agree is False
@@ -324,13 +387,16 @@ def test_two_seeds_without_a_reference_are_judged_by_a_tolerance_from_their_own_
         val = compare_records(_record(_curve(noise=0.02)), _record(_curve(noise=0.02, val_scale=1.1), seed=2))
         assert val.parted_at == 5 and val.lines[-1] == "they differ at step 5: val_loss 2.8500 vs 3.1350"
         assert val.kind == "seeds" and val.agree is False
-        other_val_set = compare_records(_record(_curve(noise=0.02)), _record(_curve(noise=0.02, val_scale=1.1), seed=2,
-                                                                               windows=32))
+        other_val_set = compare_records(
+            _record(_curve(noise=0.02)), _record(_curve(noise=0.02, val_scale=1.1), seed=2, windows=32)
+        )
         assert other_val_set.agree  # validation sets of other sizes: their losses are not compared
         with pytest.raises(NanolmError) as e:
             compare_records(_record(_curve(n=9)), _record(_curve(n=9), seed=2))
-        assert str(e.value) == ("too few logged training steps to estimate the seed noise (at least 10 each); log more "
-                                "often (--log-every) or compare against a recognised recipe")
+        assert str(e.value) == (
+            "too few logged training steps to estimate the seed noise (at least 10 each); log more "
+            "often (--log-every) or compare against a recognised recipe"
+        )
 
 
 def _banded_rows(band, key, where=None, by=0.0, others=1.0):
@@ -357,8 +423,9 @@ def test_two_seeds_of_a_recipe_with_a_reference_differ_where_a_number_is_further
         past = math.nextafter(hi - lo, math.inf)
         apart = compare_records(_record(rows), _record(_banded_rows(band, key, steps[1], past)[1], seed=2))
         assert apart.kind == "seeds" and apart.agree is False and apart.parted_at == steps[1]
-        assert apart.lines[-1] == (f"they differ at step {steps[1]}: {key} 0 vs {past:.6g}, more than the band's "
-                                   f"width {hi - lo:.4g}")
+        assert apart.lines[-1] == (
+            f"they differ at step {steps[1]}: {key} 0 vs {past:.6g}, more than the band's width {hi - lo:.4g}"
+        )
 
 
 def test_after_rounding_takes_over_a_band_judges_only_the_steps_after_it():
@@ -386,12 +453,16 @@ def test_two_seeds_differ_at_the_first_logged_steps_too():
 
 def test_different_setups_are_named_option_by_option_and_a_different_step_size_too():
     result = compare_records(_record(_curve()), _record(_curve(), lr=2e-3))
-    assert result.lines == ["different setups: optim.lr (0.001 vs 0.002), optim.min_lr (0.0001 vs 0.0002); they did not "
-                            "train the same thing"]
+    assert result.lines == [
+        "different setups: optim.lr (0.001 vs 0.002), optim.min_lr (0.0001 vs 0.0002); they did not "
+        "train the same thing"
+    ]
     assert result.kind == "different_setups" and result.agree is False
     both = compare_records(_record(_curve()), _record(_curve(), batch=4, lr=2e-3))
-    assert both.lines == ["different setups: optim.lr (0.001 vs 0.002), optim.min_lr (0.0001 vs 0.0002), sequences "
-                          "per step (8 vs 4); they did not train the same thing"]
+    assert both.lines == [
+        "different setups: optim.lr (0.001 vs 0.002), optim.min_lr (0.0001 vs 0.0002), sequences "
+        "per step (8 vs 4); they did not train the same thing"
+    ]
     bigger = compare_records(_record(_curve()), _record(_curve(), batch=4))
     assert bigger.lines == ["different setups: sequences per step (8 vs 4); they did not train the same thing"]
     assert relative(2.0, 2.0) == 0.0 and relative(0.0, 1e-13) == pytest.approx(0.1)  # over 1e-12 at least
@@ -422,14 +493,17 @@ def test_two_seeds_validation_losses_are_compared_from_the_first_evaluation_afte
         assert compare_records(_record(untrained), _record([{"step": 0, "val_loss": 9.0}] + rows, seed=2)).agree is True
         first = [dict(r) for r in rows]
         first[0]["val_loss"] = 9.0  # step 1's evaluation
-        early = compare_records(_record([dict(r, val_loss=3.0) if r["step"] == 1 else r for r in rows]),
-                                _record(first, seed=2))
+        early = compare_records(
+            _record([dict(r, val_loss=3.0) if r["step"] == 1 else r for r in rows]), _record(first, seed=2)
+        )
         assert early.agree is False and early.parted_at == 1
 
 
 def _pair(values_a, values_b, key="loss"):
-    return ([{"step": 10 * i, key: v} for i, v in enumerate(values_a, 1)],
-            [{"step": 10 * i, key: v} for i, v in enumerate(values_b, 1)])
+    return (
+        [{"step": 10 * i, key: v} for i, v in enumerate(values_a, 1)],
+        [{"step": 10 * i, key: v} for i, v in enumerate(values_b, 1)],
+    )
 
 
 def test_a_difference_of_exactly_the_rounding_tolerance_is_rounding_and_a_drift_of_exactly_its_floor_is_a_drift():

@@ -34,15 +34,17 @@ def configs(draw) -> RunConfig:
     validation: the file format must hold them all the same)."""
     sections = {}
     for name, cls in SECTIONS.items():
-        values = {f.name: draw(_VALUES[_field_type(f)]) for f in dataclasses.fields(cls)
-                  if draw(st.booleans())}  # about half left at their default
+        values = {
+            f.name: draw(_VALUES[_field_type(f)]) for f in dataclasses.fields(cls) if draw(st.booleans())
+        }  # about half left at their default
         sections[name] = cls(**values)
     return RunConfig(**sections)
 
 
 def _same(a, b) -> bool:
     return (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)) or (
-        a == b and type(a) is type(b))
+        a == b and type(a) is type(b)
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -69,8 +71,9 @@ def test_a_separator_with_a_control_character_is_written_as_an_escape(separator,
     assert load_toml(tmp_path / "config.toml")["data"]["separator"] == separator
 
 
-@pytest.mark.parametrize("option,section", [("steps", "train"), ("seed", "train"), ("vocab_size", "data"),
-                                            ("spike_window", "guard")])
+@pytest.mark.parametrize(
+    "option,section", [("steps", "train"), ("seed", "train"), ("vocab_size", "data"), ("spike_window", "guard")]
+)
 def test_an_integer_option_past_64_bits_is_refused_before_a_run_writes_it(option, section, tmp_path):
     """Its config.toml could not be read back: TOML's integers are 64-bit."""
     cfg = tiny_run_config(tmp_path / "d.txt", tmp_path / "run")

@@ -7,9 +7,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from crash_points import every_crash_point, tree
 from conftest import tiny_model
+from crash_points import every_crash_point, tree
+
 from nanolm.base import disk
 from nanolm.base.files import ENVIRONMENT_ERRNOS, atomic_write_text, remove_abandoned_writes
 from nanolm.base.lock import LOCK_FILE, RunLock, held_by_another
@@ -97,8 +97,13 @@ def test_a_checkpoint_save_stopped_at_any_step_leaves_the_previous_checkpoint_or
         assert not leftovers, f"left behind after the rerun: {leftovers}"
         assert (run / "notes.txt").read_text() == "the user's own file"
 
-    tried = every_crash_point("a checkpoint's save (and pruning)",
-                              lambda: _reset(run, template), lambda: save(run, 3), judge, tmp_path / "work")
+    tried = every_crash_point(
+        "a checkpoint's save (and pruning)",
+        lambda: _reset(run, template),
+        lambda: save(run, 3),
+        judge,
+        tmp_path / "work",
+    )
     assert tried["stop"] >= 15, tried  # files, syncs, renames, the pointer, the pruning
 
 
@@ -109,8 +114,23 @@ def _corpus(path: Path, word: str) -> Path:
 
 
 def _prepare(source: Path, out: Path) -> None:
-    _command(["prepare", "--data", str(source), "--out", str(out), "--tokenizer", "char", "--progress", "lines",
-                 "--val-fraction", "0.2", "--seq-len", "16"])
+    _command(
+        [
+            "prepare",
+            "--data",
+            str(source),
+            "--out",
+            str(out),
+            "--tokenizer",
+            "char",
+            "--progress",
+            "lines",
+            "--val-fraction",
+            "0.2",
+            "--seq-len",
+            "16",
+        ]
+    )
 
 
 def _prepared(out: Path, source: Path) -> bool:
@@ -148,8 +168,9 @@ def test_a_prepare_stopped_at_any_step_leaves_the_old_data_or_the_new_and_its_re
         assert tree(work / ".data.prepare-v2.prepare-abcd1234") == {"kept.txt": b"another output's live scratch"}
         capsys.readouterr()
 
-    tried = every_crash_point("prepare over existing data",
-                              lambda: _reset(work, template), lambda: _prepare(new_source, out), judge, work)
+    tried = every_crash_point(
+        "prepare over existing data", lambda: _reset(work, template), lambda: _prepare(new_source, out), judge, work
+    )
     assert tried["stop"] >= 20, tried
 
 
@@ -166,11 +187,18 @@ def test_a_prepare_into_a_new_directory_stopped_at_any_step_leaves_nothing_or_th
             assert set(p.name for p in out.iterdir()) <= {LOCK_FILE}, "a half-prepared --out"
         _prepare(source, out)
         assert _prepared(out, source)
-        assert [p.name for p in work.iterdir()] == ["deeper"] and sorted(p.name for p in out.parent.iterdir()) == ["data"]
+        assert [p.name for p in work.iterdir()] == ["deeper"] and sorted(p.name for p in out.parent.iterdir()) == [
+            "data"
+        ]
         capsys.readouterr()
 
-    every_crash_point("prepare into a new directory",
-                      lambda: _reset(work, None), lambda: _prepare(source, out), judge, tmp_path / "work")
+    every_crash_point(
+        "prepare into a new directory",
+        lambda: _reset(work, None),
+        lambda: _prepare(source, out),
+        judge,
+        tmp_path / "work",
+    )
 
 
 # ------------------------------------------------------------------ export's scratch directory and rename
@@ -179,9 +207,40 @@ def finished_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     source = _corpus(root / "stories.txt", "a")
     run = root / "run"
-    assert main(["train", "--data", str(source), "--out-dir", str(run), "--tokenizer", "char", "--n-layer", "1",
-                 "--n-head", "2", "--n-embd", "16", "--seq-len", "16", "--batch-size", "2", "--steps", "2",
-                 "--eval-batches", "1", "--sample-tokens", "0", "--threads", "1", "--progress", "lines"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(source),
+                "--out-dir",
+                str(run),
+                "--tokenizer",
+                "char",
+                "--n-layer",
+                "1",
+                "--n-head",
+                "2",
+                "--n-embd",
+                "16",
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "2",
+                "--steps",
+                "2",
+                "--eval-batches",
+                "1",
+                "--sample-tokens",
+                "0",
+                "--threads",
+                "1",
+                "--progress",
+                "lines",
+            ]
+        )
+        == 0
+    )
     return run
 
 
@@ -197,8 +256,9 @@ def _exported(out: Path) -> bool:
     return bool(load_file(out / "model.safetensors"))
 
 
-def test_an_export_stopped_at_any_step_leaves_no_model_or_a_whole_one_and_its_rerun_cleans_up(tmp_path, capsys,
-                                                                                             finished_run):
+def test_an_export_stopped_at_any_step_leaves_no_model_or_a_whole_one_and_its_rerun_cleans_up(
+    tmp_path, capsys, finished_run
+):
     work = tmp_path / "work"
     template = tmp_path / "template"
     template.mkdir()
@@ -250,11 +310,16 @@ def test_final_weights_stopped_at_any_step_are_never_claimed_unless_whole(tmp_pa
             assert meta is not None and meta["step"] == 2
         write_final(run, model, 2)
         assert read_final(run)["step"] == 2
-        assert sorted(p.name for p in run.iterdir()) == ["config.toml", "final.json", "model.safetensors",
-                                                          "tokenizer.json"]
+        assert sorted(p.name for p in run.iterdir()) == [
+            "config.toml",
+            "final.json",
+            "model.safetensors",
+            "tokenizer.json",
+        ]
 
-    every_crash_point("the final weights",
-                      lambda: _reset(run, template), lambda: write_final(run, model, 2), judge, tmp_path / "work")
+    every_crash_point(
+        "the final weights", lambda: _reset(run, template), lambda: write_final(run, model, 2), judge, tmp_path / "work"
+    )
 
 
 # ------------------------------------------------------------------ config.toml and metadata
@@ -274,8 +339,9 @@ def test_a_metadata_write_stopped_at_any_step_leaves_the_old_file_or_the_new(tmp
         atomic_write_text(path, "new")
         assert path.read_text() == "new"
 
-    every_crash_point("a metadata file (config.toml)",
-                      setup, lambda: atomic_write_text(path, "new"), judge, tmp_path / "work")
+    every_crash_point(
+        "a metadata file (config.toml)", setup, lambda: atomic_write_text(path, "new"), judge, tmp_path / "work"
+    )
 
 
 # ------------------------------------------------------------------ the lock's acquire and release
@@ -294,5 +360,10 @@ def test_a_lock_stopped_at_any_step_of_its_taking_or_release_never_blocks_the_ne
         take_write_release()  # the same command again
         assert sorted(p.name for p in directory.iterdir()) == ["config.toml"] and held_by_another(directory) is None
 
-    every_crash_point("the lock: take, write, release",
-                      lambda: _reset(tmp_path / "work", None), take_write_release, judge, tmp_path / "work")
+    every_crash_point(
+        "the lock: take, write, release",
+        lambda: _reset(tmp_path / "work", None),
+        take_write_release,
+        judge,
+        tmp_path / "work",
+    )

@@ -37,8 +37,17 @@ def flagged(curve: Curve, run: dict[int, float]) -> bool:
     return any(look.departs for look in curve.looks(run))
 
 
-@pytest.mark.parametrize("t, df, tail", [(2.539483, 19, 0.01), (1.729133, 19, 0.05), (0.0, 7, 0.5),
-                                          (3.0, 1, 0.1024163823), (0.5, 4, 0.3216649816), (12.706205, 1, 0.025)])
+@pytest.mark.parametrize(
+    "t, df, tail",
+    [
+        (2.539483, 19, 0.01),
+        (1.729133, 19, 0.05),
+        (0.0, 7, 0.5),
+        (3.0, 1, 0.1024163823),
+        (0.5, 4, 0.3216649816),
+        (12.706205, 1, 0.025),
+    ],
+)
 def test_the_t_tail_matches_students_distribution(t, df, tail):
     assert t_tail(t, df) == pytest.approx(tail, rel=2e-5)
 
@@ -79,8 +88,9 @@ def test_healthy_runs_are_flagged_at_about_the_stated_rate_over_all_their_looks(
     rng = np.random.default_rng(0)
     alarms = judged = 0
     for _ in range(60):
-        curve = curve_from_seeds("val_loss", as_runs(healthy_curves(20, rng)), seed=int(rng.integers(1_000_000)),
-                                 samples=20_000)
+        curve = curve_from_seeds(
+            "val_loss", as_runs(healthy_curves(20, rng)), seed=int(rng.integers(1_000_000)), samples=20_000
+        )
         for run in as_runs(healthy_curves(50, rng)):
             alarms += flagged(curve, run)
             judged += 1
@@ -134,8 +144,20 @@ def test_a_curve_survives_its_file():
 
     rng = np.random.default_rng(4)
     curve = curve_from_seeds("val_loss", as_runs(healthy_curves(6, rng)))
-    ref = Reference("r", "t", "c", "fp32", [1, 2, 3, 4, 5], "m", "d", "v", {"run": {}},
-                    {"loss": Band([1], [0.5], [1.0], [1.5])}, curve=curve, curve_seeds=list(range(6)))
+    ref = Reference(
+        "r",
+        "t",
+        "c",
+        "fp32",
+        [1, 2, 3, 4, 5],
+        "m",
+        "d",
+        "v",
+        {"run": {}},
+        {"loss": Band([1], [0.5], [1.0], [1.5])},
+        curve=curve,
+        curve_seeds=list(range(6)),
+    )
     again = Reference.from_json(json.loads(json.dumps(ref.to_json())))
     assert again == ref and again.digest == ref.digest
     assert "band over 5 seeds, its curve over 6" in again.describe()
@@ -162,7 +184,11 @@ def test_a_run_of_a_seed_the_reference_trained_is_judged_against_its_own_curve()
     alarms = sum(any(look.departs for look in own.looks(s, run)) for s, run in zip(seeds, healthy))
     caught = sum(any(look.departs for look in own.looks(s, run)) for s, run in zip(seeds, broken))
     hidden = sum(flagged(among, run) for run in broken)
-    assert alarms <= 0.02 * len(healthy) and caught == len(broken) and hidden < 0.5 * len(broken), (alarms, caught, hidden)
+    assert alarms <= 0.02 * len(healthy) and caught == len(broken) and hidden < 0.5 * len(broken), (
+        alarms,
+        caught,
+        hidden,
+    )
     looks = own.looks(3, broken[3])
     assert looks[-1].own_seed and "its seed's reference run" in looks[-1].describe()
     assert own.looks(99, broken[3]) == []  # a seed the reference never trained: no own curve
@@ -177,10 +203,20 @@ def _look(excess=0.05, t=4.0, tail=1e-3, departs=True, own_seed=False):
     return Look("val_loss", 100, 300, excess, t, tail, departs, own_seed)
 
 
-@pytest.mark.parametrize("tail, words", [(0.0, "never"), (-1.0, "never"), (0.6, "1 in 2 or more often"),
-                                          (0.5, "1 in 2"), (1 / 99, "1 in 99"), (1 / 1234, "1 in 1,200"),
-                                          (1 / 2349, "1 in 2,300"), (1 / 2351, "1 in 2,400"),
-                                          (1e-20, "1 in 1,000,000,000,000")])
+@pytest.mark.parametrize(
+    "tail, words",
+    [
+        (0.0, "never"),
+        (-1.0, "never"),
+        (0.6, "1 in 2 or more often"),
+        (0.5, "1 in 2"),
+        (1 / 99, "1 in 99"),
+        (1 / 1234, "1 in 1,200"),
+        (1 / 2349, "1 in 2,300"),
+        (1 / 2351, "1 in 2,400"),
+        (1e-20, "1 in 1,000,000,000,000"),
+    ],
+)
 def test_how_rare_a_look_is_reads_in_two_figures(tail, words):
     assert _look(tail=tail).one_in() == words
 
@@ -191,7 +227,8 @@ def test_a_look_has_a_side_only_when_it_departs_and_says_against_what():
     assert _look().against == "the seeds' mean" and _look(own_seed=True).against == "its seed's reference run"
     assert _look(excess=math.log(0.97), t=-4.0, own_seed=True).describe() == (
         "val_loss -3.0 % below its seed's reference run since step 100 (through step 300); a rerun of that seed is "
-        "this far about 1 in 1,000")
+        "this far about 1 in 1,000"
+    )
 
 
 def test_a_curve_keeps_the_evaluations_every_seed_logged_finite_and_positive_after_step_0():
@@ -225,8 +262,9 @@ def test_a_seeds_own_curve_needs_five_reruns_of_seeds_it_has_and_a_floor_on_thei
 def test_the_tail_is_a_half_at_zero_none_at_infinity_and_the_threshold_repeats_for_its_seed():
     assert t_tail(0.0, 5) == pytest.approx(0.5) and t_tail(math.inf, 5) == 0.0
     cov = np.array([[1.0, 0.9], [0.9, 1.0]])
-    assert max_t_threshold(cov, 10, 0.01, seed=1, samples=20_000) == max_t_threshold(cov, 10, 0.01, seed=1,
-                                                                                     samples=20_000)
+    assert max_t_threshold(cov, 10, 0.01, seed=1, samples=20_000) == max_t_threshold(
+        cov, 10, 0.01, seed=1, samples=20_000
+    )
     assert max_t_threshold(cov, 10, 0.05, samples=20_000) < max_t_threshold(cov, 10, 0.01, samples=20_000)
     from nanolm.watch.curve import nine_figures
 
@@ -281,9 +319,12 @@ def test_a_look_is_the_precision_weighted_running_mean_excess_over_its_standard_
     looks = curve.looks(run)
     assert [look.key for look in looks] == ["val_loss"] * len(STEPS) and {look.since for look in looks} == {100}
     for look, (excess, t, tail, departs) in zip(looks, expected):
-        assert (look.excess, look.t, look.tail, look.departs) == (pytest.approx(excess, rel=1e-12),
-                                                                    pytest.approx(t, rel=1e-12),
-                                                                    pytest.approx(tail, rel=1e-9), departs)
+        assert (look.excess, look.t, look.tail, look.departs) == (
+            pytest.approx(excess, rel=1e-12),
+            pytest.approx(t, rel=1e-12),
+            pytest.approx(tail, rel=1e-9),
+            departs,
+        )
 
 
 def test_where_seeds_agree_closely_a_departure_weighs_more_than_where_they_wander():
@@ -309,7 +350,11 @@ def test_a_look_at_a_seeds_own_curve_has_no_inflation_and_as_many_degrees_of_fre
     expected = _by_hand(run, [0.1, -0.2], own.rerun_cov, 0.0, 6, 3.5, [100, 200])
     assert [look.key for look in looks] == ["val_bpb", "val_bpb"] and all(look.own_seed for look in looks)
     for look, (excess, t, tail, departs) in zip(looks, expected):
-        assert (look.t, look.tail, look.departs) == (pytest.approx(t, rel=1e-12), pytest.approx(tail, rel=1e-9), departs)
+        assert (look.t, look.tail, look.departs) == (
+            pytest.approx(t, rel=1e-12),
+            pytest.approx(tail, rel=1e-9),
+            departs,
+        )
 
 
 def test_a_look_departs_beyond_the_threshold_not_on_it():
@@ -436,7 +481,9 @@ def _flagged(truth: np.ndarray, runs: int, trials: int, samples: int, paired: bo
         curves = [dict(zip(steps, np.exp(centre + d).tolist())) for d in draws]
         if paired:  # seed s's first run at `centre`, its rerun `draws[s]` away; the new run: a further rerun of seed 0
             firsts = {s: dict(zip(steps, np.exp(centre).tolist())) for s in range(runs)}
-            test = seed_curves_from_runs("val_loss", firsts, dict(enumerate(curves[:runs])), seed=trial, samples=samples)
+            test = seed_curves_from_runs(
+                "val_loss", firsts, dict(enumerate(curves[:runs])), seed=trial, samples=samples
+            )
             looks = test.looks(0, curves[runs])
         else:
             looks = curve_from_seeds("val_loss", curves[:runs], seed=trial, samples=samples).looks(curves[runs])

@@ -117,8 +117,13 @@ def test_evaluation_windows_count_every_target_exactly_once():
 
 
 # ------------------------------------------------------------------ sources and prepare
-DOCS = ["First story about a cat.\nIt had two lines.", "Second: caf\u00e9 \u65e5\u672c \U0001F600", "Third one.",
-        "Fourth, short.", "Fifth story!\n\nWith a blank line inside."]
+DOCS = [
+    "First story about a cat.\nIt had two lines.",
+    "Second: caf\u00e9 \u65e5\u672c \U0001f600",
+    "Third one.",
+    "Fourth, short.",
+    "Fifth story!\n\nWith a blank line inside.",
+]
 
 
 def _decode_split(data: PreparedData, name: str) -> list[str]:
@@ -170,8 +175,11 @@ _LINE = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\r
 
 
 @settings(max_examples=150, deadline=None)
-@given(lines=st.lists(st.one_of(_LINE, st.just(EOS)), min_size=1, max_size=12), ends_with_break=st.booleans(),
-       line_break=st.sampled_from(["\r\n", "\r"]))
+@given(
+    lines=st.lists(st.one_of(_LINE, st.just(EOS)), min_size=1, max_size=12),
+    ends_with_break=st.booleans(),
+    line_break=st.sampled_from(["\r\n", "\r"]),
+)
 def test_line_breaks_of_any_kind_split_text_into_the_same_documents(lines, ends_with_break, line_break):
     """Unix, Windows and old Mac line breaks cut a .txt file into the same documents: only the
     breaks inside each document differ, and the break before a separator line belongs to the
@@ -189,10 +197,17 @@ def test_line_breaks_of_any_kind_split_text_into_the_same_documents(lines, ends_
 
 
 def test_bad_jsonl_lines_are_reported_with_their_line_numbers(tmp_path):
-    lines = [json.dumps({"text": "good one"}), "{broken", json.dumps({"body": "no text"}), json.dumps({"text": "good two"})]
+    lines = [
+        json.dumps({"text": "good one"}),
+        "{broken",
+        json.dumps({"body": "no text"}),
+        json.dumps({"text": "good two"}),
+    ]
     (tmp_path / "d.jsonl").write_text("\n".join(lines))
     messages = []
-    data = prepare(tmp_path / "d.jsonl", tmp_path / "out", "char", val_fraction=0.0, progress=False, log=messages.append)
+    data = prepare(
+        tmp_path / "d.jsonl", tmp_path / "out", "char", val_fraction=0.0, progress=False, log=messages.append
+    )
     assert any("d.jsonl:2:" in m and "JSON" in m for m in messages)
     assert any("d.jsonl:3:" in m and "'text'" in m for m in messages)
     assert data.meta["bad_records"] == 2 and _decode_split(data, "train") == ["good one", "good two"]
@@ -225,12 +240,15 @@ def test_a_single_document_is_split_by_bytes(tmp_path):
     assert len(val[0].encode()) == len(text.encode()) - int(len(text.encode()) * 0.9)
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "does not exist"),
-    (b"", "is empty"),
-    (b"\x00\x01\x02binary", "binary"),
-    (b"caf\xe9 latin-1", "not valid UTF-8"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "does not exist"),
+        (b"", "is empty"),
+        (b"\x00\x01\x02binary", "binary"),
+        (b"caf\xe9 latin-1", "not valid UTF-8"),
+    ],
+)
 def test_unreadable_sources_get_a_clear_error(tmp_path, content, message):
     path = tmp_path / "d.txt"
     if content is not None:
@@ -378,10 +396,24 @@ def progress_runs(tmp_path_factory):
     threshold, progress_mod.PROGRESS_MIN_BYTES = progress_mod.PROGRESS_MIN_BYTES, 0
     gap, progress_mod.PROGRESS_GAP_S = progress_mod.PROGRESS_GAP_S, 0.0
     try:
-        quiet = prepare(tmp / "stories.txt", tmp / "quiet", "bpe", 512, progress=False, compressor_sample_bytes=0,
-                        log=lambda *_: None)
-        shown = prepare(tmp / "stories.txt", tmp / "shown", "bpe", 512, progress="lines", compressor_sample_bytes=0,
-                        log=lines.append)
+        quiet = prepare(
+            tmp / "stories.txt",
+            tmp / "quiet",
+            "bpe",
+            512,
+            progress=False,
+            compressor_sample_bytes=0,
+            log=lambda *_: None,
+        )
+        shown = prepare(
+            tmp / "stories.txt",
+            tmp / "shown",
+            "bpe",
+            512,
+            progress="lines",
+            compressor_sample_bytes=0,
+            log=lines.append,
+        )
     finally:
         progress_mod.PROGRESS_MIN_BYTES, progress_mod.PROGRESS_GAP_S = threshold, gap
     return quiet, shown, lines
@@ -401,7 +433,9 @@ def test_plain_progress_shows_each_phase_with_an_eta(progress_runs):
     text = "\n".join(lines)
     assert "prepare: training the bpe tokenizer (" in text and "prepare: encoding (" in text
     for phase in ("training the bpe tokenizer", "encoding"):
-        with_eta = [line for line in lines if line.startswith(f"prepare: {phase} ") and "% (" in line and "ETA " in line]
+        with_eta = [
+            line for line in lines if line.startswith(f"prepare: {phase} ") and "% (" in line and "ETA " in line
+        ]
         assert with_eta, f"no progress line with an ETA for {phase}"
         assert len(with_eta) <= 10  # a line per tenth at most (the 30 s cadence is not reached here)
     assert "computing its merges" in text and "tokenizer trained in" in text and "prepare: encoded " in text
@@ -448,10 +482,15 @@ def _tree(directory):
     return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("name, content", [
-    ("separators.txt", f"{EOS}\n{EOS}\n"), ("blank.txt", "   \n\n\t\n"),
-    ("nofield.jsonl", '{"body": "a story"}\n{"body": "another"}\n'), ("crafted.jsonl", "[" * 5000 + "]" * 5000 + "\n"),
-])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("separators.txt", f"{EOS}\n{EOS}\n"),
+        ("blank.txt", "   \n\n\t\n"),
+        ("nofield.jsonl", '{"body": "a story"}\n{"body": "another"}\n'),
+        ("crafted.jsonl", "[" * 5000 + "]" * 5000 + "\n"),
+    ],
+)
 def test_a_refused_prepare_leaves_an_existing_prepared_directory_byte_identical(tmp_path, name, content):
     """A source with no text is refused only once it has been read; before, the shards had
     already been emptied, and the data the user had prepared was gone."""
@@ -532,22 +571,28 @@ def test_the_entropy_file_of_a_large_corpus_is_read_and_a_refused_one_is_named(t
     source.write_text(stories_file.read_text())
     entropy_path(source).write_text(json.dumps({"doc_nats": [1.0] * 200_000}))
     notes = []
-    assert "floor" not in prepare(source, tmp_path / "foreign", "char", compressor_sample_bytes=0,
-                                  log=notes.append).meta
+    assert (
+        "floor" not in prepare(source, tmp_path / "foreign", "char", compressor_sample_bytes=0, log=notes.append).meta
+    )
     assert [n for n in notes if "floor" in n] == [
         f"note: {entropy_path(source)} is 1 MiB, far larger than any such file nanolm writes; the file is damaged; "
-        f"no loss floor is reported"]
+        f"no loss floor is reported"
+    ]
 
 
-@pytest.mark.parametrize("doc_nats, note", [
-    ("one too few", "note: the corpus's entropy file does not match its documents; no loss floor is reported"),
-    ({"doc_nats": "many"}, "holds no list of numbers under doc_nats"),
-    ({"doc_nats": [1.0, True]}, "holds no list of numbers under doc_nats"),
-    ({"nats": []}, "holds no list of numbers under doc_nats"),
-    ([1.0], "holds no list of numbers under doc_nats"),
-])
-def test_an_entropy_file_that_does_not_describe_the_stories_gives_no_floor_and_says_so(tmp_path, stories_file, doc_nats,
-                                                                                      note):
+@pytest.mark.parametrize(
+    "doc_nats, note",
+    [
+        ("one too few", "note: the corpus's entropy file does not match its documents; no loss floor is reported"),
+        ({"doc_nats": "many"}, "holds no list of numbers under doc_nats"),
+        ({"doc_nats": [1.0, True]}, "holds no list of numbers under doc_nats"),
+        ({"nats": []}, "holds no list of numbers under doc_nats"),
+        ([1.0], "holds no list of numbers under doc_nats"),
+    ],
+)
+def test_an_entropy_file_that_does_not_describe_the_stories_gives_no_floor_and_says_so(
+    tmp_path, stories_file, doc_nats, note
+):
     """The loss floor is the stories' known information: from a file that describes other stories (or
     none), a floor would be a wrong number under a trusted name."""
     from nanolm.data.corpus import entropy_path
@@ -559,8 +604,12 @@ def test_an_entropy_file_that_does_not_describe_the_stories_gives_no_floor_and_s
     entropy_path(source).write_text(json.dumps(doc_nats))
     notes = []
     assert "floor" not in prepare(source, tmp_path / "p", "char", compressor_sample_bytes=0, log=notes.append).meta
-    assert [n for n in notes if n.startswith("note:")] == [note] if note.startswith("note:") else \
-        [n for n in notes if n.startswith("note:")] == [f"note: {entropy_path(source)} {note}; no loss floor is reported"]
+    assert (
+        [n for n in notes if n.startswith("note:")] == [note]
+        if note.startswith("note:")
+        else [n for n in notes if n.startswith("note:")]
+        == [f"note: {entropy_path(source)} {note}; no loss floor is reported"]
+    )
 
 
 def test_stories_without_validation_documents_have_no_floor_and_no_note(tmp_path, stories_file):
@@ -584,15 +633,20 @@ def test_a_run_without_data_trains_on_the_built_in_stories_the_same_whatever_its
         scratch.mkdir()
         data = load_training_data(cfg, scratch, log=said.append, compressor_bounds=False)
         assert said[0] == "data: 40 generated stories (the built-in corpus; its entropy is known)"
-        assert data.dir == scratch / "data" and data.meta["splits"]["train"]["documents"] + \
-            data.meta["splits"]["val"]["documents"] == 40 and data.meta["floor"]["bpb"] > 0
+        assert (
+            data.dir == scratch / "data"
+            and data.meta["splits"]["train"]["documents"] + data.meta["splits"]["val"]["documents"] == 40
+            and data.meta["floor"]["bpb"] > 0
+        )
         prepared.append(data.digest)
     assert prepared[0] == prepared[1]
     from nanolm.data.corpus import write_stories
 
     write_stories(tmp_path / "stories.txt", 40, seed=0)  # the corpus of seed 0, whatever the run's
-    assert prepare(tmp_path / "stories.txt", tmp_path / "p", "char", progress=False,
-                   compressor_sample_bytes=0).digest == prepared[0]
+    assert (
+        prepare(tmp_path / "stories.txt", tmp_path / "p", "char", progress=False, compressor_sample_bytes=0).digest
+        == prepared[0]
+    )
 
 
 def test_a_run_on_a_text_file_prepares_it_with_the_commands_options(tmp_path):
@@ -602,8 +656,9 @@ def test_a_run_on_a_text_file_prepares_it_with_the_commands_options(tmp_path):
     from nanolm.run.config import RunConfig
 
     source = tmp_path / "docs.txt"
-    source.write_text("\n===\n".join(f"document number {i}: " + "words and more words " * (i % 5 + 1)
-                                      for i in range(40)))
+    source.write_text(
+        "\n===\n".join(f"document number {i}: " + "words and more words " * (i % 5 + 1) for i in range(40))
+    )
     cfg = RunConfig()
     d = cfg.data
     d.data, d.tokenizer, d.vocab_size, d.val_fraction, d.separator = str(source), "bpe", 300, 0.25, "==="
@@ -643,8 +698,10 @@ def test_a_run_on_prepared_shards_uses_them_as_they_are_and_says_the_tokenizer_o
     said = []
     data = load_training_data(cfg, tmp_path / "unused", log=said.append)
     assert data.dir == shards and data.digest == made.digest and not (tmp_path / "unused").exists()
-    assert said == [f"data: prepared shards in {shards}; their char tokenizer of {made.tokenizer.vocab_size} tokens "
-                    f"is used (--tokenizer and --vocab-size do not apply)"]
+    assert said == [
+        f"data: prepared shards in {shards}; their char tokenizer of {made.tokenizer.vocab_size} tokens "
+        f"is used (--tokenizer and --vocab-size do not apply)"
+    ]
 
 
 def test_the_compressor_bounds_are_the_bits_per_byte_zlib_and_xz_add_for_the_text_after_its_context():
@@ -656,23 +713,34 @@ def test_the_compressor_bounds_are_the_bits_per_byte_zlib_and_xz_add_for_the_tex
     context, text = b"the cat sat on the mat. " * 40, b"the dog sat on the log, and the cat saw it."
     zlib_extra = len(zlib.compress(context + text, 9)) - len(zlib.compress(context, 9))
     xz_extra = len(lzma.compress(context + text, preset=6)) - len(lzma.compress(context, preset=6))
-    assert compressor_bits_per_byte(context, text) == {"zlib": round(8 * zlib_extra / len(text), 4),
-                                                       "xz": round(8 * xz_extra / len(text), 4)}
+    assert compressor_bits_per_byte(context, text) == {
+        "zlib": round(8 * zlib_extra / len(text), 4),
+        "xz": round(8 * xz_extra / len(text), 4),
+    }
     alone = b"hello world, hello there"  # no context: the whole compressed size counts
     alone_zlib, alone_xz = len(zlib.compress(alone, 9)), len(lzma.compress(alone, preset=6))
-    assert compressor_bits_per_byte(b"", alone) == {"zlib": round(8 * alone_zlib / len(alone), 4),
-                                                    "xz": round(8 * alone_xz / len(alone), 4)}
+    assert compressor_bits_per_byte(b"", alone) == {
+        "zlib": round(8 * alone_zlib / len(alone), 4),
+        "xz": round(8 * alone_xz / len(alone), 4),
+    }
     # text the context already predicts adds nothing to either: counted as the least a byte can cost, 1 byte
     assert compressor_bits_per_byte(b"a" * 1000, b"aa") == {"zlib": 4.0, "xz": 4.0}
     assert compressor_bits_per_byte(context, b"") == {}
     assert compressor_bits_per_byte(b"", b"abc" * 7)["zlib"] == round(8 * len(zlib.compress(b"abc" * 7, 9)) / 21, 4)
 
 
-@pytest.mark.parametrize("docs", [["ab", "abc", "abcd", "x", "y"], ["a single document, split by its bytes " * 20],
-                                  [f"{i} " + "the quick brown fox " * 25 for i in range(2000)]])  # 1 MB: a rate to read
+@pytest.mark.parametrize(
+    "docs",
+    [
+        ["ab", "abc", "abcd", "x", "y"],
+        ["a single document, split by its bytes " * 20],
+        [f"{i} " + "the quick brown fox " * 25 for i in range(2000)],
+    ],
+)  # 1 MB: a rate to read
 def test_meta_json_sums_up_the_shards_with_the_figures_the_prepare_line_prints(tmp_path, docs):
-    data = prepare(_write_txt(tmp_path / "d.txt", docs), tmp_path / "p", "char", progress=False,
-                   compressor_sample_bytes=0)
+    data = prepare(
+        _write_txt(tmp_path / "d.txt", docs), tmp_path / "p", "char", progress=False, compressor_sample_bytes=0
+    )
     m, train = data.meta, data.meta["splits"]["train"]
     assert m["mean_doc_tokens"] == round(train["tokens"] / train["documents"], 1)  # to a tenth: 12 / 4 ... 3.7
     assert train["documents"] == (1 if len(docs) == 1 else len(docs) - m["splits"]["val"]["documents"])
@@ -696,10 +764,14 @@ def test_a_corpus_past_one_chunk_is_encoded_a_chunk_at_a_time_each_document_once
     source = _write_txt(tmp_path / "big.txt", docs)
     encoded, compressed = [], []
     encode_batch, bounds = Tokenizer.encode_batch, prepare_mod.compressor_bits_per_byte
-    monkeypatch.setattr(Tokenizer, "encode_batch", lambda self, texts: encoded.append(len(texts)) or
-                        encode_batch(self, texts))
-    monkeypatch.setattr(prepare_mod, "compressor_bits_per_byte", lambda context, text: compressed.append(
-        (context, text)) or bounds(context, text))
+    monkeypatch.setattr(
+        Tokenizer, "encode_batch", lambda self, texts: encoded.append(len(texts)) or encode_batch(self, texts)
+    )
+    monkeypatch.setattr(
+        prepare_mod,
+        "compressor_bits_per_byte",
+        lambda context, text: compressed.append((context, text)) or bounds(context, text),
+    )
     said = []
     monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)  # shown as for a larger corpus
     data = prepare(source, tmp_path / "p", "char", val_fraction=0.5, progress="lines", log=said.append)
@@ -714,7 +786,8 @@ def test_a_corpus_past_one_chunk_is_encoded_a_chunk_at_a_time_each_document_once
     m = data.meta["splits"]
     encoded_line = [line for line in said if line.startswith("prepare: encoded ")]
     assert len(encoded_line) == 1 and encoded_line[0].startswith(
-        f"prepare: encoded {(m['train']['bytes'] + m['val']['bytes']) / 1e6:.1f} MB in "), said
+        f"prepare: encoded {(m['train']['bytes'] + m['val']['bytes']) / 1e6:.1f} MB in "
+    ), said
 
     def first(split):
         return "".join(by_split[split]).encode()[:COMPRESSOR_SAMPLE_BYTES]
@@ -734,8 +807,16 @@ def test_the_tokenizers_progress_expects_the_text_it_will_read(tmp_path, monkeyp
     source = _write_txt(tmp_path / "m.txt", docs)
     monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)  # shown as for a larger corpus
     said = []
-    prepare(source, tmp_path / "p", kind, vocab_size=300, val_fraction=0.5, progress="lines", log=said.append,
-            compressor_sample_bytes=0)
+    prepare(
+        source,
+        tmp_path / "p",
+        kind,
+        vocab_size=300,
+        val_fraction=0.5,
+        progress="lines",
+        log=said.append,
+        compressor_sample_bytes=0,
+    )
     expected = expected_text_bytes(DocumentSource(source, sources_mod.SEPARATOR, "text"))
     reads = expected if kind == "char" else round(expected * 0.5)
     assert said[0] == f"prepare: training the {kind} tokenizer ({megabytes(reads)} expected)"
@@ -755,13 +836,15 @@ def test_shards_hold_each_token_id_in_the_smallest_integer_that_holds_every_id(t
     text = "".join(chars)
     tokenizer = train_char([text])
     assert tokenizer.vocab_size == vocab_size  # every character and the document token
-    docs = [text[i:i + 4096] for i in range(0, len(text), 4096)]
+    docs = [text[i : i + 4096] for i in range(0, len(text), 4096)]
     (tmp_path / "many.txt").write_text(f"\n{EOS}\n".join(docs), encoding="utf-8")  # no line end: not in the vocabulary
-    data = prepare(tmp_path / "many.txt", tmp_path / "p", tokenizer=tokenizer, progress=False,
-                   compressor_sample_bytes=0)
+    data = prepare(
+        tmp_path / "many.txt", tmp_path / "p", tokenizer=tokenizer, progress=False, compressor_sample_bytes=0
+    )
     assert data.meta["dtype"] == dtype and data.meta["max_id"] == vocab_size - 1
     assert "".join(_decode_split(data, "train") + _decode_split(data, "val")) == "".join(
-        docs[i] for i in range(len(docs)) if i % 10 != 9) + "".join(docs[i] for i in range(9, len(docs), 10))
+        docs[i] for i in range(len(docs)) if i % 10 != 9
+    ) + "".join(docs[i] for i in range(9, len(docs), 10))
 
 
 def test_bpe_learns_from_the_training_documents_up_to_its_budget_and_the_char_vocabulary_from_all(monkeypatch):
@@ -857,8 +940,9 @@ def test_a_run_on_a_corpus_name_says_what_it_downloads_through_its_log(tmp_path,
     said = []
     with pytest.raises(NanolmError, match="could not download shakespeare"):
         load_training_data(cfg, tmp_path, log=said.append)
-    assert said[0].startswith("cached ") and said[0].endswith("does not match the expected size/checksum; "
-                                                              "downloading it again")
+    assert said[0].startswith("cached ") and said[0].endswith(
+        "does not match the expected size/checksum; downloading it again"
+    )
     assert said[1] == f"downloading shakespeare from {CORPORA['shakespeare'].url}"
 
 

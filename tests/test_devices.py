@@ -165,16 +165,19 @@ def simulated_machine(kind: str, monkeypatch) -> str:
         monkeypatch.setattr(torch.mps, "get_rng_state", lambda: torch.zeros(16, dtype=torch.uint8))
         monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: None)
         return "mps:0"
-    for name, answer in (("is_available", lambda: True), ("device_count", lambda: 1),
-                         ("get_device_capability", lambda device=None: (7, 0)),
-                         ("get_device_name", lambda device=None: "Tesla V100-SXM2-16GB"),
-                         ("reset_peak_memory_stats", lambda device=None: None),
-                         ("max_memory_allocated", lambda device=None: 0),
-                         ("mem_get_info", lambda device=None: (16 << 30, 16 << 30)),
-                         ("get_rng_state", lambda device=None: torch.zeros(16, dtype=torch.uint8)),
-                         ("set_rng_state", lambda state, device=None: None),
-                         # the optimizers' check for a CUDA graph being captured (on a CUDA build of torch)
-                         ("is_current_stream_capturing", lambda: False)):
+    for name, answer in (
+        ("is_available", lambda: True),
+        ("device_count", lambda: 1),
+        ("get_device_capability", lambda device=None: (7, 0)),
+        ("get_device_name", lambda device=None: "Tesla V100-SXM2-16GB"),
+        ("reset_peak_memory_stats", lambda device=None: None),
+        ("max_memory_allocated", lambda device=None: 0),
+        ("mem_get_info", lambda device=None: (16 << 30, 16 << 30)),
+        ("get_rng_state", lambda device=None: torch.zeros(16, dtype=torch.uint8)),
+        ("set_rng_state", lambda state, device=None: None),
+        # the optimizers' check for a CUDA graph being captured (on a CUDA build of torch)
+        ("is_current_stream_capturing", lambda: False),
+    ):
         monkeypatch.setattr(torch.cuda, name, answer)
     return "cuda:0"
 
@@ -190,8 +193,18 @@ def test_the_training_loop_runs_on_a_gpu_with_the_numbers_of_the_cpu(kind, tmp_p
     from nanolm.watch.sinks import read_metrics
 
     def run(device, out, steps):
-        cfg = tiny_run_config(stories_file, out, steps=steps, device=device, precision="fp32", eval_every=2,
-                              stats_every=3, threads=1, deterministic=kind == "cuda", sample_tokens=8)
+        cfg = tiny_run_config(
+            stories_file,
+            out,
+            steps=steps,
+            device=device,
+            precision="fp32",
+            eval_every=2,
+            stats_every=3,
+            threads=1,
+            deterministic=kind == "cuda",
+            sample_tokens=8,
+        )
         cfg.debug.inject_nan_at = 3  # rolled back to the checkpoint of step 2
         return train(cfg, log=lambda *_: None, factories=fault_factories(cfg))
 
@@ -202,6 +215,7 @@ def test_the_training_loop_runs_on_a_gpu_with_the_numbers_of_the_cpu(kind, tmp_p
         run(device, tmp_path / "gpu", 8)
         result = run(device, tmp_path / "gpu", 10)
         replayed = replay(tmp_path / "gpu", 7, device=device, log=lambda *_: None)
+
     def losses(run):
         return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
 
@@ -285,7 +299,8 @@ def test_tf32_is_used_for_fp32_products_on_ampere_and_put_back_after_the_run(mon
 
 
 def test_a_run_called_from_python_leaves_determinism_threads_and_random_generators_as_it_found_them(
-        tmp_path, stories_file):
+    tmp_path, stories_file
+):
     """A notebook's own random draws after ``train()`` continue as if the run had not seeded and
     drawn from the generators."""
     import random
@@ -302,8 +317,10 @@ def test_a_run_called_from_python_leaves_determinism_threads_and_random_generato
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
     expected = draws()
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
-    train(tiny_run_config(stories_file, tmp_path / "run", steps=2, deterministic=True, threads=1, eval_every=2),
-          log=lambda *_: None)
+    train(
+        tiny_run_config(stories_file, tmp_path / "run", steps=2, deterministic=True, threads=1, eval_every=2),
+        log=lambda *_: None,
+    )
     assert not torch.are_deterministic_algorithms_enabled()
     assert torch.get_num_threads() == threads
     assert draws() == expected
@@ -363,7 +380,9 @@ def test_under_torchrun_a_named_gpu_other_than_local_rank_is_refused(monkeypatch
     monkeypatch.setenv("RANK", "0"), monkeypatch.setenv("WORLD_SIZE", "1"), monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("joined with the wrong GPU"))
+    monkeypatch.setattr(
+        torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("joined with the wrong GPU")
+    )
     with pytest.raises(NanolmError, match="LOCAL_RANK"):
         distributed.setup("ddp", torch.device("cuda:1"))
 
@@ -390,10 +409,13 @@ def test_doctor_says_what_this_machine_would_pick_and_refuses_what_it_cannot_do(
     lines = device_choices("cpu", "auto", "auto", tf32=True, deterministic=False, compile=False)
     assert [line.split()[0] for line in lines] == ["device", "precision", "attention", "batches"]
     assert "auto:" in lines[1] and "SDPA" in lines[2]
-    for name, answer in (("is_available", lambda: True), ("device_count", lambda: 1),
-                         ("get_device_capability", lambda device=None: (8, 0)),
-                         ("get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB"),
-                         ("is_bf16_supported", lambda including_emulation=True: True)):
+    for name, answer in (
+        ("is_available", lambda: True),
+        ("device_count", lambda: 1),
+        ("get_device_capability", lambda device=None: (8, 0)),
+        ("get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB"),
+        ("is_bf16_supported", lambda including_emulation=True: True),
+    ):
         monkeypatch.setattr(torch.cuda, name, answer)
     monkeypatch.setattr("nanolm.machine.device.has_triton", lambda: True)
     lines = device_choices("cuda:0", "fp32", "auto", tf32=True, deterministic=False, compile=False)

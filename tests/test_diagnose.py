@@ -21,8 +21,16 @@ from nanolm.instruments import diagnose as dg
 from nanolm.instruments.diagnose import diagnose, diagnose_trace
 
 TRACES = Path(__file__).parent / "fixtures" / "traces"
-HEALTHY = ["healthy_s1", "healthy_s2", "healthy_s3", "healthy_sparse_logging", "healthy_grad_accum",
-           "healthy_resumed", "healthy_fp16_scaled", "healthy_quick"]
+HEALTHY = [
+    "healthy_s1",
+    "healthy_s2",
+    "healthy_s3",
+    "healthy_sparse_logging",
+    "healthy_grad_accum",
+    "healthy_resumed",
+    "healthy_fp16_scaled",
+    "healthy_quick",
+]
 BROKEN = {  # trace: the finding it must raise
     "high_lr_no_warmup": "loss_spike",
     "fp16_no_loss_scaling": "fp16_underflow",
@@ -74,9 +82,14 @@ def test_each_rule_fires_on_its_recorded_pattern(name):
 
 
 def test_every_rule_is_exercised_by_a_recorded_or_synthetic_trace():
-    covered = set(BROKEN.values()) | {"fp16_overflow", "train_loss_rising", "dead_units", "attention_logits",
-                                      "val_worse_than_start",
-                                      "left_reference_band"}  # tests/test_reference.py, against a band it measures
+    covered = set(BROKEN.values()) | {
+        "fp16_overflow",
+        "train_loss_rising",
+        "dead_units",
+        "attention_logits",
+        "val_worse_than_start",
+        "left_reference_band",
+    }  # tests/test_reference.py, against a band it measures
     assert {rule.__name__.removeprefix("rule_") for rule in dg.RULES} <= covered  # a new rule needs its test
 
 
@@ -124,8 +137,18 @@ def _kw(name):
 
 # --------------------------------------------------------------------------- synthetic patterns
 def _rows(losses, lr=3e-3, grad_norm=0.5, start=1, every=1, **extra):
-    return [{"step": start + i * every, "loss": l, "lr": lr, "grad_norm": grad_norm, "clipped": False,
-             "clipped_steps": 0, **extra} for i, l in enumerate(losses)]
+    return [
+        {
+            "step": start + i * every,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "clipped": False,
+            "clipped_steps": 0,
+            **extra,
+        }
+        for i, loss in enumerate(losses)
+    ]
 
 
 def _falling(n, seed=0):
@@ -155,8 +178,9 @@ def test_a_spike_at_the_end_of_warmup_is_placed_there_and_an_unwarned_one_is_not
 
 def test_fp16_overflow_fires_on_repeated_skips_and_a_collapsing_scale():
     rows = _falling(200)
-    skipping = [{**r, "loss_scale": 2.0 ** max(0, 16 - i // 10), "skipped_steps": i // 10}
-                for i, r in enumerate(_rows(rows))]
+    skipping = [
+        {**r, "loss_scale": 2.0 ** max(0, 16 - i // 10), "skipped_steps": i // 10} for i, r in enumerate(_rows(rows))
+    ]
     assert "fp16_overflow" in [f.name for f in diagnose_trace(skipping)]
     calm = [{**r, "loss_scale": 65536.0, "skipped_steps": 1 if r["step"] > 150 else 0} for r in _rows(rows)]
     assert "fp16_overflow" not in [f.name for f in diagnose_trace(calm)]
@@ -204,25 +228,38 @@ def test_attention_logit_rule_has_a_threshold_a_healthy_run_stays_under():
 
 
 def test_a_trace_orders_its_rows_and_derives_what_the_rules_share():
-    rows = [{"step": 3, "loss": 2.0, "lr": 0.99, "floor_loss": 0.5}, {"loss": 9.0},
-            {"step": 0, "val_loss": 5.0, "floor_loss": 0.7, "loss": 9.0}, {"step": 1, "loss": 3.0, "lr": 0.5},
-            {"step": 2, "loss": float("nan"), "lr": 2.0}, {"step": 4, "loss": 1.5, "lr": 1.0, "val_loss": 1.6,
-                                                          "floor_loss": float("nan")}]
+    rows = [
+        {"step": 3, "loss": 2.0, "lr": 0.99, "floor_loss": 0.5},
+        {"loss": 9.0},
+        {"step": 0, "val_loss": 5.0, "floor_loss": 0.7, "loss": 9.0},
+        {"step": 1, "loss": 3.0, "lr": 0.5},
+        {"step": 2, "loss": float("nan"), "lr": 2.0},
+        {"step": 4, "loss": 1.5, "lr": 1.0, "val_loss": 1.6, "floor_loss": float("nan")},
+    ]
     t = dg.Trace(rows, [{"step": 9, "kind": "b"}, {"kind": "no step"}, {"step": 1, "kind": "a"}])
     assert [r["step"] for r in t.rows] == [0, 1, 2, 3, 4] and [e["kind"] for e in t.events] == ["a", "b"]
     assert [r["step"] for r in t.train] == [1, 3, 4]  # no step 0, no non-finite loss
     assert [r["step"] for r in t.evals] == [0, 4] and t.floor == 0.5 and t.last_step == 4
     assert t.peak_lr == 1.0 and t.warmup_end == 3  # 0.99 of the peak: warmup is over (step 2's rate is not a loss's)
-    assert (dg.Trace([]).last_step, dg.Trace([]).floor, dg.Trace([]).peak_lr, dg.Trace([]).warmup_end) == (0, None,
-                                                                                                          None, 0)
+    assert (dg.Trace([]).last_step, dg.Trace([]).floor, dg.Trace([]).peak_lr, dg.Trace([]).warmup_end) == (
+        0,
+        None,
+        None,
+        0,
+    )
     assert dg.Trace([{"step": 1, "loss": 1.0, "lr": _below(0.99)}, {"step": 2, "loss": 1.0, "lr": 1.0}]).warmup_end == 2
     assert t.events_of("a") == [{"step": 1, "kind": "a"}]
 
 
 def test_a_finding_becomes_the_json_that_diagnose_json_prints():
     found = dg.Finding("leak", "a title", "a message", {"step": 3}, "a-runbook")
-    assert found.to_dict() == {"name": "leak", "title": "a title", "message": "a message", "evidence": {"step": 3},
-                               "runbook": "a-runbook"}
+    assert found.to_dict() == {
+        "name": "leak",
+        "title": "a title",
+        "message": "a message",
+        "evidence": {"step": 3},
+        "runbook": "a-runbook",
+    }
 
 
 def test_only_the_rules_asked_for_are_run():
@@ -273,8 +310,9 @@ def test_every_runbook_a_finding_points_to_is_a_section_of_the_runbooks():
     import re
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "runbooks.md").read_text(encoding="utf-8")
-    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-")
-               for h in re.findall(r"^## (.+)$", text, re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-") for h in re.findall(r"^## (.+)$", text, re.M)
+    }
     assert set(dg.RUNBOOKS.values()) <= anchors, sorted(set(dg.RUNBOOKS.values()) - anchors)
 
 
@@ -286,8 +324,12 @@ def test_a_wsd_run_still_at_its_peak_before_its_decay_is_not_a_missing_decay():
     last = max(r["step"] for r in trace["metrics"])
 
     def with_decay(start, end):
-        rows = [dict(r, schedule="wsd", decay_start_step=start, decay_end_step=end, min_lr=r["peak_lr"] / 10)
-                if r["step"] == 0 and "peak_lr" in r else r for r in trace["metrics"]]  # logged: the peak throughout
+        rows = [
+            dict(r, schedule="wsd", decay_start_step=start, decay_end_step=end, min_lr=r["peak_lr"] / 10)
+            if r["step"] == 0 and "peak_lr" in r
+            else r
+            for r in trace["metrics"]
+        ]  # logged: the peak throughout
         return {f.name for f in diagnose_trace(rows, trace["events"])}
 
     assert "no_lr_decay" not in with_decay(last + 1, last + 100)  # the decay is still to come
@@ -302,7 +344,6 @@ def test_the_recipe_gated_rules_stay_silent_on_healthy_runs_that_record_their_re
         assert any("peak_lr" in r for r in rows if r["step"] == 0), name
         found = {f.name for f in diagnose_trace(rows, load(name)["events"])}
         assert not found & {"no_clipping", "slow_second_moment", "no_lr_decay", "decay_on_norms"}, (name, found)
-
 
 
 # --------------------------------------------------------------------------- each threshold at its edge
@@ -334,7 +375,9 @@ def test_attention_logits_fire_from_their_threshold_on():
     assert _fires("attention_logits", with_logit(dg.ATTENTION_LOGIT_MAX))
     assert not _fires("attention_logits", with_logit(_below(dg.ATTENTION_LOGIT_MAX)))
     finding = {f.name: f for f in diagnose_trace(with_logit(150.0))}["attention_logits"]
-    assert finding.evidence["block"] == "1" and finding.evidence["step"] == 31 and finding.evidence["max_logit"] == 150.0
+    assert (
+        finding.evidence["block"] == "1" and finding.evidence["step"] == 31 and finding.evidence["max_logit"] == 150.0
+    )
     assert "reached 150 in block 1 at step 31 (last: 12.0 at step 51)" in finding.message
 
 
@@ -475,8 +518,13 @@ def test_no_clipping_fires_from_a_norm_ten_times_its_median_and_only_with_clippi
     assert not _fires("no_clipping", unclipped(_below(dg.UNCLIPPED_SPIKE)))
     assert not _fires("no_clipping", unclipped(50.0, clip=1.0))
     found = {f.name: f for f in diagnose_trace(unclipped(20.0))}["no_clipping"]
-    assert found.evidence == {"clip": 0, "grad_norm_max": 10.0, "grad_norm_max_step": 30, "grad_norm_median": 0.5,
-                              "ratio": 20.0}
+    assert found.evidence == {
+        "clip": 0,
+        "grad_norm_max": 10.0,
+        "grad_norm_max_step": 30,
+        "grad_norm_median": 0.5,
+        "ratio": 20.0,
+    }
     early = unclipped(1.0)
     early[10]["grad_norm"] = 10.0
     assert _fires("no_clipping", early[:21]) and not _fires("no_clipping", early[:20])  # twenty norms at least
@@ -486,7 +534,9 @@ def test_no_clipping_fires_from_a_norm_ten_times_its_median_and_only_with_clippi
 
 def test_a_slow_second_moment_needs_beta2_of_099_a_warmup_under_a_tenth_of_its_memory_and_an_early_burst():
     def recipe(beta2=0.999, warmup=50, burst=dg.EARLY_INSTABILITY):
-        rows = [{"step": 0, "beta2": beta2, "warmup_steps": warmup, "peak_lr": 3e-3}] + _rows(_falling(400), grad_norm=0.5)
+        rows = [{"step": 0, "beta2": beta2, "warmup_steps": warmup, "peak_lr": 3e-3}] + _rows(
+            _falling(400), grad_norm=0.5
+        )
         rows[10]["grad_norm"] = 0.5 * burst  # step 10: early
         return rows
 
@@ -527,8 +577,10 @@ def test_a_wsd_run_is_missing_its_decay_only_when_its_rate_is_above_the_line_it_
     assert not line(190, 290) and line(180, 280)  # a tenth of the way down a line to 0.1: 0.91, then 0.82
     assert line(199, 200, min_lr=0.85)  # the line ended one step after it began: at 0.85 by step 200
     assert not line(100, 150, min_lr=0.92)  # past its end the line stays at its minimum, here 0.92 of the peak
-    assert _fires("no_lr_decay", [{"step": 0, "decay_start_step": 150, "min_lr": 0.1, "peak_lr": 1.0}]
-                  + _rows(_falling(200), lr=1.0))  # a start without an end: no line to judge by
+    assert _fires(
+        "no_lr_decay",
+        [{"step": 0, "decay_start_step": 150, "min_lr": 0.1, "peak_lr": 1.0}] + _rows(_falling(200), lr=1.0),
+    )  # a start without an end: no line to judge by
 
 
 def test_a_leak_is_a_validation_loss_under_085_of_the_floor_or_a_training_median_of_five_under_it():
@@ -617,18 +669,35 @@ def test_zero_gradients_rising_needs_eight_logged_rows_and_compares_the_first_an
 
 def _spikes(losses, norms=None, every=1):
     norms = norms or [0.5] * len(losses)
-    return dg._loss_spikes([{"step": 1 + i * every, "loss": loss, "grad_norm": norm, "lr": 1e-3}
-                            for i, (loss, norm) in enumerate(zip(losses, norms))])
+    return dg._loss_spikes(
+        [
+            {"step": 1 + i * every, "loss": loss, "grad_norm": norm, "lr": 1e-3}
+            for i, (loss, norm) in enumerate(zip(losses, norms))
+        ]
+    )
 
 
 def test_in_the_first_rows_a_spike_is_a_loss_back_above_where_it_started_after_a_fall():
     """Before the fifth row the local median is lopsided; the one sure sign there is a loss that
     fell by more than 5 % and then climbed above its start, the first row to do so."""
     tail = [4.0 - 0.05 * j for j in range(15)]
-    assert _spikes([5.0, 4.5, 5.3] + tail) == [{
-        "index": 2, "step": 3, "loss": 5.3, "baseline": 4.75, "jump": pytest.approx(0.55), "lr": 1e-3,
-        "above_start": True, "grad_norm": 0.5, "grad_norm_peak": 0.5, "grad_norm_peak_step": 1,
-        "grad_norm_reference": 0.5, "precursor": False, "isolated": True}]  # the jump: from the rows before it
+    assert _spikes([5.0, 4.5, 5.3] + tail) == [
+        {
+            "index": 2,
+            "step": 3,
+            "loss": 5.3,
+            "baseline": 4.75,
+            "jump": pytest.approx(0.55),
+            "lr": 1e-3,
+            "above_start": True,
+            "grad_norm": 0.5,
+            "grad_norm_peak": 0.5,
+            "grad_norm_peak_step": 1,
+            "grad_norm_reference": 0.5,
+            "precursor": False,
+            "isolated": True,
+        }
+    ]  # the jump: from the rows before it
     assert _spikes([5.0, 0.95 * 5.0, 5.3] + tail) == []  # it fell by 5 % exactly: not yet a fall
     assert _spikes([5.0, 5.3] + tail) == []  # above the start before any fall: the first steps' noise
     assert [(s["index"], s["jump"]) for s in _spikes([5.0, 4.5, 5.0, 5.3] + tail)] == [(3, pytest.approx(0.3))]
@@ -749,8 +818,17 @@ def test_a_training_leak_is_a_median_of_five_rows_under_085_of_the_floor_anywher
 
 def test_clipping_is_judged_on_five_logged_steps_and_fifty_steps_after_warmup_from_the_running_count():
     def clipped(steps, counts=True, clipped_rows=None, warm_count=True):
-        rows = [{"step": s, "loss": 1.0, "lr": 1e-3, "grad_norm": 2.0, "clipped": clipped_rows is None or i in clipped_rows,
-                 "clipped_steps": s} for i, s in enumerate(steps)]
+        rows = [
+            {
+                "step": s,
+                "loss": 1.0,
+                "lr": 1e-3,
+                "grad_norm": 2.0,
+                "clipped": clipped_rows is None or i in clipped_rows,
+                "clipped_steps": s,
+            }
+            for i, s in enumerate(steps)
+        ]
         for i, r in enumerate(rows):
             if not counts or (i == 0 and not warm_count):
                 del r["clipped_steps"]
@@ -842,7 +920,7 @@ def test_validation_worse_than_the_start_needs_its_last_two_evaluations_above_it
     def worse(evaluations, losses=None, every=1):
         rows = _rows(losses or _falling(100), every=every)
         rows.insert(0, {"step": 0, "val_loss": 5.0})
-        for row, v in zip(rows[-len(evaluations):], evaluations):
+        for row, v in zip(rows[-len(evaluations) :], evaluations):
             row["val_loss"] = v
         return _fires("val_worse_than_start", rows)
 
@@ -854,7 +932,9 @@ def test_validation_worse_than_the_start_needs_its_last_two_evaluations_above_it
     assert not worse([5.2, 5.4], losses=tail_of_four, every=5)  # the training loss did not learn either
     assert not worse([5.2, 5.4], losses=[5.0] * 60)
     assert not worse([5.2, 5.4], losses=[0.9 * 5.0] * 60) and worse([5.2, 5.4], losses=[_below(0.9 * 5.0)] * 60)
-    assert not _fires("val_worse_than_start", [{"step": s, "val_loss": v} for s, v in ((0, 5.0), (50, 5.2), (100, 5.4))])
+    assert not _fires(
+        "val_worse_than_start", [{"step": s, "val_loss": v} for s, v in ((0, 5.0), (50, 5.2), (100, 5.4))]
+    )
     early = _rows(_falling(100))
     early.insert(0, {"step": 0, "val_loss": 5.0})
     early[1]["val_loss"], early[100]["val_loss"] = 5.1, 5.3  # evaluated at step 1 and step 100
@@ -1021,8 +1101,15 @@ def _reference_cases():
         rows = [{"step": 0, "seed": seed, "setup_digest": setup_digest(setup), "val_loss": 5.0}]
         for step in range(10, 301, 10):
             level = 1.0 + 4.0 * math.exp(-step / 60) + 0.01 * ((seed * 7 + step) % 5 - 2)
-            rows.append({"step": step, "loss": level * off, "lr": lr, "grad_norm": 0.5 * off,
-                         **{f"update_ratio/{b}": 0.01 * off ** b for b in range(5)}})
+            rows.append(
+                {
+                    "step": step,
+                    "loss": level * off,
+                    "lr": lr,
+                    "grad_norm": 0.5 * off,
+                    **{f"update_ratio/{b}": 0.01 * off**b for b in range(5)},
+                }
+            )
             if step in evals:
                 rows[-1]["val_loss"] = level * (1.0 + 0.005 * (seed % 3)) * worse
         return rows
@@ -1031,26 +1118,48 @@ def _reference_cases():
     steps = [s for s in evals if s > 0]
     logs = {s: [math.log(r["val_loss"]) for r in run(s) if r["step"] in steps] for s in seeds}
     mean = [statistics.mean(logs[s][i] for s in seeds) for i in range(len(steps))]
-    curve = Curve("val_loss", steps, mean, [[1e-4 if i == j else 5e-5 for j in range(3)] for i in range(3)],
-                  len(seeds), 3.0, 0.01)
-    own = SeedCurves("val_loss", steps, {str(s): logs[s] for s in seeds},
-                     [[9e-6 if i == j else 4e-6 for j in range(3)] for i in range(3)], 5, 3.5, 0.01)
-    ref = Reference("synthetic-fp32", "the synthetic recipe", "nanolm train --synthetic", "fp32", seeds, "a test",
-                    "2026-12-05", "2.13.0", setup, bands_from_runs([run(s) for s in seeds]), curve=curve,
-                    curve_seeds=seeds, seed_curves=own)
+    curve = Curve(
+        "val_loss", steps, mean, [[1e-4 if i == j else 5e-5 for j in range(3)] for i in range(3)], len(seeds), 3.0, 0.01
+    )
+    own = SeedCurves(
+        "val_loss",
+        steps,
+        {str(s): logs[s] for s in seeds},
+        [[9e-6 if i == j else 4e-6 for j in range(3)] for i in range(3)],
+        5,
+        3.5,
+        0.01,
+    )
+    ref = Reference(
+        "synthetic-fp32",
+        "the synthetic recipe",
+        "nanolm train --synthetic",
+        "fp32",
+        seeds,
+        "a test",
+        "2026-12-05",
+        "2.13.0",
+        setup,
+        bands_from_runs([run(s) for s in seeds]),
+        curve=curve,
+        curve_seeds=seeds,
+        seed_curves=own,
+    )
     import dataclasses
 
     without_curve = dataclasses.replace(ref, curve=None, name="synthetic-no-curve")
     digest_late = run(2, worse=1.10)[1:]
     digest_late[0]["setup_digest"] = setup_digest(setup)  # only a step-0 row says which setup a run is
-    return {"reference_own_seed_10pct_worse": (run(2, worse=1.10), None, [ref]),
-            "reference_own_seed_3pct_worse": (run(2, worse=1.03), None, [ref]),
-            "reference_own_seed_without_the_seeds_curve": (run(2, worse=1.10), None, [without_curve]),
-            "reference_new_seed_10pct_worse": (run(99, worse=1.10), None, [ref]),
-            "reference_lr_not_the_recipes": (run(99, lr=2e-3), None, [ref]),
-            "reference_left_by_every_number": (run(99, worse=1.5, lr=2e-3, off=1.5), None, [ref]),
-            "reference_left_by_two_numbers": (run(99, worse=1.10, lr=2e-3), None, [ref]),
-            "reference_digest_outside_the_step_0_row": (digest_late, None, [ref])}
+    return {
+        "reference_own_seed_10pct_worse": (run(2, worse=1.10), None, [ref]),
+        "reference_own_seed_3pct_worse": (run(2, worse=1.03), None, [ref]),
+        "reference_own_seed_without_the_seeds_curve": (run(2, worse=1.10), None, [without_curve]),
+        "reference_new_seed_10pct_worse": (run(99, worse=1.10), None, [ref]),
+        "reference_lr_not_the_recipes": (run(99, lr=2e-3), None, [ref]),
+        "reference_left_by_every_number": (run(99, worse=1.5, lr=2e-3, off=1.5), None, [ref]),
+        "reference_left_by_two_numbers": (run(99, worse=1.10, lr=2e-3), None, [ref]),
+        "reference_digest_outside_the_step_0_row": (digest_late, None, [ref]),
+    }
 
 
 def finding_cases() -> dict:
@@ -1062,21 +1171,45 @@ def finding_cases() -> dict:
     cases["loss_spike_in_one_sparse_row"] = (_spike_rows(warmup=20, spike_at=121, every=10, warned=False), None, None)
 
     losses = _falling(200)
-    cases["fp16_overflow"] = ([{**r, "loss_scale": 2.0 ** max(0, 16 - i // 10), "skipped_steps": i // 10}
-                               for i, r in enumerate(_rows(losses))], None, None)
+    cases["fp16_overflow"] = (
+        [
+            {**r, "loss_scale": 2.0 ** max(0, 16 - i // 10), "skipped_steps": i // 10}
+            for i, r in enumerate(_rows(losses))
+        ],
+        None,
+        None,
+    )
     cases["fp16_underflow_with_a_loss_scale"] = (
         [{**r, "grad_subnormal_frac": 0.25, "loss_scale": 2.0 ** (i % 5)} for i, r in enumerate(_rows(losses))],
-        None, None)
+        None,
+        None,
+    )
     cases["fp16_overflow_seen_in_the_scale_alone"] = (  # no skip count logged; the scale climbs back at the end
-        [{**r, "loss_scale": 2.0 ** max(6, 16 - i // 10) * (2 if i == 259 else 1)}
-         for i, r in enumerate(_rows(_falling(260)))], None, None)
+        [
+            {**r, "loss_scale": 2.0 ** max(6, 16 - i // 10) * (2 if i == 259 else 1)}
+            for i, r in enumerate(_rows(_falling(260)))
+        ],
+        None,
+        None,
+    )
     cases["fp16_overflow_counted_from_a_later_step"] = (  # the first rows without a skip count: none yet
-        [{**r, "loss_scale": 65536.0, **({"skipped_steps": i // 10 - 9} if i >= 100 else {})}
-         for i, r in enumerate(_rows(_falling(260)))], None, None)
+        [
+            {**r, "loss_scale": 65536.0, **({"skipped_steps": i // 10 - 9} if i >= 100 else {})}
+            for i, r in enumerate(_rows(_falling(260)))
+        ],
+        None,
+        None,
+    )
     cases["fp16_overflow_skipping_often"] = (
-        [{**r, "loss_scale": 65536.0, "skipped_steps": i // 10} for i, r in enumerate(_rows(_falling(260)))], None, None)
+        [{**r, "loss_scale": 65536.0, "skipped_steps": i // 10} for i, r in enumerate(_rows(_falling(260)))],
+        None,
+        None,
+    )
     cases["fp16_zero_gradients_rising"] = (
-        [{**r, "grad_zero_frac": 1e-4 if r["step"] < 100 else 2e-3} for r in _rows(losses)], None, None)
+        [{**r, "grad_zero_frac": 1e-4 if r["step"] < 100 else 2e-3} for r in _rows(losses)],
+        None,
+        None,
+    )
     cases["train_loss_rising"] = (_rows(_falling(150) + [0.5 + 0.02 * i for i in range(60)]), None, None)
 
     dead = _rows(losses)
@@ -1095,8 +1228,10 @@ def finding_cases() -> dict:
     jolted_late[100]["grad_norm"] = 2.0  # step 101, the last: no loss after it to compare
     cases["resume_jump_in_the_last_logged_step"] = (jolted_late, [{"step": 100, "kind": "resume"}], None)
 
-    clipped = [{**r, "clipped": True, "clipped_steps": r["step"], "grad_norm": 2.0 + 0.01 * (r["step"] % 7)}
-               for r in _rows(losses)]
+    clipped = [
+        {**r, "clipped": True, "clipped_steps": r["step"], "grad_norm": 2.0 + 0.01 * (r["step"] % 7)}
+        for r in _rows(losses)
+    ]
     cases["clipped_on_every_step"] = (clipped, None, None)
 
     def leaking(val_before, val_after):
@@ -1106,7 +1241,11 @@ def finding_cases() -> dict:
         return rows
 
     cases["leak_in_training_only_validation_far_above"] = (leaking(3.0, 2.5), None, None)
-    cases["leak_in_training_only_validation_near_the_floor"] = (leaking(2.5, 2.0), None, None)  # floor + 1 nat: not yet far
+    cases["leak_in_training_only_validation_near_the_floor"] = (
+        leaking(2.5, 2.0),
+        None,
+        None,
+    )  # floor + 1 nat: not yet far
 
     worse = _rows(_falling(100))
     worse.insert(0, {"step": 0, "val_loss": 5.0})
@@ -1117,12 +1256,22 @@ def finding_cases() -> dict:
     for r in nan_rows[38::2]:  # 21 rows: the message lists ten of them, the evidence twenty
         r["loss"] = float("nan")
     nan_rows[78]["loss"] = float("inf")
-    nan_events = [{"step": 30, "kind": "nan", "action": "rollback", "to_step": 20, "loss": float("inf"),
-                   "grad_norm": None, "origin": "block 2 attention", "bad_ids": 3},
-                  {"step": 35, "kind": "nan", "action": "skip", "loss": 2.5, "grad_norm": float("inf")},
-                  {"step": 37, "kind": "nan", "action": "warn", "loss": 2.5, "grad_norm": float("inf")},
-                  {"step": 38, "kind": "nan", "loss": 2.5, "grad_norm": float("inf")},
-                  {"step": 41, "kind": "nan", "action": "stop", "loss": float("nan"), "grad_norm": 1e9}]
+    nan_events = [
+        {
+            "step": 30,
+            "kind": "nan",
+            "action": "rollback",
+            "to_step": 20,
+            "loss": float("inf"),
+            "grad_norm": None,
+            "origin": "block 2 attention",
+            "bad_ids": 3,
+        },
+        {"step": 35, "kind": "nan", "action": "skip", "loss": 2.5, "grad_norm": float("inf")},
+        {"step": 37, "kind": "nan", "action": "warn", "loss": 2.5, "grad_norm": float("inf")},
+        {"step": 38, "kind": "nan", "loss": 2.5, "grad_norm": float("inf")},
+        {"step": 41, "kind": "nan", "action": "stop", "loss": float("nan"), "grad_norm": 1e9},
+    ]
     cases["non_finite_rows_and_events"] = (nan_rows, nan_events, None)
 
     slow = _rows(losses)
@@ -1133,14 +1282,31 @@ def finding_cases() -> dict:
     burst_only = [dict(r) for r in slow]
     del burst_only[150]["attn_logit_max/0"]
     cases["slow_second_moment_in_the_gradient_norm_alone"] = (burst_only, None, None)
-    rescued = [{"step": 10 * i, "kind": "spike", "action": action, "on": ["loss"] if i % 2 else ["loss", "grad_norm"],
-                "loss": 3.0 + i, "grad_norm": 2.0, "lr": 1e-3, "z_loss": 7.5, "z_grad_norm": 6.25}
-               for i, action in enumerate(["skip", "rollback", "stop"] * 4 + ["warn"], start=1)]
+    rescued = [
+        {
+            "step": 10 * i,
+            "kind": "spike",
+            "action": action,
+            "on": ["loss"] if i % 2 else ["loss", "grad_norm"],
+            "loss": 3.0 + i,
+            "grad_norm": 2.0,
+            "lr": 1e-3,
+            "z_loss": 7.5,
+            "z_grad_norm": 6.25,
+        }
+        for i, action in enumerate(["skip", "rollback", "stop"] * 4 + ["warn"], start=1)
+    ]
     cases["guard_actions_of_every_kind"] = (_rows(losses[:60]), rescued, None)
-    cases["guard_action_on_an_unnamed_spike"] = (_rows(losses[:60]), [{"step": 20, "kind": "spike",
-                                                                       "action": "skip"}], None)
-    cases["loss_stuck_far_above_any_vocabulary"] = ([r for r in _rows([800.0] * 60, every=2) if r.pop("lr")],
-                                                    None, None)
+    cases["guard_action_on_an_unnamed_spike"] = (
+        _rows(losses[:60]),
+        [{"step": 20, "kind": "spike", "action": "skip"}],
+        None,
+    )
+    cases["loss_stuck_far_above_any_vocabulary"] = (
+        [r for r in _rows([800.0] * 60, every=2) if r.pop("lr")],
+        None,
+        None,
+    )
     unlogged_rate = _spike_rows(warmup=20, spike_at=150)
     for r in unlogged_rate:
         del r["lr"]
@@ -1152,6 +1318,7 @@ def finding_cases() -> dict:
     for r in many[38::25]:
         r["grad_norm"] = 2.5
     cases["loss_spikes_many"] = (many, None, None)
+
     def data_spikes_with_evaluations(evals):
         losses = [0.54 if i % 2 else 0.5 for i in range(200)]
         for i in (29, 59, 149):
@@ -1182,12 +1349,15 @@ def finding_cases() -> dict:
         if r.get("loss") == 1.5:
             del r["grad_norm"]  # the spikes' own gradient norms were not logged
     cases["data_spikes_without_their_gradient_norms"] = (unmeasured, None, None)
+
     def counted_clipping(after_rows, per_step=1, norms=None, flags=None):
         steps = [1] + [10 * (i + 1) for i in range(after_rows)]
         norms = norms or [0.5 + 0.04 * (i % 10) for i in range(len(steps))]
         flags = flags or [False] * len(steps)
-        return [{"step": s, "loss": 1.0, "lr": 1e-3, "grad_norm": n, "clipped": f, "clipped_steps": per_step * s}
-                for s, n, f in zip(steps, norms, flags)]
+        return [
+            {"step": s, "loss": 1.0, "lr": 1e-3, "grad_norm": n, "clipped": f, "clipped_steps": per_step * s}
+            for s, n, f in zip(steps, norms, flags)
+        ]
 
     cases["clipped_by_the_count_though_no_logged_step_was"] = (counted_clipping(10), None, None)
     cases["clipped_by_the_count_with_nine_logged_steps"] = (counted_clipping(9), None, None)
@@ -1202,8 +1372,13 @@ def finding_cases() -> dict:
         del r["clipped_steps"]  # ... and none after it
     cases["clipped_counted_one_step_after_warmup_only"] = (count_lost, None, None)
     cases["clipped_and_unclipped_at_one_norm"] = (
-        counted_clipping(9, norms=[0.8] * 4 + [1.0] * 6, flags=[False] * 4 + [False, True] + [True] * 4), None, None)
-    shrinking = [{"step": 0, "decayed_norms_biases_embeddings": 5, "weight_decay": 0.1, "peak_lr": 3e-3}] + _rows(losses)
+        counted_clipping(9, norms=[0.8] * 4 + [1.0] * 6, flags=[False] * 4 + [False, True] + [True] * 4),
+        None,
+        None,
+    )
+    shrinking = [{"step": 0, "decayed_norms_biases_embeddings": 5, "weight_decay": 0.1, "peak_lr": 3e-3}] + _rows(
+        losses
+    )
     for i, r in enumerate(shrinking[10::50]):  # the final norm's gains shrink; one sample has only block 0's
         r.update({"weight_norm/0": 30.0} if i == 1 else {"weight_norm/0": 30.0, "weight_norm/final_norm": 8.0 - i})
     cases["decay_on_norms_with_the_final_norm_shrinking"] = (shrinking, None, None)
@@ -1220,8 +1395,10 @@ def finding_cases() -> dict:
 
 def findings_text(cases: dict) -> str:
     """Every case's findings as `nanolm diagnose` prints them, each under a ``#### NAME`` line."""
-    return "".join(f"#### {name}\n{dg.format_findings(name, diagnose_trace(rows, events, references=refs))}\n\n"
-                   for name, (rows, events, refs) in cases.items())
+    return "".join(
+        f"#### {name}\n{dg.format_findings(name, diagnose_trace(rows, events, references=refs))}\n\n"
+        for name, (rows, events, refs) in cases.items()
+    )
 
 
 def recorded_findings() -> dict[str, str]:
@@ -1233,14 +1410,21 @@ def test_every_finding_says_what_it_said_when_recorded():
     import difflib
 
     recorded = recorded_findings()
-    now = {name: text.rstrip("\n") for name, text in zip(*[iter(re.split(r"^#### (\S+)\n", findings_text(
-        finding_cases()), flags=re.M)[1:])] * 2)}
+    now = {
+        name: text.rstrip("\n")
+        for name, text in zip(*[iter(re.split(r"^#### (\S+)\n", findings_text(finding_cases()), flags=re.M)[1:])] * 2)
+    }
     assert now.keys() == recorded.keys(), "cases added or removed: run `python tests/test_diagnose.py --update`"
     for name in now:
-        diff = "\n".join(difflib.unified_diff(recorded[name].splitlines(), now[name].splitlines(), "recorded", "now",
-                                              lineterm="", n=0))
-        assert now[name] == recorded[name], (f"what diagnose says of {name} changed (if meant: python "
-                                             f"tests/test_diagnose.py --update, and read the diff):\n{diff}")
+        diff = "\n".join(
+            difflib.unified_diff(
+                recorded[name].splitlines(), now[name].splitlines(), "recorded", "now", lineterm="", n=0
+            )
+        )
+        assert now[name] == recorded[name], (
+            f"what diagnose says of {name} changed (if meant: python "
+            f"tests/test_diagnose.py --update, and read the diff):\n{diff}"
+        )
 
 
 def test_every_rule_and_wording_branch_appears_in_the_recorded_findings():
@@ -1248,10 +1432,21 @@ def test_every_rule_and_wording_branch_appears_in_the_recorded_findings():
     text = FINDINGS.read_text(encoding="utf-8")
     fired = set(re.findall(r"^\d+\. \[(\w+)\]", text, flags=re.M))
     assert fired == {rule.__name__.removeprefix("rule_") for rule in dg.RULES}, fired
-    for branch in ("with no warmup", "near the end of warmup", "well after warmup", "One caution",
-                   "far above it", "never improved much", "every logged step was clipped",
-                   "the clip threshold lies between", "A loss scale is logged", "exactly zero",
-                   "its seed's reference run", "the seeds' mean", "and the attention logits grew"):
+    for branch in (
+        "with no warmup",
+        "near the end of warmup",
+        "well after warmup",
+        "One caution",
+        "far above it",
+        "never improved much",
+        "every logged step was clipped",
+        "the clip threshold lies between",
+        "A loss scale is logged",
+        "exactly zero",
+        "its seed's reference run",
+        "the seeds' mean",
+        "and the attention logits grew",
+    ):
         assert branch in text, branch
 
 

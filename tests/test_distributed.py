@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from conftest import REPO, HostReads, tiny_model
 from safetensors.torch import load_file
 
+from nanolm.base.lock import LOCK_FILE, RunLock
 from nanolm.batches import Batch, WindowSampler, pack_windows
 from nanolm.checkpoint import load_run_checkpoint, load_state, save_run_checkpoint
 from nanolm.data.shards import PreparedData
@@ -32,18 +33,36 @@ from nanolm.instruments.cli import main
 from nanolm.optim import build_optimizer, muon_available
 from nanolm.run.config import RunConfig
 from nanolm.run.final import load_run
-from nanolm.base.lock import LOCK_FILE, RunLock
 from nanolm.step import StepSetup, accumulate_gradients, counted_tokens, train_step
 from nanolm.tokenizer import train_char
 from nanolm.watch.sinks import read_metrics
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
 
 TIMING = {"tokens_per_sec", "elapsed_s", "mfu", "eta_s", "rss_mb", "cuda_max_alloc_mb", "peak_flops", "threads"}
 SHAPE = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32"]
-RUN = [*SHAPE, "--steps", "6", "--eval-every", "3", "--log-every", "1", "--sample-tokens", "0", "--mask-boundary",
-       "--lr", "1e-2", "--clip", "0.5", "--ckpt-every", "3", "--keep", "0"]
+RUN = [
+    *SHAPE,
+    "--steps",
+    "6",
+    "--eval-every",
+    "3",
+    "--log-every",
+    "1",
+    "--sample-tokens",
+    "0",
+    "--mask-boundary",
+    "--lr",
+    "1e-2",
+    "--clip",
+    "0.5",
+    "--ckpt-every",
+    "3",
+    "--keep",
+    "0",
+]
 ONE_PROCESS = ["--batch-size", "2", "--grad-accum", "2", "--eval-batches", "2"]  # 4 windows per step
 TWO_RANKS = ["--batch-size", "2", "--grad-accum", "1", "--eval-batches", "1"]  # 2 windows per rank per step
 CLIP = 0.5
@@ -60,8 +79,22 @@ def torchrun(*args, nproc=2, timeout=300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     if sys.platform == "linux":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), "-m", "nanolm.train", *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        "-m",
+        "nanolm.train",
+        *map(str, args),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 
@@ -71,8 +104,11 @@ def _ok(result):
 
 
 def _rows(run_dir, after=0):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir / "metrics.jsonl")
-            if r["step"] > after]
+    return [
+        {k: v for k, v in r.items() if k not in TIMING}
+        for r in read_metrics(run_dir / "metrics.jsonl")
+        if r["step"] > after
+    ]
 
 
 def _weights(path):
@@ -140,10 +176,17 @@ def fsdp_run(tmp_path_factory, uneven_corpus):
 
 def _counts_per_rank(run_dir, steps=6, world_size=2):
     data = PreparedData(run_dir / "data")
-    samplers = [WindowSampler(len(data.train), 32, 2, seed=RunConfig().train.seed, rank=r, world_size=world_size)
-                for r in range(world_size)]
-    return [[int(pack_windows(data.train.tokens, s.next_starts(), 32, data.tokenizer.eos_id, mask_boundary=True).counted)
-             for s in samplers] for _ in range(steps)]
+    samplers = [
+        WindowSampler(len(data.train), 32, 2, seed=RunConfig().train.seed, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
+    return [
+        [
+            int(pack_windows(data.train.tokens, s.next_starts(), 32, data.tokenizer.eos_id, mask_boundary=True).counted)
+            for s in samplers
+        ]
+        for _ in range(steps)
+    ]
 
 
 # ------------------------------------------------------------------ 2 ranks == 1 process
@@ -165,8 +208,10 @@ def test_muon_on_two_ranks_equals_one_process_with_twice_the_accumulation(tmp_pa
     """Under DDP every rank orthogonalises the same all-reduced gradient, so Muon's update is
     the one a single process computes on the whole batch."""
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main(["train", "--data", str(uneven_corpus), "--out-dir", str(one), *RUN, *ONE_PROCESS,
-                 "--optimizer", "muon"]) == 0
+    assert (
+        main(["train", "--data", str(uneven_corpus), "--out-dir", str(one), *RUN, *ONE_PROCESS, "--optimizer", "muon"])
+        == 0
+    )
     _ok(torchrun("--data", uneven_corpus, "--out-dir", two, *RUN, *TWO_RANKS, "--dist", "ddp", "--optimizer", "muon"))
     _assert_same_run(_rows(two), _rows(one))
     _assert_same_weights("ddp", _weights(two / "model.safetensors"), _weights(one / "model.safetensors"))
@@ -187,8 +232,9 @@ def _assert_same_weights(mode: str, ours: dict, theirs: dict) -> None:
 
 def test_ddp_checkpoints_have_the_single_process_layout_and_every_rank_rng(ddp_run, one_process):
     ddp, single = ddp_run / "checkpoints" / "step_000003", one_process / "checkpoints" / "step_000003"
-    assert sorted(json.loads((ddp / "meta.json").read_text())["files"]) == \
-        sorted(json.loads((single / "meta.json").read_text())["files"])
+    assert sorted(json.loads((ddp / "meta.json").read_text())["files"]) == sorted(
+        json.loads((single / "meta.json").read_text())["files"]
+    )
     assert json.loads((ddp / "meta.json").read_text())["world_size"] == 2
     state = load_state(ddp)
     assert len(state["rng_ranks"]) == 2
@@ -283,8 +329,20 @@ def test_under_torchrun_rank_0_holds_the_one_lock_and_every_rank_follows_its_ref
 
 def test_fsdp_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path, fsdp_run, uneven_corpus):
     out = tmp_path / "resumed"
-    _ok(torchrun("--data", uneven_corpus, "--out-dir", out, *RUN, *TWO_RANKS, "--dist", "fsdp",
-                 "--resume", fsdp_run / "checkpoints" / "step_000003"))
+    _ok(
+        torchrun(
+            "--data",
+            uneven_corpus,
+            "--out-dir",
+            out,
+            *RUN,
+            *TWO_RANKS,
+            "--dist",
+            "fsdp",
+            "--resume",
+            fsdp_run / "checkpoints" / "step_000003",
+        )
+    )
     a, b = _weights(fsdp_run / "model.safetensors"), _weights(out / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert _rows(out) == _rows(fsdp_run, after=3)
@@ -292,13 +350,30 @@ def test_fsdp_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path, fsdp_r
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_resuming_two_ranks_on_one_process_with_the_same_global_batch_continues_the_run(
-        mode, request, tmp_path, one_process, uneven_corpus, capsys):
+    mode, request, tmp_path, one_process, uneven_corpus, capsys
+):
     """2 ranks × batch 2 → 1 process × batch 2 × accumulation 2: the same windows, the same
     gradient; FSDP's shards are gathered by torch.distributed.checkpoint in one process."""
     run = request.getfixturevalue(f"{mode}_run")
     out = tmp_path / "continued"
-    assert main(["train", "--data", str(uneven_corpus), "--out-dir", str(out), *RUN, *ONE_PROCESS,
-                 "--dist", "none", "--resume", str(run / "checkpoints" / "step_000003")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--data",
+                str(uneven_corpus),
+                "--out-dir",
+                str(out),
+                *RUN,
+                *ONE_PROCESS,
+                "--dist",
+                "none",
+                "--resume",
+                str(run / "checkpoints" / "step_000003"),
+            ]
+        )
+        == 0
+    )
     assert "world size: 2 -> 1" in capsys.readouterr().out
     _assert_same_run(_rows(out), _rows(one_process, after=3))
     _assert_same_weights(mode, _weights(out / "model.safetensors"), _weights(one_process / "model.safetensors"))
@@ -306,8 +381,19 @@ def test_resuming_two_ranks_on_one_process_with_the_same_global_batch_continues_
 
 def test_resuming_with_a_different_global_batch_is_refused(ddp_run, tmp_path, uneven_corpus, capsys):
     out = tmp_path / "refused"
-    code = main(["train", "--data", str(uneven_corpus), "--out-dir", str(out), *RUN, *TWO_RANKS,
-                 "--resume", str(ddp_run / "checkpoints" / "step_000003")])
+    code = main(
+        [
+            "train",
+            "--data",
+            str(uneven_corpus),
+            "--out-dir",
+            str(out),
+            *RUN,
+            *TWO_RANKS,
+            "--resume",
+            str(ddp_run / "checkpoints" / "step_000003"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "world size: 2 -> 1" in err and "= 4 -> " in err and "= 2 windows per step" in err
@@ -357,8 +443,10 @@ def _uneven_micro_batches(n=4, rows=2, T=16, V=64):
 
 
 def _full_grads(model) -> dict:
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -400,8 +488,9 @@ def _worker(rank, world_size, port, result_dir):
             ctx = Distributed(mode, torch.device("cpu"), rank, world_size)
             model = tiny_model(seed=0)
             wrapped = ctx.wrap(model)
-            setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, step_model=wrapped,
-                              dist=ctx)
+            setup = StepSetup(
+                model, build_optimizer(model, 1e-3, 0.1), schedule=lambda step: 1e-3, step_model=wrapped, dist=ctx
+            )
             with HostReads() as counter:
                 counter.at(1)
                 train_step(setup, 1, mine)
@@ -412,8 +501,9 @@ def _worker(rank, world_size, port, result_dir):
             optimizer = torch.optim.AdamW(model.parameters())
             torch.manual_seed(1000 + rank)
             state = {"step": 1, "sampler": {"epoch": 0, "cursor": 0, "seed": 0}, "counters": {}}
-            saved = save_run_checkpoint(ctx, result_dir / mode, 1, model, optimizer, state, "[train]\n",
-                                        train_char(["ab"]))
+            saved = save_run_checkpoint(
+                ctx, result_dir / mode, 1, model, optimizer, state, "[train]\n", train_char(["ab"])
+            )
             expected = torch.rand(3)
             torch.rand(5)
             load_run_checkpoint(ctx, saved, load_state(saved), model, optimizer)
@@ -479,8 +569,10 @@ def test_a_stop_signal_on_one_rank_stops_every_rank(two_ranks):
 
 def test_a_failure_on_rank_zero_reaches_every_rank_with_its_message(two_ranks):
     """Otherwise the other ranks would wait for rank 0 at their next collective."""
-    assert [r["main_first"] for r in two_ranks] == [{"error": "rank 0 cannot read the data", "ran": [0]},
-                                                   {"error": "rank 0 cannot read the data", "ran": []}]
+    assert [r["main_first"] for r in two_ranks] == [
+        {"error": "rank 0 cannot read the data", "ran": [0]},
+        {"error": "rank 0 cannot read the data", "ran": []},
+    ]
     assert two_ranks[0]["from_main"].startswith("ZeroDivisionError")
     assert two_ranks[1]["from_main"].startswith("_RemoteFailure: rank 0 failed")
     assert [r["broadcast"] for r in two_ranks] == ["decided on rank 0"] * 2
@@ -497,8 +589,25 @@ def test_nccl_ranks_on_gpus_equal_one_process(mode, tmp_path, uneven_corpus):
     gpu = ["--device", "cuda", "--precision", "fp32", "--attention", "sdpa", "--deterministic"]
     single, ranks = tmp_path / "one", tmp_path / "ranks"
     assert main(["train", "--data", str(uneven_corpus), "--out-dir", str(single), *RUN, *gpu, *ONE_PROCESS]) == 0
-    r = _ok(torchrun("--data", uneven_corpus, "--out-dir", ranks, *RUN, *gpu, "--batch-size", 2,
-                     "--grad-accum", 2 // n, "--eval-batches", 2 // n, "--dist", mode, nproc=n))
+    r = _ok(
+        torchrun(
+            "--data",
+            uneven_corpus,
+            "--out-dir",
+            ranks,
+            *RUN,
+            *gpu,
+            "--batch-size",
+            2,
+            "--grad-accum",
+            2 // n,
+            "--eval-batches",
+            2 // n,
+            "--dist",
+            mode,
+            nproc=n,
+        )
+    )
     assert "(nccl)" in r.stdout
     _assert_same_run(_rows(ranks), _rows(single), rel=1e-5)
     assert _max_rel(_weights(ranks / "model.safetensors"), _weights(single / "model.safetensors")) < 1e-5

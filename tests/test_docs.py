@@ -32,8 +32,13 @@ def _test_names() -> set[str]:
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_file_a_doc_names_exists(doc):
-    missing = [m for m in re.findall(r"\b((?:nanolm|tests|tools|benchmarks|configs|docs)/[\w./-]+\.(?:py|md|toml|sh))",
-                                     _text(doc)) if not (ROOT / m).exists()]
+    missing = [
+        m
+        for m in re.findall(
+            r"\b((?:nanolm|tests|tools|benchmarks|configs|docs)/[\w./-]+\.(?:py|md|toml|sh))", _text(doc)
+        )
+        if not (ROOT / m).exists()
+    ]
     assert not missing, f"{doc.name} names files that do not exist: {sorted(set(missing))}"
 
 
@@ -51,8 +56,11 @@ def test_every_test_a_doc_names_with_its_file_is_in_that_file(doc):
     wrong = []
     for file, name in re.findall(r"`(tests/test_\w+\.py)::(test_\w+)`", _text(doc)):
         path = ROOT / file
-        defined = {n.name for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-                   if isinstance(n, ast.FunctionDef)} if path.is_file() else set()
+        defined = (
+            {n.name for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(n, ast.FunctionDef)}
+            if path.is_file()
+            else set()
+        )
         if name not in defined:
             wrong.append(f"{file}::{name}")
     assert not wrong, f"{doc.name} puts tests in files that do not hold them: {sorted(set(wrong))}"
@@ -96,7 +104,6 @@ def test_the_worked_example_of_the_course_runs_as_written(capsys):
     assert capsys.readouterr().out == shown
 
 
-
 def _doc_commands(text: str) -> list[list[str]]:
     """The ``nanolm ...`` commands a doc shows, as argument lists.
 
@@ -120,8 +127,8 @@ def _doc_commands(text: str) -> list[list[str]]:
                     segment.pop(0)
                 if segment[:1] == ["nanolm"]:
                     commands.append(segment[1:])
-                elif "-m" in segment and segment[segment.index("-m") + 1:][:1] == ["nanolm"]:
-                    commands.append(segment[segment.index("-m") + 2:])
+                elif "-m" in segment and segment[segment.index("-m") + 1 :][:1] == ["nanolm"]:
+                    commands.append(segment[segment.index("-m") + 2 :])
                 segment = []
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     for span in re.findall(r"`nanolm ([^`]+)`", prose):
@@ -165,8 +172,9 @@ def _anchors(path: Path) -> set[str]:
     """The anchors GitHub gives a Markdown file's headings: lower case, punctuation dropped,
     spaces as hyphens (so "`nanolm lab`: break it" is #nanolm-lab-break-it)."""
     text = re.sub(r"```.*?```", "", _text(path), flags=re.S)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#{1,6} (.+)$", text, re.M)
+    }
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

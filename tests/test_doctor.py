@@ -102,12 +102,15 @@ def test_a_correct_student_model_passes_the_model_checks(tiny_cfg, student):
     assert all(c.passed for c in results.values()), [c.line() for c in results.values()]
 
 
-@pytest.mark.parametrize("cls, failing", [
-    ("NonCausal", "causality"),
-    ("IgnoresDocIds", "no cross-document leak"),
-    ("HugeInit", "initial loss"),
-    ("IgnoresInput", "memorise one batch"),
-])
+@pytest.mark.parametrize(
+    "cls, failing",
+    [
+        ("NonCausal", "causality"),
+        ("IgnoresDocIds", "no cross-document leak"),
+        ("HugeInit", "initial loss"),
+        ("IgnoresInput", "memorise one batch"),
+    ],
+)
 def test_each_model_bug_fails_its_check_and_only_its_check(tiny_cfg, student, cls, failing):
     results = _results(tiny_cfg, f"{student}:{cls}")
     failed = {name for name, c in results.items() if not c.passed}
@@ -130,8 +133,14 @@ def test_grad_accum_check_fails_with_a_mean_of_micro_batch_means(tiny_cfg, monke
 
 
 def test_weight_decay_check_fails_when_norms_are_decayed(tiny_cfg, monkeypatch):
-    monkeypatch.setattr(doctor, "get_param_groups", lambda model, wd: [
-        {"params": list(model.parameters()), "weight_decay": wd}, {"params": [], "weight_decay": 0.0}])
+    monkeypatch.setattr(
+        doctor,
+        "get_param_groups",
+        lambda model, wd: [
+            {"params": list(model.parameters()), "weight_decay": wd},
+            {"params": [], "weight_decay": 0.0},
+        ],
+    )
     assert not _results(tiny_cfg)["weight decay groups"].passed
 
 
@@ -158,8 +167,22 @@ def test_data_checks_fail_on_shards_read_with_the_wrong_dtype_or_offset(tmp_path
 
 
 def test_doctor_command_exits_1_on_failure_and_0_when_sound(tiny_cfg, stories_file, student, capsys):
-    flags = ["--data", str(stories_file), "--tokenizer", "char", "--n-layer", "1", "--n-head", "2",
-             "--n-embd", "32", "--seq-len", "32", "--steps", "100"]
+    flags = [
+        "--data",
+        str(stories_file),
+        "--tokenizer",
+        "char",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--seq-len",
+        "32",
+        "--steps",
+        "100",
+    ]
     assert main(["doctor", *flags]) == 0
     assert main(["doctor", *flags, "--model", f"{student}:NonCausal"]) == 1
     out = capsys.readouterr().out
@@ -188,18 +211,56 @@ def test_a_check_that_could_not_run_is_shown_as_skip_never_pass(tiny_cfg, studen
     results = _results(tiny_cfg, "shortcuts:NoDocIds")
     check = results["no cross-document leak"]
     assert check.skipped and check.status == "SKIP" and check.line().startswith("SKIP")
-    assert main(["doctor", "--data", tiny_cfg.data.data, "--tokenizer", "char", "--n-layer", "1", "--n-head", "2",
-                 "--n-embd", "32", "--seq-len", "32", "--model", "shortcuts:NoDocIds"]) == 0
+    assert (
+        main(
+            [
+                "doctor",
+                "--data",
+                tiny_cfg.data.data,
+                "--tokenizer",
+                "char",
+                "--n-layer",
+                "1",
+                "--n-head",
+                "2",
+                "--n-embd",
+                "32",
+                "--seq-len",
+                "32",
+                "--model",
+                "shortcuts:NoDocIds",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "SKIP  no cross-document leak" in out and "PASS  no cross-document leak" not in out
     assert "1 skipped, 0 failed" in out
 
 
 def test_a_model_returning_only_the_last_position_gets_one_line_saying_what_doctor_needs(
-        tiny_cfg, student, tmp_path, capsys):
+    tiny_cfg, student, tmp_path, capsys
+):
     (tmp_path / "shortcuts.py").write_text(NANOGPT_SHORTCUT)
-    code = main(["doctor", "--data", tiny_cfg.data.data, "--tokenizer", "char", "--n-layer", "1", "--n-head", "2",
-                 "--n-embd", "32", "--seq-len", "32", "--model", "shortcuts:LastPositionOnly"])
+    code = main(
+        [
+            "doctor",
+            "--data",
+            tiny_cfg.data.data,
+            "--tokenizer",
+            "char",
+            "--n-layer",
+            "1",
+            "--n-head",
+            "2",
+            "--n-embd",
+            "32",
+            "--seq-len",
+            "32",
+            "--model",
+            "shortcuts:LastPositionOnly",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1
     assert "shortcuts:LastPositionOnly" in err[0] and "logits for every position" in err[0]

@@ -8,7 +8,6 @@ import os
 
 import pytest
 
-from nanolm.errors import NanolmError
 from nanolm.base.documents import (
     LARGEST_INTEGER,
     MAX_NESTING,
@@ -18,6 +17,7 @@ from nanolm.base.documents import (
     read_jsonl,
     read_toml,
 )
+from nanolm.errors import NanolmError
 
 
 def _nested(depth: int, leaf="1", open_="[", close="]") -> str:
@@ -31,13 +31,13 @@ def test_integers_are_read_up_to_64_bits_and_one_past_is_named_with_its_size():
         parse_json(str(LARGEST_INTEGER), "f")
     assert str(e.value) == "f holds an integer of 65 bits (nanolm writes 64-bit integers); the file is damaged"
     with pytest.raises(NanolmError) as e:
-        parse_json(f"[{{\"a\": {-LARGEST_INTEGER - 1}}}]", "f")
+        parse_json(f'[{{"a": {-LARGEST_INTEGER - 1}}}]', "f")
     assert str(e.value) == "f holds an integer of 65 bits (nanolm writes 64-bit integers); the file is damaged"
     with pytest.raises(NanolmError) as e:
         parse_toml(f"x = 0x{'f' * 40}", "g")
     assert str(e.value) == "g holds an integer of 161 bits (nanolm writes 64-bit integers)"
     assert parse_json("[true, false, null, 1.5e308]", "f") == [True, False, None, 1.5e308]
-    for siblings in (f"[{2**64}, 1]", f"[{2**64}, null]", f"[{2**64}, true]", f"[{2**64}, \"x\", 2.5]"):
+    for siblings in (f"[{2**64}, 1]", f"[{2**64}, null]", f"[{2**64}, true]", f'[{2**64}, "x", 2.5]'):
         with pytest.raises(NanolmError, match="an integer of 66 bits"):  # found whatever comes before or after it
             parse_json(siblings, "f")
 
@@ -49,7 +49,7 @@ def test_nesting_is_read_to_its_limit_and_one_level_deeper_is_refused():
         with pytest.raises(NanolmError) as e:
             parse_json(_nested(MAX_NESTING + 1, open_=open_, close=close), "f")
         assert str(e.value) == "f holds values nested more than 64 levels deep; the file is damaged"
-    assert parse_json(_nested(MAX_NESTING - 2, leaf="[1, [2], {\"b\": 3}]"), "f") is not None  # siblings at the limit
+    assert parse_json(_nested(MAX_NESTING - 2, leaf='[1, [2], {"b": 3}]'), "f") is not None  # siblings at the limit
     with pytest.raises(NanolmError, match="nested more than 64"):  # a deep branch after a shallow one
         parse_json("[[1], " + _nested(MAX_NESTING) + "]", "f")
     with pytest.raises(NanolmError, match="nested more than 64"):
@@ -58,15 +58,24 @@ def test_nesting_is_read_to_its_limit_and_one_level_deeper_is_refused():
 
 def test_each_way_a_document_fails_to_parse_is_one_line_naming_it():
     cases = [
-        (lambda: parse_json(b"{\"a\": \xff}", "meta.json"), "meta.json is not UTF-8 text (byte 6); the file is damaged"),
-        (lambda: parse_json("{\"a\": }", "meta.json"),
-         "meta.json is not valid JSON (Expecting value: line 1 column 7 (char 6)); the file is damaged"),
-        (lambda: parse_json(_nested(100_000), "meta.json"),
-         "meta.json nests its values deeper than Python can parse; the file is damaged"),
-        (lambda: parse_json("1" * 5000, "meta.json"),
-         "meta.json holds a value Python cannot read (Exceeds the limit (4300 digits) for integer string conversion: "
-         "value has 5000 digits); the file is damaged"),
-        (lambda: parse_toml("x = ", "config.toml"), "config.toml is not valid TOML (Invalid value (at end of document))"),
+        (lambda: parse_json(b'{"a": \xff}', "meta.json"), "meta.json is not UTF-8 text (byte 6); the file is damaged"),
+        (
+            lambda: parse_json('{"a": }', "meta.json"),
+            "meta.json is not valid JSON (Expecting value: line 1 column 7 (char 6)); the file is damaged",
+        ),
+        (
+            lambda: parse_json(_nested(100_000), "meta.json"),
+            "meta.json nests its values deeper than Python can parse; the file is damaged",
+        ),
+        (
+            lambda: parse_json("1" * 5000, "meta.json"),
+            "meta.json holds a value Python cannot read (Exceeds the limit (4300 digits) for integer string conversion: "
+            "value has 5000 digits); the file is damaged",
+        ),
+        (
+            lambda: parse_toml("x = ", "config.toml"),
+            "config.toml is not valid TOML (Invalid value (at end of document))",
+        ),
     ]
     for call, message in cases:
         with pytest.raises(NanolmError) as e:
@@ -96,6 +105,7 @@ def test_a_metadata_file_is_read_up_to_its_size_limit_and_only_if_it_is_a_regula
     with pytest.raises(NanolmError) as e:
         read_json(tmp_path / "missing.json")
     assert str(e.value) == f"{tmp_path / 'missing.json'} cannot be read (No such file or directory)"
+
     def unreadable(self):
         raise PermissionError(13, "Permission denied", str(self))
 
@@ -115,7 +125,7 @@ def test_a_metadata_file_is_read_up_to_its_size_limit_and_only_if_it_is_a_regula
 
 
 def test_a_toml_file_that_is_not_utf8_is_named_by_its_first_bad_byte(tmp_path):
-    (tmp_path / "config.toml").write_bytes(b"x = 1\ny = \"\xe9\"\n")
+    (tmp_path / "config.toml").write_bytes(b'x = 1\ny = "\xe9"\n')
     with pytest.raises(NanolmError) as e:
         read_toml(tmp_path / "config.toml")
     assert str(e.value) == f"{tmp_path / 'config.toml'} is not valid TOML: it is not UTF-8 text (byte 11)"
@@ -130,7 +140,7 @@ def test_a_toml_file_that_is_not_utf8_is_named_by_its_first_bad_byte(tmp_path):
 def test_a_half_written_last_line_is_not_damage_and_every_other_bad_line_is(tmp_path):
     path = tmp_path / "metrics.jsonl"
     good = json.dumps({"step": 1}).encode()
-    path.write_bytes(good + b"\n\n   \n" + b"{broken\n" + b"\xff\xfe\n" + good + b"\n" + b"{\"step\": 2, \"lo")
+    path.write_bytes(good + b"\n\n   \n" + b"{broken\n" + b"\xff\xfe\n" + good + b"\n" + b'{"step": 2, "lo')
     rows, damaged = read_jsonl(path)
     assert rows == [{"step": 1}, {"step": 1}] and damaged == 2  # the cut-off last line is a crash or a live run
     path.write_bytes(good + b"\n{broken\n")

@@ -15,7 +15,9 @@ def upstream(tmp_path, monkeypatch):
     source = tmp_path / "upstream.txt"
     source.write_text("To be, or not to be, that is the question.\n" * 50)
     payload = source.read_bytes()
-    entry = RemoteCorpus(source.as_uri(), "corpus.txt", len(payload), hashlib.sha256(payload).hexdigest(), "test corpus")
+    entry = RemoteCorpus(
+        source.as_uri(), "corpus.txt", len(payload), hashlib.sha256(payload).hexdigest(), "test corpus"
+    )
     monkeypatch.setitem(dl.CORPORA, "testcorpus", entry)
     monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
     return source, entry

@@ -61,12 +61,19 @@ def test_the_combined_sums_keep_tokens_and_bytes_apart():
     model, batches = tiny_model(), _batches()
     token_bytes = 1 + torch.arange(64) % 3  # tokens of 1 to 3 bytes: the two counts differ
     alone = estimate_loss(model, batches, token_bytes)
-    both = estimate_loss(model, batches, token_bytes,
-                         reduce=lambda nats, tokens, n_bytes: torch.stack([nats, tokens.double(), n_bytes.double()]))
+    both = estimate_loss(
+        model,
+        batches,
+        token_bytes,
+        reduce=lambda nats, tokens, n_bytes: torch.stack([nats, tokens.double(), n_bytes.double()]),
+    )
     assert alone["tokens"] != alone["bytes"]
-    assert (both["tokens"], both["bytes"], both["loss"], both["bpb"]) == (alone["tokens"], alone["bytes"],
-                                                                         pytest.approx(alone["loss"]),
-                                                                         pytest.approx(alone["bpb"]))
+    assert (both["tokens"], both["bytes"], both["loss"], both["bpb"]) == (
+        alone["tokens"],
+        alone["bytes"],
+        pytest.approx(alone["loss"]),
+        pytest.approx(alone["bpb"]),
+    )
 
 
 def test_one_counted_token_of_one_byte_divides_by_one():
@@ -98,8 +105,12 @@ def test_the_rotary_positions_of_a_batch_are_the_ones_scored():
 
 
 def test_no_batches_give_zeros_not_a_division_by_zero():
-    assert estimate_loss(tiny_model(), [], torch.ones(64, dtype=torch.long)) == {"loss": 0.0, "bpb": 0.0, "tokens": 0,
-                                                                                 "bytes": 0}
+    assert estimate_loss(tiny_model(), [], torch.ones(64, dtype=torch.long)) == {
+        "loss": 0.0,
+        "bpb": 0.0,
+        "tokens": 0,
+        "bytes": 0,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -197,8 +208,15 @@ def _validator(batches, **schedule):
 
     progress = Progress()
     options = {"every": 50, "last_step": 120, "at_start": True, "floor": None} | schedule
-    validator = Validator(model=tiny_model(), dist=Distributed(), precision=resolve_precision("fp32", torch.device("cpu")),
-                          batches=batches, token_bytes=torch.ones(64, dtype=torch.int64), progress=progress, **options)
+    validator = Validator(
+        model=tiny_model(),
+        dist=Distributed(),
+        precision=resolve_precision("fp32", torch.device("cpu")),
+        batches=batches,
+        token_bytes=torch.ones(64, dtype=torch.int64),
+        progress=progress,
+        **options,
+    )
     return validator, progress
 
 
@@ -215,8 +233,11 @@ def test_an_evaluation_gives_the_rows_figures_and_is_kept_in_the_runs_progress()
     assert list(first) == ["step", "val_loss", "val_bpb", "val_ppl", "floor_bpb", "floor_loss"]
     assert first["step"] == 50 and first["val_ppl"] == pytest.approx(math.exp(first["val_loss"]))
     assert (first["floor_bpb"], first["floor_loss"]) == (0.5, 0.3)
-    assert (progress.val_loss, progress.val_bpb, progress.best_val_loss) == (first["val_loss"], first["val_bpb"],
-                                                                              first["val_loss"])
+    assert (progress.val_loss, progress.val_bpb, progress.best_val_loss) == (
+        first["val_loss"],
+        first["val_bpb"],
+        first["val_loss"],
+    )
 
 
 def test_a_validation_split_without_a_window_gives_no_figures_and_leaves_the_progress_alone():
@@ -228,21 +249,24 @@ def test_a_validation_split_without_a_window_gives_no_figures_and_leaves_the_pro
 # ------------------------------------------------------------------ nanolm sample: a trained run's text
 
 
-@pytest.mark.parametrize("options, refusal", [
-    ({"max_new_tokens": 0}, "--max-new-tokens must be positive, got 0"),
-    ({"temperature": -0.01}, "--temperature must be >= 0 (0 = greedy), got -0.01"),
-    ({"temperature": math.nan}, "--temperature must be >= 0 (0 = greedy), got nan"),
-    ({"temperature": math.inf}, "--temperature must be >= 0 (0 = greedy), got inf"),
-    ({"top_k": -1}, "--top-k must be >= 0 (0 = every token), got -1"),
-    ({"top_p": 0.0}, "--top-p must be in (0, 1], got 0.0"),
-    ({"top_p": 1.0000001}, "--top-p must be in (0, 1], got 1.0000001"),
-    ({"seed": -1}, "--seed must be in [0, 2^63), got -1"),
-    ({"seed": 2**63}, "--seed must be in [0, 2^63), got 9223372036854775808"),
-])
+@pytest.mark.parametrize(
+    "options, refusal",
+    [
+        ({"max_new_tokens": 0}, "--max-new-tokens must be positive, got 0"),
+        ({"temperature": -0.01}, "--temperature must be >= 0 (0 = greedy), got -0.01"),
+        ({"temperature": math.nan}, "--temperature must be >= 0 (0 = greedy), got nan"),
+        ({"temperature": math.inf}, "--temperature must be >= 0 (0 = greedy), got inf"),
+        ({"top_k": -1}, "--top-k must be >= 0 (0 = every token), got -1"),
+        ({"top_p": 0.0}, "--top-p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.0000001}, "--top-p must be in (0, 1], got 1.0000001"),
+        ({"seed": -1}, "--seed must be in [0, 2^63), got -1"),
+        ({"seed": 2**63}, "--seed must be in [0, 2^63), got 9223372036854775808"),
+    ],
+)
 def test_sample_refuses_each_option_just_past_its_range_in_one_line(tiny_run, options, refusal):
-    from nanolm.instruments.trained import generate
-
     import re
+
+    from nanolm.instruments.trained import generate
 
     with pytest.raises(NanolmError, match=f"^{re.escape(refusal)}$"):
         generate(tiny_run, "a", **{"max_new_tokens": 3, "device": "cpu", **options})
@@ -251,8 +275,16 @@ def test_sample_refuses_each_option_just_past_its_range_in_one_line(tiny_run, op
 def test_sample_takes_each_option_at_its_edge_and_is_repeatable_for_a_seed(tiny_run):
     from nanolm.instruments.trained import generate
 
-    edges = [{"max_new_tokens": 1}, {"temperature": 0.0}, {"top_k": 0}, {"top_k": None}, {"top_p": 1.0},
-             {"top_p": None}, {"seed": 0}, {"seed": 2**63 - 1}]
+    edges = [
+        {"max_new_tokens": 1},
+        {"temperature": 0.0},
+        {"top_k": 0},
+        {"top_k": None},
+        {"top_p": 1.0},
+        {"top_p": None},
+        {"seed": 0},
+        {"seed": 2**63 - 1},
+    ]
     for options in edges:
         text = generate(tiny_run, "the", **{"max_new_tokens": 4, "device": "cpu", **options})
         assert text.startswith("the"), options
@@ -272,7 +304,8 @@ def test_sample_continues_the_prompt_with_the_runs_weights_as_sample_text_does(t
         expected = sample_text(model, tokenizer, torch.device("cpu"), 12, "the cat", **options)
         assert generate(tiny_run, "the cat", max_new_tokens=12, device="cpu", **options) == expected
     assert generate(tiny_run, max_new_tokens=12, device="cpu", seed=3) == sample_text(
-        model, tokenizer, torch.device("cpu"), 12, "", 0.8, 50, None, 3)  # the defaults: 0.8, top-k 50, no top-p
+        model, tokenizer, torch.device("cpu"), 12, "", 0.8, 50, None, 3
+    )  # the defaults: 0.8, top-k 50, no top-p
 
 
 def test_sample_refuses_a_prompt_that_is_not_text(tiny_run):
@@ -324,13 +357,26 @@ def test_a_validator_built_for_a_run_takes_its_schedule_from_the_train_section()
 
     cfg = RunConfig()
     cfg.train.eval_every, cfg.train.steps, cfg.train.eval_at_start = 40, 90, False
-    validator = Validator.for_run(cfg, model=tiny_model(), dist=Distributed(), batches=_batches(), progress=Progress(),
-                                  precision=resolve_precision("fp32", torch.device("cpu")),
-                                  token_bytes=torch.ones(64, dtype=torch.int64), floor={"bpb": 1.0, "nats_per_token": 2.0})
+    validator = Validator.for_run(
+        cfg,
+        model=tiny_model(),
+        dist=Distributed(),
+        batches=_batches(),
+        progress=Progress(),
+        precision=resolve_precision("fp32", torch.device("cpu")),
+        token_bytes=torch.ones(64, dtype=torch.int64),
+        floor={"bpb": 1.0, "nats_per_token": 2.0},
+    )
     assert [s for s in range(0, 100) if validator.due(s)] == [40, 80, 90]
     assert validator.evaluate(40)["floor_loss"] == 2.0
     cfg.train.eval_at_start = True  # the default: the untrained model's loss, diagnose's reference
-    validator = Validator.for_run(cfg, model=tiny_model(), dist=Distributed(), batches=_batches(), progress=Progress(),
-                                  precision=resolve_precision("fp32", torch.device("cpu")),
-                                  token_bytes=torch.ones(64, dtype=torch.int64))
+    validator = Validator.for_run(
+        cfg,
+        model=tiny_model(),
+        dist=Distributed(),
+        batches=_batches(),
+        progress=Progress(),
+        precision=resolve_precision("fp32", torch.device("cpu")),
+        token_bytes=torch.ones(64, dtype=torch.int64),
+    )
     assert [s for s in range(0, 100) if validator.due(s)] == [0, 40, 80, 90] and validator.due(0) is True

@@ -37,11 +37,14 @@ def _fake_run(tmp_path, **model_options):
     return run, model, tok
 
 
-@pytest.mark.parametrize("options, architecture", [
-    ({}, "LlamaForCausalLM"),
-    ({"qk_norm": True}, "Qwen3ForCausalLM"),
-    ({"tie_embeddings": False, "rope_theta": 500.0}, "LlamaForCausalLM"),
-])
+@pytest.mark.parametrize(
+    "options, architecture",
+    [
+        ({}, "LlamaForCausalLM"),
+        ({"qk_norm": True}, "Qwen3ForCausalLM"),
+        ({"tie_embeddings": False, "rope_theta": 500.0}, "LlamaForCausalLM"),
+    ],
+)
 def test_exported_model_gives_the_same_logits_in_transformers(tmp_path, options, architecture):
     run, model, tok = _fake_run(tmp_path, **options)
     out = export_run(run, tmp_path / "hf", log=lambda *_: None)
@@ -64,8 +67,9 @@ def test_what_transformers_reads_from_an_export_describes_the_model_and_its_toke
     out = export_run(run, tmp_path / "hf", log=lambda *_: None)
     config = transformers.AutoConfig.from_pretrained(out)
     assert config.max_position_embeddings == model.config.seq_len and config.eos_token_id == tok.eos_id
-    assert config.bos_token_id == tok.eos_id and str(config.dtype if hasattr(config, "dtype") else config.torch_dtype) \
-        in ("float32", "torch.float32")
+    assert config.bos_token_id == tok.eos_id and str(
+        config.dtype if hasattr(config, "dtype") else config.torch_dtype
+    ) in ("float32", "torch.float32")
     if qk_norm:
         assert config.use_sliding_window is False and config.sliding_window is None
         assert config.max_window_layers == model.config.n_layer
@@ -76,7 +80,7 @@ def test_what_transformers_reads_from_an_export_describes_the_model_and_its_toke
     generation = transformers.GenerationConfig.from_pretrained(out)
     assert generation.bos_token_id == generation.eos_token_id == tok.eos_id
     for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
-        assert (out / name).read_text().startswith("{\n  \""), name  # indented: a person reads these too
+        assert (out / name).read_text().startswith('{\n  "'), name  # indented: a person reads these too
 
 
 def test_an_export_goes_into_a_new_or_empty_directory_readable_by_all_and_nothing_else(tmp_path, capsys):
@@ -87,8 +91,9 @@ def test_an_export_goes_into_a_new_or_empty_directory_readable_by_all_and_nothin
     (tmp_path / "file").write_text("mine")
     for taken in (tmp_path / "empty", tmp_path / "file"):
         assert main(["export", str(run), "--out", str(taken)]) == 2
-        assert capsys.readouterr().err.strip() == (f"error: {taken} exists and is not an empty directory; choose "
-                                                   f"another --out")
+        assert capsys.readouterr().err.strip() == (
+            f"error: {taken} exists and is not an empty directory; choose another --out"
+        )
     assert (tmp_path / "file").read_text() == "mine"
 
 
@@ -124,8 +129,10 @@ def test_an_export_that_meets_a_full_disk_is_one_line_leaves_nothing_and_the_rer
     def disk_fills(tensors, filename, metadata=None):
         with open(filename, "wb") as f:
             f.write(b"\0" * 100)
-        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space "
-                           "left on device\" }) (os error 28)")
+        raise RuntimeError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+            'left on device" }) (os error 28)'
+        )
 
     monkeypatch.setattr(safetensors.torch, "save_file", disk_fills)
     assert main(["export", str(run), "--out", str(out)]) == 2
@@ -134,8 +141,13 @@ def test_an_export_that_meets_a_full_disk_is_one_line_leaves_nothing_and_the_rer
     assert not (tmp_path / "exports").exists()
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
     assert main(["export", str(run), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
 
 def test_an_export_onto_a_mount_point_is_refused_in_one_line_naming_its_flag(tmp_path, capsys, monkeypatch):
@@ -149,8 +161,10 @@ def test_an_export_onto_a_mount_point_is_refused_in_one_line_naming_its_flag(tmp
     real = os.path.ismount
     monkeypatch.setattr(files.os.path, "ismount", lambda p: Path(p) == mounted or real(p))
     assert main(["export", str(run), "--out", str(mounted)]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: --out {mounted} is a mount point, which nanolm cannot replace in "
-                                                f"one step; choose a directory inside it (--out {mounted / 'out'})")
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {mounted} is a mount point, which nanolm cannot replace in "
+        f"one step; choose a directory inside it (--out {mounted / 'out'})"
+    )
     assert list(mounted.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["mounted", "run"]
 
 
@@ -164,15 +178,36 @@ def test_config_json_states_every_architectural_choice_by_the_names_other_reader
     export_run(run, tmp_path / "hf")
     written = json.loads((tmp_path / "hf" / "config.json").read_text())
     c = model.config
-    expected = {"hidden_act": "silu", "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
-                "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "rope_scaling": None,
-                "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-                "num_key_value_heads": c.n_head, "head_dim": c.head_dim, "max_position_embeddings": c.seq_len}
+    expected = {
+        "hidden_act": "silu",
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "num_key_value_heads": c.n_head,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.seq_len,
+    }
     if qk_norm:
         expected.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.n_layer)
     assert {k: written.get(k, "missing") for k in expected} == expected
-    named = {"architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-             "num_attention_heads", "tie_word_embeddings", "bos_token_id", "eos_token_id", "torch_dtype", *expected}
+    named = {
+        "architectures",
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "torch_dtype",
+        *expected,
+    }
     assert set(written) == named  # no key a reader does not know (a misspelt one leaves the real one at its default)
 
 
@@ -189,8 +224,13 @@ def test_an_export_makes_the_directories_its_out_needs_names_each_disk_step_and_
     with disk.faults(disk.FaultPlan()) as plan:
         export_run(run, out, log=said.append)
     assert said == [f"exported {run} as LlamaForCausalLM to {out}"]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
-                                                     "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert all(path.startswith(str(tmp_path)) for _, path in plan.steps), plan.steps
     weights = [path for kind, path in plan.steps if kind == "write" and path.endswith("model.safetensors")]
     assert len(weights) == 1 and Path(weights[0]).parent.name.startswith(".hf.export-"), plan.steps  # in the scratch

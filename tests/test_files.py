@@ -23,8 +23,10 @@ def test_a_name_that_is_not_utf8_is_refused_with_its_bytes_and_why():
     files.require_utf8("--out-dir", "runs/café", "the run records it")  # UTF-8: nothing happens
     with pytest.raises(NanolmError) as e:
         files.require_utf8("--out-dir", "runs/caf\udce9", "the run records it in config.toml")
-    assert str(e.value) == ("--out-dir b'runs/caf\\xe9' is not valid UTF-8 text, and the run records it in "
-                            "config.toml; rename it (or link to it) with a UTF-8 name")
+    assert str(e.value) == (
+        "--out-dir b'runs/caf\\xe9' is not valid UTF-8 text, and the run records it in "
+        "config.toml; rename it (or link to it) with a UTF-8 name"
+    )
 
 
 def test_a_prompt_typed_in_utf8_under_any_locale_is_read_as_utf8_and_other_bytes_are_one_line():
@@ -32,23 +34,28 @@ def test_a_prompt_typed_in_utf8_under_any_locale_is_read_as_utf8_and_other_bytes
     assert files.text_argument("--prompt", "caf\udcc3\udca9") == "café"  # UTF-8 bytes kept as surrogates by Python
     with pytest.raises(NanolmError) as e:
         files.text_argument("--prompt", "caf\udce9!")  # Latin-1
-    assert str(e.value) == ("--prompt b'caf\\xe9!' is not UTF-8 text (byte 3); type it in UTF-8 or set your "
-                            "terminal to UTF-8")
+    assert str(e.value) == (
+        "--prompt b'caf\\xe9!' is not UTF-8 text (byte 3); type it in UTF-8 or set your terminal to UTF-8"
+    )
 
 
-@pytest.mark.parametrize("code, hint", [
-    (errno.ENOSPC, " (free some space)"),
-    (errno.EDQUOT, " (free some space (disk quota))"),
-    (errno.EROFS, " (the file system is read-only; choose another --export-dir)"),
-    (errno.EACCES, " (you may not write there; choose another --export-dir)"),
-    (errno.EPERM, " (you may not write there; choose another --export-dir)"),
-    (errno.EFBIG, " (the file is larger than this system allows)"),
-    (errno.EIO, ""),
-])
+@pytest.mark.parametrize(
+    "code, hint",
+    [
+        (errno.ENOSPC, " (free some space)"),
+        (errno.EDQUOT, " (free some space (disk quota))"),
+        (errno.EROFS, " (the file system is read-only; choose another --export-dir)"),
+        (errno.EACCES, " (you may not write there; choose another --export-dir)"),
+        (errno.EPERM, " (you may not write there; choose another --export-dir)"),
+        (errno.EFBIG, " (the file is larger than this system allows)"),
+        (errno.EIO, ""),
+    ],
+)
 def test_an_os_error_is_one_line_naming_the_file_its_cause_and_what_to_do(code, hint):
     e = OSError(code, os.strerror(code), "/runs/a/model.safetensors")
-    assert files.describe_os_error(e, "--export-dir") == (f"cannot write /runs/a/model.safetensors: "
-                                                           f"{os.strerror(code)}{hint}")
+    assert files.describe_os_error(e, "--export-dir") == (
+        f"cannot write /runs/a/model.safetensors: {os.strerror(code)}{hint}"
+    )
     assert files.describe_os_error(OSError(code, os.strerror(code))).startswith("cannot write a file: ")
     assert "choose another --out-dir" in files.describe_os_error(OSError(errno.EROFS, "ro"))
 
@@ -164,7 +171,10 @@ def test_a_directory_moved_across_file_systems_arrives_whole_or_not_at_all(tmp_p
 
 
 def test_a_directory_is_replaced_whole_with_or_without_an_atomic_swap(tmp_path, monkeypatch):
-    old, new = {"meta.json": "old meta", "a.bin": "old a", "gone.bin": "old"}, {"meta.json": "new meta", "a.bin": "new a"}
+    old, new = (
+        {"meta.json": "old meta", "a.bin": "old a", "gone.bin": "old"},
+        {"meta.json": "new meta", "a.bin": "new a"},
+    )
     _tree(tmp_path / "staging", new)
     files.replace_directory(tmp_path / "staging", tmp_path / "data")  # absent: a rename
     assert _read_tree(tmp_path / "data") == new and not (tmp_path / "staging").exists()
@@ -180,8 +190,11 @@ def test_a_directory_is_replaced_whole_with_or_without_an_atomic_swap(tmp_path, 
     _tree(tmp_path / "staging", new)
     with disk.faults(disk.FaultPlan()) as seen:
         files.replace_directory(tmp_path / "staging", tmp_path / "moved", last="meta.json")
-    order = [("-" if kind == "remove" else "") + os.path.basename(path) for kind, path in seen.steps
-             if kind in ("remove", "rename") and os.path.dirname(path) == str(tmp_path / "moved")]
+    order = [
+        ("-" if kind == "remove" else "") + os.path.basename(path)
+        for kind, path in seen.steps
+        if kind in ("remove", "rename") and os.path.dirname(path) == str(tmp_path / "moved")
+    ]
     assert order == ["-meta.json", "a.bin", "meta.json"]  # what vouches for the rest: out first, back last
     assert _read_tree(tmp_path / "moved") == {**new, "gone.bin": "old", ".lock": ""}  # other entries (the lock) stay
     assert not (tmp_path / "staging").exists()
@@ -213,7 +226,9 @@ def test_a_manifest_is_refused_unless_it_lists_exactly_the_files_each_intact(tmp
     assert sorted(listed) == ["a.bin", "sub/b.bin"]
     assert files.manifest(d, names=["a.bin"]) == {"a.bin": listed["a.bin"]}
     seen = []
-    files.check_manifest(d, listed, "data", skip=("meta.json",), on_block=lambda name, block: seen.append((name, block)))
+    files.check_manifest(
+        d, listed, "data", skip=("meta.json",), on_block=lambda name, block: seen.append((name, block))
+    )
     assert seen == [("a.bin", b"a"), ("sub/b.bin", b"b")]
 
     def refusal(manifest, skip=("meta.json",)):
@@ -222,8 +237,15 @@ def test_a_manifest_is_refused_unless_it_lists_exactly_the_files_each_intact(tmp
         return str(e.value)
 
     malformed = "data: its manifest of files and checksums is missing or malformed"
-    for bad in (None, {}, [], {"a.bin": "A" * 64}, {"a.bin": listed["a.bin"][:63]}, {1: listed["a.bin"]},
-                {**listed, "c": "g" * 64}):
+    for bad in (
+        None,
+        {},
+        [],
+        {"a.bin": "A" * 64},
+        {"a.bin": listed["a.bin"][:63]},
+        {1: listed["a.bin"]},
+        {**listed, "c": "g" * 64},
+    ):
         assert refusal(bad) == malformed, bad
     assert refusal({**listed, "c.bin": "0" * 64}) == "data: c.bin is missing"
     assert refusal(listed, skip=()) == "data: meta.json is not in its manifest (a file nanolm did not write)"
@@ -255,8 +277,13 @@ def test_a_seal_vouches_for_every_field_of_a_metadata_file():
     meta = files.sealed({"step": 3, "val_loss": float("nan"), "files": {"a": "0" * 64}})
     files.check_seal(meta, "meta.json")
     assert files.sealed(meta) == meta  # sealing again seals the same content
-    for damaged in ({**meta, "step": 4}, {**meta, "seal": meta["seal"][:-1] + "0"}, {**meta, "seal": None},
-                    {k: v for k, v in meta.items() if k != "seal"}, {**meta, "extra": 1}):
+    for damaged in (
+        {**meta, "step": 4},
+        {**meta, "seal": meta["seal"][:-1] + "0"},
+        {**meta, "seal": None},
+        {k: v for k, v in meta.items() if k != "seal"},
+        {**meta, "extra": 1},
+    ):
         with pytest.raises(NanolmError) as e:
             files.check_seal(damaged, "meta.json")
         assert str(e.value) == "meta.json is damaged (its seal does not match its content)"
@@ -271,8 +298,9 @@ def test_a_run_directory_that_cannot_be_written_is_refused_before_anything_is(tm
     assert str(e.value) == f"--out-dir {tmp_path / 'f'} is a file, not a directory; choose another --out-dir"
     with pytest.raises(NanolmError) as e:
         files.probe_writable(tmp_path / "f" / "run")
-    assert str(e.value) == (f"--out-dir {tmp_path / 'f' / 'run'}: {tmp_path / 'f'} is a file, not a directory; "
-                            f"choose another --out-dir")
+    assert str(e.value) == (
+        f"--out-dir {tmp_path / 'f' / 'run'}: {tmp_path / 'f'} is a file, not a directory; choose another --out-dir"
+    )
     if os.name == "posix" and os.geteuid() != 0:
         (tmp_path / "ro").mkdir(mode=0o500)
         with pytest.raises(NanolmError, match=r"cannot write in .*ro \(Permission denied\); choose a directory"):
@@ -374,7 +402,9 @@ def test_cleaning_up_never_raises_whatever_fails_in_it(tmp_path, monkeypatch):
     with pytest.raises(OSError) as e:  # the disk's refusal, not the cleanup's
         files.move_directory(tmp_path / "source", tmp_path / "elsewhere")
     assert e.value.errno == errno.ENOSPC
-    assert [n for n in beside if n not in ("moved", "source", "counted")][0].startswith(".elsewhere.")  # the copy, hidden
+    assert [n for n in beside if n not in ("moved", "source", "counted")][0].startswith(
+        ".elsewhere."
+    )  # the copy, hidden
     for exchange in (True, False):
         _tree(tmp_path / "target", {"meta.json": "old"})
         _tree(tmp_path / "staging", {"meta.json": "new"})
@@ -408,8 +438,10 @@ def test_the_write_probe_tries_the_directory_itself_and_hides_its_file(tmp_path,
     monkeypatch.setattr(tempfile, "mkstemp", read_only_here)
     with pytest.raises(NanolmError) as e:
         files.probe_writable(tmp_path / "run")
-    assert str(e.value) == (f"--out-dir {tmp_path / 'run'}: cannot write in {tmp_path} (Permission denied); choose a "
-                            f"directory you can write")
+    assert str(e.value) == (
+        f"--out-dir {tmp_path / 'run'}: cannot write in {tmp_path} (Permission denied); choose a "
+        f"directory you can write"
+    )
     assert tried == [(tmp_path, ".nanolm-write-probe-")]
 
 
@@ -423,15 +455,18 @@ def test_a_long_prompt_that_is_not_utf8_is_quoted_in_brief():
 def test_a_file_is_written_as_utf8_whatever_the_locale(tmp_path):
     import subprocess
 
-    files.atomic_write_text(tmp_path / "here.toml", "out_dir = \"runs/café\"\n")
-    assert (tmp_path / "here.toml").read_bytes() == "out_dir = \"runs/café\"\n".encode()
-    code = ("import sys; from nanolm.base.files import atomic_write_text; "
-            "atomic_write_text(sys.argv[1], 'out_dir = \"runs/caf\\u00e9\"\\n')")
+    files.atomic_write_text(tmp_path / "here.toml", 'out_dir = "runs/café"\n')
+    assert (tmp_path / "here.toml").read_bytes() == 'out_dir = "runs/café"\n'.encode()
+    code = (
+        "import sys; from nanolm.base.files import atomic_write_text; "
+        "atomic_write_text(sys.argv[1], 'out_dir = \"runs/caf\\u00e9\"\\n')"
+    )
     env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0"}
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.toml")], capture_output=True, text=True,
-                            env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "c.toml")], capture_output=True, text=True, env=env
+    )
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / "c.toml").read_bytes() == "out_dir = \"runs/café\"\n".encode()
+    assert (tmp_path / "c.toml").read_bytes() == 'out_dir = "runs/café"\n'.encode()
 
 
 def test_a_listed_file_removed_before_it_is_hashed_is_named_missing(tmp_path, monkeypatch):
@@ -453,12 +488,16 @@ def test_an_output_under_a_dangling_link_is_refused_in_one_line_naming_the_link(
     source = tmp_path / "text.txt"
     source.write_text("a story about a cat. " * 200)
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
-    for argv in (["prepare", "--data", str(source), "--out", str(tmp_path / "link" / "data"), "--tokenizer", "char"],
-                 ["train", "--data", str(source), "--out-dir", str(tmp_path / "link" / "run"), "--steps", "1"]):
+    for argv in (
+        ["prepare", "--data", str(source), "--out", str(tmp_path / "link" / "data"), "--tokenizer", "char"],
+        ["train", "--data", str(source), "--out-dir", str(tmp_path / "link" / "run"), "--steps", "1"],
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"error: {tmp_path / 'link'} is a symbolic link to {tmp_path / 'nowhere'}, which does not "
-                       f"exist; create what it points to, or choose a path without it"], err
+        assert err == [
+            f"error: {tmp_path / 'link'} is a symbolic link to {tmp_path / 'nowhere'}, which does not "
+            f"exist; create what it points to, or choose a path without it"
+        ], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "text.txt"]
 
 
@@ -472,8 +511,10 @@ def test_an_output_that_is_a_mount_point_is_refused_before_anything_is_built(tmp
     real = os.path.ismount
     monkeypatch.setattr(files.os.path, "ismount", lambda p: Path(p) == mounted or real(p))
     assert main(["prepare", "--data", str(source), "--out", str(mounted), "--tokenizer", "char"]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: --out {mounted} is a mount point, which nanolm cannot replace in "
-                                                f"one step; choose a directory inside it (--out {mounted / 'out'})")
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {mounted} is a mount point, which nanolm cannot replace in "
+        f"one step; choose a directory inside it (--out {mounted / 'out'})"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mounted", "text.txt"] and not any(mounted.iterdir())
 
 

@@ -22,9 +22,34 @@ from nanolm.instruments.cli import main
 from nanolm.watch.sinks import read_metrics
 
 PAGE = 4096
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--log-every", "1",
-        "--steps", "20", "--eval-every", "10", "--ckpt-every", "10", "--threads", "1"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "0",
+    "--tokenizer",
+    "char",
+    "--log-every",
+    "1",
+    "--steps",
+    "20",
+    "--eval-every",
+    "10",
+    "--ckpt-every",
+    "10",
+    "--threads",
+    "1",
+]
 SAME = ("step", "loss", "lr", "grad_norm", "val_loss")
 
 
@@ -55,8 +80,11 @@ def small_disk(tmp_path):
     ``free_bytes`` free (the rest a filler file); returns the filler, to delete for room."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", f"nanolm-test-{uuid.uuid4().hex[:8]}",
-                           str(mount)], capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", f"nanolm-test-{uuid.uuid4().hex[:8]}", str(mount)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small file system here ({done.stderr.strip() or 'not root'})")
 
@@ -80,8 +108,9 @@ def _room(alone, *, without: tuple[str, ...] = ()) -> int:
 
 
 @pytest.mark.parametrize("fails_at", ["run data", "final weights", "checkpoint weights", "checkpoint state"])
-def test_a_full_disk_is_one_line_naming_the_file_and_the_rerun_ends_bit_identical(fails_at, small_disk, alone,
-                                                                                   stories_file, capsys):
+def test_a_full_disk_is_one_line_naming_the_file_and_the_rerun_ends_bit_identical(
+    fails_at, small_disk, alone, stories_file, capsys
+):
     """The disk fills as the prepared data moves into the run (from a scratch directory on
     another file system), at the final weights (safetensors' own error), at the last
     checkpoint's weights, or at its optimizer state (``torch.save``'s short write): one line
@@ -90,21 +119,28 @@ def test_a_full_disk_is_one_line_naming_the_file_and_the_rerun_ends_bit_identica
     mount, leave = small_disk
     out = mount / "run"
     last = alone / "checkpoints" / "step_000020"
-    without = {"run data": tuple(str(p.relative_to(alone)) for p in alone.rglob("*")
-                                 if p.is_file() and p.name not in ("config.toml", "tokenizer.json")),
-               "final weights": ("model.safetensors", "final.json"),
-               "checkpoint weights": tuple(str(p.relative_to(alone)) for p in last.iterdir())
-               + ("model.safetensors", "final.json", "checkpoints/latest"),
-               "checkpoint state": tuple(str(p.relative_to(alone)) for p in last.iterdir() if p.name != "model.safetensors")
-               + ("model.safetensors", "final.json", "checkpoints/latest")}[fails_at]
+    without = {
+        "run data": tuple(
+            str(p.relative_to(alone))
+            for p in alone.rglob("*")
+            if p.is_file() and p.name not in ("config.toml", "tokenizer.json")
+        ),
+        "final weights": ("model.safetensors", "final.json"),
+        "checkpoint weights": tuple(str(p.relative_to(alone)) for p in last.iterdir())
+        + ("model.safetensors", "final.json", "checkpoints/latest"),
+        "checkpoint state": tuple(str(p.relative_to(alone)) for p in last.iterdir() if p.name != "model.safetensors")
+        + ("model.safetensors", "final.json", "checkpoints/latest"),
+    }[fails_at]
     filler = leave(_room(alone, without=without))
     assert main(_command(stories_file, out)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
-    named = {"run data": f"cannot write {out / 'data'}/",
-             "final weights": f"cannot write {out / 'model.safetensors'}: No space left on device (free some space)",
-             "checkpoint weights": "could not save the checkpoint of step 20: cannot write ",
-             "checkpoint state": "could not save the checkpoint of step 20: cannot write "}[fails_at]
+    named = {
+        "run data": f"cannot write {out / 'data'}/",
+        "final weights": f"cannot write {out / 'model.safetensors'}: No space left on device (free some space)",
+        "checkpoint weights": "could not save the checkpoint of step 20: cannot write ",
+        "checkpoint state": "could not save the checkpoint of step 20: cannot write ",
+    }[fails_at]
     assert named in err[0], err[0]
     if fails_at == "run data":
         assert "No space left on device" in err[0] and not (out / "data").exists()
@@ -164,8 +200,9 @@ def test_torch_save_on_a_disk_that_fills_at_any_point_is_an_oserror_naming_the_f
     assert torch.equal(torch.load(mount / "state.pt")["moments"], state["moments"])
 
 
-def test_prepare_on_a_full_disk_is_one_line_naming_the_file_and_the_rerun_prepares_the_same(small_disk, stories_file,
-                                                                                            tmp_path, capsys):
+def test_prepare_on_a_full_disk_is_one_line_naming_the_file_and_the_rerun_prepares_the_same(
+    small_disk, stories_file, tmp_path, capsys
+):
     """``nanolm prepare`` writes its shards as it tokenizes: a disk that fills there says which
     file, and the same command, once there is room, prepares exactly what it would have."""
     mount, leave = small_disk
@@ -175,9 +212,10 @@ def test_prepare_on_a_full_disk_is_one_line_naming_the_file_and_the_rerun_prepar
     filler = leave(2 * PAGE)
     assert main([*argv, str(mount / "prepared")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"cannot write {mount / 'prepared'}/" in err[0] and "No space left on device" in err[0], err
+    assert len(err) == 1 and f"cannot write {mount / 'prepared'}/" in err[0] and "No space left on device" in err[0], (
+        err
+    )
     filler.unlink()
     assert main([*argv, str(mount / "prepared")]) == 0
     for name in ("train.bin", "val.bin", "train_docs.npy", "val_docs.npy", "tokenizer.json"):
         assert (mount / "prepared" / name).read_bytes() == (tmp_path / "roomy" / name).read_bytes(), name
-

@@ -37,7 +37,8 @@ def test_the_fused_head_and_loss_equals_the_loss_of_the_whole_logits(chunk):
     targets = torch.randint(50, (3, 21))
     mask = torch.rand(3, 21) > 0.3
     (whole, n_whole, gh_whole, gw_whole), (fused, n_fused, gh_fused, gw_fused) = _head_and_loss_both_ways(
-        hidden, weight, targets, mask, chunk)
+        hidden, weight, targets, mask, chunk
+    )
     assert n_fused.item() == n_whole.item() == mask.sum().item()
     torch.testing.assert_close(fused, whole, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(gh_fused, gh_whole, rtol=1e-5, atol=1e-6)
@@ -69,7 +70,8 @@ def test_the_fused_loss_takes_its_softmax_in_fp32_under_bf16_autocast():
     targets = torch.randint(512, (4, 32))
     mask = torch.ones(4, 32, dtype=torch.bool)
     (whole, _, gh_whole, gw_whole), (fused, _, gh_fused, gw_fused) = _head_and_loss_both_ways(
-        hidden, weight, targets, mask, 48, autocast=True)
+        hidden, weight, targets, mask, 48, autocast=True
+    )
     assert fused.dtype == torch.float32
     assert fused.item() == pytest.approx(whole.item(), rel=1e-5)  # a log-softmax in bf16 is ~1e-3 off
     for a, b in ((gh_fused, gh_whole), (gw_fused, gw_whole)):
@@ -162,7 +164,8 @@ def test_the_fused_loss_trains_bf16_weights_without_autocast():
     hidden, weight = torch.randn(2, 40, 32).bfloat16(), (torch.randn(96, 32) * 0.2).bfloat16()
     targets = torch.randint(96, (2, 40))
     (whole, _, gh_whole, gw_whole), (fused, _, gh_fused, gw_fused) = _head_and_loss_both_ways(
-        hidden, weight, targets, None, 16)
+        hidden, weight, targets, None, 16
+    )
     assert gh_fused.dtype == gw_fused.dtype == torch.bfloat16 and fused.dtype == torch.float32
     assert fused.item() == pytest.approx(whole.item(), rel=1e-5)
     for a, b in ((gh_fused, gh_whole), (gw_fused, gw_whole)):
@@ -201,15 +204,19 @@ def test_bits_per_byte_count_the_utf8_bytes_of_the_predicted_tokens_only(mask_bo
     docs = ["a café at noon", "€5 for a crêpe", "naïve ünïcödé text", "plain ascii story here"] * 6
     tok = train_char(docs)
     ids = np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in docs])
-    windows = [pack_windows(ids, np.array([s, s + 40]), 32, tok.eos_id, mask_boundary=mask_boundary)
-               for s in (0, 90, 180)]
+    windows = [
+        pack_windows(ids, np.array([s, s + 40]), 32, tok.eos_id, mask_boundary=mask_boundary) for s in (0, 90, 180)
+    ]
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, seq_len=32, n_layer=1, n_head=2, n_embd=32))
     token_bytes = torch.from_numpy(tok.token_bytes())
     for subset in (windows, windows[1:]):
-        expected = sum(len(tok.decode([int(t)]).encode("utf-8"))
-                       for b in subset for t, m in zip(b.targets.flatten(), b.loss_mask.flatten())
-                       if m and int(t) != tok.eos_id)
+        expected = sum(
+            len(tok.decode([int(t)]).encode("utf-8"))
+            for b in subset
+            for t, m in zip(b.targets.flatten(), b.loss_mask.flatten())
+            if m and int(t) != tok.eos_id
+        )
         result = estimate_loss(model, subset, token_bytes)
         assert result["bytes"] == expected
         assert result["bpb"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / expected)

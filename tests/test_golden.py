@@ -91,7 +91,9 @@ def test_elsewhere_a_number_must_agree_within_the_drift_allowed_at_its_step_and_
 def test_the_drift_allowed_grows_with_the_step_from_a_floor_and_never_shrinks():
     tool = _tool()
     allowed = tool.allowed_drift({"loss": [0.0, 1e-8, 3e-5, 1e-6, 2e-4]})["loss"]
-    assert allowed == pytest.approx([tool.FLOOR, tool.FLOOR, tool.SAFETY * 3e-5, tool.SAFETY * 3e-5, tool.SAFETY * 2e-4])
+    assert allowed == pytest.approx(
+        [tool.FLOOR, tool.FLOOR, tool.SAFETY * 3e-5, tool.SAFETY * 3e-5, tool.SAFETY * 2e-4]
+    )
 
 
 def test_the_drift_allowed_elsewhere_was_measured_on_every_kernel_path_and_against_another_vendor():

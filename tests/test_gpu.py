@@ -97,7 +97,7 @@ def test_no_cross_document_leak_with_flex_attention(device):
         a, _ = model(batch.idx, doc_ids=batch.doc_ids)
         b, _ = model(changed, doc_ids=batch.doc_ids)
     torch.testing.assert_close(a[0, first_end:], b[0, first_end:], rtol=1e-6, atol=1e-6)
-    assert not torch.allclose(a[0, 1:first_end - 1], b[0, 1:first_end - 1])
+    assert not torch.allclose(a[0, 1 : first_end - 1], b[0, 1 : first_end - 1])
 
 
 def test_fused_adamw_follows_the_textbook_update(device):
@@ -171,8 +171,14 @@ def _collected(session) -> tuple[set[str], set[str]]:
         for item in session.items:
             found[item.get_closest_marker("gpu") is not None].add(item.name.split("[")[0])
         return found[True], found[False]
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, LIST_GPU_MARKS: "1"})
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, LIST_GPU_MARKS: "1"},
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     found = {"True": set(), "False": set()}
     for line in done.stdout.splitlines():
@@ -191,12 +197,14 @@ def test_every_gpu_test_runs_its_code_on_the_cpu_too(request):
     without_stand_in = on_gpu - on_cpu
     assert without_stand_in == set(GPU_ONLY), "a GPU-only test with no CPU counterpart: give it a CPU stand-in"
     for name, (path, helper) in GPU_ONLY.items():
-        functions = [f for f in ast.parse((REPO / path).read_text(encoding="utf-8")).body
-                     if isinstance(f, ast.FunctionDef)]
+        functions = [
+            f for f in ast.parse((REPO / path).read_text(encoding="utf-8")).body if isinstance(f, ast.FunctionDef)
+        ]
         callers, grown = {helper}, True
         while grown:  # what calls the helper, directly or through the file's other helpers
             before = len(callers)
-            callers |= {f.name for f in functions
-                        if any(isinstance(n, ast.Name) and n.id in callers for n in ast.walk(f))}
+            callers |= {
+                f.name for f in functions if any(isinstance(n, ast.Name) and n.id in callers for n in ast.walk(f))
+            }
             grown = len(callers) > before
         assert name in callers and callers & on_cpu, f"{name}: {helper} is not shared with a CPU test of {path}"

@@ -20,8 +20,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "benchmarks" / "gpu_check.py"
-FAST_PARTS = ["train", "bf16_vs_fp32", "fp16_overflow", "bf16_pure", "muon", "nan_rollback", "flex", "flex_cost",
-              "throughput"]
+FAST_PARTS = [
+    "train",
+    "bf16_vs_fp32",
+    "fp16_overflow",
+    "bf16_pure",
+    "muon",
+    "nan_rollback",
+    "flex",
+    "flex_cost",
+    "throughput",
+]
 SLOW_PARTS = ["kill9", "compile", "gpu_tests", "head_and_loss"]  # kill9 fails on purpose below; compile takes ~50 s
 
 
@@ -75,8 +84,13 @@ def test_every_part_passes_at_toy_sizes_and_writes_its_figures_under_the_directo
     assert figures["flex"]["relative_max_errors"]["float32 out vs sdpa"] < 1e-5
     assert figures["bf16_pure"]["saved_dtypes"] == ["torch.bfloat16"]
     assert "nanolm_mask_off" in figures["throughput"]["variants"]
-    assert set(figures["flex_cost"]["ms"]) == {"flex_document", "flex_causal", "sdpa_causal", "sdpa_boolean_document",
-                                               "block_mask_build"}
+    assert set(figures["flex_cost"]["ms"]) == {
+        "flex_document",
+        "flex_causal",
+        "sdpa_causal",
+        "sdpa_boolean_document",
+        "block_mask_build",
+    }
 
 
 def test_a_part_whose_check_breaks_fails_and_the_run_exits_1(tmp_path):
@@ -85,8 +99,18 @@ def test_a_part_whose_check_breaks_fails_and_the_run_exits_1(tmp_path):
     must FAIL with the reason, the others still run, the verdict names them, exit status 1.
     Two parts at a time (``--jobs 2``), as on a GPU."""
     out = tmp_path / "out"
-    r = gpu_check("--out", out, "--parts", "kill9,nan_rollback,fp16_overflow", "--jobs", "2",
-                  "--append", "nan_rollback=--on-nan skip", "--append", "kill9=--debug-drop-optimizer-state")
+    r = gpu_check(
+        "--out",
+        out,
+        "--parts",
+        "kill9,nan_rollback,fp16_overflow",
+        "--jobs",
+        "2",
+        "--append",
+        "nan_rollback=--on-nan skip",
+        "--append",
+        "kill9=--debug-drop-optimizer-state",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert verdicts(r.stdout) == {"kill9": "FAIL", "nan_rollback": "FAIL", "fp16_overflow": "PASS"}, r.stdout
     reasons = {name: json.loads((out / f"{name}.json").read_text())["figure"] for name in ("kill9", "nan_rollback")}
@@ -102,14 +126,29 @@ def test_a_part_past_its_time_limit_is_stopped_and_one_past_the_budget_is_not_st
     had said (written as it came); a part that cannot start before the budget ends is not
     started, and says so. The estimates of the parts chosen are printed first."""
     out, work = tmp_path / "out", tmp_path / "work"
-    r = gpu_check("--out", out, "--work", work, "--parts", "train,muon", "--timeout", "train=8", "--budget", "12",
-                  "--append", "train=--steps 100000")  # a run that cannot end within its limit
+    r = gpu_check(
+        "--out",
+        out,
+        "--work",
+        work,
+        "--parts",
+        "train,muon",
+        "--timeout",
+        "train=8",
+        "--budget",
+        "12",
+        "--append",
+        "train=--steps 100000",
+    )  # a run that cannot end within its limit
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stdout.splitlines()
-    assert lines[1].startswith("gpu_check: estimated seconds on a cold H200: train 100, muon 60; 160 s one after "
-                               "another, ~160 s 1 at a time: more than the 12 s budget"), lines[1]
-    assert any(line.startswith("FAIL train (") and "timed out after 8 s (the part's time limit)" in line
-               for line in lines), r.stdout
+    assert lines[1].startswith(
+        "gpu_check: estimated seconds on a cold H200: train 100, muon 60; 160 s one after "
+        "another, ~160 s 1 at a time: more than the 12 s budget"
+    ), lines[1]
+    assert any(
+        line.startswith("FAIL train (") and "timed out after 8 s (the part's time limit)" in line for line in lines
+    ), r.stdout
     assert any(line.startswith("FAIL muon (0.0 s): not run: the 12 s budget was spent") for line in lines), r.stdout
     partial = (out / "logs" / "train.log").read_text()
     assert partial.startswith("== train on cpu (toy sizes)") and "$ python -m nanolm train" in partial, partial

@@ -107,8 +107,16 @@ def test_guard_decides_per_step_and_keeps_warned_spikes_in_its_history(tmp_path)
 
 # --------------------------------------------------------------------------- real runs
 def _run(stories_file, out, **debug_and_guard):
-    cfg = tiny_run_config(stories_file, out, steps=STEPS, eval_every=STEPS, ckpt_every=CKPT_EVERY, batch_size=BATCH,
-                          log_every=5, stats_every=0)
+    cfg = tiny_run_config(
+        stories_file,
+        out,
+        steps=STEPS,
+        eval_every=STEPS,
+        ckpt_every=CKPT_EVERY,
+        batch_size=BATCH,
+        log_every=5,
+        stats_every=0,
+    )
     for key, value in debug_and_guard.items():
         section = "debug" if key.startswith("inject") else "guard"
         setattr(getattr(cfg, section), key, value)
@@ -251,7 +259,8 @@ def test_nan_origin_names_the_parameter_nearest_the_output_when_only_the_backwar
     upstream; the one to name is where it entered, the last in forward order."""
     model = tiny_model()
     handle = model.blocks[1].mlp.register_full_backward_hook(
-        lambda module, grad_in, grad_out: tuple(None if g is None else g * float("nan") for g in grad_in))
+        lambda module, grad_in, grad_out: tuple(None if g is None else g * float("nan") for g in grad_in)
+    )
     try:
         report = nan_origin(model, _batch([[5, 6, 7, 8] * 8]), contextlib.nullcontext, vocab_size=64)
     finally:
@@ -270,8 +279,16 @@ def test_a_rollback_does_not_replay_the_batches_since_its_checkpoint(tmp_path, s
         return starts
 
     monkeypatch.setattr(WindowSampler, "next_starts", record)
-    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=8, eval_every=8, ckpt_every=4, batch_size=BATCH,
-                          log_every=1, stats_every=0)
+    cfg = tiny_run_config(
+        stories_file,
+        tmp_path / "run",
+        steps=8,
+        eval_every=8,
+        ckpt_every=4,
+        batch_size=BATCH,
+        log_every=1,
+        stats_every=0,
+    )
     cfg.debug.inject_nan_at = 6
     train(cfg, log=lambda *_: None, factories=factories(cfg))
     [event] = read_events(tmp_path / "run")
@@ -287,8 +304,16 @@ def test_after_a_rollback_the_learning_rate_is_the_schedules_times_the_guards_sc
     before it at the schedule's own."""
     from nanolm.step import learning_rate
 
-    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=8, eval_every=8, ckpt_every=4, batch_size=BATCH,
-                          log_every=1, stats_every=0)
+    cfg = tiny_run_config(
+        stories_file,
+        tmp_path / "run",
+        steps=8,
+        eval_every=8,
+        ckpt_every=4,
+        batch_size=BATCH,
+        log_every=1,
+        stats_every=0,
+    )
     cfg.debug.inject_nan_at, cfg.guard.rollback_lr_scale = 6, 0.5
     train(cfg, log=lambda *_: None, factories=factories(cfg))
     [event] = read_events(tmp_path / "run")
@@ -415,23 +440,28 @@ def test_each_event_is_recorded_in_one_line_naming_what_happened(tmp_path):
     nan = {"step": 8, "kind": "nan", "loss": "nan", "grad_norm": "nan", "lr": 1e-3}
     guard.settle(_Result(8, "skip", dict(nan)), ["batch"])
     assert explained == ["batch"]
-    assert lines[-1] == ("guard: non-finite loss or gradient at step 8 (loss nan, grad norm nan; first non-finite: "
-                         "blocks.0.attn): skip")
+    assert lines[-1] == (
+        "guard: non-finite loss or gradient at step 8 (loss nan, grad norm nan; first non-finite: blocks.0.attn): skip"
+    )
     plain, plain_lines = _guard(tmp_path)
     plain.record(dict(nan), "skip")
     assert plain_lines[-1] == "guard: non-finite loss or gradient at step 8 (loss nan, grad norm nan): skip"
 
 
-@pytest.mark.parametrize("extra,cause", [({"origin": "blocks.1.mlp"}, "blocks.1.mlp"),
-                                         ({"note": "already rolled back 3 times"}, "already rolled back 3 times"),
-                                         ({}, "see events.jsonl")])
+@pytest.mark.parametrize(
+    "extra,cause",
+    [
+        ({"origin": "blocks.1.mlp"}, "blocks.1.mlp"),
+        ({"note": "already rolled back 3 times"}, "already rolled back 3 times"),
+        ({}, "see events.jsonl"),
+    ],
+)
 def test_a_stop_names_its_step_and_its_cause(tmp_path, extra, cause):
     guard, _ = _guard(tmp_path)
     event = {"step": 9, "kind": "spike", "on": ["loss"], "loss": 9.0, "grad_norm": 1.0, "lr": 1e-3, **extra}
     with pytest.raises(NanolmError) as e:
         guard.settle(_Result(9, "stop", event), ["batch"])
-    assert str(e.value) == (f"training stopped at step 9 on a spike event ({cause}); "
-                            f"run `nanolm diagnose {tmp_path}`")
+    assert str(e.value) == (f"training stopped at step 9 on a spike event ({cause}); run `nanolm diagnose {tmp_path}`")
 
 
 def test_noted_events_are_read_back_and_damaged_ones_counted(tmp_path):
@@ -447,20 +477,42 @@ def test_noted_events_are_read_back_and_damaged_ones_counted(tmp_path):
     assert [e["step"] for e in read_events(tmp_path)] == [5, 6]  # no one to warn: read all the same
 
 
-@pytest.mark.parametrize("event", [
-    ["step", "kind"], {"step": 1}, {"kind": "nan"}, {"step": 1, "kind": "nan", "loss": True},
-    {"step": 1, "kind": "nan", "loss": "1.5"}, {"step": 1, "kind": "nan", "extra": {"a": 1}},
-    {"step": 1, "kind": "nan", "extra": [1]}, {"step": -1, "kind": "nan"}, {"step": 1, "kind": "nan", "on": "loss"},
-])
+@pytest.mark.parametrize(
+    "event",
+    [
+        ["step", "kind"],
+        {"step": 1},
+        {"kind": "nan"},
+        {"step": 1, "kind": "nan", "loss": True},
+        {"step": 1, "kind": "nan", "loss": "1.5"},
+        {"step": 1, "kind": "nan", "extra": {"a": 1}},
+        {"step": 1, "kind": "nan", "extra": [1]},
+        {"step": -1, "kind": "nan"},
+        {"step": 1, "kind": "nan", "on": "loss"},
+    ],
+)
 def test_an_event_of_the_wrong_shape_is_damage(tmp_path, event):
     (tmp_path / "events.jsonl").write_text(json.dumps(event) + "\n", encoding="utf-8")
     assert read_events(tmp_path) == []
 
 
 def test_an_event_with_every_field_of_its_kind_is_kept(tmp_path):
-    event = {"step": 3, "kind": "nan", "action": "rollback", "origin": "blocks.0.attn", "note": "n", "on": ["loss"],
-             "recent": [{"step": 2}], "to_step": 2, "bad_ids": 1, "loss": "inf", "grad_norm": 2.5, "lr": None,
-             "z_loss": 7.0, "extra": "text"}
+    event = {
+        "step": 3,
+        "kind": "nan",
+        "action": "rollback",
+        "origin": "blocks.0.attn",
+        "note": "n",
+        "on": ["loss"],
+        "recent": [{"step": 2}],
+        "to_step": 2,
+        "bad_ids": 1,
+        "loss": "inf",
+        "grad_norm": 2.5,
+        "lr": None,
+        "z_loss": 7.0,
+        "extra": "text",
+    }
     (tmp_path / "events.jsonl").write_text(json.dumps(event) + "\n", encoding="utf-8")
     assert read_events(tmp_path) == [event]
 
@@ -471,7 +523,11 @@ def test_a_guard_left_at_its_defaults_is_the_command_lines_guard():
 
     options, guard = GuardOptions(), Guard(out_dir=None)
     assert (guard.on_nan, guard.on_spike, guard.max_rollbacks, guard.rollback_lr_scale) == (
-        options.on_nan, options.on_spike, options.max_rollbacks, options.rollback_lr_scale)
+        options.on_nan,
+        options.on_spike,
+        options.max_rollbacks,
+        options.rollback_lr_scale,
+    )
     for detector in (guard.loss, guard.grad):
         assert (detector.threshold, detector.values.maxlen) == (options.spike_threshold, options.spike_window)
     assert guard.history.maxlen == options.spike_window
@@ -481,8 +537,14 @@ def test_a_guard_built_from_its_section_takes_every_option_of_it(tmp_path):
     """The run and a replay build their guard from the ``[guard]`` section: each option reaches it."""
     from nanolm.run.config import GuardOptions
 
-    options = GuardOptions(on_nan="skip", on_spike="rollback", spike_window=17, spike_threshold=3.5, max_rollbacks=7,
-                           rollback_lr_scale=0.25)
+    options = GuardOptions(
+        on_nan="skip",
+        on_spike="rollback",
+        spike_window=17,
+        spike_threshold=3.5,
+        max_rollbacks=7,
+        rollback_lr_scale=0.25,
+    )
     guard = Guard.from_options(options, out_dir=tmp_path, log=print, rollback_to=list, explain_nan=len)
     assert (guard.on_nan, guard.on_spike, guard.max_rollbacks, guard.rollback_lr_scale) == ("skip", "rollback", 7, 0.25)
     for detector in (guard.loss, guard.grad):
@@ -551,8 +613,13 @@ def test_nan_origin_re_runs_the_batch_at_its_own_positions():
     with torch.no_grad():
         model.rope_cos[20] = float("nan")
     ids = [list(range(1, 33))]
-    batch = Batch(torch.tensor(ids), torch.roll(torch.tensor(ids), -1, dims=1), torch.ones(1, 32, dtype=torch.bool),
-                  doc_ids=torch.tensor([[0] * 16 + [1] * 16]), positions=torch.tensor([list(range(16)) * 2]))
+    batch = Batch(
+        torch.tensor(ids),
+        torch.roll(torch.tensor(ids), -1, dims=1),
+        torch.ones(1, 32, dtype=torch.bool),
+        doc_ids=torch.tensor([[0] * 16 + [1] * 16]),
+        positions=torch.tensor([list(range(16)) * 2]),
+    )
     assert nan_origin(model, batch, contextlib.nullcontext, vocab_size=64)["origin"].startswith("none on a re-run")
 
 

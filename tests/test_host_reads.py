@@ -42,8 +42,17 @@ def _reads_per_step(tmp_path, stories_file, monkeypatch, precision="fp32", readi
     """Run STEPS training steps (two micro-batches each) and count the reads from the start of
     each step to the start of the next: the step, the guard, the observer, the checkpointer's
     check, everything the loop does for that step."""
-    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=STEPS, log_every=4, eval_every=100, stats_every=0,
-                          grad_accum=2, precision=precision, ckpt_every=100)
+    cfg = tiny_run_config(
+        stories_file,
+        tmp_path / "run",
+        steps=STEPS,
+        log_every=4,
+        eval_every=100,
+        stats_every=0,
+        grad_accum=2,
+        precision=precision,
+        ckpt_every=100,
+    )
     if not reading_guard:
         cfg.guard.on_nan, cfg.guard.on_spike = "stop", "off"
     with HostReads() as counter:
@@ -72,16 +81,20 @@ def test_the_default_loop_reads_the_device_once_per_step(tmp_path, stories_file,
 
 
 def test_fp16_checks_overflow_without_a_read_of_its_own_and_underflow_with_one_per_logged_step(
-        tmp_path, stories_file, monkeypatch):
+    tmp_path, stories_file, monkeypatch
+):
     counter = _reads_per_step(tmp_path, stories_file, monkeypatch, "fp16")
     assert counter.per_step(LOGGED) == [2] * 4 and counter.per_step(QUIET) == [1] * 3, counter.reads
-    assert {where for step, _, where in counter.reads if step < STEPS} == {"step.py:train_step",
-                                                                           "observer.py:after_update"}
+    assert {where for step, _, where in counter.reads if step < STEPS} == {
+        "step.py:train_step",
+        "observer.py:after_update",
+    }
 
 
 @pytest.mark.parametrize("precision, quiet, logged", [("fp32", 0, 1), ("fp16", 1, 3)])
 def test_without_a_reading_guard_a_quiet_step_reads_nothing_but_fp16s_overflow_check(
-        tmp_path, stories_file, monkeypatch, precision, quiet, logged):
+    tmp_path, stories_file, monkeypatch, precision, quiet, logged
+):
     """``--on-nan stop --on-spike off``: the loss is read only in logged rows (one read for the
     row), and fp16's overflow check must read the gradient norm itself, once."""
     counter = _reads_per_step(tmp_path, stories_file, monkeypatch, precision, reading_guard=False)
@@ -108,8 +121,18 @@ def test_a_quiet_step_on_a_gpu_synchronises_once(tmp_path, stories_file, monkeyp
     every operation that makes the host wait for the GPU warns (reads, blocking copies, stream
     synchronisations). A quiet step (not logged, no evaluation, no checkpoint) warns once: the
     guard's read."""
-    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=STEPS, log_every=4, eval_every=100, stats_every=0,
-                          grad_accum=2, precision=precision, ckpt_every=100, device="cuda")
+    cfg = tiny_run_config(
+        stories_file,
+        tmp_path / "run",
+        steps=STEPS,
+        log_every=4,
+        eval_every=100,
+        stats_every=0,
+        grad_accum=2,
+        precision=precision,
+        ckpt_every=100,
+        device="cuda",
+    )
     cfg.model.attention = "sdpa"
     starts = {}
     with warnings.catch_warnings(record=True) as caught:
@@ -119,6 +142,8 @@ def test_a_quiet_step_on_a_gpu_synchronises_once(tmp_path, stories_file, monkeyp
             _train_marking_each_step(cfg, monkeypatch, lambda step: starts.__setitem__(step, len(caught)))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [[str(w.message) for w in caught[starts[step] : starts[step + 1]] if "synchroniz" in str(w.message)]
-             for step in QUIET]
+    syncs = [
+        [str(w.message) for w in caught[starts[step] : starts[step + 1]] if "synchroniz" in str(w.message)]
+        for step in QUIET
+    ]
     assert [len(s) for s in syncs] == [1] * len(QUIET), syncs

@@ -28,17 +28,20 @@ from hostile import json_texts, json_values, mutated, to_toml, toml_texts
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from nanolm.errors import NanolmError
 from nanolm.base.documents import parse_json
 from nanolm.base.files import sealed
+from nanolm.errors import NanolmError
 
 EXPLORE = bool(os.environ.get("NANOLM_EXPLORE"))
 """Set NANOLM_EXPLORE=1 to search far longer, with fresh random examples each time, and to shrink
 a failure to its smallest form; the suite's default run draws the same examples every time (CI is
 never red by chance), keeps no example database and reports a failure as found (shrinking a
 document through the run's readers can take minutes)."""
-_MODE = (dict(derandomize=False) if EXPLORE else
-         dict(derandomize=True, database=None, phases=[Phase.explicit, Phase.generate]))
+_MODE = (
+    dict(derandomize=False)
+    if EXPLORE
+    else dict(derandomize=True, database=None, phases=[Phase.explicit, Phase.generate])
+)
 FAST = settings(max_examples=2000 if EXPLORE else 60, deadline=None, suppress_health_check=list(HealthCheck), **_MODE)
 SLOW = settings(max_examples=300 if EXPLORE else 25, deadline=None, suppress_health_check=list(HealthCheck), **_MODE)
 
@@ -131,8 +134,8 @@ def test_any_bytes_are_parsed_or_refused_in_one_line(raw):
 @FAST
 @given(data=st.data())
 def test_any_config_toml_is_read_or_refused_in_one_line(tmp_path_factory, run_dir, data):
-    from nanolm.run.config import config_from_args, load_toml
     from nanolm.base.documents import read_toml
+    from nanolm.run.config import config_from_args, load_toml
 
     real = read_toml(run_dir / "config.toml")
     text = data.draw(st.one_of(toml_texts(), st.just(None)), label="text")
@@ -152,7 +155,10 @@ def test_a_checkpoints_meta_json_of_any_shape_is_named_in_one_line(work, data):
     from nanolm.run.final import load_run
 
     checkpoint = work / "checkpoints" / "step_000004"
-    with Swapped(checkpoint / "meta.json", hostile_json(checkpoint / "meta.json", data)), Swapped(work / "final.json", "{}"):
+    with (
+        Swapped(checkpoint / "meta.json", hostile_json(checkpoint / "meta.json", data)),
+        Swapped(work / "final.json", "{}"),
+    ):
         refused_or_read(verify_checkpoint, checkpoint)
         found = latest_valid_checkpoint(work, log=lambda line: one_line(NanolmError(line)))
         assert found is None or found.name in ("step_000004", "step_000002")
@@ -175,8 +181,8 @@ def test_a_runs_final_json_of_any_shape_is_named_and_the_checkpoint_used(work, d
 @given(data=st.data())
 def test_prepared_datas_meta_json_of_any_shape_is_refused_in_one_line(work, data):
     from nanolm.data.shards import PreparedData
-    from nanolm.run.directory import use_prepared_tokenizer
     from nanolm.run.config import RunConfig
+    from nanolm.run.directory import use_prepared_tokenizer
 
     with Swapped(work / "data" / "meta.json", hostile_json(work / "data" / "meta.json", data)):
         refused_or_read(PreparedData, work / "data")
@@ -201,7 +207,7 @@ def test_a_tokenizer_json_of_any_shape_is_refused_in_one_line(work, data):
 def _safetensors_header(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (size,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + size]), raw[8 + size:]
+    return json.loads(raw[8 : 8 + size]), raw[8 + size :]
 
 
 @SLOW
@@ -253,19 +259,32 @@ def test_diagnose_and_compare_read_a_metrics_log_and_a_config_of_any_shape(work,
     metrics = _hostile_log(_rows(work / "metrics.jsonl"), data)
     events = data.draw(st.lists(json_values().map(lambda v: json.dumps(v, allow_nan=True)), max_size=3), label="events")
     if data.draw(st.booleans(), label="a real-looking event"):
-        event = {"step": 3, "kind": "spike", "on": ["loss"], "loss": 1.0, "grad_norm": 2.0, "lr": 1e-3, "action": "skip"}
+        event = {
+            "step": 3,
+            "kind": "spike",
+            "on": ["loss"],
+            "loss": 1.0,
+            "grad_norm": 2.0,
+            "lr": 1e-3,
+            "action": "skip",
+        }
         events.append(json.dumps(mutated(event, data), allow_nan=True))
     (work / "events.jsonl").write_text("\n".join(events) + "\n")
     config = (work / "config.toml").read_text()
     if data.draw(st.integers(0, 3), label="a hostile config.toml") == 0:
         from nanolm.base.documents import parse_toml
 
-        config = data.draw(st.one_of(toml_texts(), st.just(to_toml(mutated(parse_toml(config, "it"), data)))),
-                           label="config")
+        config = data.draw(
+            st.one_of(toml_texts(), st.just(to_toml(mutated(parse_toml(config, "it"), data)))), label="config"
+        )
     try:
         with Swapped(work / "metrics.jsonl", metrics), Swapped(work / "config.toml", config):
-            for argv in (["diagnose", str(work)], ["diagnose", "--json", str(work)], ["compare", str(work), str(run_dir)],
-                         ["compare", str(run_dir), str(work)]):
+            for argv in (
+                ["diagnose", str(work)],
+                ["diagnose", "--json", str(work)],
+                ["compare", str(work), str(run_dir)],
+                ["compare", str(run_dir), str(work)],
+            ):
                 code, out, err = _cli(argv)
                 assert code in (0, 1, 2), (argv, code)
                 assert all(line.startswith(("warning:", "error:")) for line in err.splitlines()), (argv, err)
@@ -294,8 +313,13 @@ def test_a_resume_and_the_report_read_a_metrics_log_of_any_shape(work, data):
 
 # --------------------------------------------------------------------------- sources
 @FAST
-@given(lines=st.lists(st.one_of(json_texts(), json_values().map(lambda v: json.dumps({"text": v}, allow_nan=True))),
-                      min_size=1, max_size=6))
+@given(
+    lines=st.lists(
+        st.one_of(json_texts(), json_values().map(lambda v: json.dumps({"text": v}, allow_nan=True))),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_a_jsonl_source_skips_and_counts_any_bad_line(tmp_path_factory, lines):
     from nanolm.data.sources import DocumentSource
 

@@ -17,8 +17,18 @@ from nanolm.run.config import load_run_config
 from nanolm.watch.guards import read_events
 from nanolm.watch.sinks import read_metrics
 
-QUICK = ["healthy", "fp16_no_loss_scaling", "targets_not_shifted", "loss_not_averaged", "no_doc_mask", "corrupt_data", "bad_batch_nan",
-         "constant_lr", "decay_on_everything", "random_targets"]
+QUICK = [
+    "healthy",
+    "fp16_no_loss_scaling",
+    "targets_not_shifted",
+    "loss_not_averaged",
+    "no_doc_mask",
+    "corrupt_data",
+    "bad_batch_nan",
+    "constant_lr",
+    "decay_on_everything",
+    "random_targets",
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +64,10 @@ def test_quick_lab_says_which_variants_need_the_full_length_and_why(quick_lab):
 
 def test_lab_breaks_the_real_run_with_its_switches_and_only_there(quick_lab):
     out, _ = quick_lab
-    assert load_run_config(out / "healthy" / "config.toml").debug == load_run_config(out / "healthy" / "config.toml").debug.__class__()
+    assert (
+        load_run_config(out / "healthy" / "config.toml").debug
+        == load_run_config(out / "healthy" / "config.toml").debug.__class__()
+    )
     assert load_run_config(out / "targets_not_shifted" / "config.toml").debug.unshifted_targets
     broken = load_run_config(out / "loss_not_averaged" / "config.toml")
     assert broken.debug.loss_not_averaged and broken.train.grad_accum == 4
@@ -82,10 +95,13 @@ def test_lab_dashboard_overlays_the_healthy_run(quick_lab, tmp_path):
     assert dashboard and (out / "corrupt_data" / "report" / "report.html").read_text().count("healthy") >= 1
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--only", "nope"], "unknown lab variant 'nope'"),
-    (["--steps", "5"], "--steps must be at least 20"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--only", "nope"], "unknown lab variant 'nope'"),
+        (["--steps", "5"], "--steps must be at least 20"),
+    ],
+)
 def test_lab_user_errors_are_one_line(tmp_path, args, message):
     r = run_cli("lab", "--quick", "--out", tmp_path / "lab", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

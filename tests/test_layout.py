@@ -27,8 +27,12 @@ WEEKS_FILES = {"train.py", "step.py", "model.py", "fused_loss.py", "batches.py"}
 # schedule: every evaluation step is logged), and the thread tuner the loop calls by name before
 # the step (--threads auto, the default on a CPU: whether a trial of thread counts is due, and the
 # trial when it is).
-COMPONENTS = {"watch/guards.py": {"decide"}, "watch/observer.py": {"gradient_watch"}, "watch/validator.py": {"due"},
-              "machine/threads.py": {"before_step"}}
+COMPONENTS = {
+    "watch/guards.py": {"decide"},
+    "watch/observer.py": {"gradient_watch"},
+    "watch/validator.py": {"due"},
+    "machine/threads.py": {"before_step"},
+}
 
 
 def _files_one_step_runs(tmp_path, monkeypatch, stories_file, **train) -> tuple[set[str], Counter]:
@@ -42,7 +46,9 @@ def _files_one_step_runs(tmp_path, monkeypatch, stories_file, **train) -> tuple[
         if event == "call" and frame.f_code.co_filename.startswith(str(PACKAGE)):
             name = Path(frame.f_code.co_filename).relative_to(PACKAGE).as_posix()
             ran.add(name)
-            if name in COMPONENTS and (frame.f_back is None or frame.f_back.f_code.co_filename != frame.f_code.co_filename):
+            if name in COMPONENTS and (
+                frame.f_back is None or frame.f_back.f_code.co_filename != frame.f_code.co_filename
+            ):
                 entered[name, frame.f_code.co_name] += 1
 
     def one_quiet_step(run, log=print):
@@ -95,16 +101,48 @@ def test_a_quiet_step_without_a_reading_guard_never_enters_the_guard(tmp_path, m
 
 def _nanolm_modules_a_train_imports(tmp_path, stories_file, *flags) -> set[str]:
     """The nanolm modules loaded by the `nanolm train` command on a two-step run, in a fresh process."""
-    code = ("import atexit, sys\n"
-            "atexit.register(lambda: print('MODULES', *sorted(m for m in sys.modules if m.startswith('nanolm')), "
-            "file=sys.stderr))\n"
-            "from nanolm.instruments.cli import entry\n"
-            "entry(sys.argv[1:])\n")
-    argv = ["train", "--data", str(stories_file), "--tokenizer", "char", "--steps", "2", "--n-layer", "1",
-            "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1",
-            "--sample-tokens", "0", "--threads", "1", "--out-dir", str(tmp_path / "_".join(["run", *flags])), *flags]
-    result = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('MODULES', *sorted(m for m in sys.modules if m.startswith('nanolm')), "
+        "file=sys.stderr))\n"
+        "from nanolm.instruments.cli import entry\n"
+        "entry(sys.argv[1:])\n"
+    )
+    argv = [
+        "train",
+        "--data",
+        str(stories_file),
+        "--tokenizer",
+        "char",
+        "--steps",
+        "2",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--threads",
+        "1",
+        "--out-dir",
+        str(tmp_path / "_".join(["run", *flags])),
+        *flags,
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return set(next(line for line in result.stderr.splitlines() if line.startswith("MODULES")).split()[1:])
 
@@ -115,7 +153,11 @@ def test_a_plain_train_imports_none_of_the_labs_faults(tmp_path, stories_file):
     plain = _nanolm_modules_a_train_imports(tmp_path, stories_file)
     assert "nanolm.train" in plain and "nanolm.instruments.faults" not in plain
     assert {m for m in plain if m.startswith("nanolm.instruments")} == {  # the command, and the lab's list for --help
-        "nanolm.instruments", "nanolm.instruments.cli", "nanolm.instruments.process", "nanolm.instruments.lab"}
+        "nanolm.instruments",
+        "nanolm.instruments.cli",
+        "nanolm.instruments.process",
+        "nanolm.instruments.lab",
+    }
     broken = _nanolm_modules_a_train_imports(tmp_path, stories_file, "--debug-non-causal")
     assert "nanolm.instruments.faults" in broken  # the check sees an import when there is one
 
@@ -141,8 +183,18 @@ FLOORS = (
     ("nanolm.errors", "nanolm.base"),  # the ground floor: what every room writes and reads through
     ("nanolm.precision",),  # the number formats, in which the machine's peaks are stated
     ("nanolm.machine",),  # the device, its peaks, threads and the process's settings
-    ("nanolm.tokenizer", "nanolm.batches", "nanolm.fused_loss", "nanolm.model", "nanolm.optim", "nanolm.distributed",
-     "nanolm.step", "nanolm.checkpoint", "nanolm.evaluate", "nanolm.sample"),  # the course, up to one step
+    (
+        "nanolm.tokenizer",
+        "nanolm.batches",
+        "nanolm.fused_loss",
+        "nanolm.model",
+        "nanolm.optim",
+        "nanolm.distributed",
+        "nanolm.step",
+        "nanolm.checkpoint",
+        "nanolm.evaluate",
+        "nanolm.sample",
+    ),  # the course, up to one step
     ("nanolm.watch",),
     ("nanolm.data",),
     ("nanolm.run",),
@@ -192,16 +244,23 @@ def _import_graph() -> dict[str, set[str]]:
 def _floor(module: str) -> int | None:
     if module == "nanolm":
         return 0  # the package's own __init__: the version and the one exception
-    return next((i for i, floor in enumerate(FLOORS) for room in floor
-                 if module == room or module.startswith(room + ".")), None)
+    return next(
+        (i for i, floor in enumerate(FLOORS) for room in floor if module == room or module.startswith(room + ".")), None
+    )
 
 
 def test_every_import_runs_down_the_house_or_along_its_floor():
     graph = _import_graph()
     unplaced = sorted(m for m in graph if _floor(m) is None)
-    assert not unplaced, f"modules on no floor of tests/test_layout.py's FLOORS (place them, and say why in docs/usage.md): {unplaced}"
-    upward = sorted(f"{m} (floor {_floor(m)}) imports {t} (floor {_floor(t)})"
-                    for m, targets in graph.items() for t in targets if _floor(t) > _floor(m))
+    assert not unplaced, (
+        f"modules on no floor of tests/test_layout.py's FLOORS (place them, and say why in docs/usage.md): {unplaced}"
+    )
+    upward = sorted(
+        f"{m} (floor {_floor(m)}) imports {t} (floor {_floor(t)})"
+        for m, targets in graph.items()
+        for t in targets
+        if _floor(t) > _floor(m)
+    )
     assert not upward, "imports that run back up the house:\n" + "\n".join(upward)
 
 
@@ -213,7 +272,7 @@ def test_no_module_imports_itself_through_a_circle():
         path.append(module)
         for target in sorted(graph[module]):
             if state.get(target) == "open":
-                raise AssertionError("an import circle: " + " -> ".join(path[path.index(target):] + [target]))
+                raise AssertionError("an import circle: " + " -> ".join(path[path.index(target) :] + [target]))
             if target not in state:
                 visit(target)
         path.pop()
@@ -229,11 +288,16 @@ def test_the_house_check_sees_an_import_inside_a_function_or_the_script_block(tm
     at the top, only later), and so does one in a ``__main__`` block (``python -m nanolm.train``
     runs it); only names for annotations (``if TYPE_CHECKING:``) do not."""
     module = tmp_path / "probe.py"
-    module.write_text("from typing import TYPE_CHECKING\n\ndef late():\n    from nanolm.run.final import load_run\n\n"
-                      "if TYPE_CHECKING:\n    from nanolm.train import Run\n\n"
-                      "if __name__ == '__main__':\n    from nanolm.instruments.cli import entry\n", encoding="utf-8")
-    assert _imports_of(module, set(_import_graph()), name="nanolm.probe") == {"nanolm.run.final",
-                                                                             "nanolm.instruments.cli"}
+    module.write_text(
+        "from typing import TYPE_CHECKING\n\ndef late():\n    from nanolm.run.final import load_run\n\n"
+        "if TYPE_CHECKING:\n    from nanolm.train import Run\n\n"
+        "if __name__ == '__main__':\n    from nanolm.instruments.cli import entry\n",
+        encoding="utf-8",
+    )
+    assert _imports_of(module, set(_import_graph()), name="nanolm.probe") == {
+        "nanolm.run.final",
+        "nanolm.instruments.cli",
+    }
 
 
 def test_python_m_of_a_course_module_runs_the_command_without_importing_the_command_line():
@@ -249,8 +313,9 @@ def test_the_readmes_tree_names_every_file_of_the_package_and_nothing_else():
     and a line for a file that moved sends them to a door that is not there."""
     tree = _readme_tree()
     package = {p.relative_to(REPO).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
-    package |= {p.relative_to(REPO).as_posix() + "/" for p in PACKAGE.rglob("*") if p.is_dir()
-                and p.name != "__pycache__"}
+    package |= {
+        p.relative_to(REPO).as_posix() + "/" for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"
+    }
     listed = {path for path in tree if path.startswith("nanolm/") and path != "nanolm/"}
     assert sorted(package - listed) == [], "files of nanolm/ the README's tree does not show"
     assert sorted(listed - package) == [], "lines of the README's tree for files that do not exist"
@@ -270,8 +335,12 @@ def test_the_course_names_import_from_nanolm_train_as_the_week_writes_them():
     from nanolm.optim import get_param_groups
     from nanolm.step import cosine_lr
 
-    for name, real in (("get_batch", get_batch), ("estimate_loss", estimate_loss), ("cosine_lr", cosine_lr),
-                       ("get_param_groups", get_param_groups)):
+    for name, real in (
+        ("get_batch", get_batch),
+        ("estimate_loss", estimate_loss),
+        ("cosine_lr", cosine_lr),
+        ("get_param_groups", get_param_groups),
+    ):
         assert getattr(train_module, name) is real, name
     assert callable(train_module.train)
 

@@ -247,7 +247,7 @@ def test_rope_equals_the_textbook_rotate_half_formula_bit_for_bit():
     angles = torch.outer(torch.arange(T, dtype=torch.float64), inv_freq).repeat(1, 2)
     assert torch.equal(cos, angles.cos().float())
     x = torch.randn(2, 3, T, D)
-    rotate_half = torch.cat([-x[..., D // 2:], x[..., : D // 2]], dim=-1)
+    rotate_half = torch.cat([-x[..., D // 2 :], x[..., : D // 2]], dim=-1)
     assert torch.equal(apply_rope(x, cos, sin), x * angles.cos().float() + rotate_half * angles.sin().float())
 
 
@@ -334,7 +334,11 @@ def test_projections_into_the_residual_stream_start_smaller_by_sqrt_of_twice_the
     0.02 / sqrt(2 · n_layer), the rest at 0.02 (GPT-2's scheme)."""
     model = tiny_model(n_layer=8, n_embd=128, n_head=4)
     residual = [p for n, p in model.named_parameters() if n.endswith(("attn.proj.weight", "mlp.down.weight"))]
-    others = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.endswith(("attn.proj.weight", "mlp.down.weight"))]
+    others = [
+        p
+        for n, p in model.named_parameters()
+        if p.dim() == 2 and not n.endswith(("attn.proj.weight", "mlp.down.weight"))
+    ]
     assert len(residual) == 16
     assert torch.cat([p.flatten() for p in residual]).std().item() == pytest.approx(0.02 / 4, rel=0.02)
     assert torch.cat([p.flatten() for p in others]).std().item() == pytest.approx(0.02, rel=0.02)

@@ -18,30 +18,65 @@ def _tool():
 
 
 def test_the_score_is_the_killed_share_of_the_mutants_not_listed_as_equivalent():
-    status = {"m1": "killed", "m2": "timeout", "m3": "survived", "m4": "survived", "m5": "no tests",
-              "m6": "caught by type check"}
+    status = {
+        "m1": "killed",
+        "m2": "timeout",
+        "m3": "survived",
+        "m4": "survived",
+        "m5": "no tests",
+        "m6": "caught by type check",
+    }
     tally = _tool().tally_mutants(status, {"m4": "does the same"})
-    assert tally == {"mutants": 6, "killed": 3, "equivalent": 1, "timeouts": 1, "survived": ["m3"], "untested": ["m5"],
-                     "score": 60.0}
+    assert tally == {
+        "mutants": 6,
+        "killed": 3,
+        "equivalent": 1,
+        "timeouts": 1,
+        "survived": ["m3"],
+        "untested": ["m5"],
+        "score": 60.0,
+    }
     assert _tool().tally_mutants({}, {})["score"] is None
 
 
 def test_a_recheck_keeps_the_earlier_verdicts_and_counts_a_survivor_listed_since_as_equivalent():
-    earlier = {"mutants": 11, "killed": 6, "equivalent": 1, "timeouts": 1, "survived": ["a", "b", "c"],
-               "untested": ["d"]}
+    earlier = {
+        "mutants": 11,
+        "killed": 6,
+        "equivalent": 1,
+        "timeouts": 1,
+        "survived": ["a", "b", "c"],
+        "untested": ["d"],
+    }
     rerun = {"a": "killed", "c": "survived", "d": "no tests", "zz": "not checked"}  # zz: a mutant not run again
     tally = _tool().tally_mutants(rerun, {"b": "found equivalent since"}, earlier, names=["a", "c", "d"])
-    assert tally == {"mutants": 11, "killed": 7, "equivalent": 2, "timeouts": 1, "survived": ["c"], "untested": ["d"],
-                     "score": 77.8}  # 7 of 9
+    assert tally == {
+        "mutants": 11,
+        "killed": 7,
+        "equivalent": 2,
+        "timeouts": 1,
+        "survived": ["c"],
+        "untested": ["d"],
+        "score": 77.8,
+    }  # 7 of 9
 
 
 def test_a_recheck_needs_the_very_source_it_rechecks(tmp_path):
     tool = _tool()
-    earlier = {"module": "nanolm/base/lock.py", "program_sha256": "0" * 16, "survived": [], "untested": [], "killed": 1,
-               "equivalent": 0, "timeouts": 0}
+    earlier = {
+        "module": "nanolm/base/lock.py",
+        "program_sha256": "0" * 16,
+        "survived": [],
+        "untested": [],
+        "killed": 1,
+        "equivalent": 0,
+        "timeouts": 0,
+    }
     with pytest.raises(SystemExit, match="changed since the run being rechecked"):
         tool.score("nanolm/base/lock.py", ("tests/test_run_lock.py",), 1, False, 15.0, earlier)
-    assert tool.source_digest("nanolm/base/lock.py") != "0" * 16 and len(tool.source_digest("nanolm/base/lock.py")) == 16
+    assert (
+        tool.source_digest("nanolm/base/lock.py") != "0" * 16 and len(tool.source_digest("nanolm/base/lock.py")) == 16
+    )
 
 
 def test_a_recheck_outlives_a_reformat_but_not_an_edit_of_the_code(tmp_path, monkeypatch):
@@ -71,8 +106,9 @@ def test_every_listed_equivalent_still_describes_the_code_it_was_read_in():
 
     pins = read_toml(tool.EQUIVALENT)
     assert pins and all(module in tool.MODULES for module in pins)
-    stale = [(module, pin) for module, table in pins.items() for pin in table
-             if not tool.pin_describes_code(module, pin)]
+    stale = [
+        (module, pin) for module, table in pins.items() for pin in table if not tool.pin_describes_code(module, pin)
+    ]
     assert stale == []
     assert not tool.pin_describes_code("nanolm/base/lock.py", "RunLock.release: `no such code` -> `x`")
     assert not tool.pin_describes_code("nanolm/base/lock.py", "RunLock.unheard_of: `and` -> `or`")
@@ -84,7 +120,9 @@ def _edited_elsewhere(source: str, function: str) -> list[str]:
     at its top (which shifts mutmut's numbers of every mutant below), the file reformatted."""
     import black
 
-    added_above = source.replace(f"\ndef {function}(", f"\ndef _unrelated(x):\n    return x + 1\n\n\ndef {function}(", 1)
+    added_above = source.replace(
+        f"\ndef {function}(", f"\ndef _unrelated(x):\n    return x + 1\n\n\ndef {function}(", 1
+    )
     body = source.index(":\n", source.index(f"\ndef {function}(")) + 2
     docstring_end = source.index('"""', source.index('"""', body) + 3) + 3
     statement_at_top = source[:docstring_end] + "\n    _unused = 3 * 2" + source[docstring_end:]
@@ -109,8 +147,10 @@ def test_a_mutant_keeps_its_name_through_an_edit_elsewhere_while_mutmuts_number_
 
 def test_a_listed_change_names_its_mutant_and_one_gone_is_reported():
     tool = _tool()
-    changes = {"m.x_f__mutmut_1": ["f: `and` -> `or`", "f: `a and b` -> `a or b`"],
-               "m.x_f__mutmut_2": ["f: `1` -> `2`"]}
+    changes = {
+        "m.x_f__mutmut_1": ["f: `and` -> `or`", "f: `a and b` -> `a or b`"],
+        "m.x_f__mutmut_2": ["f: `1` -> `2`"],
+    }
     named, stale = tool.equivalent_mutants(changes, {"f: `a and b` -> `a or b`": "why", "f: `3` -> `4`": "gone"})
     assert named == {"m.x_f__mutmut_1": "why"} and stale == ["f: `3` -> `4`"]
     assert tool._function_name("nanolm.base.lock.xǁRunLockǁrelease__mutmut_12") == "RunLock.release"

@@ -19,8 +19,15 @@ from nanolm.watch.observer import Observer, ObserverOptions, is_stats_step
 from nanolm.watch.sinks import read_metrics
 
 
-def _observer(tmp_path, precision="fp32", peak=(2.5e12, "measured"), optimizer=None, evaluates=lambda s: s % 8 == 0,
-              cfg=None, **train) -> Observer:
+def _observer(
+    tmp_path,
+    precision="fp32",
+    peak=(2.5e12, "measured"),
+    optimizer=None,
+    evaluates=lambda s: s % 8 == 0,
+    cfg=None,
+    **train,
+) -> Observer:
     cfg = cfg or RunConfig()
     cfg.train.steps, cfg.train.log_every, cfg.train.stats_every, cfg.train.batch_size = 40, 10, 0, 3
     cfg.model.seq_len = 32
@@ -28,17 +35,27 @@ def _observer(tmp_path, precision="fp32", peak=(2.5e12, "measured"), optimizer=N
         setattr(cfg.train, k, v)
     said = []
     model = tiny_model()
-    observer = Observer(ObserverOptions.from_config(cfg, tokens_per_step=3 * 32), dist=Distributed(), out_dir=tmp_path,
-                        model=model,
-                        precision=resolve_precision(precision, torch.device("cpu")),
-                        scaler=DynamicLossScaler(enabled=precision == "fp16"), progress=Progress(),
-                        evaluates=evaluates, peak=peak, log=said.append, optimizer=optimizer)
+    observer = Observer(
+        ObserverOptions.from_config(cfg, tokens_per_step=3 * 32),
+        dist=Distributed(),
+        out_dir=tmp_path,
+        model=model,
+        precision=resolve_precision(precision, torch.device("cpu")),
+        scaler=DynamicLossScaler(enabled=precision == "fp16"),
+        progress=Progress(),
+        evaluates=evaluates,
+        peak=peak,
+        log=said.append,
+        optimizer=optimizer,
+    )
     observer.said = said
     return observer
 
 
-@pytest.mark.parametrize("step, every, due", [(1, 5, True), (5, 5, True), (10, 5, True), (4, 5, False), (1, 0, False),
-                                              (5, 0, False), (2, 1, True)])
+@pytest.mark.parametrize(
+    "step, every, due",
+    [(1, 5, True), (5, 5, True), (10, 5, True), (4, 5, False), (1, 0, False), (5, 0, False), (2, 1, True)],
+)
 def test_per_layer_statistics_come_after_the_first_update_and_every_stats_every_steps(step, every, due):
     assert is_stats_step(step, every) is due
 
@@ -56,7 +73,8 @@ def test_mfu_is_measured_against_a_named_peak_and_said_once(tmp_path):
     flops = observer.model.flops_per_token() / 1e6
     assert observer.describe_mfu() == f"MFU: {flops:.2f} MFLOP per token, against 2.5 TFLOP/s (measured)"
     assert _observer(tmp_path, peak=(None, "unknown CPU")).describe_mfu() == (
-        f"MFU: {flops:.2f} MFLOP per token, against no peak (unknown CPU)")
+        f"MFU: {flops:.2f} MFLOP per token, against no peak (unknown CPU)"
+    )
     assert observer.options.tokens_per_step == 3 * 32 and observer.peak == 2.5e12
 
 
@@ -67,14 +85,26 @@ def test_the_step_0_row_records_the_recipe_as_run(tmp_path):
     o = cfg.optim
     o.schedule, o.warmup, o.decay_fraction, o.weight_decay = "wsd", 4, 0.25, 0.1
     recipe = _observer(tmp_path, cfg=cfg).recipe()
-    assert recipe == {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": 4, "beta1": o.beta1, "beta2": o.beta2,
-                      "weight_decay": 0.1, "clip": o.clip, "optimizer": o.optimizer, "schedule": "wsd",
-                      "decay_start_step": wsd_decay_start(4, 40, 0.25) + 1, "decay_end_step": 41}
+    assert recipe == {
+        "peak_lr": o.lr,
+        "min_lr": o.min_lr,
+        "warmup_steps": 4,
+        "beta1": o.beta1,
+        "beta2": o.beta2,
+        "weight_decay": 0.1,
+        "clip": o.clip,
+        "optimizer": o.optimizer,
+        "schedule": "wsd",
+        "decay_start_step": wsd_decay_start(4, 40, 0.25) + 1,
+        "decay_end_step": 41,
+    }
     o.schedule, o.optimizer = "cosine", "muon"
     observer = _observer(tmp_path, cfg=cfg)
     recipe = observer.recipe()
-    assert "decay_start_step" not in recipe and (recipe["muon_lr"], recipe["muon_momentum"]) == (o.muon_lr,
-                                                                                                 o.muon_momentum)
+    assert "decay_start_step" not in recipe and (recipe["muon_lr"], recipe["muon_momentum"]) == (
+        o.muon_lr,
+        o.muon_momentum,
+    )
     model = observer.model
     decayed_everything = torch.optim.AdamW([{"params": list(model.parameters()), "weight_decay": 0.1}])
     observer.optimizer = decayed_everything
@@ -85,8 +115,9 @@ def test_the_step_0_row_records_the_recipe_as_run(tmp_path):
 
 
 def _result(step, loss=2.0, updated=True, read=None):
-    return StepResult(step=step, lr=1e-3, loss=torch.tensor(loss), grad_norm=torch.tensor(0.5), updated=updated,
-                      read=read)
+    return StepResult(
+        step=step, lr=1e-3, loss=torch.tensor(loss), grad_norm=torch.tensor(0.5), updated=updated, read=read
+    )
 
 
 def test_a_logged_step_reads_its_figures_once_and_a_quiet_step_returns_nothing(tmp_path):
@@ -115,8 +146,9 @@ def test_a_non_finite_loss_stops_a_run_whose_guard_reads_no_step(tmp_path):
     assert math.isnan(observer.observe(_result(1, loss=math.nan))["loss"])
 
 
-@pytest.mark.parametrize("target, val_bpb, reached", [(0.0, 0.5, False), (1.0, 1.0, True), (1.0, 1.01, False),
-                                                     (1.0, None, False)])
+@pytest.mark.parametrize(
+    "target, val_bpb, reached", [(0.0, 0.5, False), (1.0, 1.0, True), (1.0, 1.01, False), (1.0, None, False)]
+)
 def test_the_target_is_reached_at_an_evaluation_at_or_below_it(tmp_path, target, val_bpb, reached):
     observer = _observer(tmp_path, target_val_bpb=target)
     row = {"step": 8} if val_bpb is None else {"step": 8, "val_bpb": val_bpb}
@@ -147,18 +179,33 @@ def test_gradients_are_watched_on_statistics_steps_and_for_fp16_underflow_on_log
 def test_the_observers_options_are_the_configurations_once():
     cfg = RunConfig()
     t = cfg.train
-    t.steps, t.log_every, t.stats_every, t.log, t.progress, t.seed, t.target_val_bpb = 77, 7, 11, \
-        "tensorboard, wandb,tensorboard", "bar", 5, 1.25
+    t.steps, t.log_every, t.stats_every, t.log, t.progress, t.seed, t.target_val_bpb = (
+        77,
+        7,
+        11,
+        "tensorboard, wandb,tensorboard",
+        "bar",
+        5,
+        1.25,
+    )
     options = ObserverOptions.from_config(cfg, tokens_per_step=1234)
-    assert (options.steps, options.tokens_per_step, options.log_every, options.stats_every, options.sinks,
-            options.progress, options.seed, options.target_val_bpb) == (77, 1234, 7, 11, ("tensorboard", "wandb"),
-                                                                      "bar", 5, 1.25)
+    assert (
+        options.steps,
+        options.tokens_per_step,
+        options.log_every,
+        options.stats_every,
+        options.sinks,
+        options.progress,
+        options.seed,
+        options.target_val_bpb,
+    ) == (77, 1234, 7, 11, ("tensorboard", "wandb"), "bar", 5, 1.25)
     assert options.config == cfg.to_dict() and options.loss_read_every_step is True  # the default guard rolls back
 
 
 def _result_with(watch):
-    return StepResult(step=10, lr=1e-3, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), updated=True, read=None,
-                      watch=watch)
+    return StepResult(
+        step=10, lr=1e-3, loss=torch.tensor(2.0), grad_norm=torch.tensor(0.5), updated=True, read=None, watch=watch
+    )
 
 
 def test_fp16s_underflow_is_read_from_the_gradients_at_the_scale_backward_ran_at(tmp_path):
@@ -172,8 +219,10 @@ def test_fp16s_underflow_is_read_from_the_gradients_at_the_scale_backward_ran_at
     watch = GradientWatch(model, None, underflow=True, scaler=scaler)
     watch.capture()
     figures = watch.after_update()
-    assert figures == {"grad_zero_frac": grad_zero_fraction(model.parameters()).item(),
-                       "grad_subnormal_frac": grad_subnormal_fraction(model.parameters(), scaler.loss_scale).item()}
+    assert figures == {
+        "grad_zero_frac": grad_zero_fraction(model.parameters()).item(),
+        "grad_subnormal_frac": grad_subnormal_fraction(model.parameters(), scaler.loss_scale).item(),
+    }
     assert 0 < figures["grad_zero_frac"] < 1 and figures["grad_subnormal_frac"] > 0
     unscaled = GradientWatch(model, None, underflow=True, scaler=None)  # no scaler: a scale of 1
     unscaled.capture()
@@ -193,8 +242,10 @@ def test_a_shipped_recipes_run_is_announced_judged_and_recorded_with_its_referen
 
     observer.band = BandWatch(reference, observer.options.seed)
     observer.start(evaluation={"val_loss": 99.0, "val_bpb": 9.0})
-    assert observer.said[0] == (f"reference: this is {reference.describe()}; each evaluation says whether the "
-                                f"validation loss is inside its band")
+    assert observer.said[0] == (
+        f"reference: this is {reference.describe()}; each evaluation says whether the "
+        f"validation loss is inside its band"
+    )
     observer.close()
     row = read_metrics(tmp_path / "metrics.jsonl")[0]
     keys = {k: v for k, v in reference.setup["run"].items() if k != "val_windows"}
@@ -215,8 +266,10 @@ def test_a_shipped_recipes_run_is_announced_judged_and_recorded_with_its_referen
     unknown.setup = {**reference.setup, "run": {**reference.setup["run"], "steps": 3}}
     unknown.start()
     assert unknown.said == [no_reference_line(unknown.setup)]
-    assert unknown.reference_keys() == {"setup_digest": setup_digest(unknown.setup),
-                                        **{k: v for k, v in unknown.setup["run"].items() if k != "val_windows"}}
+    assert unknown.reference_keys() == {
+        "setup_digest": setup_digest(unknown.setup),
+        **{k: v for k, v in unknown.setup["run"].items() if k != "val_windows"},
+    }
     unknown.close()
 
 

@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 import torch.nn as nn
@@ -75,8 +74,9 @@ def test_cosine_lr_warms_up_linearly_then_decays_to_min_lr():
 
 
 def test_wsd_lr_holds_the_peak_then_decays_in_a_straight_line_to_min_lr_over_the_last_fraction():
-    lrs = [wsd_lr(s, max_lr=1.0, warmup_steps=10, total_steps=100, min_lr=0.1, decay_fraction=0.3)
-           for s in range(1, 121)]  # lrs[i]: step i + 1
+    lrs = [
+        wsd_lr(s, max_lr=1.0, warmup_steps=10, total_steps=100, min_lr=0.1, decay_fraction=0.3) for s in range(1, 121)
+    ]  # lrs[i]: step i + 1
     assert lrs[:10] == [cosine_lr(s, 1.0, 10, 100, 0.1) for s in range(1, 11)]  # the same warmup as the cosine
     assert lrs[10:71] == [1.0] * 61  # stable: the peak until the decay starts at step 100 - 30
     assert lrs[85] == pytest.approx(0.55)  # half-way down the line: the midpoint of 1.0 and 0.1
@@ -151,11 +151,15 @@ def test_a_muon_update_is_orthogonal_and_the_size_of_an_adamw_update_at_the_same
 
 
 @muon
-@pytest.mark.parametrize("options", [
-    dict(adjust_lr_fn="match_rms_adamw"),
-    dict(adjust_lr_fn="original", nesterov=False, momentum=0.9),
-    dict(adjust_lr_fn=None, weight_decay=0.0),
-], ids=["match_rms_adamw", "original_no_nesterov", "default_no_decay"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(adjust_lr_fn="match_rms_adamw"),
+        dict(adjust_lr_fn="original", nesterov=False, momentum=0.9),
+        dict(adjust_lr_fn=None, weight_decay=0.0),
+    ],
+    ids=["match_rms_adamw", "original_no_nesterov", "default_no_decay"],
+)
 @pytest.mark.parametrize("small_batches", [False, True])
 def test_grouped_muon_takes_the_steps_of_torch_muon(options, small_batches, monkeypatch):
     """Orthogonalising the matrices of one shape together is the same algorithm as PyTorch's
@@ -171,8 +175,10 @@ def test_grouped_muon_takes_the_steps_of_torch_muon(options, small_batches, monk
     def groups():
         torch.manual_seed(0)
         matrices = [nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
-        return [{"params": matrices[:5]},
-                {"params": matrices[5:], "lr": 1e-2, "weight_decay": 0.05, "momentum": 0.8, "nesterov": True}]
+        return [
+            {"params": matrices[:5]},
+            {"params": matrices[5:], "lr": 1e-2, "weight_decay": 0.05, "momentum": 0.8, "nesterov": True},
+        ]
 
     defaults = dict(lr=3e-2, weight_decay=0.1) | options
     ours, theirs = groups(), groups()
@@ -194,13 +200,15 @@ def test_grouped_muon_takes_the_steps_of_torch_muon(options, small_batches, monk
     ours_state, theirs_state = grouped.state_dict(), reference.state_dict()
     assert ours_state["param_groups"] == theirs_state["param_groups"]
     for i in range(len(shapes)):
-        torch.testing.assert_close(ours_state["state"][i]["momentum_buffer"],
-                                   theirs_state["state"][i]["momentum_buffer"], rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(
+            ours_state["state"][i]["momentum_buffer"], theirs_state["state"][i]["momentum_buffer"], rtol=1e-3, atol=1e-5
+        )
     resumed = GroupedMuon(groups(), **defaults)  # a checkpoint of PyTorch's Muon resumes here
     resumed.load_state_dict(theirs_state)
     for i in range(len(shapes)):
-        assert torch.equal(resumed.state_dict()["state"][i]["momentum_buffer"],
-                           theirs_state["state"][i]["momentum_buffer"])
+        assert torch.equal(
+            resumed.state_dict()["state"][i]["momentum_buffer"], theirs_state["state"][i]["momentum_buffer"]
+        )
 
 
 @muon
@@ -211,8 +219,9 @@ def test_muon_orthogonalises_in_fp32_on_a_cpu_without_native_bf16(monkeypatch):
 
     seen = []
     iteration = nanolm.optim.newton_schulz_batched
-    monkeypatch.setattr(nanolm.optim, "newton_schulz_batched",
-                        lambda x, *args: seen.append(args[-1]) or iteration(x, *args))
+    monkeypatch.setattr(
+        nanolm.optim, "newton_schulz_batched", lambda x, *args: seen.append(args[-1]) or iteration(x, *args)
+    )
     monkeypatch.setattr("nanolm.precision.cpu_has_native_bf16", lambda: False)
     torch.manual_seed(0)
     ours = [nn.Parameter(torch.randn(40, 16) * 0.02), nn.Parameter(torch.randn(16, 16) * 0.02)]

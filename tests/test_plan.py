@@ -8,6 +8,9 @@ from conftest import tiny_run_config
 
 import nanolm.model
 from nanolm.instruments.cli import main
+from nanolm.model import GPT, GPTConfig
+from nanolm.optim import muon_available
+from nanolm.precision import cast_weights_
 from nanolm.run.plan import (
     PRESETS,
     activation_bytes_per_token,
@@ -17,9 +20,6 @@ from nanolm.run.plan import (
     memory_per_gpu,
     parse_count,
 )
-from nanolm.model import GPT, GPTConfig
-from nanolm.optim import muon_available
-from nanolm.precision import cast_weights_
 
 SHAPES = [
     dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, n_embd=32),
@@ -43,11 +43,11 @@ def test_parameters_and_flops_equal_the_real_models(shape):
 
 def test_hand_worked_124m():
     c = GPTConfig(**PRESETS["124m"])
-    embedding = 50304 * 768                             # 38,633,472 (tied with the head)
-    block = 4 * 768**2 + 2 * 768 * 3072 + 2 * 768       # 2,359,296 + 4,718,592 + 1,536 = 7,079,424
+    embedding = 50304 * 768  # 38,633,472 (tied with the head)
+    block = 4 * 768**2 + 2 * 768 * 3072 + 2 * 768  # 2,359,296 + 4,718,592 + 1,536 = 7,079,424
     assert count_parameters(c) == embedding + 12 * block + 768 == 123_587_328
     matmuls = 12 * (4 * 768**2 + 2 * 768 * 3072) + 50304 * 768  # 123,568,128
-    attention = 12 * 12 * 1024 * 768                              # 113,246,208
+    attention = 12 * 12 * 1024 * 768  # 113,246,208
     assert flops_per_token(c) == 6 * matmuls + attention == 854_654_976
     # bf16 activations per token: per layer 16·768+8 (norms) + 7·2·768+4·12 (attention)
     # + 2·768 + 2·2·3072 (GELU MLP) = 36,920; head 8·768+4 + 4·768 + 8 = 9,228 (the logits are
@@ -66,8 +66,8 @@ def test_hand_worked_124m():
 def test_hand_worked_7b_on_8_gpus_with_fsdp():
     c = GPTConfig(**PRESETS["7b"])
     assert c.mlp_hidden == 10944  # 8·4096/3 = 10922.7, rounded up to a multiple of 32
-    block = 4 * 4096**2 + 3 * 4096 * 10944 + 2 * 4096   # 201,596,928
-    n = 2 * 32000 * 4096 + 32 * block + 4096             # untied: embedding and head
+    block = 4 * 4096**2 + 3 * 4096 * 10944 + 2 * 4096  # 201,596,928
+    n = 2 * 32000 * 4096 + 32 * block + 4096  # untied: embedding and head
     assert count_parameters(c) == n == 6_713_249_792
     m = memory_per_gpu(c, "bf16", "fsdp", gpus=8, micro_batch=1)
     assert m["weights"] == m["gradients"] == 4 * n / 8 and m["optimizer"] == 8 * n / 8  # 16 bytes/param ÷ 8
@@ -97,9 +97,13 @@ def _kept_for_backward(model: GPT, batch: int, precision: str) -> int:
             kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    idx = torch.randint(model.config.vocab_size, (batch, model.config.seq_len), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
+    idx = torch.randint(
+        model.config.vocab_size, (batch, model.config.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"),
+    ):
         model(idx, targets=idx, reduction="sum")
     return sum(kept.values())
 
@@ -120,7 +124,9 @@ def test_activation_bytes_equal_what_autograd_keeps(shape, precision, monkeypatc
         if precision == "bf16-pure":
             cast_weights_(model, torch.bfloat16)
         T = model.config.seq_len
-        per_token[n_layer] = (_kept_for_backward(model, 4, precision) - _kept_for_backward(model, 2, precision)) / (2 * T)
+        per_token[n_layer] = (_kept_for_backward(model, 4, precision) - _kept_for_backward(model, 2, precision)) / (
+            2 * T
+        )
     layer, head, _ = activation_bytes_per_token(model.config, precision)
     assert per_token[2] - per_token[1] == layer
     assert per_token[1] - layer == head
@@ -136,12 +142,18 @@ def test_plan_command_prints_every_figure(capsys):
     for text in ("6.71B", "FLOPs", "weights (fp32 ÷ 8 GPUs)", "AdamW state", "activations", "with AC", "days"):
         assert text in out
     figures = json.loads(out.strip().splitlines()[-1])
-    assert figures["parameters"] == 6_713_249_792 and figures["gpu"]["bf16"] == 989.4e12 and figures["peak_flops"] == 989.4e12
+    assert (
+        figures["parameters"] == 6_713_249_792
+        and figures["gpu"]["bf16"] == 989.4e12
+        and figures["peak_flops"] == 989.4e12
+    )
 
 
 def test_plan_reads_a_run_config(capsys, tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text("[model]\nn_layer = 6\nn_embd = 192\nn_head = 6\n[data]\nvocab_size = 300\n[train]\nbatch_size = 8\n")
+    path.write_text(
+        "[model]\nn_layer = 6\nn_embd = 192\nn_head = 6\n[data]\nvocab_size = 300\n[train]\nbatch_size = 8\n"
+    )
     assert main(["plan", "--config", str(path)]) == 0
     expected = GPT(GPTConfig(vocab_size=300, n_layer=6, n_embd=192, n_head=6)).num_params()
     assert f"({expected:,};" in capsys.readouterr().out
@@ -156,8 +168,8 @@ def test_plan_refuses_what_cannot_run(capsys):
 def test_muon_state_is_counted_as_one_momentum_per_hidden_matrix_weight():
     """The memory check is a lower bound: under --optimizer muon the hidden matrices hold one
     fp32 momentum (4 bytes), not AdamW's two moments, and exactly the parameters Muon takes."""
-    from nanolm.run.plan import hidden_matrix_parameters
     from nanolm.optim import split_for_muon
+    from nanolm.run.plan import hidden_matrix_parameters
 
     c = GPTConfig(vocab_size=512, seq_len=64, n_layer=3, n_head=4, n_embd=128)
     assert hidden_matrix_parameters(c) == sum(p.numel() for p in split_for_muon(GPT(c)))
@@ -191,7 +203,7 @@ def test_nanolm_plan_counts_the_optimizer_of_the_config(capsys):
     assert main(["plan", "--config", config, "--json"]) == 0
     out = capsys.readouterr().out
     assert "Muon + AdamW state" in out
-    figures = json.loads(out[out.index("{"):])
+    figures = json.loads(out[out.index("{") :])
     c = GPTConfig(vocab_size=8192, seq_len=64, n_layer=3, n_head=4, n_embd=128)
     assert figures["memory"]["optimizer"] == memory_per_gpu(c, "bf16", "none", optimizer="muon")["optimizer"]
     assert main(["plan", "--config", config, "--optimizer", "adamw"]) == 0

@@ -17,17 +17,25 @@ LAUNCHER = REPO / "tests" / "windows_like.py"
 
 
 def _windows_like(*args, timeout=300, **popen) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(LAUNCHER), *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, timeout=timeout, **popen)
+    return subprocess.run(
+        [sys.executable, str(LAUNCHER), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        **popen,
+    )
 
 
 def test_nanolm_imports_nothing_posix_only():
     """Every module of the package, instruments included, imports without a POSIX-only module."""
-    code = ("import importlib, pkgutil, nanolm, sys\n"
-            "names = [m.name for m in pkgutil.walk_packages(nanolm.__path__, 'nanolm.') if not m.name.endswith('__main__')]\n"
-            "for name in names: importlib.import_module(name)\n"
-            "from nanolm.base.lock import fcntl; assert fcntl is None, 'the lock still found fcntl'\n"
-            "print(len(names), 'modules')")
+    code = (
+        "import importlib, pkgutil, nanolm, sys\n"
+        "names = [m.name for m in pkgutil.walk_packages(nanolm.__path__, 'nanolm.') if not m.name.endswith('__main__')]\n"
+        "for name in names: importlib.import_module(name)\n"
+        "from nanolm.base.lock import fcntl; assert fcntl is None, 'the lock still found fcntl'\n"
+        "print(len(names), 'modules')"
+    )
     done = _windows_like("-c", code)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[0]) > 40
@@ -35,10 +43,13 @@ def test_nanolm_imports_nothing_posix_only():
 
 def test_the_launcher_refuses_what_windows_lacks():
     """The stand-in is not vacuous: nanolm's own import of ``fcntl`` fails under it."""
-    done = _windows_like("-c", "import nanolm.base.lock, sys\n"
-                               "sys.modules.pop('nanolm.base.lock')\n"
-                               "g = {'__name__': 'nanolm.probe'}\n"
-                               "exec('import fcntl', g)")
+    done = _windows_like(
+        "-c",
+        "import nanolm.base.lock, sys\n"
+        "sys.modules.pop('nanolm.base.lock')\n"
+        "g = {'__name__': 'nanolm.probe'}\n"
+        "exec('import fcntl', g)",
+    )
     assert done.returncode != 0 and "POSIX only; refused as on Windows" in done.stderr
 
 
@@ -47,18 +58,43 @@ def test_train_resume_and_a_second_writer_refused_without_posix_modules(tmp_path
     it, and a second writer on a live run is refused in one line naming the holder, with the
     lock taken by Windows' byte-range locking."""
     out = tmp_path / "run"
-    command = ["-m", "nanolm", "train", "--data", stories_file, "--out-dir", out, "--tokenizer", "char",
-               *TINY_TRAIN, "--log-every", "2", "--eval-every", "4", "--threads", "1"]
+    command = [
+        "-m",
+        "nanolm",
+        "train",
+        "--data",
+        stories_file,
+        "--out-dir",
+        out,
+        "--tokenizer",
+        "char",
+        *TINY_TRAIN,
+        "--log-every",
+        "2",
+        "--eval-every",
+        "4",
+        "--threads",
+        "1",
+    ]
     first = _windows_like(*command, "--steps", "4")
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = _windows_like(*command, "--steps", "6")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resum" in resumed.stdout.lower() + resumed.stderr.lower()
     assert load_toml(out / "config.toml")["train"]["steps"] == 6
-    holder = subprocess.Popen([sys.executable, str(LAUNCHER), "-c",
-                               "import sys, time; from nanolm.base.lock import RunLock; RunLock().take(sys.argv[1]); "
-                               "print('held', flush=True); time.sleep(600)", str(out)],
-                              stdout=subprocess.PIPE, text=True, cwd=REPO)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            str(LAUNCHER),
+            "-c",
+            "import sys, time; from nanolm.base.lock import RunLock; RunLock().take(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(600)",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         second = _windows_like(*command, "--steps", "8", "--lr", "1e-2")

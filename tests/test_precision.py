@@ -63,6 +63,7 @@ def _round_to_nearest(x, generator=None):
 
 # ---- bf16 weights: small updates ------------------------------------------------------------
 
+
 def _thousand_updates_of_a_thousandth(master_weights=False, seed=0, n=200):
     """A bf16 weight of 1.0 under 1,000 AdamW steps of exactly +0.001 each (constant gradient -1)."""
     w = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
@@ -156,8 +157,9 @@ def _operations_per_step(n_params, dtype, master_weights=False):
     return counts[-1]  # the first step also creates the state
 
 
-@pytest.mark.parametrize("dtype, master_weights", [(torch.float32, False), (torch.bfloat16, False),
-                                                   (torch.bfloat16, True)])
+@pytest.mark.parametrize(
+    "dtype, master_weights", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
 def test_an_optimizer_step_and_unscaling_cost_the_same_few_operations_for_4_or_40_parameters(dtype, master_weights):
     """``BF16AdamW`` and the loss scaler's unscaling update every parameter tensor in one
     ``torch._foreach_*`` call per operation (per device and dtype), not ~10 calls per tensor:
@@ -184,15 +186,19 @@ def test_every_allowed_seed_seeds_the_stochastic_rounding():
     assert seeds == [rounding_seed(*combo) for combo in combos]
 
 
-@pytest.mark.parametrize("precision, fp32_master, matmul, weights, master", [
-    ("fp32", False, torch.float32, torch.float32, None),
-    ("bf16", False, torch.bfloat16, torch.float32, None),
-    ("fp16", False, torch.float16, torch.float32, None),
-    ("bf16-pure", False, torch.bfloat16, torch.bfloat16, None),
-    ("bf16-pure", True, torch.bfloat16, torch.bfloat16, torch.float32),
-])
+@pytest.mark.parametrize(
+    "precision, fp32_master, matmul, weights, master",
+    [
+        ("fp32", False, torch.float32, torch.float32, None),
+        ("bf16", False, torch.bfloat16, torch.float32, None),
+        ("fp16", False, torch.float16, torch.float32, None),
+        ("bf16-pure", False, torch.bfloat16, torch.bfloat16, None),
+        ("bf16-pure", True, torch.bfloat16, torch.bfloat16, torch.float32),
+    ],
+)
 def test_matmuls_run_in_the_chosen_format_while_optimizer_state_stays_fp32(
-        tmp_path, stories_file, precision, fp32_master, matmul, weights, master):
+    tmp_path, stories_file, precision, fp32_master, matmul, weights, master
+):
     seen = {"matmul": set(), "weights": set(), "state": set(), "master": set()}
 
     def record_linear(module, args, output):
@@ -207,8 +213,10 @@ def test_matmuls_run_in_the_chosen_format_while_optimizer_state_stays_fp32(
                 seen["state"] |= {state[k].dtype for k in ("exp_avg", "exp_avg_sq")}
                 seen["master"] |= {state["master"].dtype} if "master" in state else set()
 
-    hooks = [torch.nn.modules.module.register_module_forward_hook(record_linear),
-             register_optimizer_step_post_hook(record_optimizer)]
+    hooks = [
+        torch.nn.modules.module.register_module_forward_hook(record_linear),
+        register_optimizer_step_post_hook(record_optimizer),
+    ]
     try:
         train(_cfg(stories_file, tmp_path / "run", precision, fp32_master, steps=2), log=lambda *_: None)
     finally:
@@ -219,6 +227,7 @@ def test_matmuls_run_in_the_chosen_format_while_optimizer_state_stays_fp32(
 
 
 # ---- fp16: loss scaling ---------------------------------------------------------------------
+
 
 def test_gradients_around_1e_8_underflow_in_fp16_without_loss_scaling_and_survive_with_it():
     fp16 = resolve_precision("fp16", torch.device("cpu"))
@@ -294,7 +303,8 @@ def test_the_loss_scaler_is_a_no_op_outside_fp16():
 
 
 def test_an_inf_gradient_under_fp16_skips_that_step_halves_the_scale_and_training_continues(
-        tmp_path, stories_file, monkeypatch):
+    tmp_path, stories_file, monkeypatch
+):
     real = step_module.accumulate_gradients
     calls, snapshot, unchanged = [], {}, []
 
@@ -310,7 +320,9 @@ def test_an_inf_gradient_under_fp16_skips_that_step_halves_the_scale_and_trainin
 
     monkeypatch.setattr(step_module, "accumulate_gradients", accumulate_with_an_inf_at_step_3)
     out = tmp_path / "run"
-    train(_cfg(stories_file, out, "fp16", steps=6, log_every=1, threads=1), log=lambda *_: None)  # a fixed count: --threads auto's trial runs (and discards) the step's pass too
+    train(
+        _cfg(stories_file, out, "fp16", steps=6, log_every=1, threads=1), log=lambda *_: None
+    )  # a fixed count: --threads auto's trial runs (and discards) the step's pass too
     rows = _train_rows(out)
     assert [r["skipped_steps"] for r in rows] == [0, 0, 1, 1, 1, 1]
     assert rows[2]["loss_scale"] == rows[1]["loss_scale"] / 2 == 2.0**15
@@ -336,16 +348,19 @@ def test_clipping_sees_unscaled_gradients_under_fp16(tmp_path, stories_file):
 
 # ---- whole runs ------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fp32_run(tmp_path_factory, stories_file):
     out = tmp_path_factory.mktemp("fp32") / "run"
     return train(_cfg(stories_file, out), log=lambda *_: None), out
 
 
-@pytest.mark.parametrize("precision, fp32_master", [("bf16", False), ("fp16", False), ("bf16-pure", False),
-                                                    ("bf16-pure", True)])
-def test_every_precision_trains_a_tiny_model_to_about_the_fp32_loss(tmp_path, stories_file, fp32_run,
-                                                                     precision, fp32_master):
+@pytest.mark.parametrize(
+    "precision, fp32_master", [("bf16", False), ("fp16", False), ("bf16-pure", False), ("bf16-pure", True)]
+)
+def test_every_precision_trains_a_tiny_model_to_about_the_fp32_loss(
+    tmp_path, stories_file, fp32_run, precision, fp32_master
+):
     reference, reference_dir = fp32_run
     start = read_metrics(reference_dir / "metrics.jsonl")[0]["val_loss"]
     result = train(_cfg(stories_file, tmp_path / "run", precision, fp32_master), log=lambda *_: None)
@@ -361,7 +376,8 @@ def _improvement(stories_file, out, precision="fp32", fp32_master=False):
 
 
 def test_small_learning_rates_train_bf16_weights_only_with_stochastic_rounding_or_a_master_copy(
-        tmp_path, stories_file, monkeypatch):
+    tmp_path, stories_file, monkeypatch
+):
     fp32 = _improvement(stories_file, tmp_path / "fp32")
     rounded = _improvement(stories_file, tmp_path / "sr", "bf16-pure")
     master = _improvement(stories_file, tmp_path / "master", "bf16-pure", fp32_master=True)
@@ -374,12 +390,11 @@ def test_small_learning_rates_train_bf16_weights_only_with_stochastic_rounding_o
 
 # ---- choosing a precision --------------------------------------------------------------------
 
+
 def test_auto_is_bf16_only_where_the_hardware_multiplies_it_natively(monkeypatch):
     """bf16 on a CPU or GPU with native bf16 (measured: both speedrun targets sooner, the same
     final loss); fp16 with loss scaling on a GPU whose tensor cores are fp16 only (T4, V100);
     fp32 elsewhere: emulated bf16 is slower than fp32."""
-    import nanolm.precision as precision_module
-
     for native, name in ((True, "bf16"), (False, "fp32")):
         monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: native)
         cpu = resolve_precision("auto", torch.device("cpu"))
@@ -411,18 +426,41 @@ def test_a_precision_that_autocast_would_silently_ignore_is_an_error(monkeypatch
         resolve_precision("fp16", torch.device("cpu"))
 
 
-TINY_CLI = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "16",
-            "--batch-size", "4", "--eval-batches", "2", "--steps", "4", "--log-every", "2", "--sample-tokens", "8"]
+TINY_CLI = [
+    "--tokenizer",
+    "char",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "16",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--steps",
+    "4",
+    "--log-every",
+    "2",
+    "--sample-tokens",
+    "8",
+]
 
 
-@pytest.mark.parametrize("flags, chosen", [
-    ([], f"precision: {'bf16' if cpu_has_native_bf16() else 'fp32'} (auto: "),
-    (["--precision", "fp32"], "precision: fp32 (requested)"),
-    (["--precision", "bf16"], "precision: bf16 (requested"),
-    (["--precision", "fp16"], "precision: fp16 (requested"),
-    (["--precision", "bf16-pure"], "precision: bf16-pure (requested"),
-    (["--precision", "bf16-pure", "--fp32-master"], "precision: bf16-pure (requested"),
-])
+@pytest.mark.parametrize(
+    "flags, chosen",
+    [
+        ([], f"precision: {'bf16' if cpu_has_native_bf16() else 'fp32'} (auto: "),
+        (["--precision", "fp32"], "precision: fp32 (requested)"),
+        (["--precision", "bf16"], "precision: bf16 (requested"),
+        (["--precision", "fp16"], "precision: fp16 (requested"),
+        (["--precision", "bf16-pure"], "precision: bf16-pure (requested"),
+        (["--precision", "bf16-pure", "--fp32-master"], "precision: bf16-pure (requested"),
+    ],
+)
 def test_the_precision_flag_trains_end_to_end_and_says_what_it_chose(tmp_path, capsys, stories_file, flags, chosen):
     out = tmp_path / "run"
     assert main(["train", "--data", str(stories_file), "--out-dir", str(out), *TINY_CLI, *flags]) == 0

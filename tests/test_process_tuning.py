@@ -34,14 +34,19 @@ def afterwards():
     print("PROCESS frozen", gc.get_freeze_count(), "mapped", mapped, flush=True)
 """
 
-COMMAND_PROBE = AFTERWARDS + """
+COMMAND_PROBE = (
+    AFTERWARDS
+    + """
 import atexit, runpy, sys
 atexit.register(afterwards)
 module, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
 runpy.run_module(module, run_name="__main__", alter_sys=True)
 """
+)
 
-LIBRARY_PROBE = AFTERWARDS + """
+LIBRARY_PROBE = (
+    AFTERWARDS
+    + """
 import sys
 from nanolm.run.config import config_from_args
 from nanolm.instruments.cli import build_parser
@@ -49,12 +54,40 @@ from nanolm.train import train
 train(config_from_args(build_parser().parse_args(sys.argv[1:])), log=lambda *_: None)
 afterwards()
 """
+)
 
 
 def _train_args(stories_file, out_dir, *extra):
-    return ["train", "--data", str(stories_file), "--out-dir", str(out_dir), "--steps", "1", "--tokenizer", "char",
-            "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16", "--batch-size", "2",
-            "--eval-batches", "1", "--sample-tokens", "0", "--threads", "1", "--device", "cpu", *extra]
+    return [
+        "train",
+        "--data",
+        str(stories_file),
+        "--out-dir",
+        str(out_dir),
+        "--steps",
+        "1",
+        "--tokenizer",
+        "char",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--eval-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def _process(code, *args):

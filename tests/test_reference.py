@@ -69,6 +69,7 @@ def tiny_reference(tmp_path_factory, stories_file):
 
     setup = setup_of(cfg, PreparedData(root / "seed-1" / "data", verify=False).digest, "fp32", "cpu", 1)
     assert setup_digest(setup) == setups[0]
+
     def val(rows):
         return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
 
@@ -81,10 +82,21 @@ def tiny_reference(tmp_path_factory, stories_file):
         train(cfg, log=lambda *_: None)
         reruns[seed] = val(read_metrics(out / "metrics.jsonl"))
     own = seed_curves_from_runs("val_loss", {seed: val(runs[seed]) for seed in CURVE_SEEDS}, reruns)
-    ref = Reference(name="tiny-fp32", title="the tiny recipe", command="(test)", precision="fp32", seeds=list(SEEDS),
-                    machine="test", date="today", torch="any", setup=setup,
-                    bands=bands_from_runs([runs[seed] for seed in SEEDS]), curve=curve, curve_seeds=list(CURVE_SEEDS),
-                    seed_curves=own)
+    ref = Reference(
+        name="tiny-fp32",
+        title="the tiny recipe",
+        command="(test)",
+        precision="fp32",
+        seeds=list(SEEDS),
+        machine="test",
+        date="today",
+        torch="any",
+        setup=setup,
+        bands=bands_from_runs([runs[seed] for seed in SEEDS]),
+        curve=curve,
+        curve_seeds=list(CURVE_SEEDS),
+        seed_curves=own,
+    )
     refs = root / "references"
     refs.mkdir()
     (refs / "tiny-fp32.json").write_text(json.dumps(ref.to_json()))
@@ -108,11 +120,17 @@ def test_a_band_is_the_seeds_extremes_widened_by_three_times_their_spread():
 
 def test_the_seed_and_how_a_run_is_watched_do_not_count_in_its_setup(stories_file, tmp_path):
     base = RunConfig.resolved(tiny_recipe(stories_file, tmp_path / "a", 1))
-    other = dataclasses.replace(base, train=dataclasses.replace(base.train, seed=9, out_dir="elsewhere", threads=2,
-                                                                log_every=3, eval_every=5, progress="bar"))
+    other = dataclasses.replace(
+        base,
+        train=dataclasses.replace(
+            base.train, seed=9, out_dir="elsewhere", threads=2, log_every=3, eval_every=5, progress="bar"
+        ),
+    )
     assert setup_of(base, "d", "fp32", "cpu", 1) == setup_of(other, "d", "fp32", "cpu", 1)
-    for changed in (dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=1e-2)),
-                    dataclasses.replace(base, model=dataclasses.replace(base.model, n_embd=64))):
+    for changed in (
+        dataclasses.replace(base, optim=dataclasses.replace(base.optim, lr=1e-2)),
+        dataclasses.replace(base, model=dataclasses.replace(base.model, n_embd=64)),
+    ):
         assert setup_of(changed, "d", "fp32", "cpu", 1) != setup_of(base, "d", "fp32", "cpu", 1)
     assert setup_of(base, "d", "bf16", "cpu", 1) != setup_of(base, "d", "fp32", "cpu", 1)
     assert setup_of(base, "other data", "fp32", "cpu", 1) != setup_of(base, "d", "fp32", "cpu", 1)
@@ -121,8 +139,10 @@ def test_the_seed_and_how_a_run_is_watched_do_not_count_in_its_setup(stories_fil
 def test_a_healthy_seed_not_in_the_band_is_recognised_and_stays_inside(using, stories_file, tmp_path):
     lines = []
     train(tiny_recipe(stories_file, tmp_path / "seed-6", 6), log=lines.append)
-    assert any(line.startswith("reference: this is the tiny recipe (fp32, band over 5 seeds, its curve over 8")
-               for line in lines)
+    assert any(
+        line.startswith("reference: this is the tiny recipe (fp32, band over 5 seeds, its curve over 8")
+        for line in lines
+    )
     evals = [line for line in lines if line.startswith("eval step")]
     assert evals and all(" inside | " in line and line.endswith(" vs seeds") for line in evals[1:]), evals
     rows = read_metrics(tmp_path / "seed-6" / "metrics.jsonl")
@@ -228,6 +248,7 @@ def test_the_report_shades_the_band_behind_a_recognised_run(using, stories_file,
 
 # ---------------------------------------------------------------- the shipped references
 
+
 def _config_of(command: str) -> RunConfig:
     import argparse
 
@@ -247,12 +268,16 @@ def test_every_shipped_band_still_describes_the_recipe_it_names(monkeypatch):
             assert key in ref.bands, (ref.name, key)
         for band in ref.bands.values():
             assert len(band.steps) == len(band.lo) == len(band.hi) and all(
-                lo <= mid <= hi for lo, mid, hi in zip(band.lo, band.mid, band.hi))
+                lo <= mid <= hi for lo, mid, hi in zip(band.lo, band.mid, band.hi)
+            )
         run = ref.setup["run"]
-        now = setup_of(_config_of(ref.command), run["data_digest"], run["precision"], run["device_type"],
-                       run["world_size"])
-        assert now == ref.setup, (f"{ref.name}: the recipe changed since its band was measured "
-                                  f"({reference.differences(ref.setup, now)}); run tools/reference_bands.py again")
+        now = setup_of(
+            _config_of(ref.command), run["data_digest"], run["precision"], run["device_type"], run["world_size"]
+        )
+        assert now == ref.setup, (
+            f"{ref.name}: the recipe changed since its band was measured "
+            f"({reference.differences(ref.setup, now)}); run tools/reference_bands.py again"
+        )
 
 
 def test_the_quick_runs_data_is_still_what_its_band_was_measured_on(tmp_path):
@@ -263,7 +288,8 @@ def test_the_quick_runs_data_is_still_what_its_band_was_measured_on(tmp_path):
     assert ref is not None, "the quick run has a shipped band"
     prepare(ROOT / "data" / "toy.txt", tmp_path / "data", "bpe", 400, seq_len=128, progress=False, log=lambda *_: None)
     assert PreparedData(tmp_path / "data").digest == ref.setup["run"]["data_digest"], (
-        "data preparation changed: the shipped bands no longer match any run; run tools/reference_bands.py again")
+        "data preparation changed: the shipped bands no longer match any run; run tools/reference_bands.py again"
+    )
 
 
 def test_a_band_survives_its_file():
@@ -276,7 +302,9 @@ def test_a_band_survives_its_file():
 def test_docs_list_every_shipped_reference():
     text = (ROOT / "docs" / "health.md").read_text(encoding="utf-8")
     for ref in shipped_references():
-        assert f"`{ref.name}`" in text, f"docs/health.md does not list {ref.name} (python tools/reference_bands.py --table)"
+        assert f"`{ref.name}`" in text, (
+            f"docs/health.md does not list {ref.name} (python tools/reference_bands.py --table)"
+        )
 
 
 def test_a_rerun_of_a_seed_the_reference_trained_is_judged_against_its_own_curve(using, stories_file, tmp_path):
@@ -351,25 +379,44 @@ def test_a_value_on_a_bands_edge_is_inside_and_a_non_finite_one_above():
 
 
 def test_only_banded_numbers_get_bands_and_a_number_logged_as_a_string_is_not_one():
-    runs = [[{"step": 1, "loss": 2.0 + s, "tokens": 5, "update_ratio/embed": 0.01, "val_loss": "n/a"}] for s in (0, 0.1)]
+    runs = [
+        [{"step": 1, "loss": 2.0 + s, "tokens": 5, "update_ratio/embed": 0.01, "val_loss": "n/a"}] for s in (0, 0.1)
+    ]
     assert sorted(bands_from_runs(runs)) == ["loss", "update_ratio/embed"]
 
 
 def _banded(**bands):
-    return Reference("r", "a tiny recipe", "nanolm train", "fp32", [1, 2, 3, 4, 5], "a CPU", "2026-12-05", "2.13",
-                     {"run": {}}, {k: Band(steps, lo, [(a + b) / 2 for a, b in zip(lo, hi)], hi)
-                                   for k, (steps, lo, hi) in bands.items()})
+    return Reference(
+        "r",
+        "a tiny recipe",
+        "nanolm train",
+        "fp32",
+        [1, 2, 3, 4, 5],
+        "a CPU",
+        "2026-12-05",
+        "2.13",
+        {"run": {}},
+        {k: Band(steps, lo, [(a + b) / 2 for a, b in zip(lo, hi)], hi) for k, (steps, lo, hi) in bands.items()},
+    )
 
 
 def test_a_training_number_must_stay_out_two_logged_steps_running_and_an_evaluation_once():
-    ref = _banded(loss=([1, 2, 3, 4, 5], [0.0] * 5, [1.0] * 5), val_loss=([2, 4], [0.0] * 2, [1.0] * 2),
-                  lr=([1, 2, 3], [0.0] * 3, [1.0] * 3))
+    ref = _banded(
+        loss=([1, 2, 3, 4, 5], [0.0] * 5, [1.0] * 5),
+        val_loss=([2, 4], [0.0] * 2, [1.0] * 2),
+        lr=([1, 2, 3], [0.0] * 3, [1.0] * 3),
+    )
     one_batch = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 0.5}]
     assert departures(ref, one_batch) == []  # one noisy batch is not a departure
     flipping = [{"step": 1, "loss": 1.5}, {"step": 2, "loss": -0.5}, {"step": 3, "loss": 0.5}]
     assert departures(ref, flipping) == []  # above then below: two departures of one step each
-    lasting = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.6}, {"step": 4, "loss": 1.7},
-               {"step": 5, "loss": 0.5}]
+    lasting = [
+        {"step": 1, "loss": 0.5},
+        {"step": 2, "loss": 1.5},
+        {"step": 3, "loss": 1.6},
+        {"step": 4, "loss": 1.7},
+        {"step": 5, "loss": 0.5},
+    ]
     (d,) = departures(ref, lasting)
     assert (d.key, d.step, d.value, d.lo, d.hi, d.side, d.until) == ("loss", 2, 1.5, 0.0, 1.0, 1, 4)
     assert d.describe() == "loss above its band from step 2 (1.5 against 0..1)"
@@ -382,12 +429,23 @@ def test_a_training_number_must_stay_out_two_logged_steps_running_and_an_evaluat
 
 
 def test_departures_come_earliest_first_an_evaluation_before_a_training_number_at_one_step():
-    ref = _banded(loss=([1, 2, 3], [0.0] * 3, [1.0] * 3), grad_norm=([1, 2, 3], [0.0] * 3, [1.0] * 3),
-                  val_loss=([2], [0.0], [1.0]), val_bpb=([2], [0.0], [1.0]))
-    rows = [{"step": 1, "loss": 0.5, "grad_norm": 2.0}, {"step": 2, "loss": 2.0, "grad_norm": 2.0, "val_loss": 2.0,
-                                                          "val_bpb": 2.0}, {"step": 3, "loss": 2.0, "grad_norm": 0.5}]
+    ref = _banded(
+        loss=([1, 2, 3], [0.0] * 3, [1.0] * 3),
+        grad_norm=([1, 2, 3], [0.0] * 3, [1.0] * 3),
+        val_loss=([2], [0.0], [1.0]),
+        val_bpb=([2], [0.0], [1.0]),
+    )
+    rows = [
+        {"step": 1, "loss": 0.5, "grad_norm": 2.0},
+        {"step": 2, "loss": 2.0, "grad_norm": 2.0, "val_loss": 2.0, "val_bpb": 2.0},
+        {"step": 3, "loss": 2.0, "grad_norm": 0.5},
+    ]
     assert [(d.key, d.step) for d in departures(ref, rows)] == [
-        ("grad_norm", 1), ("val_bpb", 2), ("val_loss", 2), ("loss", 2)]
+        ("grad_norm", 1),
+        ("val_bpb", 2),
+        ("val_loss", 2),
+        ("loss", 2),
+    ]
 
 
 def test_the_closest_reference_differs_in_at_most_three_options_on_the_same_data_and_format():
@@ -397,8 +455,12 @@ def test_the_closest_reference_differs_in_at_most_three_options_on_the_same_data
     def ref(name, s):
         return dataclasses.replace(_banded(), name=name, title=f"recipe {name}", setup=s)
 
-    refs = [ref("b", setup(lr=2)), ref("a", setup(lr=3)), ref("c", setup(lr=2, steps=20, x=1, y=2)),
-            ref("other", {**setup(), "run": {"data_digest": "e", "precision": "fp32"}})]
+    refs = [
+        ref("b", setup(lr=2)),
+        ref("a", setup(lr=3)),
+        ref("c", setup(lr=2, steps=20, x=1, y=2)),
+        ref("other", {**setup(), "run": {"data_digest": "e", "precision": "fp32"}}),
+    ]
     found = reference.closest_reference(setup(), refs)
     assert found[0].name == "a" and found[1] == ["train.lr"]  # one option each: the first by name
     assert reference.closest_reference(setup(), refs[2:3]) is None  # four options apart
@@ -415,8 +477,9 @@ def test_the_closest_reference_differs_in_at_most_three_options_on_the_same_data
 
 def test_a_reference_of_another_format_is_refused_and_one_without_a_curve_says_so():
     data = _banded(loss=([1], [0.0], [1.0])).to_json()
-    assert Reference.from_json(data).describe() == ("a tiny recipe (fp32, band over 5 seeds, measured 2026-12-05 on "
-                                                    "a CPU)")
+    assert Reference.from_json(data).describe() == (
+        "a tiny recipe (fp32, band over 5 seeds, measured 2026-12-05 on a CPU)"
+    )
     with pytest.raises(ValueError, match="reference format 2, expected 1"):
         Reference.from_json({**data, "format": 2})
     with pytest.raises(ValueError, match="reference format None"):
@@ -436,30 +499,52 @@ def test_the_band_watch_says_since_when_it_is_outside_and_forgets_it_back_inside
     first_above.resume([{"step": 1, "val_loss": 1.5}])
     assert (first_above.side, first_above.since) == (1, 1)
     watch.resume([{"step": 1, "val_loss": 0.5}, {"step": 2, "val_loss": 1.5}, {"step": 3, "loss": 9.0}])
-    assert (watch.side, watch.since) == (1, 2) and watch.update(3, 0.5) == {"val_band_lo": 0.0, "val_band_hi": 1.0,
-                                                                            "val_band_side": 0}
+    assert (watch.side, watch.since) == (1, 2) and watch.update(3, 0.5) == {
+        "val_band_lo": 0.0,
+        "val_band_hi": 1.0,
+        "val_band_side": 0,
+    }
     assert format_band({"val_band_lo": 0.25, "val_band_hi": 0.5, "val_band_side": 0}) == " | band 0.2500..0.5000 inside"
-    assert format_band({"val_band_lo": 0.25, "val_band_hi": 0.5, "val_band_side": -1, "val_band_since": 4}) == \
-        " | band 0.2500..0.5000 below since step 4"
-    assert format_band({"val_band_lo": 0.25, "val_band_hi": 0.5, "val_band_side": 1, "val_band_since": 2}) == \
-        " | band 0.2500..0.5000 above since step 2"
+    assert (
+        format_band({"val_band_lo": 0.25, "val_band_hi": 0.5, "val_band_side": -1, "val_band_since": 4})
+        == " | band 0.2500..0.5000 below since step 4"
+    )
+    assert (
+        format_band({"val_band_lo": 0.25, "val_band_hi": 0.5, "val_band_side": 1, "val_band_since": 2})
+        == " | band 0.2500..0.5000 above since step 2"
+    )
     assert format_band({}) == ""
 
 
 def _curve_row(excess, side, own_seed, t=5.0, tail=1e-4):
-    return {"step": 300, "val_curve_since": 100, "val_curve_excess": excess, "val_curve_t": t, "val_curve_tail": tail,
-            "val_curve_side": side, "val_curve_own_seed": own_seed}
+    return {
+        "step": 300,
+        "val_curve_since": 100,
+        "val_curve_excess": excess,
+        "val_curve_t": t,
+        "val_curve_tail": tail,
+        "val_curve_side": side,
+        "val_curve_own_seed": own_seed,
+    }
 
 
 def test_the_evaluation_line_gives_the_curves_departure_in_words():
-    assert format_band(_curve_row(math.log(1.062), 1, 0)) == \
-        " | +6.2 % above the seeds' mean since step 100, a healthy run 1 in 10,000"
-    assert format_band(_curve_row(math.log(0.95), -1, 1, t=-5.0)) == \
-        " | -5.0 % below its seed's reference run since step 100, a rerun 1 in 10,000"
+    assert (
+        format_band(_curve_row(math.log(1.062), 1, 0))
+        == " | +6.2 % above the seeds' mean since step 100, a healthy run 1 in 10,000"
+    )
+    assert (
+        format_band(_curve_row(math.log(0.95), -1, 1, t=-5.0))
+        == " | -5.0 % below its seed's reference run since step 100, a rerun 1 in 10,000"
+    )
     assert format_band(_curve_row(math.log(1.001), 0, 0, t=0.3, tail=0.4)) == " | +0.1 % vs seeds"
     assert format_band(_curve_row(math.log(1.001), 0, 1, t=0.3, tail=0.4)) == " | +0.1 % vs its seed"
-    both = {**_curve_row(math.log(1.001), 0, 1, t=0.3, tail=0.4), "val_band_lo": 0.25, "val_band_hi": 0.5,
-            "val_band_side": 0}
+    both = {
+        **_curve_row(math.log(1.001), 0, 1, t=0.3, tail=0.4),
+        "val_band_lo": 0.25,
+        "val_band_hi": 0.5,
+        "val_band_side": 0,
+    }
     assert format_band(both) == " | band 0.2500..0.5000 inside | +0.1 % vs its seed"
 
 
@@ -468,12 +553,18 @@ def test_a_run_is_judged_against_its_own_seed_when_the_reference_trained_it_else
     steps = (100, 200, 300)
     firsts = {s: {t: 2.0 / (1 + t / 100) * (1 + rng.gauss(0, 0.02)) for t in steps} for s in range(1, 9)}
     reruns = {s: {t: v * (1 + rng.gauss(0, 0.001)) for t, v in c.items()} for s, c in firsts.items()}
-    ref = dataclasses.replace(_banded(), curve=curve_from_seeds("val_loss", list(firsts.values())),
-                              curve_seeds=list(firsts), seed_curves=seed_curves_from_runs("val_loss", firsts, reruns))
+    ref = dataclasses.replace(
+        _banded(),
+        curve=curve_from_seeds("val_loss", list(firsts.values())),
+        curve_seeds=list(firsts),
+        seed_curves=seed_curves_from_runs("val_loss", firsts, reruns),
+    )
     rows = [{"step": 0, "seed": 3, "val_loss": 9.0}] + [{"step": t, "val_loss": v * 1.03} for t, v in firsts[3].items()]
     own = reference.curve_looks(ref, rows)
     assert [look.step for look in own] == [100, 200, 300] and all(look.own_seed for look in own)
-    assert reference.curve_departure(ref, rows) == own[-1] and own[-1].departs  # 3 % against its own run: the latest look
+    assert (
+        reference.curve_departure(ref, rows) == own[-1] and own[-1].departs
+    )  # 3 % against its own run: the latest look
     among = reference.curve_looks(ref, rows[1:])  # no step-0 row: the seed is unknown
     assert not any(look.own_seed for look in among) and reference.population_look(ref, rows) == among[-1]
     assert not reference.curve_looks(ref, rows, seed=42)[-1].own_seed  # a seed the reference never trained
@@ -493,7 +584,9 @@ def test_a_run_is_judged_against_its_own_seed_when_the_reference_trained_it_else
     assert keys["val_curve_excess"] == pytest.approx(math.log(1.03), abs=0.002) and keys["val_curve_tail"] < 0.01
     assert BandWatch(ref).update(150, 1.0) == {}  # not an evaluation of the curve
     assert ref.describe() == "a tiny recipe (fp32, band over 5 seeds, its curve over 8, measured 2026-12-05 on a CPU)"
-    assert reference.reference_for_digest(ref.digest, [ref]) is ref and reference.find_reference(ref.setup, [ref]) is ref
+    assert (
+        reference.reference_for_digest(ref.digest, [ref]) is ref and reference.find_reference(ref.setup, [ref]) is ref
+    )
     assert reference.reference_for_digest(None, [ref]) is None and reference.reference_for_digest("", [ref]) is None
     assert reference.reference_for_digest("0" * 16, [ref]) is None
     assert Reference.from_json(json.loads(json.dumps(ref.to_json()))) == ref  # the curve and the seeds' own curves too
@@ -533,7 +626,8 @@ def test_every_option_counts_in_a_runs_setup_except_those_named_not_to():
     reordered = {section: dict(reversed(list(options.items()))) for section, options in reversed(list(before.items()))}
     assert reference.setup_digest(reordered) == reference.setup_digest(before)  # a setup read back from a file
     assert len(reference.setup_digest(before)) == 16 and reference.setup_digest(before) != reference.setup_digest(
-        setup_of(base, "e", "fp32", "cpu", 1))
+        setup_of(base, "e", "fp32", "cpu", 1)
+    )
 
 
 def test_a_bands_middle_is_the_median_of_any_number_of_seeds_rounded_to_nine_figures():
@@ -548,7 +642,12 @@ def test_a_bands_middle_is_the_median_of_any_number_of_seeds_rounded_to_nine_fig
 
 def test_a_departure_is_found_after_rows_without_the_number_and_across_a_flip_of_sides():
     ref = _banded(loss=([1, 2, 3, 4], [0.0] * 4, [1.0] * 4), val_loss=([2, 4], [0.0] * 2, [1.0] * 2))
-    sparse = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.5}, {"step": 3, "loss": 0.5}, {"step": 4, "val_loss": 3.0}]
+    sparse = [
+        {"step": 1, "loss": 0.5},
+        {"step": 2, "loss": 0.5},
+        {"step": 3, "loss": 0.5},
+        {"step": 4, "val_loss": 3.0},
+    ]
     assert [(d.key, d.step) for d in departures(ref, sparse)] == [("val_loss", 4)]
     later_band = _banded(loss=([2, 3, 4], [0.0] * 3, [1.0] * 3))  # no band at step 1
     unbanded_first = [{"step": 1, "loss": 9.0}, {"step": 2, "loss": 1.5}, {"step": 3, "loss": 1.6}]

@@ -16,8 +16,22 @@ from nanolm.instruments.report import PANELS, load_run, render  # noqa: E402
 from nanolm.watch.sinks import read_metrics  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
-EXPECTED = ["loss", "val_bpb", "grad_norm", "lr", "clipped_frac", "tokens_per_sec", "mfu", "memory", "weight_norm",
-            "layer_grad_norm", "update_ratio", "attn_logit_max", "mlp_dead_frac", "act_rms"]
+EXPECTED = [
+    "loss",
+    "val_bpb",
+    "grad_norm",
+    "lr",
+    "clipped_frac",
+    "tokens_per_sec",
+    "mfu",
+    "memory",
+    "weight_norm",
+    "layer_grad_norm",
+    "update_ratio",
+    "attn_logit_max",
+    "mlp_dead_frac",
+    "act_rms",
+]
 
 
 @pytest.fixture(scope="module")

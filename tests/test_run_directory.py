@@ -19,15 +19,38 @@ from conftest import run_cli
 from safetensors.torch import load_file
 
 import nanolm.checkpoint as ckpt
+from nanolm.base.lock import LOCK_FILE
 from nanolm.checkpoint import list_checkpoints
 from nanolm.instruments.cli import main
 from nanolm.run.final import read_final
-from nanolm.base.lock import LOCK_FILE
 from nanolm.watch.sinks import read_metrics
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--log-every", "1",
-        "--steps", "6", "--eval-every", "2", "--threads", "1"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "0",
+    "--tokenizer",
+    "char",
+    "--log-every",
+    "1",
+    "--steps",
+    "6",
+    "--eval-every",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 def _command(data, *extra):
@@ -75,7 +98,8 @@ def test_the_same_command_without_out_dir_continues_its_run_in_the_same_director
 
 
 def test_a_different_run_without_out_dir_goes_to_the_next_numbered_directory_and_says_so(
-        tmp_path, stories_file, capsys, monkeypatch):
+    tmp_path, stories_file, capsys, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     assert main(_command(stories_file)) == 0
     capsys.readouterr()
@@ -98,7 +122,8 @@ def test_a_finished_run_is_not_trained_over(straight, stories_file, capsys):
 
 
 def test_a_run_stopped_before_its_first_checkpoint_restarts_on_rerun_and_keeps_the_users_files(
-        tmp_path, stories_file, straight, capsys, monkeypatch):
+    tmp_path, stories_file, straight, capsys, monkeypatch
+):
     out = tmp_path / "run"
     out.mkdir()
     (out / "notes.md").write_text("my notes")
@@ -121,7 +146,8 @@ def test_a_run_stopped_before_its_first_checkpoint_restarts_on_rerun_and_keeps_t
 
 
 def test_a_full_disk_during_a_later_save_is_one_line_and_the_rerun_resumes_exactly(
-        tmp_path, stories_file, straight, capsys, monkeypatch):
+    tmp_path, stories_file, straight, capsys, monkeypatch
+):
     out = tmp_path / "run"
     real = ckpt.save_torch
 
@@ -186,8 +212,9 @@ def test_an_out_dir_that_is_a_file_is_one_line_and_left_alone(tmp_path, stories_
     assert target.read_text() == "not a directory"
 
 
-def test_a_directory_that_cannot_be_written_is_one_line_before_anything_is_written(tmp_path, stories_file, capsys,
-                                                                                    monkeypatch):
+def test_a_directory_that_cannot_be_written_is_one_line_before_anything_is_written(
+    tmp_path, stories_file, capsys, monkeypatch
+):
     import tempfile
 
     real = tempfile.mkstemp
@@ -261,9 +288,40 @@ def test_the_built_in_corpus_and_its_validation_set_are_the_same_whatever_the_se
     runs = {}
     for seed in (1, 2):
         out = tmp_path / f"seed{seed}"
-        assert main(["train", "--out-dir", str(out), "--stories", "40", "--tokenizer", "char", "--n-layer", "1",
-                     "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4", "--eval-batches", "2",
-                     "--sample-tokens", "0", "--steps", "1", "--threads", "1", "--seed", str(seed)]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--out-dir",
+                    str(out),
+                    "--stories",
+                    "40",
+                    "--tokenizer",
+                    "char",
+                    "--n-layer",
+                    "1",
+                    "--n-head",
+                    "2",
+                    "--n-embd",
+                    "32",
+                    "--seq-len",
+                    "32",
+                    "--batch-size",
+                    "4",
+                    "--eval-batches",
+                    "2",
+                    "--sample-tokens",
+                    "0",
+                    "--steps",
+                    "1",
+                    "--threads",
+                    "1",
+                    "--seed",
+                    str(seed),
+                ]
+            )
+            == 0
+        )
         runs[seed] = {p.name: p.read_bytes() for p in (out / "data").iterdir() if p.suffix in (".bin", ".npy")}
     assert set(runs[1]) >= {"train.bin", "val.bin"} and runs[1] == runs[2]
 
@@ -281,8 +339,11 @@ def test_every_option_outside_the_documented_set_is_refused_on_resume_with_its_d
     from nanolm.run.resume import COMPATIBLE_ON_RESUME, resume_differences
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "checkpoints.md").read_text(encoding="utf-8")
-    paragraph = doc[doc.index("Some settings may change between a run and its resumption"):
-                    doc.index("Every other setting shapes the model")]
+    paragraph = doc[
+        doc.index("Some settings may change between a run and its resumption") : doc.index(
+            "Every other setting shapes the model"
+        )
+    ]
     documented = {flag.replace("-", "_") for flag in re.findall(r"`--([a-z0-9-]+)`", paragraph)}
     in_code = {name for names in COMPATIBLE_ON_RESUME.values() for name in names}
     assert in_code == documented - {"batch_size", "grad_accum"}  # those two: while the global batch stays
@@ -313,8 +374,9 @@ def test_every_option_outside_the_documented_set_is_refused_on_resume_with_its_d
 
 
 @pytest.mark.parametrize("flag", ["--data", "--out-dir", "prepare --out"])
-def test_a_path_that_is_not_utf8_is_refused_in_one_line_before_anything_is_written(flag, tmp_path, stories_file,
-                                                                                    capsys):
+def test_a_path_that_is_not_utf8_is_refused_in_one_line_before_anything_is_written(
+    flag, tmp_path, stories_file, capsys
+):
     """A file name with a byte such as 0xE9 (Latin-1's é) is legal on Linux, but config.toml
     (UTF-8 text) cannot hold it, nor can the tokenizer library open it: one line naming the
     option, nothing written."""
@@ -338,9 +400,19 @@ def test_a_path_that_is_not_utf8_is_refused_in_one_line_before_anything_is_writt
 def test_a_pipe_as_data_is_refused_in_one_line_saying_why(tmp_path, stories_file):
     """``--data <(cat stories.txt)`` is a pipe: the tokenizer's pass would read it all and the
     shards' pass nothing, which used to end in "holds no document with text". Say what is wrong."""
-    done = subprocess.run(["bash", "-c", '"$0" -m nanolm train --data <(cat "$1") --out-dir "$2" --steps 1',
-                           sys.executable, str(stories_file), str(tmp_path / "run")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            "bash",
+            "-c",
+            '"$0" -m nanolm train --data <(cat "$1") --out-dir "$2" --steps 1',
+            sys.executable,
+            str(stories_file),
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     err = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(err) == 1, done.stderr
     assert "is a pipe or a device, which can be read only once" in err[0] and "save it to a file first" in err[0]
@@ -349,8 +421,9 @@ def test_a_pipe_as_data_is_refused_in_one_line_saying_why(tmp_path, stories_file
 
 # ------------------------------------------------------------------ the data compared by content, not by name
 @pytest.mark.parametrize("resume", ["in place", "--resume PATH"])
-def test_a_resume_whose_data_moved_is_accepted_by_its_digest_and_stays_exact(tmp_path, stories_file, straight, capsys,
-                                                                            resume):
+def test_a_resume_whose_data_moved_is_accepted_by_its_digest_and_stays_exact(
+    tmp_path, stories_file, straight, capsys, resume
+):
     """docs/checkpoints.md: the data is compared by its digest, not by its name; a corpus
     moved (or copied) to another path continues its run, bit for bit."""
     first, moved = tmp_path / "a" / "stories.txt", tmp_path / "b" / "stories.txt"
@@ -366,8 +439,14 @@ def test_a_resume_whose_data_moved_is_accepted_by_its_digest_and_stays_exact(tmp
         finished = out
     else:
         finished = tmp_path / "continued"
-        assert main(_command(moved, "--out-dir", finished, "--ckpt-every", 2, "--resume",
-                             out / "checkpoints" / "step_000004")) == 0
+        assert (
+            main(
+                _command(
+                    moved, "--out-dir", finished, "--ckpt-every", 2, "--resume", out / "checkpoints" / "step_000004"
+                )
+            )
+            == 0
+        )
     log = capsys.readouterr().out
     assert "by its digest: the same data" in log and "resumed from" in log
     assert _same_weights(finished, straight)
@@ -386,17 +465,21 @@ def test_a_resume_whose_data_changed_under_another_name_is_refused_naming_it(tmp
 
 
 # ------------------------------------------------------------------ no output lands among a run's own files
-@pytest.mark.parametrize("where", ["checkpoints/step_000006/out", "checkpoints/new", "data/out", "checkpoints",
-                                   "metrics.jsonl"])
+@pytest.mark.parametrize(
+    "where", ["checkpoints/step_000006/out", "checkpoints/new", "data/out", "checkpoints", "metrics.jsonl"]
+)
 @pytest.mark.parametrize("command", ["export", "report", "prepare", "train", "data stories"])
 def test_no_command_writes_inside_a_runs_checkpoints_or_data(straight, stories_file, tmp_path, capsys, command, where):
     """``export --out RUN/checkpoints/step_N/hf`` used to succeed, and the run then fell back
     past its newest checkpoint ("hf/config.json is not in its manifest")."""
     target = straight / where
-    argv = {"export": ["export", straight, "--out", target], "report": ["report", straight, "--out", target],
-            "prepare": ["prepare", "--data", stories_file, "--out", target, "--tokenizer", "char"],
-            "train": _command(stories_file, "--out-dir", target),
-            "data stories": ["data", "stories", "--docs", "3", "--out", target]}[command]
+    argv = {
+        "export": ["export", straight, "--out", target],
+        "report": ["report", straight, "--out", target],
+        "prepare": ["prepare", "--data", stories_file, "--out", target, "--tokenizer", "char"],
+        "train": _command(stories_file, "--out-dir", target),
+        "data stories": ["data", "stories", "--docs", "3", "--out", target],
+    }[command]
     before = _files(straight)
     assert main([str(a) for a in argv]) == 2
     line = _one_error_line(capsys)
@@ -418,8 +501,11 @@ def test_outputs_beside_a_runs_files_are_allowed(straight, tmp_path, capsys):
 def test_a_dangling_symlink_as_an_output_is_one_line(straight, stories_file, tmp_path, capsys, command):
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "nowhere")
-    argv = {"export": ["export", straight, "--out", link], "train": _command(stories_file, "--out-dir", link),
-            "prepare": ["prepare", "--data", stories_file, "--out", link]}[command]
+    argv = {
+        "export": ["export", straight, "--out", link],
+        "train": _command(stories_file, "--out-dir", link),
+        "prepare": ["prepare", "--data", stories_file, "--out", link],
+    }[command]
     assert main([str(a) for a in argv]) == 2
     assert "is a symbolic link to" in _one_error_line(capsys)
     assert link.is_symlink() and not (tmp_path / "nowhere").exists()
@@ -433,8 +519,11 @@ def test_no_command_writes_inside_prepared_data(straight, stories_file, tmp_path
     assert main(["prepare", "--data", str(stories_file), "--out", str(prepared), "--tokenizer", "char"]) == 0
     capsys.readouterr()
     target = prepared / "inside"
-    argv = {"export": ["export", straight, "--out", target], "report": ["report", straight, "--out", target],
-            "train": _command(stories_file, "--out-dir", target)}[command]
+    argv = {
+        "export": ["export", straight, "--out", target],
+        "report": ["report", straight, "--out", target],
+        "train": _command(stories_file, "--out-dir", target),
+    }[command]
     assert main([str(a) for a in argv]) == 2
     assert "checks against its manifest" in _one_error_line(capsys)
     from nanolm.data.shards import PreparedData
@@ -449,7 +538,7 @@ def test_a_continued_run_keeps_its_validation_set_when_the_command_does_not_name
     rather than switching sets mid-curve."""
     straight, out = tmp_path / "straight", tmp_path / "run"
     i = TINY.index("--eval-batches")
-    command = ["train", "--data", str(stories_file), *TINY[:i], *TINY[i + 2:], "--ckpt-every", "2"]
+    command = ["train", "--data", str(stories_file), *TINY[:i], *TINY[i + 2 :], "--ckpt-every", "2"]
     assert main([*command, "--out-dir", str(straight), "--eval-windows", "24"]) == 0
     killed = run_cli(*command, "--out-dir", out, "--eval-windows", 24, "--debug-kill-after-checkpoint", 4)
     assert killed.returncode == -signal.SIGKILL
@@ -528,8 +617,9 @@ def test_data_counts_as_moved_only_when_it_gives_the_checkpoints_data(straight, 
     assert data_moved_to(moved, no_digest) is False
 
 
-def test_a_resume_is_refused_for_another_tokenizer_or_other_data_and_a_path_only_when_not_moved(straight, stories_file,
-                                                                                                tmp_path):
+def test_a_resume_is_refused_for_another_tokenizer_or_other_data_and_a_path_only_when_not_moved(
+    straight, stories_file, tmp_path
+):
     from nanolm.data.prepare import load_training_data
     from nanolm.errors import NanolmError
     from nanolm.run.resume import check_resume_compatible
@@ -548,14 +638,20 @@ def test_a_resume_is_refused_for_another_tokenizer_or_other_data_and_a_path_only
     assert said == [f"resume: data: {saved.data.data!r} -> {moved.data.data!r} (allowed by its digest: the same data)"]
     other = tmp_path / "other.txt"
     other.write_text("Another text altogether, with other letters: zqxj.\n" * 50)
-    with pytest.raises(NanolmError, match=r"incompatible changes: tokenizer: the data's tokenizer is not the one the "
-                                          r"run was trained with\. Keep those settings"):
-        check_resume_compatible(checkpoint, load_config_copy(saved), train_char([other.read_text()]),
-                                log=lambda *_: None)
+    with pytest.raises(
+        NanolmError,
+        match=r"incompatible changes: tokenizer: the data's tokenizer is not the one the "
+        r"run was trained with\. Keep those settings",
+    ):
+        check_resume_compatible(
+            checkpoint, load_config_copy(saved), train_char([other.read_text()]), log=lambda *_: None
+        )
     cfg = load_config_copy(saved)
     cfg.data.data = str(other)
     data = load_training_data(cfg, tmp_path / "scratch", log=lambda *_: None, compressor_bounds=False)
-    with pytest.raises(NanolmError, match=r"data: .* is not the data the checkpoint was trained on \(its files differ\)"):
+    with pytest.raises(
+        NanolmError, match=r"data: .* is not the data the checkpoint was trained on \(its files differ\)"
+    ):
         check_resume_compatible(checkpoint, load_config_copy(saved), tokenizer, log=lambda *_: None, data=data)
 
 
@@ -576,15 +672,18 @@ def test_the_global_batch_may_be_split_otherwise_but_not_changed(straight):
     grown = load_config_copy(saved)
     grown.train.batch_size, grown.train.seed = 8, 7
     assert refused_changes(saved, 1, grown, 1) == [
-        "seed: 1337 -> 7", "batch_size: 4 -> 8",
-        "global batch (batch_size × grad_accum × world size): 4×1×1 = 4 -> 8×1×1 = 8 windows"]
+        "seed: 1337 -> 7",
+        "batch_size: 4 -> 8",
+        "global batch (batch_size × grad_accum × world size): 4×1×1 = 4 -> 8×1×1 = 8 windows",
+    ]
     accumulated = load_config_copy(saved)
     accumulated.train.grad_accum = 3
     assert refused_changes(saved, 1, accumulated, 1)[0] == "grad_accum: 1 -> 3"
 
 
-def test_allowed_changes_are_logged_and_a_checkpoint_without_a_data_digest_is_not_refused_for_it(straight, tmp_path,
-                                                                                                 stories_file):
+def test_allowed_changes_are_logged_and_a_checkpoint_without_a_data_digest_is_not_refused_for_it(
+    straight, tmp_path, stories_file
+):
     import json
     import shutil
 
@@ -604,8 +703,9 @@ def test_allowed_changes_are_logged_and_a_checkpoint_without_a_data_digest_is_no
     meta = ckpt.read_checkpoint_meta(older)
     meta.pop("data_digest")
     (older / "meta.json").write_text(json.dumps(sealed(meta)))
-    data = load_training_data(load_config_copy(saved), tmp_path / "scratch", log=lambda *_: None,
-                              compressor_bounds=False)
+    data = load_training_data(
+        load_config_copy(saved), tmp_path / "scratch", log=lambda *_: None, compressor_bounds=False
+    )
     check_resume_compatible(older, load_config_copy(saved), data.tokenizer, log=lambda *_: None, data=data)
 
 
@@ -636,9 +736,11 @@ def test_checkpoints_of_which_none_verifies_are_never_trained_over(straight, sto
         (checkpoint / "model.safetensors").write_bytes(b"\0" * 64)
     before = _files(out)
     assert main(_command(stories_file, "--out-dir", out)) == 2
-    assert _one_error_line(capsys) == (f"error: {out} has checkpoints but none is valid (see the warnings above); "
-                                       f"starting over would discard the run: move the directory aside to start "
-                                       f"again, or --resume PATH")
+    assert _one_error_line(capsys) == (
+        f"error: {out} has checkpoints but none is valid (see the warnings above); "
+        f"starting over would discard the run: move the directory aside to start "
+        f"again, or --resume PATH"
+    )
     assert _files(out) == before
 
 
@@ -649,15 +751,17 @@ def test_resume_path_into_a_directory_with_checkpoints_of_its_own_is_refused(str
     other = straight / "checkpoints" / "step_000004"
     before = _files(out)
     assert main(_command(stories_file, "--out-dir", out, "--resume", other)) == 2
-    assert _one_error_line(capsys) == (f"error: {out} holds checkpoints of its own; --resume {other} continues another "
-                                       f"run into a new --out-dir")
+    assert _one_error_line(capsys) == (
+        f"error: {out} holds checkpoints of its own; --resume {other} continues another run into a new --out-dir"
+    )
     assert _files(out) == before
     assert main(_command(stories_file, "--out-dir", out, "--resume", out / "checkpoints" / "step_000004")) == 0
     assert _same_weights(out, straight)  # its own checkpoint: that is a resume like any other
 
 
-def test_data_found_elsewhere_by_its_content_excuses_only_the_path_not_the_other_changes(straight, stories_file,
-                                                                                         tmp_path, capsys):
+def test_data_found_elsewhere_by_its_content_excuses_only_the_path_not_the_other_changes(
+    straight, stories_file, tmp_path, capsys
+):
     import shutil
 
     out = _copy_of(straight, tmp_path)
@@ -665,14 +769,18 @@ def test_data_found_elsewhere_by_its_content_excuses_only_the_path_not_the_other
     shutil.copy(stories_file, moved)
     before = _files(out)
     assert main(_command(moved, "--out-dir", out, "--seed", "7")) == 2
-    assert _one_error_line(capsys) == (f"error: cannot continue the run in {out}: incompatible changes: seed: 1337 -> "
-                                       f"7. Keep those settings, or start a new run with another --out-dir")
+    assert _one_error_line(capsys) == (
+        f"error: cannot continue the run in {out}: incompatible changes: seed: 1337 -> "
+        f"7. Keep those settings, or start a new run with another --out-dir"
+    )
     other = tmp_path / "other.txt"
     other.write_text(stories_file.read_text()[: len(stories_file.read_text()) // 2])
     assert main(_command(other, "--out-dir", out, "--seed", "7")) == 2
     line = _one_error_line(capsys)
-    assert f"-> {str(other)!r} (not the data the run trained on: compared by content, not by name); seed: 1337 -> 7. " \
-           f"Keep" in line, line
+    assert (
+        f"-> {str(other)!r} (not the data the run trained on: compared by content, not by name); seed: 1337 -> 7. "
+        f"Keep" in line
+    ), line
     assert _files(out) == before
 
 
@@ -691,12 +799,14 @@ def test_the_global_batch_counts_the_processes_that_wrote_the_checkpoint(straigh
         meta.pop(SEAL)
         (checkpoint / "meta.json").write_text(json.dumps(sealed({**meta, "world_size": 2}), indent=2))
     assert main(_command(stories_file, "--out-dir", out)) == 2
-    assert "global batch (batch_size × grad_accum × world size): 4×1×2 = 8 -> 4×1×1 = 4 windows" in \
-        _one_error_line(capsys)
+    assert "global batch (batch_size × grad_accum × world size): 4×1×2 = 8 -> 4×1×1 = 4 windows" in _one_error_line(
+        capsys
+    )
 
 
-def test_resume_path_with_other_data_is_refused_and_with_the_same_data_elsewhere_continues(straight, stories_file,
-                                                                                           tmp_path, capsys):
+def test_resume_path_with_other_data_is_refused_and_with_the_same_data_elsewhere_continues(
+    straight, stories_file, tmp_path, capsys
+):
     import shutil
 
     checkpoint = straight / "checkpoints" / "step_000004"
@@ -704,8 +814,10 @@ def test_resume_path_with_other_data_is_refused_and_with_the_same_data_elsewhere
     other.write_text(stories_file.read_text()[: len(stories_file.read_text()) // 2])
     assert main(_command(other, "--out-dir", tmp_path / "mixed", "--resume", checkpoint)) == 2
     line = _one_error_line(capsys)
-    assert f"incompatible changes: data: {str(stories_file)!r} -> {str(other)!r}; data: {other} is not the data the " \
-           f"checkpoint was trained on (its files differ)." in line, line
+    assert (
+        f"incompatible changes: data: {str(stories_file)!r} -> {str(other)!r}; data: {other} is not the data the "
+        f"checkpoint was trained on (its files differ)." in line
+    ), line
     assert not (tmp_path / "mixed" / "checkpoints").exists()
     moved = tmp_path / "moved.txt"
     shutil.copy(stories_file, moved)

@@ -21,18 +21,43 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import nanolm.base.lock
 import nanolm.checkpoint as ckpt
 import nanolm.run.final as final
-import nanolm.base.lock
+from nanolm.base.lock import LOCK_FILE, NO_LOCK, DirectoryBusy, RunLock
 from nanolm.errors import NanolmError
 from nanolm.instruments.cli import main
 from nanolm.run.final import load_run, read_final
-from nanolm.base.lock import LOCK_FILE, NO_LOCK, DirectoryBusy, RunLock
 from nanolm.watch.sinks import read_metrics
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "2", "--sample-tokens", "0", "--tokenizer", "char", "--log-every", "1",
-        "--steps", "100", "--eval-every", "25", "--ckpt-every", "10", "--threads", "1"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "0",
+    "--tokenizer",
+    "char",
+    "--log-every",
+    "1",
+    "--steps",
+    "100",
+    "--eval-every",
+    "25",
+    "--ckpt-every",
+    "10",
+    "--threads",
+    "1",
+]
 SAME = ("step", "loss", "lr", "grad_norm", "val_loss")  # what two runs of one command share, bit for bit
 
 
@@ -41,8 +66,9 @@ def _command(data, *extra):
 
 
 def _start(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "nanolm", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nanolm", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def _when(proc: subprocess.Popen, condition, timeout=120) -> None:
@@ -60,6 +86,7 @@ def _holds_lock(proc, run_dir):
             return (run_dir / LOCK_FILE).read_text().startswith(f"{proc.pid}@")
         except FileNotFoundError:
             return False
+
     return check
 
 
@@ -108,8 +135,10 @@ def test_a_directory_has_one_writer_and_a_second_is_refused_naming_the_holder(tm
         first.take(tmp_path / "run")
         with pytest.raises(DirectoryBusy) as refused:
             RunLock().take(tmp_path / "run")  # another open file: refused even in the same process
-        assert f"is being written by process {os.getpid()} on {socket.gethostname()}; wait for it to end, " \
-               f"or choose another --out-dir" in str(refused.value)
+        assert (
+            f"is being written by process {os.getpid()} on {socket.gethostname()}; wait for it to end, "
+            f"or choose another --out-dir" in str(refused.value)
+        )
     with RunLock() as second:  # let go: the next writer takes it
         second.take(tmp_path / "run")
 
@@ -130,9 +159,17 @@ def test_the_lock_leaves_no_trace_when_it_is_let_go(tmp_path):
 def test_the_lock_dies_with_its_holder(tmp_path):
     """``kill -9``: no handler runs, and the lock is free at once. Its file stays behind, naming
     a dead process, and means nothing: the flock decides."""
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from nanolm.base.lock import RunLock; "
-                               "RunLock().take(sys.argv[1]); print('held', flush=True); time.sleep(600)",
-                               str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from nanolm.base.lock import RunLock; "
+            "RunLock().take(sys.argv[1]); print('held', flush=True); time.sleep(600)",
+            str(tmp_path / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(DirectoryBusy, match=f"process {holder.pid} on"):
         RunLock().take(tmp_path / "run")
@@ -159,8 +196,7 @@ def test_a_file_system_without_locks_is_refused_unless_told_otherwise(tmp_path, 
 
 
 # ------------------------------------------------------------------ two processes, one run
-def test_a_second_train_on_a_live_run_is_refused_and_the_first_ends_as_if_alone(tmp_path, stories_file, alone,
-                                                                                 capsys):
+def test_a_second_train_on_a_live_run_is_refused_and_the_first_ends_as_if_alone(tmp_path, stories_file, alone, capsys):
     """The issue's case: the second command (a changed --lr, which a resume allows) starts
     while the first runs. It is refused in one line naming the first, writes nothing, and
     the first ends bit-identical to the command run alone. Readers keep working meanwhile."""
@@ -184,7 +220,8 @@ def test_a_second_train_on_a_live_run_is_refused_and_the_first_ends_as_if_alone(
 
 
 def test_a_second_train_without_out_dir_skips_a_live_different_run_and_refuses_its_own(
-        tmp_path, stories_file, capsys, monkeypatch):
+    tmp_path, stories_file, capsys, monkeypatch
+):
     """Without --out-dir a command picks ``runs/<name>`` or the next numbered directory: a
     directory another process is writing is skipped when it holds a different run (as it
     would be if that process were not running) and refused when it holds this very run."""
@@ -195,17 +232,21 @@ def test_a_second_train_without_out_dir_skips_a_live_different_run_and_refuses_i
         live.take(tmp_path / "runs" / name)  # as if that run were training now
         capsys.readouterr()
         assert main(_command(stories_file, "--steps", 2)) == 0
-        assert f"holds a different run (n_embd: 64 -> 32); this one is {os.path.join('runs', name + '-2')}" \
-               in capsys.readouterr().out
+        assert (
+            f"holds a different run (n_embd: 64 -> 32); this one is {os.path.join('runs', name + '-2')}"
+            in capsys.readouterr().out
+        )
         assert main(_command(stories_file, "--steps", 2, "--n-embd", 64)) == 2
         assert f"runs/{name} is being written by process {os.getpid()}" in _one_error_line(capsys)
 
 
-def test_killed_with_9_the_holder_lets_go_and_the_same_command_resumes_bit_identical(tmp_path, stories_file, alone,
-                                                                                      capsys):
+def test_killed_with_9_the_holder_lets_go_and_the_same_command_resumes_bit_identical(
+    tmp_path, stories_file, alone, capsys
+):
     out = tmp_path / "run"
-    killed = subprocess.run([sys.executable, "-m", "nanolm", *_command(stories_file, "--out-dir", out,
-                                                                     "--debug-kill-after-checkpoint", 50)])
+    killed = subprocess.run(
+        [sys.executable, "-m", "nanolm", *_command(stories_file, "--out-dir", out, "--debug-kill-after-checkpoint", 50)]
+    )
     assert killed.returncode == -signal.SIGKILL
     assert (out / LOCK_FILE).is_file()  # left behind by the dead process: it must not block the rerun
     assert main(_command(stories_file, "--out-dir", out)) == 0
@@ -219,8 +260,9 @@ def test_a_reader_during_a_save_loads_a_whole_checkpoint(tmp_path, stories_file,
     its weights when the live run saves the next one and discards it: the reader loads the
     newest one instead of failing."""
     out = tmp_path / "run"
-    run = _start(*_command(stories_file, "--out-dir", out, "--steps", 200, "--ckpt-every", 1, "--keep", 1,
-                           "--eval-every", 1000))
+    run = _start(
+        *_command(stories_file, "--out-dir", out, "--steps", 200, "--ckpt-every", 1, "--keep", 1, "--eval-every", 1000)
+    )
     try:
         _when(run, lambda: (out / "checkpoints" / "latest").exists())
         run.send_signal(signal.SIGSTOP)
@@ -251,7 +293,10 @@ def test_a_reader_during_a_save_loads_a_whole_checkpoint(tmp_path, stories_file,
 def test_prepare_into_a_directory_being_written_is_refused(tmp_path, stories_file, capsys):
     with RunLock() as live:
         live.take(tmp_path / "shards")
-        assert main(["prepare", "--data", str(stories_file), "--out", str(tmp_path / "shards"), "--tokenizer", "char"]) == 2
+        assert (
+            main(["prepare", "--data", str(stories_file), "--out", str(tmp_path / "shards"), "--tokenizer", "char"])
+            == 2
+        )
         line = _one_error_line(capsys)
         assert f"is being written by process {os.getpid()}" in line and line.endswith("choose another --out")
         assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [LOCK_FILE]
@@ -299,8 +344,9 @@ def test_resuming_with_steps_below_the_checkpoint_says_so_in_one_line(tmp_path, 
 # ------------------------------------------------------------------ odd lock files, side doors (issue 34)
 @pytest.mark.parametrize("kind", ["symlink", "fifo", "directory"])
 @pytest.mark.parametrize("command", ["train", "prepare"])
-def test_a_lock_file_that_is_not_a_plain_file_is_refused_in_one_line_and_left_alone(kind, command, tmp_path,
-                                                                                   stories_file, capsys):
+def test_a_lock_file_that_is_not_a_plain_file_is_refused_in_one_line_and_left_alone(
+    kind, command, tmp_path, stories_file, capsys
+):
     """A ``.lock`` that is a symbolic link (which could point anywhere), a FIFO (which would
     block or refuse the holder's line) or a directory is not nanolm's: one line names it and
     the fix, exit 2, nothing written; the thing itself is untouched."""
@@ -309,8 +355,11 @@ def test_a_lock_file_that_is_not_a_plain_file_is_refused_in_one_line_and_left_al
     target = tmp_path / "elsewhere.txt"
     target.write_text("not yours\n")
     {"symlink": lambda p: p.symlink_to(target), "fifo": os.mkfifo, "directory": os.mkdir}[kind](out / LOCK_FILE)
-    argv = (_command(stories_file, "--out-dir", out) if command == "train"
-            else ["prepare", "--data", str(stories_file), "--out", str(out), "--tokenizer", "char"])
+    argv = (
+        _command(stories_file, "--out-dir", out)
+        if command == "train"
+        else ["prepare", "--data", str(stories_file), "--out", str(out), "--tokenizer", "char"]
+    )
     assert main(argv) == 2
     line = _one_error_line(capsys)
     assert f"{out / LOCK_FILE} is a" in line and "not the lock file nanolm writes there; remove it" in line, line
@@ -328,8 +377,10 @@ def test_deleting_the_lock_file_of_a_live_run_lets_no_second_writer_in(tmp_path,
         (out / LOCK_FILE).unlink()
         before = _files(out)
         assert main(_command(stories_file, "--out-dir", out, "--lr", "1e-2")) == 2
-        assert f"{out} is in use by another process (being written, or read by a run training on it); wait" in \
-            _one_error_line(capsys)
+        assert (
+            f"{out} is in use by another process (being written, or read by a run training on it); wait"
+            in _one_error_line(capsys)
+        )
         assert _files(out) == before
     assert _same_run(out, alone)
 
@@ -356,8 +407,23 @@ def test_a_process_the_holder_started_may_write_inside_its_directory(tmp_path, s
     out = tmp_path / "lab"
     with RunLock() as lock:
         lock.take(out, flag="--out")
-        child = subprocess.run([sys.executable, "-m", "nanolm", "prepare", "--data", str(stories_file), "--out",
-                                str(out / "data"), "--tokenizer", "char"], capture_output=True, text=True, timeout=300)
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nanolm",
+                "prepare",
+                "--data",
+                str(stories_file),
+                "--out",
+                str(out / "data"),
+                "--tokenizer",
+                "char",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert child.returncode == 0, child.stderr
     assert (out / "data" / "meta.json").is_file()
 
@@ -365,6 +431,7 @@ def test_a_process_the_holder_started_may_write_inside_its_directory(tmp_path, s
 def test_the_locks_cleanup_never_hides_the_error_that_stopped_the_run(tmp_path, monkeypatch):
     """A run directory that turns read-only mid-run: the lock file cannot be removed either,
     and that failure must not replace the error that stopped the run (a failed save)."""
+
     def read_only(self, missing_ok=False):
         raise OSError(errno.EROFS, "Read-only file system", str(self))
 
@@ -423,13 +490,22 @@ def test_a_lock_file_held_by_another_process_is_a_one_line_refusal_and_stays_the
 
     directory = tmp_path / "run"
     directory.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(directory / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "os.write(fd, f'{os.getpid()}@elsewhere\\n'.encode())\n"
-        "print('held', flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time\n"
+                f"fd = os.open({str(directory / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                "os.write(fd, f'{os.getpid()}@elsewhere\\n'.encode())\n"
+                "print('held', flush=True)\n"
+                "time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(DirectoryBusy, match=f"process {holder.pid}"):
@@ -449,19 +525,31 @@ def test_a_lock_file_held_by_another_process_is_a_one_line_refusal_and_stays_the
 # ------------------------------------------------------------------ each rule at its edge, in one process
 
 
-@pytest.mark.parametrize("holder, who", [("123@node7", "process 123 on node7"), ("", "another process"),
-                                         ("x1@node7", "another process"), ("123@", "another process"),
-                                         ("123", "another process")])
+@pytest.mark.parametrize(
+    "holder, who",
+    [
+        ("123@node7", "process 123 on node7"),
+        ("", "another process"),
+        ("x1@node7", "another process"),
+        ("123@", "another process"),
+        ("123", "another process"),
+    ],
+)
 def test_a_refusal_names_the_holder_only_when_its_line_names_a_process_and_a_host(holder, who, tmp_path):
     busy = nanolm.base.lock.busy_refusal(tmp_path / "run", holder, "--out")
     assert isinstance(busy, DirectoryBusy)
-    use = f"is being written by {who}" if who != "another process" else \
-        "is in use by another process (being written, or read by a run training on it)"
+    use = (
+        f"is being written by {who}"
+        if who != "another process"
+        else "is in use by another process (being written, or read by a run training on it)"
+    )
     assert str(busy) == f"{tmp_path / 'run'} {use}; wait for it to end, or choose another --out"
     inside = nanolm.base.lock.busy_refusal(tmp_path / "run" / "data", holder, "--out", inside=tmp_path / "run")
-    assert str(inside) == (f"{tmp_path / 'run' / 'data'} is inside {tmp_path / 'run'}, which is being written by "
-                           f"{who}: writing there would change that run under it; wait for it to end, or choose "
-                           f"another --out")
+    assert str(inside) == (
+        f"{tmp_path / 'run' / 'data'} is inside {tmp_path / 'run'}, which is being written by "
+        f"{who}: writing there would change that run under it; wait for it to end, or choose "
+        f"another --out"
+    )
 
 
 def test_each_way_taking_a_lock_fails_has_its_own_line(tmp_path):
@@ -469,9 +557,11 @@ def test_each_way_taking_a_lock_fails_has_its_own_line(tmp_path):
     held = refusal(OSError(errno.EWOULDBLOCK, "busy"), tmp_path, "5@h", "--out-dir")
     assert isinstance(held, DirectoryBusy) and "process 5 on h" in str(held)
     none = refusal(OSError(errno.ENOSYS, "Function not implemented"), tmp_path, "", "--out-dir")
-    assert str(none) == (f"{tmp_path} is on a file system without working locks (Function not implemented), so "
-                         f"nanolm cannot make sure it is the only process writing there; use a local disk or a mount "
-                         f"with locks, or set {NO_LOCK}=1 to write without one") and not isinstance(none, DirectoryBusy)
+    assert str(none) == (
+        f"{tmp_path} is on a file system without working locks (Function not implemented), so "
+        f"nanolm cannot make sure it is the only process writing there; use a local disk or a mount "
+        f"with locks, or set {NO_LOCK}=1 to write without one"
+    ) and not isinstance(none, DirectoryBusy)
     other = refusal(OSError(errno.EIO, "Input/output error"), tmp_path, "", "--out-dir")
     assert str(other) == f"cannot lock {tmp_path / LOCK_FILE}: Input/output error"
 
@@ -492,9 +582,11 @@ def test_a_directory_inside_a_live_run_is_refused_unless_the_run_itself_writes_t
         (tmp_path / "run" / LOCK_FILE).write_text("4242@elsewhere\n")  # as another process's line reads
         with pytest.raises(DirectoryBusy) as e:
             RunLock().take(tmp_path / "run" / "data" / "deeper", flag="--out")
-        assert str(e.value) == (f"{tmp_path / 'run' / 'data' / 'deeper'} is inside {tmp_path / 'run'}, which is being "
-                                f"written by process 4242 on elsewhere: writing there would change that run under it; "
-                                f"wait for it to end, or choose another --out")
+        assert str(e.value) == (
+            f"{tmp_path / 'run' / 'data' / 'deeper'} is inside {tmp_path / 'run'}, which is being "
+            f"written by process 4242 on elsewhere: writing there would change that run under it; "
+            f"wait for it to end, or choose another --out"
+        )
         assert not (tmp_path / "run" / "data").exists()  # refused before anything was made
 
 
@@ -530,8 +622,9 @@ def test_without_locks_allowed_a_directory_is_written_with_a_warning_and_no_lock
     with RunLock() as lock:
         lock.take(tmp_path / "run", log=said.append)
         assert lock.directory == tmp_path / "run" and not (tmp_path / "run" / LOCK_FILE).exists()
-    assert said == [f"warning: {tmp_path / 'run'} is written without a lock ({NO_LOCK}=1): make sure no other process "
-                    f"writes there"]
+    assert said == [
+        f"warning: {tmp_path / 'run'} is written without a lock ({NO_LOCK}=1): make sure no other process writes there"
+    ]
     monkeypatch.setenv(NO_LOCK, "0")  # only "1" turns the lock off
     with RunLock() as lock:
         lock.take(tmp_path / "run", log=said.append)
@@ -591,8 +684,10 @@ def test_what_stands_where_the_lock_file_should_be_is_named_by_its_kind(tmp_path
         server.bind(str(tmp_path / "sock"))
         made["sock"] = "not a plain file"
     for name, kind in made.items():
-        assert str(not_a_lock_file(tmp_path / name)) == (f"{tmp_path / name} is {kind}, not the lock file nanolm writes "
-                                                         f"there; remove it, then run the same command again")
+        assert str(not_a_lock_file(tmp_path / name)) == (
+            f"{tmp_path / name} is {kind}, not the lock file nanolm writes "
+            f"there; remove it, then run the same command again"
+        )
 
 
 def test_a_lock_file_removed_after_it_was_opened_is_not_the_one_there_now(tmp_path):
@@ -668,7 +763,10 @@ def test_an_older_nanolm_holding_only_the_lock_file_is_refused_by_name(tmp_path)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as nanolm did before it locked the directory
         with pytest.raises(DirectoryBusy) as e:
             RunLock().take(run, flag="--out")
-        assert str(e.value) == f"{run} is being written by process 77 on oldhost; wait for it to end, or choose another --out"
+        assert (
+            str(e.value)
+            == f"{run} is being written by process 77 on oldhost; wait for it to end, or choose another --out"
+        )
         assert (run / LOCK_FILE).read_text() == "77@oldhost\n"  # its line, left as it was
     finally:
         os.close(fd)
@@ -688,8 +786,10 @@ def test_where_only_the_lock_file_can_be_locked_a_second_writer_is_refused_by_na
         assert first._dir_fd is None and first._fd is not None
         with pytest.raises(DirectoryBusy) as e:
             RunLock().take(tmp_path / "run", flag="--out")
-        assert str(e.value) == (f"{tmp_path / 'run'} is being written by process {os.getpid()} on "
-                                f"{socket.gethostname()}; wait for it to end, or choose another --out")
+        assert str(e.value) == (
+            f"{tmp_path / 'run'} is being written by process {os.getpid()} on "
+            f"{socket.gethostname()}; wait for it to end, or choose another --out"
+        )
     assert not (tmp_path / "run").exists()
 
 
@@ -739,8 +839,9 @@ def test_a_holder_line_that_is_not_utf8_is_read_without_a_traceback(tmp_path):
     assert "another process" in str(nanolm.base.lock.busy_refusal(tmp_path, "\ufffd\ufffd@host", "--out-dir"))
 
 
-def test_a_prepare_over_the_data_a_live_run_trains_on_is_refused_and_the_run_ends_as_alone(tmp_path, stories_file,
-                                                                                           capsys):
+def test_a_prepare_over_the_data_a_live_run_trains_on_is_refused_and_the_run_ends_as_alone(
+    tmp_path, stories_file, capsys
+):
     """A run on prepared data reads it for as long as it trains, and its checkpoints record the
     data's digest: a prepare into that directory meanwhile (accepted before 2026-12-06) left a
     run that could no longer be continued. The run shares the directory's lock; prepare's is
@@ -802,12 +903,14 @@ def test_resume_of_one_checkpoint_of_a_live_run_continues_from_a_copy(tmp_path, 
     said = []
     found = directory.resume_checkpoint_at(checkpoint, said.append)
     assert run not in found.parents and found.name == checkpoint.name and (found / "model.safetensors").is_file()
-    assert said == [f"resume: {run} is training now; continuing from a copy of {checkpoint.name} (it may be pruned "
-                    f"there)"]
+    assert said == [
+        f"resume: {run} is training now; continuing from a copy of {checkpoint.name} (it may be pruned there)"
+    ]
 
 
 def test_resume_of_a_live_run_whose_newest_checkpoint_is_pruned_while_copied_continues_from_the_next(
-        tmp_path, alone, monkeypatch):
+    tmp_path, alone, monkeypatch
+):
     """``--resume RUN`` while RUN trains: the newest checkpoint pruned while it is being copied is
     not an error; the command looks again and copies the one the run still keeps."""
     import shutil
@@ -831,7 +934,9 @@ def test_resume_of_a_live_run_whose_newest_checkpoint_is_pruned_while_copied_con
     said = []
     found = directory.resume_checkpoint_at(run, said.append)
     assert found.name == older[0].name and run not in found.parents
-    assert said[-1] == f"resume: {run} is training now; continuing from a copy of {older[0].name} (it may be pruned there)"
+    assert (
+        said[-1] == f"resume: {run} is training now; continuing from a copy of {older[0].name} (it may be pruned there)"
+    )
 
 
 def test_resume_of_a_live_run_pruning_faster_than_copies_are_made_gives_up_after_five_tries(tmp_path, monkeypatch):
@@ -851,8 +956,9 @@ def test_resume_of_a_live_run_pruning_faster_than_copies_are_made_gives_up_after
     monkeypatch.setattr(directory, "valid_resume_checkpoint", newest)
     with pytest.raises(NanolmError) as refused:
         directory.resume_checkpoint_at(run, print)
-    assert str(refused.value) == (f"--resume {run}: its checkpoints were pruned faster than they could be copied; "
-                                  f"try again")
+    assert str(refused.value) == (
+        f"--resume {run}: its checkpoints were pruned faster than they could be copied; try again"
+    )
     assert len(chosen) == 5
 
 
@@ -873,8 +979,10 @@ def test_resume_of_one_checkpoint_of_a_live_run_pruned_while_copied_says_to_pass
     monkeypatch.setattr(directory, "_private_copy", pruned_while_copied)
     with pytest.raises(NanolmError) as refused:
         directory.resume_checkpoint_at(checkpoint, print)
-    assert str(refused.value) == (f"--resume {checkpoint}: its run removed that checkpoint while it was read (a live "
-                                  f"run keeps --keep of them); pass the run directory to continue from its newest")
+    assert str(refused.value) == (
+        f"--resume {checkpoint}: its run removed that checkpoint while it was read (a live "
+        f"run keeps --keep of them); pass the run directory to continue from its newest"
+    )
 
 
 def test_resume_of_a_run_whose_newest_checkpoint_is_damaged_says_so_and_takes_the_next(tmp_path, alone):
@@ -927,8 +1035,9 @@ def test_a_runs_damaged_data_is_prepared_again_saying_so_where_the_run_logs(tmp_
     (run / "data" / "meta.json").write_text("{damaged")
     checkpoint = sorted((run / "checkpoints").glob("step_*"))[-1]
     said = []
-    data = directory.open_run_data(run / "data", checkpoint, load_run_config(checkpoint / "config.toml"),
-                                   tmp_path / "scratch", said.append)
+    data = directory.open_run_data(
+        run / "data", checkpoint, load_run_config(checkpoint / "config.toml"), tmp_path / "scratch", said.append
+    )
     assert data.digest == ckpt.read_checkpoint_meta(checkpoint)["data_digest"]
     assert data.meta["compressor_bpb"] is None  # a run skips the compressors: xz would compete with its step
     assert said[0].startswith("warning: ") and said[0].endswith("; preparing the run's data again from its source")
@@ -1013,6 +1122,11 @@ def test_a_resume_in_another_world_size_is_judged_by_the_global_batch_of_this_wo
     cfg = load_run_config(checkpoint / "config.toml")
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
     with pytest.raises(NanolmError, match=r"world size: 1 -> 2 \(global batch"):
-        directory.set_up_run_directory(cfg, RankZeroOfTwo(mode="ddp", world_size=2), RunPlan(run, checkpoint=checkpoint),
-                                       "fp32", log=lambda *_: None)
+        directory.set_up_run_directory(
+            cfg,
+            RankZeroOfTwo(mode="ddp", world_size=2),
+            RunPlan(run, checkpoint=checkpoint),
+            "fp32",
+            log=lambda *_: None,
+        )
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before

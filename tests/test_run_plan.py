@@ -51,10 +51,12 @@ def test_an_output_inside_a_runs_checkpoints_is_refused_naming_the_flag_and_a_pa
     run = _run_dir(tmp_path / "run", "checkpoints")
     assert _refusal(run / "checkpoints" / "hf", "--report-out") == (
         f"--report-out {run / 'checkpoints' / 'hf'} is inside {run / 'checkpoints'}, which the run in {run} writes; "
-        f"choose a path beside it, such as {run / 'export'}, or another --report-out")
+        f"choose a path beside it, such as {run / 'export'}, or another --report-out"
+    )
     assert _refusal(run / "metrics.jsonl") == (  # a run's file itself: "is", not "is inside"
         f"--out {run / 'metrics.jsonl'} is {run / 'metrics.jsonl'}, which the run in {run} writes; choose a path "
-        f"beside it, such as {run / 'export'}, or another --out")
+        f"beside it, such as {run / 'export'}, or another --out"
+    )
 
 
 def test_a_directory_with_a_config_toml_and_nothing_else_of_a_run_is_not_a_run(tmp_path):
@@ -74,18 +76,23 @@ def test_a_directory_a_manifest_checks_is_named_as_what_it_is(tmp_path):
         (where / "meta.json").write_text(json.dumps({"files": {}}))
     assert _refusal(checkpoint / "hf") == (
         f"--out {checkpoint / 'hf'} is inside {checkpoint}, a checkpoint whose files nanolm checks against its "
-        f"manifest: anything written there makes it invalid; choose another --out")
+        f"manifest: anything written there makes it invalid; choose another --out"
+    )
     assert _refusal(prepared / "x", "--out-dir") == (
         f"--out-dir {prepared / 'x'} is inside {prepared}, prepared data whose files nanolm checks against its "
-        f"manifest: anything written there makes it invalid; choose another --out-dir")
+        f"manifest: anything written there makes it invalid; choose another --out-dir"
+    )
 
 
-@pytest.mark.parametrize("meta, checked", [
-    ({"files": {}}, True),
-    ({"source": "a.txt"}, False),          # a meta.json of someone else's: a dict, but no manifest
-    (["files"], False),                    # "files" in a list is not a manifest either
-    ("{damaged", True),                    # nanolm's, damaged: still nothing of another command belongs there
-])
+@pytest.mark.parametrize(
+    "meta, checked",
+    [
+        ({"files": {}}, True),
+        ({"source": "a.txt"}, False),  # a meta.json of someone else's: a dict, but no manifest
+        (["files"], False),  # "files" in a list is not a manifest either
+        ("{damaged", True),  # nanolm's, damaged: still nothing of another command belongs there
+    ],
+)
 def test_only_a_meta_json_that_lists_files_or_is_damaged_makes_a_directory_nanolms(tmp_path, meta, checked):
     where = tmp_path / "d"
     where.mkdir()
@@ -99,8 +106,10 @@ def test_only_a_meta_json_that_lists_files_or_is_damaged_makes_a_directory_nanol
 def test_an_output_that_is_a_dangling_link_is_refused_naming_its_target(tmp_path):
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "nowhere")
-    assert _refusal(link, "--out-dir") == (f"--out-dir {link} is a symbolic link to {tmp_path / 'nowhere'}, which does "
-                                           f"not exist; remove the link or choose another --out-dir")
+    assert _refusal(link, "--out-dir") == (
+        f"--out-dir {link} is a symbolic link to {tmp_path / 'nowhere'}, which does "
+        f"not exist; remove the link or choose another --out-dir"
+    )
 
 
 def test_an_output_inside_a_live_run_names_the_process_writing_it(tmp_path, monkeypatch):
@@ -108,28 +117,41 @@ def test_an_output_inside_a_live_run_names_the_process_writing_it(tmp_path, monk
     monkeypatch.setattr(directory, "held_by_another", lambda d: "4242@host" if d == run else None)
     assert _refusal(run / "checkpoints" / "hf") == (
         f"{run / 'checkpoints' / 'hf'} is inside {run}, which is being written by process 4242 on host: writing "
-        f"there would change that run under it; wait for it to end, or choose another --out")
+        f"there would change that run under it; wait for it to end, or choose another --out"
+    )
 
 
 # ------------------------------------------------------------------ which directory, and is it done
-@pytest.mark.parametrize("data, name", [("data/toy.txt", "toy"), ("prepared/", "prepared"), ("a/b.c.txt", "b.c"),
-                                        ("", "stories"), ("corpusX", "corpusX"), ("notes ", "notes ")])
+@pytest.mark.parametrize(
+    "data, name",
+    [
+        ("data/toy.txt", "toy"),
+        ("prepared/", "prepared"),
+        ("a/b.c.txt", "b.c"),
+        ("", "stories"),
+        ("corpusX", "corpusX"),
+        ("notes ", "notes "),
+    ],
+)
 def test_a_run_without_out_dir_is_named_after_its_data(data, name):
     cfg = RunConfig()
     cfg.data.data = data
     assert default_name(cfg) == name
 
 
-@pytest.mark.parametrize("final, steps, target, finished", [
-    (None, 10, 0.0, False),
-    ({"step": 10, "val_bpb": 2.0}, 10, 0.0, True),       # reached its steps
-    ({"step": 9, "val_bpb": 2.0}, 10, 0.0, False),
-    ({"step": 4, "val_bpb": 1.5}, 10, 1.5, True),        # reached --target-val-bpb (at it counts)
-    ({"step": 4, "val_bpb": 0.8}, 10, 0.9, True),        # a target under one bit per byte is a target too
-    ({"step": 4, "val_bpb": 1.6}, 10, 1.5, False),
-    ({"step": 4, "val_bpb": None}, 10, 1.5, False),      # no validation figure: not reached
-    ({"step": 4, "val_bpb": -1.0}, 10, 0.0, False),      # no target (0): only the steps count
-])
+@pytest.mark.parametrize(
+    "final, steps, target, finished",
+    [
+        (None, 10, 0.0, False),
+        ({"step": 10, "val_bpb": 2.0}, 10, 0.0, True),  # reached its steps
+        ({"step": 9, "val_bpb": 2.0}, 10, 0.0, False),
+        ({"step": 4, "val_bpb": 1.5}, 10, 1.5, True),  # reached --target-val-bpb (at it counts)
+        ({"step": 4, "val_bpb": 0.8}, 10, 0.9, True),  # a target under one bit per byte is a target too
+        ({"step": 4, "val_bpb": 1.6}, 10, 1.5, False),
+        ({"step": 4, "val_bpb": None}, 10, 1.5, False),  # no validation figure: not reached
+        ({"step": 4, "val_bpb": -1.0}, 10, 0.0, False),  # no target (0): only the steps count
+    ],
+)
 def test_final_weights_say_a_run_is_finished_only_at_its_steps_or_its_target(final, steps, target, finished):
     cfg = RunConfig()
     cfg.train.steps, cfg.train.target_val_bpb = steps, target
@@ -138,8 +160,9 @@ def test_final_weights_say_a_run_is_finished_only_at_its_steps_or_its_target(fin
 
 def test_a_run_past_its_steps_says_it_only_writes_its_final_weights(tmp_path):
     assert directory._past_steps(tmp_path, 6, 6) == ""
-    assert directory._past_steps(tmp_path, 7, 6) == (f"{tmp_path} is at step 7, past --steps 6: nothing to train; "
-                                                     f"its final weights are from step 7")
+    assert directory._past_steps(tmp_path, 7, 6) == (
+        f"{tmp_path} is at step 7, past --steps 6: nothing to train; its final weights are from step 7"
+    )
 
 
 class _Lock:
@@ -155,8 +178,7 @@ class _Lock:
         self.released += 1
 
 
-def test_a_command_without_out_dir_takes_the_first_directory_holding_no_other_run_and_says_which(tmp_path,
-                                                                                                   monkeypatch):
+def test_a_command_without_out_dir_takes_the_first_directory_holding_no_other_run_and_says_which(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     differences = {Path("runs/toy"): ["model.n_layer: 4 -> 2", "b", "c", "d"], Path("runs/toy-2"): ["x"]}
 
@@ -169,8 +191,10 @@ def test_a_command_without_out_dir_takes_the_first_directory_holding_no_other_ru
     cfg.data.data = "data/toy.txt"
     assert locate_run(cfg, lock, 1, log=said.append).out_dir == Path("runs/toy-3")
     assert lock.taken == [Path("runs/toy"), Path("runs/toy-2"), Path("runs/toy-3")] and lock.released == 2
-    assert said == ["runs/toy holds a different run (model.n_layer: 4 -> 2; b; c ...); this one is runs/toy-3 "
-                    "(pass --out-dir to choose)"]
+    assert said == [
+        "runs/toy holds a different run (model.n_layer: 4 -> 2; b; c ...); this one is runs/toy-3 "
+        "(pass --out-dir to choose)"
+    ]
     differences[Path("runs/toy")] = ["model.n_layer: 4 -> 2", "b", "c"]  # three are shown whole
     said.clear()
     locate_run(cfg, _Lock(), 1, log=said.append)
@@ -230,8 +254,10 @@ def test_a_directory_holding_run_files_but_no_config_toml_is_refused_listing_the
     cfg.train.out_dir = str(out)
     with pytest.raises(NanolmError) as e:
         locate_run(cfg, _Lock(), 1)
-    assert str(e.value) == (f"{out} holds checkpoints, metrics.jsonl but no config.toml: it is not a nanolm run this "
-                            f"command can continue; choose another --out-dir")
+    assert str(e.value) == (
+        f"{out} holds checkpoints, metrics.jsonl but no config.toml: it is not a nanolm run this "
+        f"command can continue; choose another --out-dir"
+    )
 
 
 def test_an_empty_or_foreign_directory_is_a_new_run_there(tmp_path):
@@ -250,8 +276,11 @@ def test_a_run_whose_config_cannot_be_read_is_refused_or_skipped(tmp_path, monke
     (out / "config.toml").write_text("[model\n")
     cfg = RunConfig()
     cfg.train.out_dir = str(out)
-    with pytest.raises(NanolmError, match=rf"^{out} holds a run whose configuration cannot be read \(.+\); choose "
-                                          r"another --out-dir$"):
+    with pytest.raises(
+        NanolmError,
+        match=rf"^{out} holds a run whose configuration cannot be read \(.+\); choose "
+        r"another --out-dir$",
+    ):
         locate_run(cfg, _Lock(), 1)
     found = directory._plan_for(out, cfg, 1, print, quiet_mismatch=True, lock=_Lock())
     assert isinstance(found, list) and len(found) == 1 and found[0].startswith("its config.toml is unreadable (")
@@ -270,15 +299,19 @@ def _this_commands_run(tmp_path, run_file, **train) -> tuple[Path, RunConfig]:
 
 def test_resume_never_refuses_a_directory_with_final_weights(tmp_path):
     out, cfg = _this_commands_run(tmp_path, "model.safetensors", resume="never")
-    with pytest.raises(NanolmError, match="already holds a run with checkpoints; --resume never does not train over "
-                                          "it: choose another --out-dir"):
+    with pytest.raises(
+        NanolmError,
+        match="already holds a run with checkpoints; --resume never does not train over it: choose another --out-dir",
+    ):
         locate_run(cfg, _Lock(), 1)
 
 
 def test_final_weights_without_a_checkpoint_are_not_trained_over(tmp_path):
     out, cfg = _this_commands_run(tmp_path, "model.safetensors")
-    with pytest.raises(NanolmError, match=f"^{out} holds final weights but no checkpoint to continue from; start a "
-                                          f"new run with another --out-dir$"):
+    with pytest.raises(
+        NanolmError,
+        match=f"^{out} holds final weights but no checkpoint to continue from; start a new run with another --out-dir$",
+    ):
         locate_run(cfg, _Lock(), 1)
 
 
@@ -286,8 +319,9 @@ def test_a_run_stopped_before_its_first_checkpoint_is_started_again_and_says_so(
     out, cfg = _this_commands_run(tmp_path, "metrics.jsonl")
     said = []
     assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(out, restart=True)
-    assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from "
-                    f"step 0"]
+    assert said == [
+        f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from step 0"
+    ]
 
 
 def test_resume_from_a_path_without_a_checkpoint_is_one_line(tmp_path):
@@ -313,17 +347,26 @@ def test_prepared_data_decides_the_tokenizer(tmp_path, meta):
     assert (cfg.data.tokenizer, cfg.data.vocab_size) == (meta["tokenizer"], meta["vocab_size"])
 
 
-@pytest.mark.parametrize("meta", [{"tokenizer": "word", "vocab_size": 70}, {"tokenizer": "char"},
-                                  {"tokenizer": "char", "vocab_size": True}, {"tokenizer": "char", "vocab_size": "70"},
-                                  ["char", 70]])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"tokenizer": "word", "vocab_size": 70},
+        {"tokenizer": "char"},
+        {"tokenizer": "char", "vocab_size": True},
+        {"tokenizer": "char", "vocab_size": "70"},
+        ["char", 70],
+    ],
+)
 def test_prepared_data_whose_meta_json_names_no_tokenizer_is_refused(tmp_path, meta):
     cfg = RunConfig()
     cfg.data.data = str(_prepared(tmp_path / "p", meta))
     before = (cfg.data.tokenizer, cfg.data.vocab_size)
     with pytest.raises(NanolmError) as e:
         use_prepared_tokenizer(cfg)
-    assert str(e.value) == (f"prepared data {tmp_path / 'p'}: its meta.json does not say which tokenizer the shards "
-                            f"use (damaged, or not written by nanolm prepare); prepare the data again")
+    assert str(e.value) == (
+        f"prepared data {tmp_path / 'p'}: its meta.json does not say which tokenizer the shards "
+        f"use (damaged, or not written by nanolm prepare); prepare the data again"
+    )
     assert (cfg.data.tokenizer, cfg.data.vocab_size) == before
 
 
@@ -369,8 +412,9 @@ def test_a_directory_written_without_a_lock_says_so_through_the_commands_log(tmp
     said = []
     with RunLock() as lock:
         assert locate_run(cfg, lock, 1, log=said.append) == RunPlan(tmp_path / "out")
-    assert said == [f"warning: {tmp_path / 'out'} is written without a lock ({NO_LOCK}=1): make sure no other process "
-                    f"writes there"]
+    assert said == [
+        f"warning: {tmp_path / 'out'} is written without a lock ({NO_LOCK}=1): make sure no other process writes there"
+    ]
 
 
 def test_incompatible_changes_are_listed_together_and_gone_data_named_only_when_the_run_kept_no_copy(tmp_path):
@@ -383,8 +427,10 @@ def test_incompatible_changes_are_listed_together_and_gone_data_named_only_when_
     cfg.model.n_layer, cfg.model.n_embd = cfg.model.n_layer + 1, cfg.model.n_embd * 2
     with pytest.raises(NanolmError) as e:
         locate_run(cfg, _Lock(), 1)
-    assert str(e.value) == (f"data path {tmp_path / 'gone.txt'} does not exist: the run in {out} trained on it; "
-                            f"restore it, or start a new run with another --out-dir")
+    assert str(e.value) == (
+        f"data path {tmp_path / 'gone.txt'} does not exist: the run in {out} trained on it; "
+        f"restore it, or start a new run with another --out-dir"
+    )
     (out / "data").mkdir()
     with pytest.raises(NanolmError) as e:
         locate_run(cfg, _Lock(), 1)
@@ -397,7 +443,6 @@ def test_a_run_that_finished_with_no_checkpoint_left_is_done(tmp_path):
     """Final weights that verify, at the command's steps, with every checkpoint pruned (--keep 0):
     nothing to do, said in one line."""
     from nanolm.run.final import write_final
-
     from nanolm.tokenizer import train_char
 
     out, cfg = _this_commands_run(tmp_path, "metrics.jsonl", steps=5)
@@ -405,8 +450,10 @@ def test_a_run_that_finished_with_no_checkpoint_left_is_done(tmp_path):
     write_final(out, tiny_model(), step=5)
     plan = locate_run(cfg, _Lock(), 1)
     assert plan.finished and plan.checkpoint is None and plan.out_dir == out
-    assert plan.message == (f"{out} finished at step 5 of 5; nothing to do (raise --steps to train longer, or choose "
-                            f"another --out-dir for a new run)")
+    assert plan.message == (
+        f"{out} finished at step 5 of 5; nothing to do (raise --steps to train longer, or choose "
+        f"another --out-dir for a new run)"
+    )
 
 
 def test_resume_never_starts_a_new_run_in_an_empty_directory(tmp_path):
@@ -416,7 +463,8 @@ def test_resume_never_starts_a_new_run_in_an_empty_directory(tmp_path):
 
 
 def test_resume_path_into_an_attempt_that_never_saved_restarts_it_and_keeps_the_checkpoints_validation_set(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     """--resume PATH into a directory whose attempt stopped before its first checkpoint: the
     attempt's logs are replaced (restart), and the run continues with the validation windows the
     checkpoint's run evaluated on (``--eval-windows`` not given)."""
@@ -429,10 +477,13 @@ def test_resume_path_into_an_attempt_that_never_saved_restarts_it_and_keeps_the_
     monkeypatch.setattr(directory, "resume_checkpoint_at", lambda path, log: checkpoint)
     cfg.train.resume = str(checkpoint)
     said = []
-    assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(out, checkpoint=checkpoint, restart=True,
-                                                                   eval_windows=12)
-    assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; its files give way to "
-                    f"the run continued from {checkpoint}"]
+    assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(
+        out, checkpoint=checkpoint, restart=True, eval_windows=12
+    )
+    assert said == [
+        f"{out} holds a run that stopped before its first checkpoint was saved; its files give way to "
+        f"the run continued from {checkpoint}"
+    ]
 
 
 def test_a_run_named_after_its_data_says_what_it_found_there(tmp_path, monkeypatch):
@@ -445,45 +496,60 @@ def test_a_run_named_after_its_data_says_what_it_found_there(tmp_path, monkeypat
     (out / "config.toml").write_text(cfg.to_toml())
     said = []
     assert locate_run(cfg, _Lock(), 1, log=said.append) == RunPlan(out, restart=True)
-    assert said == [f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from "
-                    f"step 0"]
+    assert said == [
+        f"{out} holds a run that stopped before its first checkpoint was saved; starting it again from step 0"
+    ]
 
 
 @pytest.mark.parametrize("removed_before_exit", [False, True])
-def test_a_private_copy_of_a_checkpoint_goes_when_its_process_ends_and_the_end_stays_quiet(tmp_path,
-                                                                                           removed_before_exit):
+def test_a_private_copy_of_a_checkpoint_goes_when_its_process_ends_and_the_end_stays_quiet(
+    tmp_path, removed_before_exit
+):
     """The copy a resume of a live run continues from is this process's own: removed at its exit,
     quietly even when something removed it first; a leftover (after a SIGKILL) says what it is."""
     checkpoint = tmp_path / "step_000004"
     checkpoint.mkdir()
     (checkpoint / "model.safetensors").write_bytes(b"weights")
-    code = ("import shutil, sys; from pathlib import Path; from nanolm.run.directory import _private_copy\n"
-            "copy = _private_copy(Path(sys.argv[1])); print(copy, flush=True)\n"
-            "assert (copy / 'model.safetensors').read_bytes() == b'weights'\n"
-            "if sys.argv[2] == 'removed': shutil.rmtree(copy.parent)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(checkpoint), "removed" if removed_before_exit else "kept"],
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import shutil, sys; from pathlib import Path; from nanolm.run.directory import _private_copy\n"
+        "copy = _private_copy(Path(sys.argv[1])); print(copy, flush=True)\n"
+        "assert (copy / 'model.safetensors').read_bytes() == b'weights'\n"
+        "if sys.argv[2] == 'removed': shutil.rmtree(copy.parent)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint), "removed" if removed_before_exit else "kept"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     copy = Path(done.stdout.strip())
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert copy.name == checkpoint.name and copy.parent.name.startswith("nanolm-resume-") and not copy.parent.exists()
 
 
 @pytest.mark.parametrize("source, named", [("", "the built-in corpus"), ("corpus.txt", "corpus.txt")])
-def test_damaged_run_data_whose_source_gives_other_data_is_refused_naming_the_source(tmp_path, monkeypatch, source,
-                                                                                     named):
+def test_damaged_run_data_whose_source_gives_other_data_is_refused_naming_the_source(
+    tmp_path, monkeypatch, source, named
+):
     cfg = RunConfig()
     cfg.data.data = source
     damaged = tmp_path / "run" / "data"
     damaged.mkdir(parents=True)
     (damaged / "meta.json").write_text("{damaged")
-    monkeypatch.setattr(directory, "load_training_data", lambda cfg, scratch, log, compressor_bounds: type(
-        "Prepared", (), {"digest": "1" * 64})())
+    monkeypatch.setattr(
+        directory,
+        "load_training_data",
+        lambda cfg, scratch, log, compressor_bounds: type("Prepared", (), {"digest": "1" * 64})(),
+    )
     monkeypatch.setattr(directory, "read_checkpoint_meta", lambda checkpoint: {"data_digest": "0" * 64})
     with pytest.raises(NanolmError) as refused:
-        directory.open_run_data(damaged, tmp_path / "run" / "checkpoints" / "step_000004", cfg, tmp_path / "scratch",
-                                log=lambda *_: None)
-    assert str(refused.value) == (f"{damaged} is damaged, and its source ({named}) no longer gives the data the run "
-                                  f"was trained on; restore the source, or start a new run with another --out-dir")
+        directory.open_run_data(
+            damaged, tmp_path / "run" / "checkpoints" / "step_000004", cfg, tmp_path / "scratch", log=lambda *_: None
+        )
+    assert str(refused.value) == (
+        f"{damaged} is damaged, and its source ({named}) no longer gives the data the run "
+        f"was trained on; restore the source, or start a new run with another --out-dir"
+    )
 
 
 def test_the_built_in_corpus_reads_no_meta_json_of_the_directory_it_runs_in(tmp_path, monkeypatch):
@@ -523,13 +589,16 @@ def test_a_training_split_of_exactly_one_window_is_enough_and_one_token_less_is_
     cfg.model.seq_len = n
     with pytest.raises(NanolmError) as refused:
         set_up(tmp_path / "refused")
-    assert str(refused.value) == (f"the training split holds {n} tokens, fewer than one window of --seq-len + 1 = "
-                                  f"{n + 1}; use more text or a smaller --seq-len")
+    assert str(refused.value) == (
+        f"the training split holds {n} tokens, fewer than one window of --seq-len + 1 = "
+        f"{n + 1}; use more text or a smaller --seq-len"
+    )
     assert not (tmp_path / "refused").exists()
 
 
 def test_a_run_directory_is_made_with_its_parents_or_taken_as_the_lock_left_it_and_this_runs_memory_checked(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     import nanolm.run.plan
     from nanolm.distributed import Distributed
     from nanolm.run.directory import set_up_run_directory
@@ -572,5 +641,10 @@ def test_setting_up_a_run_removes_its_killed_writes_and_a_restarted_attempts_log
     for name in [*killed, *stale, ".notes.a1b2c3d4", "notes.txt"]:
         (out / name).write_text("left")
     set_up_run_directory(cfg, Distributed(), RunPlan(out, restart=True), "fp32", log=lambda *_: None)
-    assert sorted(p.name for p in out.iterdir()) == [".notes.a1b2c3d4", "config.toml", "data", "notes.txt",
-                                                     "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".notes.a1b2c3d4",
+        "config.toml",
+        "data",
+        "notes.txt",
+        "tokenizer.json",
+    ]

@@ -13,8 +13,15 @@ import torch
 
 from nanolm.errors import NanolmError
 from nanolm.machine import runtime
-from nanolm.machine.runtime import (configure_determinism, configure_threads, configure_tf32, restore_rng,
-                                    seed_everything, settings_restored, stop_reason)
+from nanolm.machine.runtime import (
+    configure_determinism,
+    configure_tf32,
+    configure_threads,
+    restore_rng,
+    seed_everything,
+    settings_restored,
+    stop_reason,
+)
 
 
 def test_determinism_switches_the_kernels_cublas_workspace_and_cudnn_autotuning_and_back():
@@ -93,8 +100,11 @@ def test_seed_everything_seeds_pythons_numpys_and_torchs_generators():
     with settings_restored():
         seed_everything(7)
         drawn = (random.random(), float(np.random.random_sample()), torch.rand(1).item())
-    assert drawn == (random.Random(7).random(), float(np.random.RandomState(7).random_sample()),
-                     torch.rand(1, generator=torch.Generator().manual_seed(7)).item())
+    assert drawn == (
+        random.Random(7).random(),
+        float(np.random.RandomState(7).random_sample()),
+        torch.rand(1, generator=torch.Generator().manual_seed(7)).item(),
+    )
 
 
 def test_a_malformed_random_state_is_one_line_naming_it():
@@ -116,13 +126,18 @@ def accelerators(monkeypatch):
     """torch.cuda's and torch.mps's random-state calls, recorded (no GPU needed): what was read
     from or written to which device."""
     calls = []
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=None: calls.append(("get", device)) or
-                        torch.full((4,), 7, dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=None: calls.append(("set", device,
-                                                                                               state.tolist())))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_rng_state",
+        lambda device=None: calls.append(("get", device)) or torch.full((4,), 7, dtype=torch.uint8),
+    )
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda state, device=None: calls.append(("set", device, state.tolist()))
+    )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    monkeypatch.setattr(torch.mps, "get_rng_state",
-                        lambda: calls.append(("mps get",)) or torch.ones(2, dtype=torch.uint8))
+    monkeypatch.setattr(
+        torch.mps, "get_rng_state", lambda: calls.append(("mps get",)) or torch.ones(2, dtype=torch.uint8)
+    )
     monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: calls.append(("mps set", state.tolist())))
     return calls
 
@@ -170,8 +185,12 @@ def test_a_captured_random_state_continues_every_generator_where_it_was(accelera
 def test_a_derived_seed_is_a_32_bit_number_of_its_parts_only_and_differs_for_every_combination():
     """What seeds each rank's random streams (and a resume on another number of processes):
     equal parts give equal seeds in any process, and no two (seed, step, rank) share one."""
-    seeds = {(seed, step, rank): runtime.derived_seed(seed, step, rank)
-             for seed in (0, 1, 1337) for step in (0, 1, 400) for rank in range(4)}
+    seeds = {
+        (seed, step, rank): runtime.derived_seed(seed, step, rank)
+        for seed in (0, 1, 1337)
+        for step in (0, 1, 400)
+        for rank in range(4)
+    }
     assert len(set(seeds.values())) == len(seeds)
     assert all(0 <= s < 2**32 for s in seeds.values()) and max(seeds.values()) > 2**31  # all 32 bits in use
     # pinned: a resume on another number of processes re-derives its random streams with it

@@ -65,8 +65,11 @@ def test_a_planted_bug_survives_reformatting_of_its_file(columns):
 def test_a_bug_is_found_by_its_tokens_whatever_the_layout():
     tool = _tool()
     bug = tool.Bug("probe", "", "probe.py", "total = max(a, b) + c", "total = max(a, b)")
-    for layout in ("total = max(a, b) + c\n", "total = (\n    max(\n        a,\n        b,\n    )\n    + c  # note\n)\n",
-                   "total=max(a,b)+c\n"):
+    for layout in (
+        "total = max(a, b) + c\n",
+        "total = (\n    max(\n        a,\n        b,\n    )\n    + c  # note\n)\n",
+        "total=max(a,b)+c\n",
+    ):
         assert _tree(tool.planted(layout, bug)) == _tree("total = max(a, b)\n"), layout
     assert tool.locate("total = max(a, b) - c\n", bug.correct) == []  # another program is not a match
     quoted = tool.Bug("quotes", "", "probe.py", "x = 'a'", "x = 'b'")
@@ -86,7 +89,7 @@ def test_every_planted_bug_meets_its_own_and_its_concerns_tests_first_and_then_a
         order = tool.tests_for(bug, list(tool.FAST_TESTS))
         assert sorted(order) == sorted(tool.FAST_TESTS), bug.name  # nothing left out, nothing twice
         assert set(bug.tests) <= set(tool.FAST_TESTS), f"{bug.name}: tests {bug.tests} the tool never runs"
-        assert order[:len(bug.tests)] == list(bug.tests), bug.name
+        assert order[: len(bug.tests)] == list(bug.tests), bug.name
         assert any(bug.file.startswith(prefix) for prefix in tool.CONCERN_TESTS), f"{bug.name}: no concern"
     concern_files = {t for tests in tool.CONCERN_TESTS.values() for t in tests}
     assert concern_files <= set(tool.FAST_TESTS), concern_files - set(tool.FAST_TESTS)
@@ -104,7 +107,19 @@ def test_a_bug_planted_in_a_reformatted_package_is_still_caught():
     import pytest
 
     pytest.importorskip("black")
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "silent_bugs.py"), "--only", "targets_not_shifted",
-                             "--tests", "test_data", "--reformat"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "silent_bugs.py"),
+            "--only",
+            "targets_not_shifted",
+            "--tests",
+            "test_data",
+            "--reformat",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "caught by tests/test_data.py::test_eos_opens_the_next_document_by_default" in result.stdout

@@ -16,12 +16,49 @@ from nanolm.train import train
 from nanolm.watch import sinks
 from nanolm.watch.sinks import MetricsFile, Terminal, choose_progress, read_metrics
 
-STEP0_KEYS = {"step", "elapsed_s", "n_params", "tokens_per_step", "flops_per_token", "peak_flops",
-              "val_loss", "val_bpb", "val_ppl", "floor_bpb", "floor_loss", "peak_lr", "min_lr", "warmup_steps",
-              "beta1", "beta2", "weight_decay", "clip", "optimizer", "schedule", "decayed_norms_biases_embeddings",
-              "setup_digest", "data_digest", "precision", "device_type", "world_size"}  # no "reference": not a shipped recipe
-TRAIN_KEYS = {"step", "loss", "lr", "grad_norm", "clipped", "clipped_steps", "clipped_frac", "tokens_per_sec", "threads",
-              "mfu", "elapsed_s", "eta_s", "rss_mb"}
+STEP0_KEYS = {
+    "step",
+    "elapsed_s",
+    "n_params",
+    "tokens_per_step",
+    "flops_per_token",
+    "peak_flops",
+    "val_loss",
+    "val_bpb",
+    "val_ppl",
+    "floor_bpb",
+    "floor_loss",
+    "peak_lr",
+    "min_lr",
+    "warmup_steps",
+    "beta1",
+    "beta2",
+    "weight_decay",
+    "clip",
+    "optimizer",
+    "schedule",
+    "decayed_norms_biases_embeddings",
+    "setup_digest",
+    "data_digest",
+    "precision",
+    "device_type",
+    "world_size",
+}  # no "reference": not a shipped recipe
+TRAIN_KEYS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "clipped",
+    "clipped_steps",
+    "clipped_frac",
+    "tokens_per_sec",
+    "threads",
+    "mfu",
+    "elapsed_s",
+    "eta_s",
+    "rss_mb",
+}
 LAYER_KEYS = {"weight_norm", "grad_norm", "update_ratio"}
 BLOCK_KEYS = {"attn_logit_max", "mlp_dead_frac", "act_rms"}
 
@@ -41,7 +78,7 @@ def test_metrics_rows_follow_the_documented_schema(observed_run):
         assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * rows[0]["flops_per_token"] / rows[0]["peak_flops"])
         assert r["eta_s"] >= 0 and r["rss_mb"] > 0
     # logged every step here, so the running count is the sum of the per-step flags
-    assert [r["clipped_steps"] for r in rows[1:]] == [sum(x["clipped"] for x in rows[1:i + 1]) for i in range(1, 6)]
+    assert [r["clipped_steps"] for r in rows[1:]] == [sum(x["clipped"] for x in rows[1 : i + 1]) for i in range(1, 6)]
     assert [r["step"] for r in rows if "val_loss" in r] == [0, 3, 5]
     stats_rows = [r["step"] for r in rows if "update_ratio/0" in r]
     assert stats_rows == [1, 2, 4]
@@ -59,7 +96,11 @@ def test_metrics_rows_follow_the_documented_schema(observed_run):
 def test_every_logged_key_is_documented(observed_run):
     """Every number in metrics.jsonl has a stated meaning in docs/observability.md."""
     doc = (REPO / "docs" / "observability.md").read_text(encoding="utf-8")
-    keys = {re.sub(r"/(\d+|embed|final_norm|head)$", "/", k) for r in read_metrics(observed_run / "metrics.jsonl") for k in r}
+    keys = {
+        re.sub(r"/(\d+|embed|final_norm|head)$", "/", k)
+        for r in read_metrics(observed_run / "metrics.jsonl")
+        for k in r
+    }
     keys |= {"cuda_max_alloc_mb", "floor_bpb", "floor_loss", "loss_scale"}
     undocumented = sorted(k for k in keys if f"`{k.rstrip('/')}" not in doc)
     assert not undocumented
@@ -146,8 +187,9 @@ def test_a_failing_sink_warns_once_and_the_run_continues(tmp_path, stories_file,
     assert (out / "model.safetensors").is_file()
 
 
-def test_a_sink_that_is_not_installed_is_a_one_line_error_before_anything_is_written(tmp_path, capsys, stories_file,
-                                                                                      monkeypatch):
+def test_a_sink_that_is_not_installed_is_a_one_line_error_before_anything_is_written(
+    tmp_path, capsys, stories_file, monkeypatch
+):
     monkeypatch.setitem(sinks.SINK_PACKAGES, "tensorboard", "no_such_package_for_nanolm")
     out = tmp_path / "run"
     code = main(["train", "--data", str(stories_file), "--out-dir", str(out), "--log", "tensorboard", *TINY_TRAIN])
@@ -190,7 +232,9 @@ def test_wandb_logs_offline_without_network(tmp_path, stories_file, monkeypatch)
     assert b"val_bpb" in data and b"update_ratio/0" in data and b"attn_logit_max/0" in data
 
 
-def test_the_loop_reads_the_device_once_per_step_with_guards_and_only_when_logging_without(tmp_path, stories_file, monkeypatch):
+def test_the_loop_reads_the_device_once_per_step_with_guards_and_only_when_logging_without(
+    tmp_path, stories_file, monkeypatch
+):
     """The loss and the gradient norm live on the accelerator; every read waits for it."""
     events = []
     for name in ("item", "tolist"):
@@ -202,12 +246,16 @@ def test_the_loop_reads_the_device_once_per_step_with_guards_and_only_when_loggi
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     # the optimizer's own reads of its step counters (kept on the host) are not the loop's
-    handles = [register_optimizer_step_pre_hook(lambda *a: events.append("step")),
-               register_optimizer_step_post_hook(lambda *a: events.append("done"))]
+    handles = [
+        register_optimizer_step_pre_hook(lambda *a: events.append("step")),
+        register_optimizer_step_post_hook(lambda *a: events.append("done")),
+    ]
+
     def syncs_between_updates(**guard):
         events.clear()
-        cfg = tiny_run_config(stories_file, tmp_path / f"run{len(guard)}", steps=6, log_every=2, eval_every=100,
-                              stats_every=0)
+        cfg = tiny_run_config(
+            stories_file, tmp_path / f"run{len(guard)}", steps=6, log_every=2, eval_every=100, stats_every=0
+        )
         for k, v in guard.items():
             setattr(cfg.guard, k, v)
         train(cfg, log=lambda *_: None)
@@ -234,8 +282,17 @@ def test_plain_lines_when_output_is_not_a_terminal(monkeypatch):
     assert choose_progress("lines", print) == "lines"
 
 
-ROW = {"step": 20, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.4, "clipped": False, "tokens_per_sec": 12345.0,
-       "mfu": 0.25, "elapsed_s": 10.0, "eta_s": 90.0}
+ROW = {
+    "step": 20,
+    "loss": 2.5,
+    "lr": 1e-3,
+    "grad_norm": 0.4,
+    "clipped": False,
+    "tokens_per_sec": 12345.0,
+    "mfu": 0.25,
+    "elapsed_s": 10.0,
+    "eta_s": 90.0,
+}
 
 
 def test_the_progress_bar_shows_loss_lr_throughput_and_eta(monkeypatch):
@@ -254,10 +311,20 @@ def test_the_progress_bar_shows_loss_lr_throughput_and_eta(monkeypatch):
 def test_plain_lines_carry_every_step_figure():
     lines = []
     terminal = Terminal(100, log=lines.append, mode="lines")
-    terminal.show({**ROW, "clipped": True, "update_ratio/0": 1e-3, "attn_logit_max/0": 3.0, "mlp_dead_frac/0": 0.0,
-                   "act_rms/0": 1.0})
-    assert lines[0] == ("step  20/100 | loss 2.5000 | lr 1.00e-03 | grad norm 0.400 (clipped) | 12.3k tok/s | "
-                        "mfu 25.0% | 10.0s | eta 1m30s")
+    terminal.show(
+        {
+            **ROW,
+            "clipped": True,
+            "update_ratio/0": 1e-3,
+            "attn_logit_max/0": 3.0,
+            "mlp_dead_frac/0": 0.0,
+            "act_rms/0": 1.0,
+        }
+    )
+    assert lines[0] == (
+        "step  20/100 | loss 2.5000 | lr 1.00e-03 | grad norm 0.400 (clipped) | 12.3k tok/s | "
+        "mfu 25.0% | 10.0s | eta 1m30s"
+    )
     assert lines[1].startswith("layers step 20 | update/weight 1.0e-03..1.0e-03 | attn logit max 3.00 (block 0)")
 
 

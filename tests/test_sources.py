@@ -44,25 +44,32 @@ def _documents_by_the_rule(lines: list[str], line_break: str, final_break: bool,
     documents = []
     for index, (group, before_separator) in enumerate(groups):
         last_group = index == len(groups) - 1
-        texts = [line + (line_break if not (last_group and i == len(group) - 1 and not final_break) else "")
-                 for i, line in enumerate(group)]
+        texts = [
+            line + (line_break if not (last_group and i == len(group) - 1 and not final_break) else "")
+            for i, line in enumerate(group)
+        ]
         piece = ""
         for text in texts:
             piece += text
             if len(piece) >= max_chars:
                 documents.append(piece)
                 piece = ""
-        documents.append(piece[:-len(line_break)] if before_separator and piece.endswith(line_break) else piece)
+        documents.append(piece[: -len(line_break)] if before_separator and piece.endswith(line_break) else piece)
     return documents
 
 
 @settings(max_examples=200, deadline=None)
-@given(lines=st.lists(_LINE, min_size=1, max_size=14), line_break=st.sampled_from(["\n", "\r\n", "\r"]),
-       final_break=st.booleans(), max_chars=st.integers(1, 24))
+@given(
+    lines=st.lists(_LINE, min_size=1, max_size=14),
+    line_break=st.sampled_from(["\n", "\r\n", "\r"]),
+    final_break=st.booleans(),
+    max_chars=st.integers(1, 24),
+)
 @example(lines=["abcd", "abcd", "abcd"], line_break="\n", final_break=True, max_chars=10)  # exactly at the limit
 @example(lines=["abcd", "abcd", "abcd"], line_break="\n", final_break=True, max_chars=11)  # one short of it
 def test_a_text_file_is_cut_at_separator_lines_and_after_the_line_reaching_the_length_limit(
-        lines, line_break, final_break, max_chars):
+    lines, line_break, final_break, max_chars
+):
     text = line_break.join(lines) + (line_break if final_break else "")
     with tempfile.TemporaryDirectory() as tmp, mock.patch.object(sources_mod, "MAX_DOC_CHARS", max_chars):
         path = Path(tmp) / "d.txt"
@@ -81,8 +88,10 @@ def _boundaries(text: str) -> list[int]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(st.characters(exclude_categories=("Cs",)), max_size=20),
-       val_fraction=st.floats(0.0, 0.99, allow_nan=False))
+@given(
+    text=st.text(st.characters(exclude_categories=("Cs",)), max_size=20),
+    val_fraction=st.floats(0.0, 0.99, allow_nan=False),
+)
 @example(text="", val_fraction=0.1)
 @example(text="é", val_fraction=0.5)  # the cut lands on the second byte of the first character
 @example(text="a€", val_fraction=0.25)  # three bytes back from inside a 3-byte character
@@ -113,8 +122,12 @@ def _splits_by_the_rule(docs: list[str], val_fraction: float) -> list[tuple[str,
 
 
 @settings(max_examples=300, deadline=None)
-@given(n=st.integers(0, 25), val_fraction=st.one_of(st.sampled_from([0.0, 0.1, 0.2, 0.25, 0.5, 0.6, 0.9]),
-                                                    st.floats(0.0, 0.99, allow_nan=False)))
+@given(
+    n=st.integers(0, 25),
+    val_fraction=st.one_of(
+        st.sampled_from([0.0, 0.1, 0.2, 0.25, 0.5, 0.6, 0.9]), st.floats(0.0, 0.99, allow_nan=False)
+    ),
+)
 @example(n=1, val_fraction=0.0)  # one document and no validation: all of it trains
 @example(n=1, val_fraction=1e-9)  # a cut at the very end of the document (it raised IndexError)
 @example(n=2, val_fraction=5e-324)  # 1 / val_fraction is inf (it raised OverflowError)
@@ -137,12 +150,24 @@ def test_a_lone_document_without_a_validation_share_trains_whole():
 
 def test_a_bad_json_line_is_named_by_its_place_and_its_fault_alone(tmp_path):
     path = tmp_path / "d.jsonl"
-    path.write_text("\n".join([json.dumps({"text": "a"}), "{broken", "[" * 100 + "]" * 100,
-                               '{"text": ' + "1" * 5000 + "}", json.dumps({"text": "b"})]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"text": "a"}),
+                "{broken",
+                "[" * 100 + "]" * 100,
+                '{"text": ' + "1" * 5000 + "}",
+                json.dumps({"text": "b"}),
+            ]
+        )
+        + "\n"
+    )
     source = DocumentSource(path)
     assert list(source) == ["a", "b"]
-    assert source.problems[0] == f"{path}:2: is not valid JSON (Expecting property name enclosed in double quotes: " \
-                                 f"line 1 column 2 (char 1))"
+    assert (
+        source.problems[0] == f"{path}:2: is not valid JSON (Expecting property name enclosed in double quotes: "
+        f"line 1 column 2 (char 1))"
+    )
     assert source.problems[1] == f"{path}:3: holds values nested more than 64 levels deep"
     assert source.problems[2].startswith(f"{path}:4: holds a value Python cannot read (")
     assert all("the file" not in p for p in source.problems)
@@ -194,8 +219,10 @@ def test_an_unsupported_file_type_is_named_with_the_types_nanolm_reads(tmp_path)
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(NanolmError) as e:
         DocumentSource(tmp_path / "d.csv")
-    assert str(e.value) == f"{tmp_path / 'd.csv'}: unsupported file type '.csv'; use .txt, .jsonl, .parquet or a " \
-                           f"directory of .txt files"
+    assert (
+        str(e.value) == f"{tmp_path / 'd.csv'}: unsupported file type '.csv'; use .txt, .jsonl, .parquet or a "
+        f"directory of .txt files"
+    )
 
 
 def test_a_directory_without_text_files_is_named(tmp_path):
@@ -209,7 +236,9 @@ def test_a_directory_without_text_files_is_named(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are a POSIX thing")
 def test_a_pipe_is_refused_because_nanolm_reads_its_data_twice(tmp_path):
     os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(NanolmError, match=r"fifo is a pipe or a device, which can be read only once.*command > data\.txt"):
+    with pytest.raises(
+        NanolmError, match=r"fifo is a pipe or a device, which can be read only once.*command > data\.txt"
+    ):
         DocumentSource(tmp_path / "fifo")
 
 
@@ -244,10 +273,10 @@ def test_text_is_read_as_utf8_whatever_the_locale(tmp_path):
     """Windows and a C locale would read a file as cp1252 or ASCII if nanolm let them choose."""
     (tmp_path / "d.txt").write_text(f"Ünïcödé — 日本\n{EOS}\nzwei\n", encoding="utf-8")
     assert list(DocumentSource(tmp_path / "d.txt")) == ["Ünïcödé — 日本", "zwei\n"]  # here, and under a C locale:
-    code = ("import sys; from nanolm.data.sources import DocumentSource; "
-            "print(ascii(list(DocumentSource(sys.argv[1]))))")
+    code = "import sys; from nanolm.data.sources import DocumentSource; print(ascii(list(DocumentSource(sys.argv[1]))))"
     env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "ascii"}
-    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "d.txt")], capture_output=True, text=True,
-                            env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "d.txt")], capture_output=True, text=True, env=env
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ascii(["Ünïcödé — 日本", "zwei\n"])

@@ -37,8 +37,12 @@ def test_layer_statistics_match_hand_computed_norms_and_update_ratios(tie):
     row = stats.after_update()
 
     params = dict(model.named_parameters())  # a tied matrix appears once, as embed.weight
-    by_hand = {"embed": ["embed.weight"], "0": [n for n in params if n.startswith("blocks.0.")],
-               "1": [n for n in params if n.startswith("blocks.1.")], "final_norm": ["norm.weight"]}
+    by_hand = {
+        "embed": ["embed.weight"],
+        "0": [n for n in params if n.startswith("blocks.0.")],
+        "1": [n for n in params if n.startswith("blocks.1.")],
+        "final_norm": ["norm.weight"],
+    }
     if not tie:
         by_hand["head"] = ["lm_head.weight"]
     assert {k.split("/")[1] for k in row if k.startswith("weight_norm/")} == set(by_hand)
@@ -87,7 +91,7 @@ def test_per_layer_gradient_norms_are_taken_before_clipping(observed_run):
     rows = [r for r in read_metrics(observed_run / "metrics.jsonl") if "grad_norm/0" in r]
     assert rows and any(r["clipped"] for r in rows)
     for r in rows:
-        total = math.sqrt(sum(v ** 2 for k, v in r.items() if k.startswith("grad_norm/")))
+        total = math.sqrt(sum(v**2 for k, v in r.items() if k.startswith("grad_norm/")))
         assert total == pytest.approx(r["grad_norm"], rel=1e-4)
 
 
@@ -191,8 +195,11 @@ def test_watching_a_run_does_not_change_it(tmp_path, stories_file):
         cfg = tiny_run_config(stories_file, tmp_path / f"every{every}", steps=3, stats_every=every)
         cfg.model.dropout = 0.2
         train(cfg, log=lambda *_: None)
-        runs[every] = [(r["loss"], r["grad_norm"]) for r in read_metrics(tmp_path / f"every{every}" / "metrics.jsonl")
-                       if "loss" in r]
+        runs[every] = [
+            (r["loss"], r["grad_norm"])
+            for r in read_metrics(tmp_path / f"every{every}" / "metrics.jsonl")
+            if "loss" in r
+        ]
     assert runs[0] == runs[1]
 
 

@@ -8,8 +8,26 @@ from nanolm.instruments.sweep import parse_lrs, recommend
 from nanolm.optim import muon_available
 from nanolm.run.config import load_toml
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "8",
-        "--tokenizer", "char", "--eval-every", "30", "--eval-batches", "2", "--steps", "60"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--tokenizer",
+    "char",
+    "--eval-every",
+    "30",
+    "--eval-batches",
+    "2",
+    "--steps",
+    "60",
+]
 
 
 def test_lrs_are_parsed_sorted_and_checked():
@@ -41,11 +59,14 @@ def test_sweep_trains_each_rate_and_names_the_largest_stable(tmp_path, stories_f
     assert "Recommended: --lr 0.01" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--lrs", "1e-3,x"], "--lrs: 'x' is not a number"),
-    (["--lrs", "1e-3", "--lr", "1e-2"], "do not pass --lr"),
-    (["--lrs", "1e-3", "--out-dir", "elsewhere"], "do not pass --out-dir"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lrs", "1e-3,x"], "--lrs: 'x' is not a number"),
+        (["--lrs", "1e-3", "--lr", "1e-2"], "do not pass --lr"),
+        (["--lrs", "1e-3", "--out-dir", "elsewhere"], "do not pass --out-dir"),
+    ],
+)
 def test_sweep_user_errors_are_one_line_and_write_nothing(tmp_path, args, message):
     r = run_cli("sweep", "--out", tmp_path / "sweep", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
@@ -57,8 +78,21 @@ def test_a_muon_sweep_moves_both_rates_together(tmp_path, stories_file):
     """Without --muon-lr, Muon's rate follows --lr (the same rate is a step of the same size),
     so one sweep tunes both optimizers of a Muon run."""
     out = tmp_path / "sweep"
-    r = run_cli("sweep", "--lrs", "1e-3,1e-2", "--out", out, "--data", stories_file, *TINY, "--steps", "10",
-                "--optimizer", "muon", "--no-report")
+    r = run_cli(
+        "sweep",
+        "--lrs",
+        "1e-3,1e-2",
+        "--out",
+        out,
+        "--data",
+        stories_file,
+        *TINY,
+        "--steps",
+        "10",
+        "--optimizer",
+        "muon",
+        "--no-report",
+    )
     assert r.returncode == 0, r.stderr
     for lr in ("0.001", "0.01"):
         optim = load_toml(out / f"lr_{lr}" / "config.toml")["optim"]

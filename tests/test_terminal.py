@@ -19,14 +19,52 @@ from nanolm.checkpoint import read_latest
 
 pytestmark = pytest.mark.skipif(os.name == "nt", reason="POSIX signals and pipes")
 
-TINY = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "2", "--sample-tokens", "0", "--threads", "1", "--log-every", "1"]
+TINY = [
+    "--tokenizer",
+    "char",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "0",
+    "--threads",
+    "1",
+    "--log-every",
+    "1",
+]
 
 
 def _start_training(stories_file, out, *extra):
-    return subprocess.Popen([sys.executable, "-m", "nanolm", "train", "--data", str(stories_file), "--out-dir", str(out),
-                             *TINY, "--steps", "100000", "--eval-every", "1000", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanolm",
+            "train",
+            "--data",
+            str(stories_file),
+            "--out-dir",
+            str(out),
+            *TINY,
+            "--steps",
+            "100000",
+            "--eval-every",
+            "1000",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_step(proc, step: int) -> None:
@@ -41,8 +79,9 @@ def _wait_for_step(proc, step: int) -> None:
 
 
 def _resumes(stories_file, out, stopped_at: int):
-    r = run_cli("train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", stopped_at + 2,
-                "--eval-every", 1000)
+    r = run_cli(
+        "train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", stopped_at + 2, "--eval-every", 1000
+    )
     assert r.returncode == 0, r.stderr
     assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at:06d}'}" in r.stdout
 
@@ -104,23 +143,46 @@ def test_training_into_a_pipe_that_closes_saves_and_the_same_command_resumes(tmp
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, stories_file):
     out = tmp_path_factory.mktemp("terminal") / "run"
-    r = run_cli("train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", 4, "--eval-every", 2,
-                "--tokenizer", "bpe", "--vocab-size", 300)  # byte-level: any prompt encodes
+    r = run_cli(
+        "train",
+        "--data",
+        stories_file,
+        "--out-dir",
+        out,
+        *TINY,
+        "--steps",
+        4,
+        "--eval-every",
+        2,
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        300,
+    )  # byte-level: any prompt encodes
     assert r.returncode == 0, r.stderr
     return out
 
 
-@pytest.mark.parametrize("argv", [
-    ["diagnose", "{run}"], ["diagnose", "--json", "{run}"], ["compare", "{run}", "{run}"],
-    ["sample", "--run", "{run}", "--max-new-tokens", "400"], ["plan", "--preset", "124m"], ["--help"],
-], ids=lambda argv: " ".join(argv[:2]))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["diagnose", "{run}"],
+        ["diagnose", "--json", "{run}"],
+        ["compare", "{run}", "{run}"],
+        ["sample", "--run", "{run}", "--max-new-tokens", "400"],
+        ["plan", "--preset", "124m"],
+        ["--help"],
+    ],
+    ids=lambda argv: " ".join(argv[:2]),
+)
 def test_a_reader_whose_output_closes_ends_quietly(finished_run, argv):
     argv = [a.format(run=finished_run) for a in argv]
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first line
     try:
-        proc = subprocess.run([sys.executable, "-m", "nanolm", *argv], stdout=write, stderr=subprocess.PIPE, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "nanolm", *argv], stdout=write, stderr=subprocess.PIPE, text=True, timeout=300
+        )
     finally:
         os.close(write)
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
@@ -134,17 +196,35 @@ def _c_locale() -> dict:
 
 
 def test_a_sample_prints_under_an_ascii_locale_with_replacement_characters(finished_run):
-    proc = subprocess.run([sys.executable, "-m", "nanolm", "sample", "--run", str(finished_run), "--prompt",
-                           "Once upon a time, caf\u00e9", "--max-new-tokens", "20"], capture_output=True,
-                          env=_c_locale(), timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanolm",
+            "sample",
+            "--run",
+            str(finished_run),
+            "--prompt",
+            "Once upon a time, caf\u00e9",
+            "--max-new-tokens",
+            "20",
+        ],
+        capture_output=True,
+        env=_c_locale(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     assert b"Traceback" not in proc.stderr
     assert proc.stdout.startswith(b"Once upon a time, caf?")
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line(finished_run):
-    proc = subprocess.run([sys.executable, "-m", "nanolm", "sample", "--run", str(finished_run), "--prompt",
-                           os.fsdecode(b"caf\xe9")], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanolm", "sample", "--run", str(finished_run), "--prompt", os.fsdecode(b"caf\xe9")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: --prompt")
 
@@ -152,9 +232,11 @@ def test_a_prompt_that_is_not_utf8_is_one_line(finished_run):
 def _entry_reports(body: str) -> subprocess.CompletedProcess:
     """``nanolm``'s entry running ``body`` as its command, its output into a pipe, in a user's
     environment (ordinary buffering: the suite drops PYTHONUNBUFFERED, tests/conftest.py)."""
-    script = ("import sys\nfrom nanolm.instruments import cli\n"
-              f"def command(argv, process_tuning=None):\n{body}\n"
-              "cli.main = command\ncli.entry([])\n")
+    script = (
+        "import sys\nfrom nanolm.instruments import cli\n"
+        f"def command(argv, process_tuning=None):\n{body}\n"
+        "cli.main = command\ncli.entry([])\n"
+    )
     assert "PYTHONUNBUFFERED" not in os.environ
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
 
@@ -170,8 +252,10 @@ def test_text_still_buffered_at_exit_into_a_closed_pipe_ends_quietly():
     """What a command leaves without a line end waits in the buffer until exit; a reader gone by
     then meets the entry's flush, not the interpreter's (which could only print "Exception ignored"
     and exit 120)."""
-    body = ("    import os\n    read, write = os.pipe()\n    os.close(read)\n"
-            "    os.dup2(write, sys.stdout.fileno())\n    sys.stdout.write('no line end')\n    return 0")
+    body = (
+        "    import os\n    read, write = os.pipe()\n    os.close(read)\n"
+        "    os.dup2(write, sys.stdout.fileno())\n    sys.stdout.write('no line end')\n    return 0"
+    )
     done = _entry_reports(body)
     assert done.returncode == 128 + 13 and done.stderr == "", done
 
@@ -182,8 +266,9 @@ def test_output_onto_a_full_disk_is_one_line_and_a_failed_status(argv):
     """``nanolm ... > log`` with the disk full: the output is lost, and the user is told so in one
     line, not with a traceback from the interpreter's exit."""
     with open("/dev/full", "w") as full:
-        proc = subprocess.run([sys.executable, "-m", "nanolm", *argv], stdout=full, stderr=subprocess.PIPE, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "nanolm", *argv], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120
+        )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "No space left on device" in proc.stderr, proc.stderr
@@ -203,30 +288,61 @@ def test_a_signal_while_a_run_prepares_its_data_stops_it_at_once_and_leaves_noth
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "nanolm", "train", "--data", str(corpus), "--out-dir", str(out), *TINY,
-            "--tokenizer", "bpe", "--steps", "2"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "TMPDIR": str(scratch)})
+    argv = [
+        sys.executable,
+        "-m",
+        "nanolm",
+        "train",
+        "--data",
+        str(corpus),
+        "--out-dir",
+        str(out),
+        *TINY,
+        "--tokenizer",
+        "bpe",
+        "--steps",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(scratch)}
+    )
     deadline = time.time() + 120
     while not list(scratch.glob("nanolm-*/.*.prepare-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)  # until the run's own preparation has begun
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + getattr(signal, sig), err
-    assert err.strip().splitlines() == [f"{sig} while the run was being set up, before its first step: run the same "
-                                        f"command again to go on"], err
+    assert err.strip().splitlines() == [
+        f"{sig} while the run was being set up, before its first step: run the same command again to go on"
+    ], err
     assert list(scratch.iterdir()) == [] and not out.exists()  # no half-prepared corpus, no run directory
 
 
 def test_a_signal_while_a_run_finishes_stops_it_at_once_and_the_rerun_finds_it_finished_or_finishes_it(
-        tmp_path, stories_file):
+    tmp_path, stories_file
+):
     """After the last checkpoint, the final weights and a long sample: a SIGTERM there has nothing
     left to save; it ends the command at once, with its status and one line."""
     from nanolm.run.final import read_final
 
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "nanolm", "train", "--data", str(stories_file), "--out-dir", str(out), *TINY,
-            "--steps", "3", "--eval-every", "1000", "--sample-tokens", "200000"]
+    argv = [
+        sys.executable,
+        "-m",
+        "nanolm",
+        "train",
+        "--data",
+        str(stories_file),
+        "--out-dir",
+        str(out),
+        *TINY,
+        "--steps",
+        "3",
+        "--eval-every",
+        "1000",
+        "--sample-tokens",
+        "200000",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_step(proc, 3)
     deadline = time.time() + 60
@@ -235,8 +351,10 @@ def test_a_signal_while_a_run_finishes_stops_it_at_once_and_the_rerun_finds_it_f
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert err.strip().splitlines() == ["SIGTERM while the run was finishing (its final weights, its sample): the last "
-                                        "checkpoint is saved; run the same command again to finish"], err
+    assert err.strip().splitlines() == [
+        "SIGTERM while the run was finishing (its final weights, its sample): the last "
+        "checkpoint is saved; run the same command again to finish"
+    ], err
     assert read_final(out)["step"] == 3
     r = run_cli("train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", 3, "--eval-every", 1000)
     assert r.returncode == 0 and "finished" in r.stdout, r.stdout + r.stderr

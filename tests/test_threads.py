@@ -124,8 +124,10 @@ def test_environment_a_step_gives_the_same_bits_at_one_and_two_threads():
             train_step(setup, step, [Batch(idx, torch.roll(idx, -1, 1), torch.ones(8, 128, dtype=torch.bool))])
         weights[threads] = torch.cat([p.detach().flatten() for p in model.parameters()])
     if not torch.equal(weights[1], weights[2]):
-        pytest.skip("environment: this CPU's kernels give other bits at 1 and 2 threads, so a --threads auto "
-                    "switch changes a run's last bits here (docs/checkpoints.md)")
+        pytest.skip(
+            "environment: this CPU's kernels give other bits at 1 and 2 threads, so a --threads auto "
+            "switch changes a run's last bits here (docs/checkpoints.md)"
+        )
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: there is no other thread count to switch to")
@@ -147,8 +149,10 @@ def test_deterministic_runs_keep_their_numbers_and_thread_count_on_a_busy_machin
 
     def run(name, deterministic):
         lines = []
-        train(tiny_run_config(stories_file, tmp_path / name, steps=4, eval_every=4, deterministic=deterministic),
-              log=lines.append)
+        train(
+            tiny_run_config(stories_file, tmp_path / name, steps=4, eval_every=4, deterministic=deterministic),
+            log=lines.append,
+        )
         return [line for line in lines if line.startswith("threads: ")], losses(tmp_path / name)
 
     switched_idle, idle = run("idle", True)

@@ -111,8 +111,9 @@ def test_clipping_limits_the_update_to_the_clip_norm(tmp_path, stories_file):
 
     def record(optimizer, *_):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        norms_seen_by_the_optimizer.append(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(x) for x in grads])).item())
+        norms_seen_by_the_optimizer.append(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads])).item()
+        )
 
     handle = register_optimizer_step_pre_hook(record)
     try:
@@ -174,6 +175,7 @@ def test_threads_are_set_and_a_busy_cpu_gets_a_hint_only_when_our_threads_would_
     cpu = torch.device("cpu")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     try:
+
         def hints(threads, load, device=cpu):
             monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
             lines = []
@@ -199,8 +201,13 @@ def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file
     steps, original = [], step_module.accumulate_gradients
 
     def recording(model, micro_batches, *args, **kwargs):
-        steps.append({"model": model, "batches": micro_batches,
-                      "weights": {n: p.detach().clone() for n, p in model.named_parameters()}})
+        steps.append(
+            {
+                "model": model,
+                "batches": micro_batches,
+                "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+            }
+        )
         return original(model, micro_batches, *args, **kwargs)
 
     def seen_by_the_optimizer(*_):
@@ -208,8 +215,9 @@ def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file
 
     monkeypatch.setattr(step_module, "accumulate_gradients", recording)
     handle = register_optimizer_step_pre_hook(seen_by_the_optimizer)
-    cfg = _tiny_cfg(stories_file, tmp_path / "run", steps=3, batch_size=2, grad_accum=2, stats_every=0,
-                    threads=1)  # a fixed count: --threads auto's trial runs (and discards) the step's pass too
+    cfg = _tiny_cfg(
+        stories_file, tmp_path / "run", steps=3, batch_size=2, grad_accum=2, stats_every=0, threads=1
+    )  # a fixed count: --threads auto's trial runs (and discards) the step's pass too
     cfg.optim.clip = 0.0  # the optimizer then sees the raw accumulated gradients
     try:
         train(cfg, log=lambda *_: None)
@@ -241,8 +249,11 @@ def test_every_step_runs_at_its_scheduled_lr_with_the_configured_optimizer_setti
     cfg.optim.lr, cfg.optim.min_lr, cfg.optim.warmup = 2e-3, 2e-4, 3
     cfg.optim.beta1, cfg.optim.beta2, cfg.optim.weight_decay = 0.8, 0.9, 0.05
     cfg.optim.schedule, cfg.optim.decay_fraction = schedule, 0.5
-    expected = ([cosine_lr(step, 2e-3, 3, 8, 2e-4) for step in range(1, 9)] if schedule == "cosine" else
-                [wsd_lr(step, 2e-3, 3, 8, 2e-4, decay_fraction=0.5) for step in range(1, 9)])
+    expected = (
+        [cosine_lr(step, 2e-3, 3, 8, 2e-4) for step in range(1, 9)]
+        if schedule == "cosine"
+        else [wsd_lr(step, 2e-3, 3, 8, 2e-4, decay_fraction=0.5) for step in range(1, 9)]
+    )
     handle = register_optimizer_step_pre_hook(record)
     try:
         train(cfg, log=lambda *_: None)
@@ -269,8 +280,9 @@ def test_the_logged_tokens_are_the_tokens_the_steps_trained_on(tmp_path, stories
         return original(model, micro_batches, *args, **kwargs)
 
     monkeypatch.setattr(step_module, "accumulate_gradients", counting)
-    train(_tiny_cfg(stories_file, tmp_path / "run", steps=4, batch_size=2, grad_accum=3, threads=1),
-          log=lambda *_: None)  # a fixed count: --threads auto's trial runs (and discards) the step's pass too
+    train(
+        _tiny_cfg(stories_file, tmp_path / "run", steps=4, batch_size=2, grad_accum=3, threads=1), log=lambda *_: None
+    )  # a fixed count: --threads auto's trial runs (and discards) the step's pass too
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert rows[0]["tokens_per_step"] == 2 * 3 * 32
     trained = [r for r in rows if "tokens_per_sec" in r]
@@ -283,10 +295,41 @@ def test_a_run_whose_final_model_outputs_nan_is_not_a_success(tmp_path, stories_
     otherwise (also when the same command is run again)."""
     from nanolm.instruments.cli import main
 
-    argv = ["train", "--data", str(stories_file), "--out-dir", str(tmp_path / "run"), "--tokenizer", "char",
-            "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--batch-size", "4",
-            "--eval-batches", "2", "--sample-tokens", "0", "--steps", "30", "--eval-every", "10", "--lr", "100",
-            "--warmup", "0", "--on-nan", "skip", "--threads", "1"]
+    argv = [
+        "train",
+        "--data",
+        str(stories_file),
+        "--out-dir",
+        str(tmp_path / "run"),
+        "--tokenizer",
+        "char",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--steps",
+        "30",
+        "--eval-every",
+        "10",
+        "--lr",
+        "100",
+        "--warmup",
+        "0",
+        "--on-nan",
+        "skip",
+        "--threads",
+        "1",
+    ]
     for _ in range(2):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -305,16 +348,22 @@ def test_a_compiled_step_follows_the_eager_step():
     from nanolm.step import StepSetup, train_step
 
     if not pick_vec_isa():
-        pytest.skip("torch.compile's C++ for this step does not build without a vector unit (PyTorch 2.13 writes "
-                    "at::vec into a reduction and leaves its header out; seen under ATEN_CPU_CAPABILITY=default)")
+        pytest.skip(
+            "torch.compile's C++ for this step does not build without a vector unit (PyTorch 2.13 writes "
+            "at::vec into a reduction and leaves its header out; seen under ATEN_CPU_CAPABILITY=default)"
+        )
     tokens = np.random.default_rng(0).integers(1, 64, size=2000)
     tokens[::37] = 0  # documents, so the mask path is compiled too
     batch = pack_windows(tokens, np.array([0, 100, 200, 300]), 32, eos_id=0)
     results = []
     for compile in (False, True):
         model = tiny_model(n_layer=1)
-        setup = StepSetup(model, torch.optim.SGD(model.parameters(), lr=1.0), schedule=lambda step: 1.0,
-                          step_model=torch.compile(model) if compile else model)
+        setup = StepSetup(
+            model,
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            schedule=lambda step: 1.0,
+            step_model=torch.compile(model) if compile else model,
+        )
         results.append((train_step(setup, 1, [batch]).loss.item(), [p.detach().clone() for p in model.parameters()]))
     (eager_loss, eager_weights), (compiled_loss, compiled_weights) = results
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
@@ -330,27 +379,29 @@ def test_a_run_says_what_it_trains_and_a_continued_one_where_it_continues(tmp_pa
 
     out = tmp_path / "run"
     said = []
-    train(_tiny_cfg(stories_file, out, steps=4, batch_size=3, eval_every=2, ckpt_every=2, threads=1),
-          log=said.append)
+    train(_tiny_cfg(stories_file, out, steps=4, batch_size=3, eval_every=2, ckpt_every=2, threads=1), log=said.append)
     vocab = PreparedData(out / "data").tokenizer.vocab_size
     from nanolm.model import GPT
 
     n_params = GPT(_tiny_cfg(stories_file, out).model.gpt_config(vocab)).num_params()
-    assert f"model: {n_params / 1e6:.2f}M parameters | char vocabulary of {vocab} | {3 * 32} tokens per step | " \
-           f"device cpu | run dir {out}" in said
+    assert (
+        f"model: {n_params / 1e6:.2f}M parameters | char vocabulary of {vocab} | {3 * 32} tokens per step | "
+        f"device cpu | run dir {out}" in said
+    )
     assert "precision: fp32 (requested)" in said and any(line.startswith("MFU: ") for line in said)
     assert not [line for line in said if line.startswith(("resumed from", "warning:"))]
     said.clear()
-    train(_tiny_cfg(stories_file, out, steps=6, batch_size=3, eval_every=2, ckpt_every=2, threads=1),
-          log=said.append)
+    train(_tiny_cfg(stories_file, out, steps=6, batch_size=3, eval_every=2, ckpt_every=2, threads=1), log=said.append)
     assert f"resumed from {out / 'checkpoints' / 'step_000004'} at step 4" in said
 
 
 def test_a_validation_split_shorter_than_a_window_is_said_once_at_the_start(tmp_path):
     source = tmp_path / "docs.txt"  # every tenth document is held out: here each of them is two characters
-    source.write_text("\n<|endoftext|>\n".join("ab" if i % 10 == 9 else f"story {i}: " + "the cat sat. " * 12
-                                               for i in range(40)))
+    source.write_text(
+        "\n<|endoftext|>\n".join("ab" if i % 10 == 9 else f"story {i}: " + "the cat sat. " * 12 for i in range(40))
+    )
     said = []
     train(_tiny_cfg(source, tmp_path / "run", steps=2, batch_size=2, threads=1), log=said.append)
-    assert said.count("warning: the validation split is shorter than one window; no validation loss will be "
-                      "reported") == 1
+    assert (
+        said.count("warning: the validation split is shorter than one window; no validation loss will be reported") == 1
+    )

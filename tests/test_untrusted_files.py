@@ -19,8 +19,8 @@ import sys
 import pytest
 from conftest import tiny_run_config
 
-from nanolm.instruments.cli import main
 from nanolm.base.files import sealed, sha256_file
+from nanolm.instruments.cli import main
 
 MARKER_NAME = "code-ran"
 
@@ -69,9 +69,38 @@ def _vouch_for(run: "os.PathLike", rel: str) -> None:
 
 def _commands(run, stories_file, scratch):
     checkpoint = run / "checkpoints" / "step_000004"
-    train = ["--data", str(stories_file), "--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
-             "--seq-len", "32", "--batch-size", "4", "--eval-batches", "2", "--sample-tokens", "0", "--log-every", "1",
-             "--eval-every", "2", "--ckpt-every", "2", "--keep", "0", "--threads", "1", "--steps", "6"]
+    train = [
+        "--data",
+        str(stories_file),
+        "--tokenizer",
+        "char",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "2",
+        "--ckpt-every",
+        "2",
+        "--keep",
+        "0",
+        "--threads",
+        "1",
+        "--steps",
+        "6",
+    ]
     return {  # read-only commands first; resuming in place writes into the run
         "sample": ["sample", "--run", str(run), "--max-new-tokens", "4"],
         "eval": ["eval", "--run", str(run), "--data", str(stories_file)],
@@ -87,15 +116,27 @@ def _every_file(run) -> list[str]:
 
 def test_the_run_holds_every_kind_of_file_a_load_path_reads(run_dir):
     files = _every_file(run_dir)
-    for expected in ("config.toml", "tokenizer.json", "model.safetensors", "final.json", "metrics.jsonl",
-                     "checkpoints/latest", "checkpoints/step_000004/state.pt", "checkpoints/step_000004/meta.json",
-                     "data/train.bin", "data/train_docs.npy", "data/meta.json", "data/tokenizer.json"):
+    for expected in (
+        "config.toml",
+        "tokenizer.json",
+        "model.safetensors",
+        "final.json",
+        "metrics.jsonl",
+        "checkpoints/latest",
+        "checkpoints/step_000004/state.pt",
+        "checkpoints/step_000004/meta.json",
+        "data/train.bin",
+        "data/train_docs.npy",
+        "data/meta.json",
+        "data/tokenizer.json",
+    ):
         assert expected in files
 
 
 @pytest.mark.parametrize("vouched", [False, True], ids=["damaged", "attacked"])
 def test_a_crafted_pickle_in_any_file_runs_nothing_and_is_refused_in_one_line(
-        run_dir, stories_file, tmp_path, capsys, vouched):
+    run_dir, stories_file, tmp_path, capsys, vouched
+):
     _Exploit.marker = tmp_path / MARKER_NAME
     payload = pickle.dumps({"step": 4, "payload": _Exploit()}, protocol=2)
     outcomes = {}

@@ -33,9 +33,30 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--tokenizer", "char", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
-        "--batch-size", "4", "--eval-batches", "2", "--sample-tokens", "0", "--steps", "4", "--eval-every", "2",
-        "--threads", "1"]
+TINY = [
+    "--tokenizer",
+    "char",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--sample-tokens",
+    "0",
+    "--steps",
+    "4",
+    "--eval-every",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 BIG_INTEGER = "1" * 5000  # more digits than Python converts
@@ -85,18 +106,49 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("n_embd not divisible by n_head", train("--n-embd", "30", "--n-head", "4")),
         ("unknown --log sink", train("--log", "csv")),
     ]
-    for flag, value in [("--steps", "0"), ("--batch-size", "-2"), ("--grad-accum", "0"), ("--lr", "-1"),
-                        ("--lr", "nan"), ("--min-lr", "1"), ("--warmup", "-1"), ("--warmup", "500"),
-                        ("--weight-decay", "-0.1"), ("--beta1", "2"), ("--beta2", "-0.5"), ("--clip", "inf"),
-                        ("--ckpt-every", "0"), ("--keep", "-2"), ("--sample-tokens", "-1"), ("--rope-theta", "0"),
-                        ("--dropout", "1"), ("--seq-len", "1"), ("--n-layer", "0"), ("--n-head", "0"),
-                        ("--seed", "-1"), ("--threads", "-1"), ("--stats-every", "-1"), ("--eval-every", "0"),
-                        ("--log-every", "0"), ("--eval-batches", "0"), ("--val-fraction", "1"),
-                        ("--peak-flops", "-5"), ("--target-val-bpb", "-1"), ("--spike-threshold", "0"),
-                        ("--spike-window", "2"), ("--max-rollbacks", "-1"), ("--rollback-lr-scale", "0"),
-                        ("--stories", "0"), ("--vocab-size", "0"), ("--steps", "ten"),
-                        ("--muon-momentum", "1.5"), ("--threads", "many"), ("--steps", str(10**20)),
-                        ("--eval-windows", "0"), ("--keep", str(2**64))]:
+    for flag, value in [
+        ("--steps", "0"),
+        ("--batch-size", "-2"),
+        ("--grad-accum", "0"),
+        ("--lr", "-1"),
+        ("--lr", "nan"),
+        ("--min-lr", "1"),
+        ("--warmup", "-1"),
+        ("--warmup", "500"),
+        ("--weight-decay", "-0.1"),
+        ("--beta1", "2"),
+        ("--beta2", "-0.5"),
+        ("--clip", "inf"),
+        ("--ckpt-every", "0"),
+        ("--keep", "-2"),
+        ("--sample-tokens", "-1"),
+        ("--rope-theta", "0"),
+        ("--dropout", "1"),
+        ("--seq-len", "1"),
+        ("--n-layer", "0"),
+        ("--n-head", "0"),
+        ("--seed", "-1"),
+        ("--threads", "-1"),
+        ("--stats-every", "-1"),
+        ("--eval-every", "0"),
+        ("--log-every", "0"),
+        ("--eval-batches", "0"),
+        ("--val-fraction", "1"),
+        ("--peak-flops", "-5"),
+        ("--target-val-bpb", "-1"),
+        ("--spike-threshold", "0"),
+        ("--spike-window", "2"),
+        ("--max-rollbacks", "-1"),
+        ("--rollback-lr-scale", "0"),
+        ("--stories", "0"),
+        ("--vocab-size", "0"),
+        ("--steps", "ten"),
+        ("--muon-momentum", "1.5"),
+        ("--threads", "many"),
+        ("--steps", str(10**20)),
+        ("--eval-windows", "0"),
+        ("--keep", str(2**64)),
+    ]:
         out.append((f"{flag} {value}", train(flag, value)))
     out += [
         ("sample: not a run", ["sample", "--run", str(d / "empty_dir")]),
@@ -128,10 +180,26 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("data stories: --docs 0", ["data", "stories", "--docs", "0", "--out", str(d / "s.txt")]),
         ("lab: unknown variant", ["lab", "--out", str(d / "lab"), "--only", "nope", "--no-report"]),
         ("lab: --steps 0", ["lab", "--out", str(d / "lab"), "--steps", "0", "--no-report"]),
-        ("sweep: a negative rate", ["sweep", "--lrs", "1e-3,-1", "--out", str(d / "sweep"), "--data", text,
-                                    *TINY, "--no-report"]),
-        ("sweep: --tolerance -1", ["sweep", "--lrs", "1e-3", "--tolerance", "-1", "--out", str(d / "sweep"),
-                                   "--data", text, *TINY, "--no-report"]),
+        (
+            "sweep: a negative rate",
+            ["sweep", "--lrs", "1e-3,-1", "--out", str(d / "sweep"), "--data", text, *TINY, "--no-report"],
+        ),
+        (
+            "sweep: --tolerance -1",
+            [
+                "sweep",
+                "--lrs",
+                "1e-3",
+                "--tolerance",
+                "-1",
+                "--out",
+                str(d / "sweep"),
+                "--data",
+                text,
+                *TINY,
+                "--no-report",
+            ],
+        ),
         # crafted files (issue: nothing lost, one line, everywhere)
         ("config: an integer of 5,000 digits", ["train", "--config", str(d / "bigint.toml"), "--out-dir", new]),
         ("config: nesting deeper than Python parses", ["train", "--config", str(d / "deep.toml"), "--out-dir", new]),
@@ -139,44 +207,67 @@ def cases(d: Path) -> list[tuple[str, list[str]]]:
         ("config: [model] is a number", ["train", "--config", str(d / "scalar.toml"), "--out-dir", new]),
         ("config: a FIFO", ["train", "--config", str(d / "pipe.txt"), "--out-dir", new]),
         ("plan: --config with a 5,000-digit integer", ["plan", "--config", str(d / "bigint.toml")]),
-        ("prepare: only separators, over prepared data", ["prepare", "--data", str(d / "separators.txt"),
-                                                          "--out", str(d / "prepared"), "--tokenizer", "char"]),
-        ("prepare: only whitespace, over prepared data", ["prepare", "--data", str(d / "blank.txt"),
-                                                          "--out", str(d / "prepared"), "--tokenizer", "char"]),
-        ("prepare: .jsonl without its field, over data", ["prepare", "--data", str(d / "nofield.jsonl"),
-                                                          "--out", str(d / "prepared"), "--tokenizer", "char"]),
-        ("prepare: only separators, into a new dir", ["prepare", "--data", str(d / "separators.txt"),
-                                                      "--out", str(d / "fresh" / "prep")]),
+        (
+            "prepare: only separators, over prepared data",
+            ["prepare", "--data", str(d / "separators.txt"), "--out", str(d / "prepared"), "--tokenizer", "char"],
+        ),
+        (
+            "prepare: only whitespace, over prepared data",
+            ["prepare", "--data", str(d / "blank.txt"), "--out", str(d / "prepared"), "--tokenizer", "char"],
+        ),
+        (
+            "prepare: .jsonl without its field, over data",
+            ["prepare", "--data", str(d / "nofield.jsonl"), "--out", str(d / "prepared"), "--tokenizer", "char"],
+        ),
+        (
+            "prepare: only separators, into a new dir",
+            ["prepare", "--data", str(d / "separators.txt"), "--out", str(d / "fresh" / "prep")],
+        ),
         ("prepare: only crafted .jsonl lines", ["prepare", "--data", str(d / "crafted.jsonl"), "--out", str(d / "p5")]),
-        ("prepare: --out inside a run's checkpoint", ["prepare", "--data", text, "--out",
-                                                      f"{run}/checkpoints/step_000004/prep"]),
+        (
+            "prepare: --out inside a run's checkpoint",
+            ["prepare", "--data", text, "--out", f"{run}/checkpoints/step_000004/prep"],
+        ),
         ("prepare: --out inside a run's data", ["prepare", "--data", text, "--out", f"{run}/data/prep"]),
         ("export: --out inside a run's checkpoint", ["export", run, "--out", f"{run}/checkpoints/step_000004/hf"]),
         ("export: --out inside prepared data", ["export", run, "--out", str(d / "prepared" / "hf")]),
         ("export: --out a dangling symlink", ["export", run, "--out", str(d / "dangling")]),
         ("train: --threads past what the thread pool starts", train("--threads", "100000")),
-        ("train: --vocab-size past what the tokenizer library reserves", ["train", "--data", text, "--out-dir", new,
-                                                                         *TINY, "--tokenizer", "bpe", "--vocab-size",
-                                                                         str(2**29)]),
-        ("prepare: --vocab-size past what the tokenizer library reserves", ["prepare", "--data", text, "--out",
-                                                                           str(d / "p6"), "--vocab-size", str(2**32)]),
+        (
+            "train: --vocab-size past what the tokenizer library reserves",
+            ["train", "--data", text, "--out-dir", new, *TINY, "--tokenizer", "bpe", "--vocab-size", str(2**29)],
+        ),
+        (
+            "prepare: --vocab-size past what the tokenizer library reserves",
+            ["prepare", "--data", text, "--out", str(d / "p6"), "--vocab-size", str(2**32)],
+        ),
         ("train: --grad-accum whose micro-batches fill the memory", train("--grad-accum", str(2**40))),
         ("export: --out under a dangling symlink", ["export", run, "--out", str(d / "dangling" / "hf")]),
         ("prepare: --out under a dangling symlink", ["prepare", "--data", text, "--out", str(d / "dangling" / "p")]),
-        ("train: --out-dir under a dangling symlink", ["train", "--data", text, "--out-dir", str(d / "dangling" / "r"),
-                                                       *TINY]),
+        (
+            "train: --out-dir under a dangling symlink",
+            ["train", "--data", text, "--out-dir", str(d / "dangling" / "r"), *TINY],
+        ),
         ("report: --out inside a run's checkpoint", ["report", run, "--out", f"{run}/checkpoints/step_000004/r"]),
         ("train: --out-dir inside a run's checkpoints", train("--out-dir", f"{run}/checkpoints/new")),
         ("train: --out-dir a dangling symlink", train("--out-dir", str(d / "dangling"))),
-        ("data stories: --out inside a checkpoint", ["data", "stories", "--docs", "3", "--out",
-                                                     f"{run}/checkpoints/step_000004/s.txt"]),
+        (
+            "data stories: --out inside a checkpoint",
+            ["data", "stories", "--docs", "3", "--out", f"{run}/checkpoints/step_000004/s.txt"],
+        ),
         ("sample: a --prompt that is not UTF-8", ["sample", "--run", run, "--prompt", os.fsdecode(b"caf\xe9")]),
-        ("resume: data moved and changed", ["train", "--data", str(d / "text_changed.txt"), "--out-dir", run, *TINY,
-                                            "--steps", "6"]),
-        ("train: prepared data whose meta.json names no tokenizer", ["train", "--data", str(d / "prepared_no_tokenizer"),
-                                                                     "--out-dir", new, *TINY]),
-        ("resume: the prepared data the run trained on is gone", ["train", "--data", str(d / "gone"), "--out-dir",
-                                                                  str(d / "run_on_gone"), *TINY, "--steps", "6"]),
+        (
+            "resume: data moved and changed",
+            ["train", "--data", str(d / "text_changed.txt"), "--out-dir", run, *TINY, "--steps", "6"],
+        ),
+        (
+            "train: prepared data whose meta.json names no tokenizer",
+            ["train", "--data", str(d / "prepared_no_tokenizer"), "--out-dir", new, *TINY],
+        ),
+        (
+            "resume: the prepared data the run trained on is gone",
+            ["train", "--data", str(d / "gone"), "--out-dir", str(d / "run_on_gone"), *TINY, "--steps", "6"],
+        ),
     ]
     return out
 
@@ -185,28 +276,38 @@ def tolerated(d: Path) -> list[tuple[str, list[str]]]:
     """(what is damaged, argv) for each command that must read past the damage: exit 0, every
     line on stderr a one-line warning, nothing changed. ``d/damaged_*`` are copies of the run."""
     return [
-        ("sample: final.json with a 5,000-digit integer", ["sample", "--run", str(d / "damaged_final"),
-                                                           "--max-new-tokens", "5"]),
-        ("sample: checkpoint meta.json nested too deep", ["sample", "--run", str(d / "damaged_meta"),
-                                                          "--max-new-tokens", "5"]),
+        (
+            "sample: final.json with a 5,000-digit integer",
+            ["sample", "--run", str(d / "damaged_final"), "--max-new-tokens", "5"],
+        ),
+        (
+            "sample: checkpoint meta.json nested too deep",
+            ["sample", "--run", str(d / "damaged_meta"), "--max-new-tokens", "5"],
+        ),
         ("diagnose: crafted lines in metrics.jsonl", ["diagnose", str(d / "damaged_metrics")]),
         ("compare: crafted lines in metrics.jsonl", ["compare", str(d / "run"), str(d / "damaged_metrics")]),
         ("report: crafted lines in metrics.jsonl", ["report", str(d / "damaged_metrics"), "--out", str(d / "rep")]),
-        ("prepare: crafted .jsonl lines, skipped", ["prepare", "--data", str(d / "mixed.jsonl"), "--out", str(d / "p6"),
-                                                   "--tokenizer", "char"]),
+        (
+            "prepare: crafted .jsonl lines, skipped",
+            ["prepare", "--data", str(d / "mixed.jsonl"), "--out", str(d / "p6"), "--tokenizer", "char"],
+        ),
     ]
 
 
 def _digest(directory: Path) -> dict[str, str]:
     """Every file's SHA-256 and every directory (a command that leaves an empty one left something)."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "directory"
-            for p in sorted(directory.rglob("*")) if p.is_file() or (p.is_dir() and not p.is_symlink())}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "directory"
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() or (p.is_dir() and not p.is_symlink())
+    }
 
 
 def _nanolm(argv, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "nanolm", *argv], capture_output=True, text=True, cwd=cwd, env=env,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "nanolm", *argv], capture_output=True, text=True, cwd=cwd, env=env, timeout=600
+    )
 
 
 def setup(d: Path) -> None:
@@ -219,7 +320,7 @@ def setup(d: Path) -> None:
     (d / "short.txt").write_text("too short")
     (d / "bad.toml").write_text("[train\nsteps = ")
     (d / "unknown.toml").write_text("[train]\nstepz = 3\n")
-    (d / "wrongtype.toml").write_text("[train]\nsteps = \"many\"\n")
+    (d / "wrongtype.toml").write_text('[train]\nsteps = "many"\n')
     (d / "empty_dir").mkdir()
     (d / "lock_symlink").mkdir()
     (d / "lock_symlink" / ".lock").symlink_to(d / "text.txt")  # nanolm must neither follow nor remove it
@@ -251,14 +352,19 @@ def setup(d: Path) -> None:
     (d / "blank.txt").write_text("   \n\n\t\n")
     (d / "nofield.jsonl").write_text('{"body": "a story"}\n{"body": "another"}\n')
     (d / "crafted.jsonl").write_text(f'{{"text": {BIG_INTEGER}}}\n{DEEP}\n{{"text": ["not", "text"]}}\n')
-    (d / "mixed.jsonl").write_text("".join(f'{{"text": {json.dumps(story)}}}\n' for story in
-                                           (d / "text.txt").read_text().split("<|endoftext|>")[:20])
-                                   + f'{{"text": {BIG_INTEGER}}}\n{DEEP}\n')
+    (d / "mixed.jsonl").write_text(
+        "".join(
+            f'{{"text": {json.dumps(story)}}}\n' for story in (d / "text.txt").read_text().split("<|endoftext|>")[:20]
+        )
+        + f'{{"text": {BIG_INTEGER}}}\n{DEEP}\n'
+    )
     (d / "text_changed.txt").write_text((d / "text.txt").read_text().replace("a", "e"))
     (d / "dangling").symlink_to(d / "nowhere")
-    for name, rel, content in (("damaged_final", "final.json", f'{{"format": 1, "step": {BIG_INTEGER}}}'),
-                               ("damaged_meta", "checkpoints/step_000004/meta.json", DEEP),
-                               ("damaged_metrics", "metrics.jsonl", None)):
+    for name, rel, content in (
+        ("damaged_final", "final.json", f'{{"format": 1, "step": {BIG_INTEGER}}}'),
+        ("damaged_meta", "checkpoints/step_000004/meta.json", DEEP),
+        ("damaged_metrics", "metrics.jsonl", None),
+    ):
         shutil.copytree(d / "run", d / name)
         path = d / name / rel
         if content is None:  # a crafted line among the real ones, and a row of the wrong shape
@@ -301,7 +407,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="nanolm-bad-") as tmp:
         d = Path(tmp)
         every = [(what, argv, "refused") for what, argv in cases(d)] + [
-            (what, argv, "tolerated") for what, argv in tolerated(d)]
+            (what, argv, "tolerated") for what, argv in tolerated(d)
+        ]
         every = [case for case in every if args.only in case[0]]
         if args.list:
             for what, argv, expect in every:
@@ -318,14 +425,18 @@ def main() -> int:
             problems = _check(expect, r, before, after)
             results.append({"input": what, "expect": expect, "exit": r.returncode, "ok": not problems})
             shown = next((line for line in lines if line.startswith("error:")), lines[-1] if lines else "(no stderr)")
-            print(f"{'ok ' if not problems else 'BAD'} {what:48s} {shown[:110]}"
-                  + (f"  <- {'; '.join(problems)}" if problems else ""), flush=True)
+            print(
+                f"{'ok ' if not problems else 'BAD'} {what:48s} {shown[:110]}"
+                + (f"  <- {'; '.join(problems)}" if problems else ""),
+                flush=True,
+            )
             if problems:
                 failures.append(what)
             for created in sorted(after.keys() - before.keys(), key=len, reverse=True):  # a clean slate for the next
                 _remove(d / created)
-    print(json.dumps({"tried": len(results), "one_line_nothing_lost": len(results) - len(failures),
-                      "failed": failures}))
+    print(
+        json.dumps({"tried": len(results), "one_line_nothing_lost": len(results) - len(failures), "failed": failures})
+    )
     return 1 if failures else 0
 
 

@@ -56,15 +56,50 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 60
-COMMAND = ["--tokenizer", "char", "--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--seq-len", "64",
-           "--batch-size", "8", "--steps", str(STEPS), "--eval-every", "10", "--ckpt-every", "5", "--eval-batches", "4",
-           "--sample-tokens", "50", "--threads", "1", "--progress", "lines", "--dropout", "0.1", "--log-every", "1"]
+COMMAND = [
+    "--tokenizer",
+    "char",
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "64",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "8",
+    "--steps",
+    str(STEPS),
+    "--eval-every",
+    "10",
+    "--ckpt-every",
+    "5",
+    "--eval-batches",
+    "4",
+    "--sample-tokens",
+    "50",
+    "--threads",
+    "1",
+    "--progress",
+    "lines",
+    "--dropout",
+    "0.1",
+    "--log-every",
+    "1",
+]
 
 
 def _start(corpus: Path, cwd: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "nanolm", "train", "--data", str(corpus), *COMMAND], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nanolm", "train", "--data", str(corpus), *COMMAND],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _run_dir(cwd: Path, corpus: Path) -> Path:
@@ -106,8 +141,10 @@ def _kill_when(proc: subprocess.Popen, run: Path, moment: dict) -> str:
         if kind == "step" and _rows(run) >= moment["step"]:
             time.sleep(moment["delay"])
             break
-        if kind == "final_weights" and (any(run.glob(".model.safetensors.*")) or (
-                (run / "model.safetensors").exists() and not (run / "final.json").exists())):
+        if kind == "final_weights" and (
+            any(run.glob(".model.safetensors.*"))
+            or ((run / "model.safetensors").exists() and not (run / "final.json").exists())
+        ):
             break  # the weights being written, or written without the final.json that vouches for them
         time.sleep(0.0005 if kind != "time" else 0.002)
     if proc.poll() is not None:
@@ -117,8 +154,9 @@ def _kill_when(proc: subprocess.Popen, run: Path, moment: dict) -> str:
     proc.communicate()
     state = _committed(run)
     mid_save = _saves_in_progress(run)
-    return (f"mid-save ({mid_save[0]}); " if mid_save else "") + (f"newest {state[-1]}" if state else
-                                                                   "no checkpoint committed")
+    return (f"mid-save ({mid_save[0]}); " if mid_save else "") + (
+        f"newest {state[-1]}" if state else "no checkpoint committed"
+    )
 
 
 def _latest(run: Path) -> str:
@@ -146,9 +184,15 @@ def _weights(run: Path) -> dict:
 def _moments(kills: int, rng: random.Random, startup: float) -> list[dict]:
     """The hard moments first, then random ones: a quarter during start-up (before any step),
     the rest at a random step, a random few milliseconds after it was logged."""
-    fixed = [{"kind": "save", "nth": 1}, {"kind": "save", "nth": 1}, {"kind": "save", "nth": 3},
-             {"kind": "save", "nth": 7}, {"kind": "after_last_checkpoint"}, {"kind": "after_last_pointer"},
-             {"kind": "final_weights"}]
+    fixed = [
+        {"kind": "save", "nth": 1},
+        {"kind": "save", "nth": 1},
+        {"kind": "save", "nth": 3},
+        {"kind": "save", "nth": 7},
+        {"kind": "after_last_checkpoint"},
+        {"kind": "after_last_pointer"},
+        {"kind": "final_weights"},
+    ]
     chosen = fixed[:kills]
     while len(chosen) < kills:
         if rng.random() < 0.25:
@@ -194,8 +238,11 @@ def _signal_trial(cwd: Path, corpus: Path, how: str, step: int, reference: dict)
         problems.append(f"no checkpoint of the step it stopped at ({stopped or '?'}; latest {_latest(run) or 'none'})")
     rerun = _start(corpus, cwd)
     rerun.communicate()
-    identical = rerun.returncode == 0 and _weights(run).keys() == reference.keys() and all(
-        bool((_weights(run)[k] == reference[k]).all()) for k in reference)
+    identical = (
+        rerun.returncode == 0
+        and _weights(run).keys() == reference.keys()
+        and all(bool((_weights(run)[k] == reference[k]).all()) for k in reference)
+    )
     if not identical:
         problems.append("rerun DIFFERENT")
     return {"how": how, "step": step, "stopped_at": stopped, "exit": proc.returncode, "problems": problems}
@@ -204,8 +251,11 @@ def _signal_trial(cwd: Path, corpus: Path, how: str, step: int, reference: dict)
 def _tree(directory: Path) -> dict[str, bytes]:
     """Every file and its bytes, but the lock file: it only names the process writing there, and
     a ``kill -9`` leaves it behind for the next command to take over."""
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def _data_files(tree: dict) -> dict:
@@ -215,9 +265,26 @@ def _data_files(tree: dict) -> dict:
 
 def _prepare(source: Path, out: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "nanolm", "prepare", "--data", str(source), "--out", str(out),
-                             "--vocab-size", "400", "--progress", "lines"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanolm",
+            "prepare",
+            "--data",
+            str(source),
+            "--out",
+            str(out),
+            "--vocab-size",
+            "400",
+            "--progress",
+            "lines",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _prepare_trials(tmp: Path, trials: int, rng: random.Random) -> list[dict]:
@@ -256,11 +323,24 @@ def _prepare_trials(tmp: Path, trials: int, rng: random.Random) -> list[dict]:
             state = "A MIX"
         leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(".")] if out.parent.exists() else []
         ok = state in ("absent", "as it was", "the new data, whole") and "Traceback" not in err
-        results.append({"trial": i, "into": "a new directory" if fresh else "prepared data", "killed": how,
-                        "after_s": round(delay, 2), "found": state, "scratch_left": leftovers, "ok": ok})
-        print(f"{i:2d}  prepare into {'a new directory' if fresh else 'prepared data':15s} {how} after "
-              f"{delay:4.2f}s of {duration:.2f}: {state}" + (f" (scratch left: {leftovers[0]})" if leftovers else "")
-              + ("" if ok else "  <- BROKEN"), flush=True)
+        results.append(
+            {
+                "trial": i,
+                "into": "a new directory" if fresh else "prepared data",
+                "killed": how,
+                "after_s": round(delay, 2),
+                "found": state,
+                "scratch_left": leftovers,
+                "ok": ok,
+            }
+        )
+        print(
+            f"{i:2d}  prepare into {'a new directory' if fresh else 'prepared data':15s} {how} after "
+            f"{delay:4.2f}s of {duration:.2f}: {state}"
+            + (f" (scratch left: {leftovers[0]})" if leftovers else "")
+            + ("" if ok else "  <- BROKEN"),
+            flush=True,
+        )
     return results
 
 
@@ -277,8 +357,9 @@ def _full_disk_trial(cwd: Path, corpus: Path, room: int) -> tuple[str, int, str,
     the exit status of the rerun once the filler is gone, what the rerun said, its final
     weights). Raises PermissionError where no tmpfs can be mounted."""
     cwd.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "nanolm-crash", str(cwd)], capture_output=True,
-                             text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "nanolm-crash", str(cwd)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         raise PermissionError(mounted.stderr.strip() or "mount refused")
     try:
@@ -316,18 +397,26 @@ def main() -> int:
     p.add_argument("--prepares", type=int, default=8, help="prepares killed at a random moment")
     p.add_argument("--full-disks", type=int, default=5, help="trials whose disk fills up at a random write")
     p.add_argument("--seed", type=int, default=0, help="seed of the random kill times")
-    p.add_argument("--crash-points", action="store_true",
-                   help="only enumerate every disk step of every file operation (tests/test_crash_points.py), with "
-                        "random second faults, and print the steps counted per operation")
-    p.add_argument("--signal-points", action="store_true",
-                   help="only send every stop signal, alone and in pairs, at every phase and disk step of a run "
-                        "(tests/signal_points.py --every)")
+    p.add_argument(
+        "--crash-points",
+        action="store_true",
+        help="only enumerate every disk step of every file operation (tests/test_crash_points.py), with "
+        "random second faults, and print the steps counted per operation",
+    )
+    p.add_argument(
+        "--signal-points",
+        action="store_true",
+        help="only send every stop signal, alone and in pairs, at every phase and disk step of a run "
+        "(tests/signal_points.py --every)",
+    )
     args = p.parse_args()
     if args.crash_points:
         return crash_points()
     if args.signal_points:
-        return subprocess.run([sys.executable, str(ROOT / "tests" / "signal_points.py"), "--every"],
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}).returncode
+        return subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "signal_points.py"), "--every"],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        ).returncode
     rng = random.Random(args.seed)
     results = []
     with tempfile.TemporaryDirectory(prefix="nanolm-crash-") as tmp:
@@ -349,8 +438,10 @@ def main() -> int:
             print(err, file=sys.stderr)
             return 1
         reference = _weights(_run_dir(tmp / "reference", corpus))
-        print(f"reference: {STEPS} steps in {duration:.1f}s from launch to exit ({startup:.1f}s to the first step)",
-              flush=True)
+        print(
+            f"reference: {STEPS} steps in {duration:.1f}s from launch to exit ({startup:.1f}s to the first step)",
+            flush=True,
+        )
         for i, moment in enumerate(_moments(args.kills, rng, startup)):
             cwd = tmp / f"trial{i:02d}"
             cwd.mkdir()
@@ -363,27 +454,58 @@ def main() -> int:
                 rerun = _start(corpus, cwd)
                 out, err = rerun.communicate()
                 code, reruns = rerun.returncode, reruns + 1
-                said = next((line for line in out.splitlines() if line.startswith(("resumed from", "runs/"))
-                             or "starting it again" in line or "nothing to do" in line), "") or err.strip()[-200:] \
+                said = (
+                    next(
+                        (
+                            line
+                            for line in out.splitlines()
+                            if line.startswith(("resumed from", "runs/"))
+                            or "starting it again" in line
+                            or "nothing to do" in line
+                        ),
+                        "",
+                    )
+                    or err.strip()[-200:]
                     or "(a new run: nothing had been written)"
-            identical = code == 0 and _weights(run).keys() == reference.keys() and all(
-                bool((_weights(run)[k] == reference[k]).all()) for k in reference)
-            label = {"time": f"at {moment.get('seconds')}s (start-up)", "save": f"during save #{moment.get('nth')}",
-                     "step": f"after step {moment.get('step')} (+{1000 * moment.get('delay', 0):.0f} ms)",
-                     "after_last_checkpoint": "last checkpoint renamed, not pointed",
-                     "after_last_pointer": "after the last checkpoint",
-                     "final_weights": "while writing the final weights"}[moment["kind"]]
-            results.append({"trial": i, "killed": label, "found": seen, "rerun_exit": code, "rerun_said": said,
-                            "identical": identical})
-            print(f"{i:2d}  killed {label:32s} found: {seen:45s} rerun: {said[:70]:70s} "
-                  f"{'identical' if identical else 'DIFFERENT'}", flush=True)
+                )
+            identical = (
+                code == 0
+                and _weights(run).keys() == reference.keys()
+                and all(bool((_weights(run)[k] == reference[k]).all()) for k in reference)
+            )
+            label = {
+                "time": f"at {moment.get('seconds')}s (start-up)",
+                "save": f"during save #{moment.get('nth')}",
+                "step": f"after step {moment.get('step')} (+{1000 * moment.get('delay', 0):.0f} ms)",
+                "after_last_checkpoint": "last checkpoint renamed, not pointed",
+                "after_last_pointer": "after the last checkpoint",
+                "final_weights": "while writing the final weights",
+            }[moment["kind"]]
+            results.append(
+                {
+                    "trial": i,
+                    "killed": label,
+                    "found": seen,
+                    "rerun_exit": code,
+                    "rerun_said": said,
+                    "identical": identical,
+                }
+            )
+            print(
+                f"{i:2d}  killed {label:32s} found: {seen:45s} rerun: {said[:70]:70s} "
+                f"{'identical' if identical else 'DIFFERENT'}",
+                flush=True,
+            )
         signals = []
         for k in range(args.signals):
             how, step = SIGNALS[k % len(SIGNALS)], rng.randint(2, STEPS - 2)
             trial = _signal_trial(tmp / f"signal{k:02d}", corpus, how, step, reference)
             signals.append(trial)
-            print(f"{k:2d}  {how:24s} at step {step:2d}: exit {trial['exit']}, stopped at {trial['stopped_at'] or '?':>2s} "
-                  f"{'; '.join(trial['problems']) or 'checkpoint there, rerun identical'}", flush=True)
+            print(
+                f"{k:2d}  {how:24s} at step {step:2d}: exit {trial['exit']}, stopped at {trial['stopped_at'] or '?':>2s} "
+                f"{'; '.join(trial['problems']) or 'checkpoint there, rerun identical'}",
+                flush=True,
+            )
         prepares = _prepare_trials(tmp, args.prepares, rng)
         need = _footprint(_run_dir(tmp / "reference", corpus))
         disks, skipped = [], ""
@@ -397,20 +519,35 @@ def main() -> int:
                 print(skipped, flush=True)
                 break
             one_line = not said.startswith("NOT ONE LINE")
-            identical = code == 0 and one_line and weights.keys() == reference.keys() and all(
-                bool((weights[k] == reference[k]).all()) for k in reference)
+            identical = (
+                code == 0
+                and one_line
+                and weights.keys() == reference.keys()
+                and all(bool((weights[k] == reference[k]).all()) for k in reference)
+            )
             disks.append({"trial": j, "room_bytes": room, "said": said, "rerun_exit": code, "identical": identical})
-            print(f"{j:2d}  disk full with {room / 2**10:6.0f} KiB free of {need / 2**10:.0f}: {said[:150]}  "
-                  f"rerun: {reran[:60]}  {'identical' if identical else 'DIFFERENT'}", flush=True)
+            print(
+                f"{j:2d}  disk full with {room / 2**10:6.0f} KiB free of {need / 2**10:.0f}: {said[:150]}  "
+                f"rerun: {reran[:60]}  {'identical' if identical else 'DIFFERENT'}",
+                flush=True,
+            )
     failed = [r["trial"] for r in results if not r["identical"]]
     failed_disks = [r["trial"] for r in disks if not r["identical"]]
-    summary = {"kills": len(results), "identical": len(results) - len(failed), "failed": failed,
-               "killed_mid_save": sum("mid-save" in r["found"] for r in results),
-               "killed_before_any_checkpoint": sum("no checkpoint" in r["found"] for r in results),
-               "signals": len(signals), "signals_failed": [t["how"] for t in signals if t["problems"]],
-               "prepares": len(prepares), "prepares_failed": [t["trial"] for t in prepares if not t["ok"]],
-               "full_disks": len(disks), "full_disks_one_line_and_identical": len(disks) - len(failed_disks),
-               "full_disks_failed": failed_disks, **({"skipped": skipped} if skipped else {})}
+    summary = {
+        "kills": len(results),
+        "identical": len(results) - len(failed),
+        "failed": failed,
+        "killed_mid_save": sum("mid-save" in r["found"] for r in results),
+        "killed_before_any_checkpoint": sum("no checkpoint" in r["found"] for r in results),
+        "signals": len(signals),
+        "signals_failed": [t["how"] for t in signals if t["problems"]],
+        "prepares": len(prepares),
+        "prepares_failed": [t["trial"] for t in prepares if not t["ok"]],
+        "full_disks": len(disks),
+        "full_disks_one_line_and_identical": len(disks) - len(failed_disks),
+        "full_disks_failed": failed_disks,
+        **({"skipped": skipped} if skipped else {}),
+    }
     print(json.dumps(summary))
     return 1 if failed or failed_disks or summary["signals_failed"] or summary["prepares_failed"] else 0
 
@@ -420,15 +557,34 @@ def crash_points() -> int:
     with tempfile.TemporaryDirectory(prefix="nanolm-crash-points-") as tmp:
         log = Path(tmp) / "counts.jsonl"
         env = {**os.environ, "NANOLM_EXPLORE": "1", "NANOLM_CRASH_POINTS_LOG": str(log)}
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                               str(ROOT / "tests" / "test_crash_points.py")], cwd=ROOT, env=env)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                str(ROOT / "tests" / "test_crash_points.py"),
+            ],
+            cwd=ROOT,
+            env=env,
+        )
         rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     print(f"{'operation':40s} {'steps':>5s}  {'trials':>6s}  steps by kind")
     for r in rows:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(r["kinds"].items(), key=lambda kn: -kn[1]))
         print(f"{r['operation']:40s} {r['steps']:5d}  {r['trials']:6d}  {kinds}")
-    print(json.dumps({"operations": len(rows), "steps": sum(r["steps"] for r in rows),
-                      "trials": sum(r["trials"] for r in rows), "passed": done.returncode == 0}))
+    print(
+        json.dumps(
+            {
+                "operations": len(rows),
+                "steps": sum(r["steps"] for r in rows),
+                "trials": sum(r["trials"] for r in rows),
+                "passed": done.returncode == 0,
+            }
+        )
+    )
     return done.returncode
 
 

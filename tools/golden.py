@@ -49,10 +49,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "fixtures" / "golden.json"
-PINNED = ["--data", "data/toy.txt", "--vocab-size", "400", "--lr", "3e-3",
-          "--deterministic", "--precision", "fp32", "--threads", "1", "--sample-tokens", "0", "--log-every", "1"]
-RECIPE = {"short": PINNED + ["--steps", "20", "--eval-every", "10"],  # the test's: short enough for the suite
-          "quick": PINNED + ["--steps", "300"]}  # the README's quick run, every step logged
+PINNED = [
+    "--data",
+    "data/toy.txt",
+    "--vocab-size",
+    "400",
+    "--lr",
+    "3e-3",
+    "--deterministic",
+    "--precision",
+    "fp32",
+    "--threads",
+    "1",
+    "--sample-tokens",
+    "0",
+    "--log-every",
+    "1",
+]
+RECIPE = {
+    "short": PINNED + ["--steps", "20", "--eval-every", "10"],  # the test's: short enough for the suite
+    "quick": PINNED + ["--steps", "300"],
+}  # the README's quick run, every step logged
 KERNEL_PATHS = ("avx512", "avx2", "default")
 """Values of ``ATEN_CPU_CAPABILITY``: the vectorised kernels a CPU with AVX-512, one with AVX2 only
 (most laptops) and any other runs. One machine running the recipe under each computes what those
@@ -87,8 +104,10 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
     fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
     if "vendor_id" in fields:  # x86
-        return (f"{fields['vendor_id']} {fields.get('model name', '')} (family {fields.get('cpu family', '?')}, "
-                f"model {fields.get('model', '?')})")
+        return (
+            f"{fields['vendor_id']} {fields.get('model name', '')} (family {fields.get('cpu family', '?')}, "
+            f"model {fields.get('model', '?')})"
+        )
     if "CPU implementer" in fields:  # ARM: the designer and the core, by number
         return f"{platform.machine()} implementer {fields['CPU implementer']} part {fields.get('CPU part', '?')}"
     return platform.machine()
@@ -213,8 +232,10 @@ def not_comparable(record: dict, which: str) -> str | None:
     made_with = sorted({_torch(m) for m in record[which]})
     if here in made_with:
         return None
-    return (f"the {which} recipe's records were made with {', '.join(made_with)}, this is {here}: what its kernels do "
-            f"to the numbers was never measured (python tools/golden.py --add records this machine)")
+    return (
+        f"the {which} recipe's records were made with {', '.join(made_with)}, this is {here}: what its kernels do "
+        f"to the numbers was never measured (python tools/golden.py --add records this machine)"
+    )
 
 
 def check(which: str, work: Path, record: dict | None = None) -> tuple[str | None, str]:
@@ -230,8 +251,10 @@ def check(which: str, work: Path, record: dict | None = None) -> tuple[str | Non
         return compare(records[here], measured, None), f"bit for bit, recorded on this machine ({here})"
     other, recorded = record_elsewhere({m: r for m, r in records.items() if _torch(m) == _torch(here)}, here)
     spread_measured = record.get("kernel_spread", {}).get(which)
-    how = (f"within {SAFETY}x what other kernels do at each step (python tools/golden.py --kernels), against "
-           f"the record of {other} (this machine, {here}, has none)")
+    how = (
+        f"within {SAFETY}x what other kernels do at each step (python tools/golden.py --kernels), against "
+        f"the record of {other} (this machine, {here}, has none)"
+    )
     if spread_measured is None:
         return f"no drift measured for the {which} recipe: run python tools/golden.py --kernels", how
     return compare(recorded, measured, allowed_drift(spread_measured["spread"])), how
@@ -243,8 +266,12 @@ def kernels_run_as(path: str | None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     if path is not None:
         env["ATEN_CPU_CAPABILITY"] = path
-    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
-                           env=env, capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     return probe.stdout.strip() or probe.stderr[-200:]
 
 
@@ -263,23 +290,30 @@ def measure_kernels(which: str, work: Path, record: dict) -> dict:
         run = run_recipe(which, work / path, kernels=path)
         moved = compare(mine, run, None) if mine is not None and runs_as == here.rsplit(" | ", 1)[1] else None
         if moved:
-            raise SystemExit(f"error: the {which} recipe no longer computes this machine's record ({moved}): "
-                             f"changed numbers are not rounding; record them first (python tools/golden.py --update)")
+            raise SystemExit(
+                f"error: the {which} recipe no longer computes this machine's record ({moved}): "
+                f"changed numbers are not rounding; record them first (python tools/golden.py --update)"
+            )
         runs.append(run)
         names.append(f"{path} on {_cpu()}")
         print(f"  {path}: done", flush=True)
     others = {m: r for m, r in record.get(which, {}).items() if m.split(" | ")[1] != here.split(" | ")[1]}
     if len(runs) + len(others) < 2:
-        raise SystemExit("error: one computation alone has no spread: this CPU runs one kernel path and no other "
-                         "machine's record is there to compare with")
+        raise SystemExit(
+            "error: one computation alone has no spread: this CPU runs one kernel path and no other "
+            "machine's record is there to compare with"
+        )
     measured = spread(runs + list(others.values()))
     names += [f"the record of {m}" for m in others]
     before = record.get("kernel_spread", {}).get(which)
     if before is not None and all(len(before["spread"][k]) == len(v) for k, v in measured.items()):
         measured = {k: [max(a, b) for a, b in zip(v, before["spread"][k])] for k, v in measured.items()}
         names = list(dict.fromkeys(before["runs"] + names))
-    return {"runs": names, "command": "python tools/golden.py --kernels" + (" --quick" if which == "quick" else ""),
-            "spread": measured}
+    return {
+        "runs": names,
+        "command": "python tools/golden.py --kernels" + (" --quick" if which == "quick" else ""),
+        "spread": measured,
+    }
 
 
 def main() -> int:
@@ -287,8 +321,12 @@ def main() -> int:
     how = p.add_mutually_exclusive_group()
     how.add_argument("--update", action="store_true", help="record this machine's numbers and drop the others'")
     how.add_argument("--add", action="store_true", help="record this machine's numbers beside the others'")
-    how.add_argument("--kernels", action="store_true", help="measure the spread across kernel paths (and against the "
-                     "other machines' records): the drift allowed on a machine without a record")
+    how.add_argument(
+        "--kernels",
+        action="store_true",
+        help="measure the spread across kernel paths (and against the "
+        "other machines' records): the drift allowed on a machine without a record",
+    )
     p.add_argument("--quick", action="store_true", help="the README's whole quick run instead of the short recipe")
     args = p.parse_args()
     which = "quick" if args.quick else "short"
@@ -299,8 +337,10 @@ def main() -> int:
             GOLDEN.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
             measured = record["kernel_spread"][which]["spread"]
             for key, values in measured.items():  # (every list holds one value per logged number: none is empty)
-                print(f"{key}: largest relative difference {max(values):.1e} (value {values.index(max(values)) + 1} of "
-                      f"{len(values)}); the first {values[0]:.1e}")
+                print(
+                    f"{key}: largest relative difference {max(values):.1e} (value {values.index(max(values)) + 1} of "
+                    f"{len(values)}); the first {values[0]:.1e}"
+                )
             print(f"recorded in {GOLDEN.relative_to(ROOT)} (kernel_spread.{which})")
             return 0
         if args.update or args.add or not record.get(which):
@@ -311,17 +351,25 @@ def main() -> int:
             if stale:  # measured on a recipe of another length: no longer about these numbers
                 del record["kernel_spread"][which]
             GOLDEN.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-            print(f"recorded the {which} recipe on {machine()} in {GOLDEN.relative_to(ROOT)}"
-                  + (f"; the recipe's length changed: measure what other kernels do with it, python tools/golden.py "
-                     f"--kernels{' --quick' if args.quick else ''}" if stale else ""))
+            print(
+                f"recorded the {which} recipe on {machine()} in {GOLDEN.relative_to(ROOT)}"
+                + (
+                    f"; the recipe's length changed: measure what other kernels do with it, python tools/golden.py "
+                    f"--kernels{' --quick' if args.quick else ''}"
+                    if stale
+                    else ""
+                )
+            )
             return 0
         moved, how_compared = check(which, Path(tmp), record)
     if how_compared.startswith("not compared"):
         print(how_compared)
         return 0
     if moved:
-        print(f"a number moved ({how_compared}): {moved}\n"
-              f"if the change is meant to move numbers: python tools/golden.py {'--quick ' if args.quick else ''}--update")
+        print(
+            f"a number moved ({how_compared}): {moved}\n"
+            f"if the change is meant to move numbers: python tools/golden.py {'--quick ' if args.quick else ''}--update"
+        )
         return 1
     print(f"the {which} recipe computes what it did ({how_compared})")
     return 0

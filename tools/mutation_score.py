@@ -62,23 +62,59 @@ MODULES = {
     "nanolm/watch/stats.py": ("tests/test_stats.py", "tests/test_devices.py"),
     "nanolm/base/disk.py": ("tests/test_files.py", "tests/test_crash_points.py"),
     "nanolm/instruments/export.py": ("tests/test_export.py", "tests/test_crash_points.py"),
-    "nanolm/machine/runtime.py": ("tests/test_runtime.py", "tests/test_devices.py", "tests/test_threads.py",
-                                  "tests/test_train.py", "tests/test_checkpoint.py", "tests/test_terminal.py",
-                                  "tests/test_signal_points.py"),
+    "nanolm/machine/runtime.py": (
+        "tests/test_runtime.py",
+        "tests/test_devices.py",
+        "tests/test_threads.py",
+        "tests/test_train.py",
+        "tests/test_checkpoint.py",
+        "tests/test_terminal.py",
+        "tests/test_signal_points.py",
+    ),
     "nanolm/run/resume.py": ("tests/test_run_directory.py", "tests/test_continued_runs.py"),
-    "nanolm/run/directory.py": ("tests/test_run_plan.py", "tests/test_run_directory.py", "tests/test_continued_runs.py",
-                                "tests/test_run_lock.py"),
-    "nanolm/data/prepare.py": ("tests/test_data.py", "tests/test_sources.py", "tests/test_crash_points.py",
-                               "tests/test_corpus.py"),
-    "nanolm/watch/validator.py": ("tests/test_evaluate.py", "tests/test_train.py", "tests/test_devices.py",
-                                  "tests/test_distributed.py"),
-    "nanolm/watch/observer.py": ("tests/test_observer.py", "tests/test_train.py", "tests/test_sinks.py", "tests/test_stats.py"),
-    "nanolm/instruments/cli.py": ("tests/test_cli.py", "tests/test_export.py", "tests/test_terminal.py",
-                                  "tests/test_signal_points.py"),
-    "nanolm/train.py": ("tests/test_train.py", "tests/test_run_directory.py", "tests/test_threads.py",
-                        "tests/test_signal_points.py"),
+    "nanolm/run/directory.py": (
+        "tests/test_run_plan.py",
+        "tests/test_run_directory.py",
+        "tests/test_continued_runs.py",
+        "tests/test_run_lock.py",
+    ),
+    "nanolm/data/prepare.py": (
+        "tests/test_data.py",
+        "tests/test_sources.py",
+        "tests/test_crash_points.py",
+        "tests/test_corpus.py",
+    ),
+    "nanolm/watch/validator.py": (
+        "tests/test_evaluate.py",
+        "tests/test_train.py",
+        "tests/test_devices.py",
+        "tests/test_distributed.py",
+    ),
+    "nanolm/watch/observer.py": (
+        "tests/test_observer.py",
+        "tests/test_train.py",
+        "tests/test_sinks.py",
+        "tests/test_stats.py",
+    ),
+    "nanolm/instruments/cli.py": (
+        "tests/test_cli.py",
+        "tests/test_export.py",
+        "tests/test_terminal.py",
+        "tests/test_signal_points.py",
+    ),
+    "nanolm/train.py": (
+        "tests/test_train.py",
+        "tests/test_run_directory.py",
+        "tests/test_threads.py",
+        "tests/test_signal_points.py",
+    ),
 }
-EVERY_TEST = {"nanolm/machine/runtime.py", "nanolm/run/resume.py", "nanolm/run/directory.py", "nanolm/instruments/cli.py"}
+EVERY_TEST = {
+    "nanolm/machine/runtime.py",
+    "nanolm/run/resume.py",
+    "nanolm/run/directory.py",
+    "nanolm/instruments/cli.py",
+}
 """Modules whose promises are tested in processes the tests start (signals, continued runs, the command
 line): each of their mutants meets every test of its concern, not only those mutmut saw reach it."""
 IN_STARTED_PROCESSES = """
@@ -90,8 +126,16 @@ if os.environ.get("MUTANT_UNDER_TEST") == "stats":
 """
 """``sitecustomize.py`` of the mutated copy: what every Python process started from it runs first."""
 FUNCTIONS = {
-    "nanolm/instruments/cli.py": ("_prepare", "_export", "_refuse_inside_a_run", "main", "_interrupted", "_run", "entry",
-                                  "_flushed"),
+    "nanolm/instruments/cli.py": (
+        "_prepare",
+        "_export",
+        "_refuse_inside_a_run",
+        "main",
+        "_interrupted",
+        "_run",
+        "entry",
+        "_flushed",
+    ),
     "nanolm/train.py": ("build_run", "build_model", "build_batches", "build_components"),
 }
 """Modules measured in part: only the mutants of these functions (the prepare and export paths and the
@@ -150,8 +194,13 @@ spares the slow ones that train a run; the verdict (killed or not) is the same i
 
 def _tree_copy(target: Path) -> None:
     """The files git tracks and the untracked ones it does not ignore, as the working tree has them."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.splitlines()
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     for name in listed:
         source = ROOT / name
         if source.is_file():
@@ -181,13 +230,16 @@ def _canonical_tokens(code: str) -> tuple[list[tuple[str, int, int]], str]:
     for line in text.splitlines(keepends=True):
         starts.append(starts[-1] + len(line))
     skipped = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT, tokenize.ENDMARKER}
-    return [(t.string, starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
-            for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type not in skipped], text
+    return [
+        (t.string, starts[t.start[0] - 1] + t.start[1], starts[t.end[0] - 1] + t.end[1])
+        for t in tokenize.generate_tokens(io.StringIO(text).readline)
+        if t.type not in skipped
+    ], text
 
 
 def _fragment(tokens, text: str, start: int, end: int) -> str:
     """The source of tokens ``start:end``, its whitespace run together."""
-    return " ".join(text[tokens[start][1]:tokens[end - 1][2]].split()) if end > start else ""
+    return " ".join(text[tokens[start][1] : tokens[end - 1][2]].split()) if end > start else ""
 
 
 def _only(source: str, functions: set[str]) -> str:
@@ -199,11 +251,15 @@ def _only(source: str, functions: set[str]) -> str:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in functions:
             kept.append(ast.get_source_segment(source, node))
         elif isinstance(node, ast.ClassDef):
-            methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       and f"{node.name}.{m.name}" in functions]
+            methods = [
+                m
+                for m in node.body
+                if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and f"{node.name}.{m.name}" in functions
+            ]
             if methods:
-                kept.append(f"class {node.name}:\n" + "\n".join(
-                    ast.get_source_segment(source, m, padded=True) for m in methods))
+                kept.append(
+                    f"class {node.name}:\n" + "\n".join(ast.get_source_segment(source, m, padded=True) for m in methods)
+                )
     return "\n\n\n".join(kept) + "\n"
 
 
@@ -229,7 +285,7 @@ def mutant_changes(module: str, source: str | None = None, functions: set[str] |
 
     def generated(name: str) -> str:  # a function mutmut wrote, as it stands in the mutated file
         span = mutated.line_span_by_function_name[name]
-        return "".join(lines[span.start - 1:span.end])
+        return "".join(lines[span.start - 1 : span.end])
 
     originals = {}
     spans = {}  # per mutant: the function, the tokens before and after, and how many agree at each end
@@ -241,16 +297,20 @@ def mutant_changes(module: str, source: str | None = None, functions: set[str] |
         after, after_text = _canonical_tokens(generated(short))
         a, b = [t[0] for t in before], [t[0] for t in after]
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        suffix = next((i for i, (x, y) in enumerate(zip(reversed(a[prefix:]), reversed(b[prefix:]))) if x != y),
-                      min(len(a), len(b)) - prefix)
+        suffix = next(
+            (i for i, (x, y) in enumerate(zip(reversed(a[prefix:]), reversed(b[prefix:]))) if x != y),
+            min(len(a), len(b)) - prefix,
+        )
         spans[name] = (function, before, before_text, after, after_text, prefix, suffix)
 
     @functools.cache
     def key(name: str, context: int) -> str:
         function, before, before_text, after, after_text, prefix, suffix = spans[name]
         start = max(0, prefix - context)
-        return (f"{function}: `{_fragment(before, before_text, start, min(len(before), len(before) - suffix + context))}`"
-                f" -> `{_fragment(after, after_text, start, min(len(after), len(after) - suffix + context))}`")
+        return (
+            f"{function}: `{_fragment(before, before_text, start, min(len(before), len(before) - suffix + context))}`"
+            f" -> `{_fragment(after, after_text, start, min(len(after), len(after) - suffix + context))}`"
+        )
 
     siblings = {}
     for name, span in spans.items():
@@ -259,8 +319,14 @@ def mutant_changes(module: str, source: str | None = None, functions: set[str] |
     for name, (function, before, _, after, _, prefix, suffix) in spans.items():
         widest = max(len(before), len(after))  # past it, the name is the whole function
         least = 1 if prefix + suffix in (len(before), len(after)) else 0  # a token added or removed: with a neighbour
-        context = next((c for c in range(least, widest + 1)
-                        if all(key(other, c) != key(name, c) for other in siblings[function] if other != name)), widest)
+        context = next(
+            (
+                c
+                for c in range(least, widest + 1)
+                if all(key(other, c) != key(name, c) for other in siblings[function] if other != name)
+            ),
+            widest,
+        )
         changes[name] = [key(name, c) for c in range(context, min(widest, context + WIDER_NAMES) + 1)]
     return changes
 
@@ -301,9 +367,11 @@ def _equivalents(module: str) -> dict[str, str]:
         return {}
     named, stale = equivalent_mutants(mutant_changes(module, functions={_pinned_function(p) for p in pins}), pins)
     if stale:
-        raise SystemExit(f"error: tools/mutation_equivalent.toml lists changes to {module} that no mutant makes any "
-                         f"more (the code changed): " + "; ".join(stale) + ". Run the module without them and read "
-                         "its survivors again")
+        raise SystemExit(
+            f"error: tools/mutation_equivalent.toml lists changes to {module} that no mutant makes any "
+            f"more (the code changed): " + "; ".join(stale) + ". Run the module without them and read "
+            "its survivors again"
+        )
     return named
 
 
@@ -327,8 +395,9 @@ def source_digest(module: str) -> str:
     comment does not). Its strings count as written: ``"a" "b"`` is one string to Python but two for
     mutmut to change, so a formatter that joins them renumbers the mutants after them."""
     text = (ROOT / module).read_text()
-    strings = [_literal(t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline)
-               if t.type == tokenize.STRING]
+    strings = [
+        _literal(t.string) for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.STRING
+    ]
     return hashlib.sha256((ast.dump(ast.parse(text)) + repr(strings)).encode()).hexdigest()[:16]
 
 
@@ -347,8 +416,9 @@ def _same_program(previous: dict, module: str) -> bool:
     return previous.get("source_sha256") == hashlib.sha256((ROOT / module).read_bytes()).hexdigest()[:16]
 
 
-def tally_mutants(status: dict[str, str], equivalents: dict[str, str], previous: dict | None = None,
-                  names: list[str] | None = None) -> dict:
+def tally_mutants(
+    status: dict[str, str], equivalents: dict[str, str], previous: dict | None = None, names: list[str] | None = None
+) -> dict:
     """The counts of a run from mutmut's status per mutant. A recheck (``previous``, an earlier
     tally of the same source, and ``names``, its survivors run again) keeps the earlier verdicts on
     the rest: its killed stay killed, its equivalents equivalent, and a survivor listed as
@@ -361,11 +431,15 @@ def tally_mutants(status: dict[str, str], equivalents: dict[str, str], previous:
     equivalent = {n for n in status if n in equivalents or status[n] == "equivalent"}
     killed = sum(s in ("killed", "timeout", "caught by type check") for s in status.values())
     counted = len(status) - len(equivalent)
-    return {"mutants": len(status), "killed": killed, "equivalent": len(equivalent),
-            "timeouts": sum(s == "timeout" for s in status.values()) + (previous["timeouts"] if previous else 0),
-            "survived": sorted(n for n, s in status.items() if s == "survived" and n not in equivalent),
-            "untested": sorted(n for n, s in status.items() if s in ("no tests", "not checked") and n not in equivalent),
-            "score": round(100 * killed / counted, 1) if counted else None}
+    return {
+        "mutants": len(status),
+        "killed": killed,
+        "equivalent": len(equivalent),
+        "timeouts": sum(s == "timeout" for s in status.values()) + (previous["timeouts"] if previous else 0),
+        "survived": sorted(n for n, s in status.items() if s == "survived" and n not in equivalent),
+        "untested": sorted(n for n, s in status.items() if s in ("no tests", "not checked") and n not in equivalent),
+        "score": round(100 * killed / counted, 1) if counted else None,
+    }
 
 
 def _mangled(function: str) -> str:
@@ -373,8 +447,15 @@ def _mangled(function: str) -> str:
     return "xǁ" + "ǁ".join(function.split(".")) if "." in function else f"x_{function}"
 
 
-def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: float, previous: dict | None = None,
-          functions: tuple[str, ...] = ()) -> dict:
+def score(
+    module: str,
+    tests: tuple[str, ...],
+    jobs: int,
+    show: bool,
+    margin: float,
+    previous: dict | None = None,
+    functions: tuple[str, ...] = (),
+) -> dict:
     """The module's mutation score (of ``functions`` only, or ``FUNCTIONS``' for the module, when
     given). With ``previous`` (an earlier result for the same source), only its survivors run again,
     against today's tests and equivalents: what it killed stays killed."""
@@ -390,26 +471,31 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
         _tree_copy(copy)
         quoted = lambda items: "[" + ", ".join(json.dumps(i) for i in items) + "]"  # noqa: E731
         with open(copy / "pyproject.toml", "a", encoding="utf-8") as f:
-            f.write(f"\n[tool.mutmut]\nsource_paths = [\"nanolm\"]\nonly_mutate = {quoted([module])}\n"
-                    f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
-                    f"pytest_add_cli_args = [\"-p\", \"no:cacheprovider\", \"-x\", \"-q\"]\n"
-                    # mutmut limits each mutant's time to (its tests' measured time + margin) x 2; the
-                    # measured time leaves out the module fixtures they share (a tiny reference trained
-                    # over eight seeds): without a margin, a mutant whose tests merely set up would "time
-                    # out" and count as killed, with mutmut's x15 an endless loop holds a core for minutes
-                    f"timeout_constant = {margin}\ntimeout_multiplier = 2.0\n"
-                    # each mutant in a child of a fresh server process: a child forked from the process
-                    # that ran the tests has PyTorch's thread pool started, and hangs in its first matmul
-                    f"process_isolation = \"forkserver\"\n"
-                    f"also_copy = {quoted(ALSO_COPY)}\n")
+            f.write(
+                f'\n[tool.mutmut]\nsource_paths = ["nanolm"]\nonly_mutate = {quoted([module])}\n'
+                f"pytest_add_cli_args_test_selection = {quoted(tests)}\n"
+                f'pytest_add_cli_args = ["-p", "no:cacheprovider", "-x", "-q"]\n'
+                # mutmut limits each mutant's time to (its tests' measured time + margin) x 2; the
+                # measured time leaves out the module fixtures they share (a tiny reference trained
+                # over eight seeds): without a margin, a mutant whose tests merely set up would "time
+                # out" and count as killed, with mutmut's x15 an endless loop holds a core for minutes
+                f"timeout_constant = {margin}\ntimeout_multiplier = 2.0\n"
+                # each mutant in a child of a fresh server process: a child forked from the process
+                # that ran the tests has PyTorch's thread pool started, and hangs in its first matmul
+                f'process_isolation = "forkserver"\n'
+                f"also_copy = {quoted(ALSO_COPY)}\n"
+            )
         # the tests' own `python -m nanolm ...` processes import the mutated copy too (they inherit the
         # mutant's name from mutmut's environment), whatever directory they run in
         # (made now: an entry of sys.path that does not exist at start-up is never looked in again)
         (copy / "mutants").mkdir()
         (copy / "started").mkdir()  # beside it: mutmut fills mutants/ afresh
         (copy / "started" / "sitecustomize.py").write_text(IN_STARTED_PROCESSES)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(copy / "mutants"), str(copy / "started")]),
-               "NANOLM_MUTATION_EVERY_TEST": "1" if module in EVERY_TEST else "0"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(copy / "mutants"), str(copy / "started")]),
+            "NANOLM_MUTATION_EVERY_TEST": "1" if module in EVERY_TEST else "0",
+        }
         # mutants side by side share the cores: each PyTorch (and tokenizer) thread pool sized to its share, not
         # to the whole machine, or threads that wait for each other's cores spin (the verdicts are the same)
         share = str(max(1, (os.cpu_count() or 1) // jobs))
@@ -420,12 +506,23 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
         dotted = module.removesuffix(".py").replace("/", ".")
         patterns = [f"{dotted}.{_mangled(f)}__mutmut_*" for f in functions]
         if names is None or names:
-            ran = subprocess.run([sys.executable, "-c", FASTEST_TESTS_FIRST, "run", "--max-children", str(jobs),
-                                  *(names or patterns)], cwd=copy, env=env, capture_output=True, text=True)
+            ran = subprocess.run(
+                [sys.executable, "-c", FASTEST_TESTS_FIRST, "run", "--max-children", str(jobs), *(names or patterns)],
+                cwd=copy,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if ran.returncode != 0:
                 raise SystemExit(f"error: mutmut failed on {module}:\n{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}")
-            listed = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"], cwd=copy, env=env,
-                                    capture_output=True, text=True, check=True).stdout
+            listed = subprocess.run(
+                [sys.executable, "-m", "mutmut", "results", "--all", "true"],
+                cwd=copy,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
         status = dict(re.findall(r"^\s*(\S+): (.+)$", listed, flags=re.M))
         if patterns:  # the functions measured, not the module's other mutants (never run)
             status = {n: v for n, v in status.items() if any(fnmatch.fnmatch(n, p) for p in patterns)}
@@ -434,18 +531,28 @@ def score(module: str, tests: tuple[str, ...], jobs: int, show: bool, margin: fl
         diffs = {}
         if show:
             for name in survived + untested:
-                diffs[name] = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=copy, env=env,
-                                             capture_output=True, text=True).stdout
+                diffs[name] = subprocess.run(
+                    [sys.executable, "-m", "mutmut", "show", name], cwd=copy, env=env, capture_output=True, text=True
+                ).stdout
     # each survivor named by what it changes: the key to list it under in tools/mutation_equivalent.toml
     left = survived + untested
     changes = mutant_changes(module, functions={_function_name(n) for n in left}) if left else {}
-    result = {"module": module, "program_sha256": source_digest(module), "tests": list(tests),
-              "functions": list(functions) or "all", **tally, "changes": {n: changes[n][0] for n in left},
-              "minutes": round((time.perf_counter() - start) / 60, 1)}
+    result = {
+        "module": module,
+        "program_sha256": source_digest(module),
+        "tests": list(tests),
+        "functions": list(functions) or "all",
+        **tally,
+        "changes": {n: changes[n][0] for n in left},
+        "minutes": round((time.perf_counter() - start) / 60, 1),
+    }
     killed, counted, timeouts = tally["killed"], tally["mutants"] - tally["equivalent"], tally["timeouts"]
-    print(f"{module}: {killed} of {counted} mutants killed ({result['score']} %; {timeouts} by a timeout), "
-          f"{result['equivalent']} listed as "
-          f"equivalent, {len(survived)} survived, {len(untested)} no test ran; {result['minutes']} min", flush=True)
+    print(
+        f"{module}: {killed} of {counted} mutants killed ({result['score']} %; {timeouts} by a timeout), "
+        f"{result['equivalent']} listed as "
+        f"equivalent, {len(survived)} survived, {len(untested)} no test ran; {result['minutes']} min",
+        flush=True,
+    )
     for name in survived + untested:
         print(f"  {'survived' if name in survived else 'no tests'}: {name}\n    {json.dumps(changes[name][0])}")
         if name in diffs:
@@ -459,16 +566,30 @@ def main() -> int:
     p.add_argument("--all", action="store_true", help="every module listed")
     p.add_argument("--jobs", type=int, default=2, help="mutants tested at once")
     p.add_argument("--show", action="store_true", help="print the diff of every surviving mutant")
-    p.add_argument("--timeout-margin", type=float, default=15.0,
-                   help="CPU seconds a mutant's tests may take beyond their measured time before it counts as "
-                        "killed by a timeout (an endless loop); more where the tests share slow fixtures")
+    p.add_argument(
+        "--timeout-margin",
+        type=float,
+        default=15.0,
+        help="CPU seconds a mutant's tests may take beyond their measured time before it counts as "
+        "killed by a timeout (an endless loop); more where the tests share slow fixtures",
+    )
     p.add_argument("--min", type=float, default=90.0, help="the least score a module must reach (per cent)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
-    p.add_argument("--recheck", type=Path, default=None, help="an earlier --json of these modules: run only its "
-                   "survivors again (after new tests or equivalents); the module's source must be unchanged")
-    p.add_argument("--functions", nargs="+", default=[], metavar="NAME",
-                   help="only the mutants of these functions (Class.method for a method), e.g. the ones edited "
-                        "since the module's last run")
+    p.add_argument(
+        "--recheck",
+        type=Path,
+        default=None,
+        help="an earlier --json of these modules: run only its "
+        "survivors again (after new tests or equivalents); the module's source must be unchanged",
+    )
+    p.add_argument(
+        "--functions",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="only the mutants of these functions (Class.method for a method), e.g. the ones edited "
+        "since the module's last run",
+    )
     args = p.parse_args()
     modules = list(MODULES) if args.all else args.modules
     unknown = [m for m in modules if m not in MODULES]
@@ -477,8 +598,10 @@ def main() -> int:
     earlier = {r["module"]: r for r in json.loads(args.recheck.read_text())} if args.recheck else {}
     if args.recheck and set(modules) - set(earlier):
         raise SystemExit(f"error: {args.recheck} holds no result for {sorted(set(modules) - set(earlier))[0]}")
-    results = [score(m, MODULES[m], args.jobs, args.show, args.timeout_margin, earlier.get(m), tuple(args.functions))
-               for m in modules]
+    results = [
+        score(m, MODULES[m], args.jobs, args.show, args.timeout_margin, earlier.get(m), tuple(args.functions))
+        for m in modules
+    ]
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 1 if any(r["score"] is None or r["score"] < args.min for r in results) else 0

@@ -58,21 +58,31 @@ from nanolm.watch.sinks import read_metrics  # noqa: E402
 RECIPES = {
     "quick": ("the quick run", "--data data/toy.txt --steps 300 --vocab-size 400 --lr 3e-3", ()),
     "default": ("the default nanolm train", "", ()),
-    "shakespeare_char": ("configs/shakespeare_char.toml",
-                         "--config configs/shakespeare_char.toml --data {data_dir}/tinyshakespeare.txt",
-                         ("tinyshakespeare.txt",)),
-    "shakespeare_bpe": ("configs/shakespeare_bpe.toml",
-                        "--config configs/shakespeare_bpe.toml --data {data_dir}/tinyshakespeare.txt",
-                        ("tinyshakespeare.txt",)),
-    "tinystories": ("configs/tinystories.toml",
-                    "--config configs/tinystories.toml --data {data_dir}/TinyStoriesV2-GPT4-valid.txt",
-                    ("TinyStoriesV2-GPT4-valid.txt",)),
-    "speedrun_shakespeare": ("the CPU speedrun, shakespeare track (configs/speedrun_cpu.toml)",
-                             "--config configs/speedrun_cpu.toml --data {data_dir}/tinyshakespeare.txt",
-                             ("tinyshakespeare.txt",)),
-    "speedrun_tinystories": ("the CPU speedrun, TinyStories track (configs/speedrun_tinystories.toml)",
-                             "--config configs/speedrun_tinystories.toml --data {data_dir}/tinystories_sample.txt",
-                             ("tinystories_sample.txt",)),
+    "shakespeare_char": (
+        "configs/shakespeare_char.toml",
+        "--config configs/shakespeare_char.toml --data {data_dir}/tinyshakespeare.txt",
+        ("tinyshakespeare.txt",),
+    ),
+    "shakespeare_bpe": (
+        "configs/shakespeare_bpe.toml",
+        "--config configs/shakespeare_bpe.toml --data {data_dir}/tinyshakespeare.txt",
+        ("tinyshakespeare.txt",),
+    ),
+    "tinystories": (
+        "configs/tinystories.toml",
+        "--config configs/tinystories.toml --data {data_dir}/TinyStoriesV2-GPT4-valid.txt",
+        ("TinyStoriesV2-GPT4-valid.txt",),
+    ),
+    "speedrun_shakespeare": (
+        "the CPU speedrun, shakespeare track (configs/speedrun_cpu.toml)",
+        "--config configs/speedrun_cpu.toml --data {data_dir}/tinyshakespeare.txt",
+        ("tinyshakespeare.txt",),
+    ),
+    "speedrun_tinystories": (
+        "the CPU speedrun, TinyStories track (configs/speedrun_tinystories.toml)",
+        "--config configs/speedrun_tinystories.toml --data {data_dir}/tinystories_sample.txt",
+        ("tinystories_sample.txt",),
+    ),
 }
 SEEDS = (1337, 1, 2, 3, 4)  # the recipes' own default seed and four more
 NOT_COUNTED_FLAGS = "--threads 1 --progress lines --sample-tokens 0"
@@ -106,8 +116,18 @@ def run_dir(work: Path, recipe: str, precision: str, seed: int, replicate: bool 
     return work / recipe / precision / (f"seed-{seed}-threads{REPLICATE_THREADS}" if replicate else f"seed-{seed}")
 
 
-def train(recipe: str, precision: str, seed: int, work: Path, data_dir: Path, python: str = sys.executable,
-          env=None, cwd: Path = ROOT, extra: tuple[str, ...] = (), replicate: bool = False) -> Path:
+def train(
+    recipe: str,
+    precision: str,
+    seed: int,
+    work: Path,
+    data_dir: Path,
+    python: str = sys.executable,
+    env=None,
+    cwd: Path = ROOT,
+    extra: tuple[str, ...] = (),
+    replicate: bool = False,
+) -> Path:
     """One training run of the recipe (skipped when already finished); returns its directory.
     ``extra``: flags a run's setup does not count (the hidden ``--debug-*`` faults); ``replicate``:
     the same seed once more, with :data:`REPLICATE_THREADS` threads."""
@@ -118,8 +138,20 @@ def train(recipe: str, precision: str, seed: int, work: Path, data_dir: Path, py
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     args = RECIPES[recipe][1].format(data_dir=data_dir)
-    cmd = [python, "-m", "nanolm.train", *shlex.split(args), "--seed", str(seed), "--precision", precision,
-           "--out-dir", str(out), *shlex.split(NOT_COUNTED_FLAGS), *extra]
+    cmd = [
+        python,
+        "-m",
+        "nanolm.train",
+        *shlex.split(args),
+        "--seed",
+        str(seed),
+        "--precision",
+        precision,
+        "--out-dir",
+        str(out),
+        *shlex.split(NOT_COUNTED_FLAGS),
+        *extra,
+    ]
     start = time.perf_counter()
     with open(out.parent / f"{out.name}.log", "w") as log:
         result = subprocess.run(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -137,12 +169,16 @@ def run_setup(out: Path) -> dict:
 
 
 def val_curve(out: Path) -> dict[int, float]:
-    return {r["step"]: float(r["val_loss"]) for r in read_metrics(out / "metrics.jsonl")
-            if isinstance(r.get("val_loss"), (int, float))}
+    return {
+        r["step"]: float(r["val_loss"])
+        for r in read_metrics(out / "metrics.jsonl")
+        if isinstance(r.get("val_loss"), (int, float))
+    }
 
 
-def build(recipe: str, precision: str, dirs: list[Path], curve_dirs: list[Path],
-          rerun_dirs: dict[int, Path] | None = None) -> Reference:
+def build(
+    recipe: str, precision: str, dirs: list[Path], curve_dirs: list[Path], rerun_dirs: dict[int, Path] | None = None
+) -> Reference:
     setups = [run_setup(d) for d in dirs + curve_dirs]
     if any(s != setups[0] for s in setups[1:]):
         raise SystemExit(f"error: the {recipe} {precision} runs do not share one setup; remove {dirs[0].parent}")
@@ -158,21 +194,36 @@ def build(recipe: str, precision: str, dirs: list[Path], curve_dirs: list[Path],
     curve = curve_from_seeds("val_loss", [val_curve(d) for d in curve_dirs])
     # bf16 holds no own-seed test: another CPU's bf16 units round a seed's run further than a rerun does
     # (docs/benchmarks.md, the shipped references on other CPUs)
-    own = None if precision == "bf16" else seed_curves_from_runs(
-        "val_loss", {s: val_curve(d) for s, d in zip(curve_seeds, curve_dirs)},
-        {s: val_curve(d) for s, d in (rerun_dirs or {}).items()})
-    return Reference(name=f"{recipe}-{precision}", title=RECIPES[recipe][0], command=command, precision=precision,
-                     seeds=seeds, machine=machine(),
-                     date=datetime.date.today().isoformat(), torch=torch.__version__.split("+")[0], setup=setups[0],
-                     bands=bands_from_runs(runs),
-                     regenerate=f"python tools/reference_bands.py --recipes {recipe} --precisions {precision} "
-                                f"--seeds {','.join(map(str, seeds))}"
-                                + (f" --curve-seeds {','.join(map(str, curve_seeds))}" if curve else "")
-                                + (" --reruns" if own else "")
-                                + (f" {','.join(map(str, rerun_dirs))}" if own and set(rerun_dirs) != set(curve_seeds)
-                                   else "")
-                                + (" --data-dir DIR" if RECIPES[recipe][2] else ""),
-                     curve=curve, curve_seeds=curve_seeds if curve else [], seed_curves=own)
+    own = (
+        None
+        if precision == "bf16"
+        else seed_curves_from_runs(
+            "val_loss",
+            {s: val_curve(d) for s, d in zip(curve_seeds, curve_dirs)},
+            {s: val_curve(d) for s, d in (rerun_dirs or {}).items()},
+        )
+    )
+    return Reference(
+        name=f"{recipe}-{precision}",
+        title=RECIPES[recipe][0],
+        command=command,
+        precision=precision,
+        seeds=seeds,
+        machine=machine(),
+        date=datetime.date.today().isoformat(),
+        torch=torch.__version__.split("+")[0],
+        setup=setups[0],
+        bands=bands_from_runs(runs),
+        regenerate=f"python tools/reference_bands.py --recipes {recipe} --precisions {precision} "
+        f"--seeds {','.join(map(str, seeds))}"
+        + (f" --curve-seeds {','.join(map(str, curve_seeds))}" if curve else "")
+        + (" --reruns" if own else "")
+        + (f" {','.join(map(str, rerun_dirs))}" if own and set(rerun_dirs) != set(curve_seeds) else "")
+        + (" --data-dir DIR" if RECIPES[recipe][2] else ""),
+        curve=curve,
+        curve_seeds=curve_seeds if curve else [],
+        seed_curves=own,
+    )
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -190,36 +241,85 @@ def parse_seeds(text: str) -> list[int]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of: {', '.join(RECIPES)}")
-    p.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16 (what --precision auto picks on "
-                   "a CPU without and with bf16 units)")
-    p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="the seeds a band is measured over (at least 5; "
-                   "ranges such as 1-19 allowed)")
-    p.add_argument("--curve-seeds", default="", help="the seeds the curve test is measured over (20 or more; may share "
-                   "the band's); none: no curve test")
-    p.add_argument("--reruns", nargs="?", const="all", default="", metavar="SEEDS",
-                   help="train each curve seed (or those of SEEDS, at least 5) once more with its sums in another "
-                   "order (2 threads): what a rerun of a seed differs by, for judging a run of one of those seeds "
-                   "against its own curve")
-    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "nanolm" / "reference_runs",
-                   help="where the runs are kept (reused when finished)")
-    p.add_argument("--data-dir", type=Path, default=None, help="directory holding tinyshakespeare.txt, "
-                   "tinystories_sample.txt and TinyStoriesV2-GPT4-valid.txt (default: nanolm's download cache)")
+    p.add_argument(
+        "--precisions",
+        default="fp32",
+        help="comma-separated: fp32, bf16 (what --precision auto picks on a CPU without and with bf16 units)",
+    )
+    p.add_argument(
+        "--seeds",
+        default=",".join(map(str, SEEDS)),
+        help="the seeds a band is measured over (at least 5; ranges such as 1-19 allowed)",
+    )
+    p.add_argument(
+        "--curve-seeds",
+        default="",
+        help="the seeds the curve test is measured over (20 or more; may share the band's); none: no curve test",
+    )
+    p.add_argument(
+        "--reruns",
+        nargs="?",
+        const="all",
+        default="",
+        metavar="SEEDS",
+        help="train each curve seed (or those of SEEDS, at least 5) once more with its sums in another "
+        "order (2 threads): what a rerun of a seed differs by, for judging a run of one of those seeds "
+        "against its own curve",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path.home() / ".cache" / "nanolm" / "reference_runs",
+        help="where the runs are kept (reused when finished)",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="directory holding tinyshakespeare.txt, "
+        "tinystories_sample.txt and TinyStoriesV2-GPT4-valid.txt (default: nanolm's download cache)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="trainings at once, one thread each")
-    p.add_argument("--check", action="store_true", help="judge the seeds' runs against the shipped bands instead of "
-                   "writing bands: the false-alarm rate of seeds the bands were not measured on")
-    p.add_argument("--plants", default="", help="with --check: comma-separated bugs of tools/silent_bugs.py, each "
-                   "planted in a copy of nanolm and trained with each seed instead of the healthy code")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="judge the seeds' runs against the shipped bands instead of "
+        "writing bands: the false-alarm rate of seeds the bands were not measured on",
+    )
+    p.add_argument(
+        "--plants",
+        default="",
+        help="with --check: comma-separated bugs of tools/silent_bugs.py, each "
+        "planted in a copy of nanolm and trained with each seed instead of the healthy code",
+    )
     p.add_argument("--out", type=Path, default=REFERENCE_DIR, help="where the reference files are written")
-    p.add_argument("--table", action="store_true", help="print the shipped references as a table (the whole of it is in "
-                   "dev/health.md; docs/health.md shows a row per recipe), and train nothing")
-    p.add_argument("--refloor", action="store_true", help="raise the shipped references' own-seed noise to the "
-                   "current RERUN_FLOOR (nanolm/watch/curve.py) and simulate their thresholds again; trains nothing "
-                   "(it only raises: a lower floor needs the references regenerated)")
-    p.add_argument("--rethreshold", action="store_true", help="simulate the shipped references' thresholds again "
-                   "from their stored covariances (after a change to how a threshold is simulated); trains nothing")
-    p.add_argument("--widen", metavar="NAME=FACTOR", default="", help="widen a shipped reference's test among seeds "
-                   "FACTOR times (the root mean square t of healthy runs on other CPUs: benchmarks/other_cpus.py); "
-                   "trains nothing")
+    p.add_argument(
+        "--table",
+        action="store_true",
+        help="print the shipped references as a table (the whole of it is in "
+        "dev/health.md; docs/health.md shows a row per recipe), and train nothing",
+    )
+    p.add_argument(
+        "--refloor",
+        action="store_true",
+        help="raise the shipped references' own-seed noise to the "
+        "current RERUN_FLOOR (nanolm/watch/curve.py) and simulate their thresholds again; trains nothing "
+        "(it only raises: a lower floor needs the references regenerated)",
+    )
+    p.add_argument(
+        "--rethreshold",
+        action="store_true",
+        help="simulate the shipped references' thresholds again "
+        "from their stored covariances (after a change to how a threshold is simulated); trains nothing",
+    )
+    p.add_argument(
+        "--widen",
+        metavar="NAME=FACTOR",
+        default="",
+        help="widen a shipped reference's test among seeds "
+        "FACTOR times (the root mean square t of healthy runs on other CPUs: benchmarks/other_cpus.py); "
+        "trains nothing",
+    )
     args = p.parse_args()
     if args.widen:
         widen(args.out, args.widen)
@@ -243,9 +343,13 @@ def main() -> int:
         raise SystemExit("error: a band needs at least 5 seeds")
     rerun_seeds = curve_seeds if args.reruns == "all" else parse_seeds(args.reruns)
     if not set(rerun_seeds) <= set(curve_seeds):
-        raise SystemExit("error: --reruns SEEDS must be among the --curve-seeds (a rerun is judged against its first run)")
+        raise SystemExit(
+            "error: --reruns SEEDS must be among the --curve-seeds (a rerun is judged against its first run)"
+        )
     if args.reruns and not args.check and len(rerun_seeds) < 5:
-        raise SystemExit("error: --reruns needs at least 5 of the --curve-seeds (fewer cannot say what a rerun differs by)")
+        raise SystemExit(
+            "error: --reruns needs at least 5 of the --curve-seeds (fewer cannot say what a rerun differs by)"
+        )
     data_dir = (args.data_dir or default_data_dir()).resolve()
     todo, skipped = [], []
     for recipe in recipes:
@@ -291,19 +395,27 @@ def main() -> int:
                 found, look = departures(ref, rows), curve_departure(ref, rows)
                 alarms += bool(found)
                 curve_alarms += look is not None
-                print(f"  {d.name}: {'; '.join(x.describe() for x in found) if found else 'inside every band'}"
-                      + (f"; curve: {look.describe()}" if look else ""))
-            print(f"{recipe} {precision}: {alarms} of {len(dirs)} runs left a band, {curve_alarms} departed by the "
-                  f"curve test (false alarms)")
+                print(
+                    f"  {d.name}: {'; '.join(x.describe() for x in found) if found else 'inside every band'}"
+                    + (f"; curve: {look.describe()}" if look else "")
+                )
+            print(
+                f"{recipe} {precision}: {alarms} of {len(dirs)} runs left a band, {curve_alarms} departed by the "
+                f"curve test (false alarms)"
+            )
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for (recipe, precision), dirs in groups.items():
-        ref = build(recipe, precision, [dirs[s] for s in seeds], [dirs[s] for s in curve_seeds],
-                    reruns.get((recipe, precision)))
+        ref = build(
+            recipe, precision, [dirs[s] for s in seeds], [dirs[s] for s in curve_seeds], reruns.get((recipe, precision))
+        )
         path = args.out / f"{ref.name}.json"
         write_reference(ref, path)
-        print(f"wrote {path} ({len(ref.bands)} bands over {len(seeds)} seeds"
-              + (f", the curve test over {len(ref.curve_seeds)}" if ref.curve else "") + ")")
+        print(
+            f"wrote {path} ({len(ref.bands)} bands over {len(seeds)} seeds"
+            + (f", the curve test over {len(ref.curve_seeds)}" if ref.curve else "")
+            + ")"
+        )
     return 0
 
 
@@ -325,8 +437,10 @@ def refloor(directory: Path) -> None:
         before = ref.seed_curves.threshold
         ref.seed_curves = ref.seed_curves.with_floor(RERUN_FLOOR)
         write_reference(ref, directory / f"{ref.name}.json")
-        print(f"{ref.name}: rerun noise at least {RERUN_FLOOR:.1%} an evaluation, threshold {before} -> "
-              f"{ref.seed_curves.threshold}")
+        print(
+            f"{ref.name}: rerun noise at least {RERUN_FLOOR:.1%} an evaluation, threshold {before} -> "
+            f"{ref.seed_curves.threshold}"
+        )
 
 
 def rethreshold(directory: Path) -> None:
@@ -344,8 +458,12 @@ def rethreshold(directory: Path) -> None:
         said = []
         if ref.curve is not None:
             before = ref.curve.threshold
-            ref.curve = dataclasses.replace(ref.curve, threshold=nine_figures(
-                max_t_threshold(np.array(ref.curve.cov_log), ref.curve.seeds, ref.curve.false_alarm)))
+            ref.curve = dataclasses.replace(
+                ref.curve,
+                threshold=nine_figures(
+                    max_t_threshold(np.array(ref.curve.cov_log), ref.curve.seeds, ref.curve.false_alarm)
+                ),
+            )
             said.append(f"among seeds {before} -> {ref.curve.threshold}")
         if ref.seed_curves is not None:
             before = ref.seed_curves.threshold
@@ -368,11 +486,15 @@ def widen(directory: Path, spec: str) -> None:
     except ValueError:
         factor = 0.0
     if ref is None or ref.curve is None or not 1.0 <= factor < 10.0:
-        raise SystemExit(f"error: --widen {spec!r}: write NAME=FACTOR, NAME a shipped reference with a curve test, "
-                         f"FACTOR from 1 to 10 (the healthy runs' root mean square t on other CPUs)")
+        raise SystemExit(
+            f"error: --widen {spec!r}: write NAME=FACTOR, NAME a shipped reference with a curve test, "
+            f"FACTOR from 1 to 10 (the healthy runs' root mean square t on other CPUs)"
+        )
     if f"--widen {name}=" in ref.regenerate:
-        raise SystemExit(f"error: {name} is widened already (its regenerate command says so); a second --widen would "
-                         f"multiply the two: regenerate it first")
+        raise SystemExit(
+            f"error: {name} is widened already (its regenerate command says so); a second --widen would "
+            f"multiply the two: regenerate it first"
+        )
     ref.curve = ref.curve.widened(factor)
     ref.regenerate += f" && python tools/reference_bands.py --widen {name}={factor:g}"
     write_reference(ref, directory / f"{ref.name}.json")
@@ -386,13 +508,19 @@ def print_table(directory: Path) -> None:
     print("| --- | --- | --- | --- | --- |")
     for ref in shipped_references(directory):
         val, bpb = ref.bands.get("val_loss"), ref.bands.get("val_bpb")
-        last = (f"step {val.steps[-1]}: {val.lo[-1]:.4f}..{val.hi[-1]:.4f} (median {val.mid[-1]:.4f}); "
-                f"{bpb.lo[-1]:.3f}..{bpb.hi[-1]:.3f} bpb" if val and bpb else "none")
+        last = (
+            f"step {val.steps[-1]}: {val.lo[-1]:.4f}..{val.hi[-1]:.4f} (median {val.mid[-1]:.4f}); "
+            f"{bpb.lo[-1]:.3f}..{bpb.hi[-1]:.3f} bpb"
+            if val and bpb
+            else "none"
+        )
         seeds = ", ".join(map(str, ref.seeds))
         if ref.curve is not None:
             seeds += f"; curve over {len(ref.curve_seeds)} (threshold \\|t\\| {ref.curve.threshold:.2f})"
-        print(f"| `{ref.name}` | {ref.title}: `{ref.command}` | {seeds} | {last} | "
-              f"{ref.date}, {ref.machine}, torch {ref.torch} |")
+        print(
+            f"| `{ref.name}` | {ref.title}: `{ref.command}` | {seeds} | {last} | "
+            f"{ref.date}, {ref.machine}, torch {ref.torch} |"
+        )
 
 
 def check_plants(plants: list[str], todo, args, data_dir: Path) -> int:
@@ -428,8 +556,11 @@ def check_plants(plants: list[str], todo, args, data_dir: Path) -> int:
                 left += bool(found) or look is not None
                 verdict = found[0].describe() if found else "stayed inside every band"
                 verdict += f"; curve: {look.describe()}" if look else ""
-                print(f"{name:40s} {recipe} {precision} seed {seed}: {verdict}"
-                      + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""), flush=True)
+                print(
+                    f"{name:40s} {recipe} {precision} seed {seed}: {verdict}"
+                    + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""),
+                    flush=True,
+                )
     print(f"{left} of {len(plants) * len(todo)} planted runs left their band or departed by the curve test")
     return 0
 

@@ -110,8 +110,10 @@ def refuse_dangling_link(path) -> None:
     exists", which names neither the link nor the fix): refused in one line."""
     path = Path(path)
     if path.is_symlink() and not path.exists():
-        raise NanolmError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist; create "
-                          f"what it points to, or choose a path without it")
+        raise NanolmError(
+            f"{path} is a symbolic link to {os.readlink(path)}, which does not exist; create "
+            f"what it points to, or choose a path without it"
+        )
 
 
 def make_scratch_dir(parent, prefix: str) -> Path:
@@ -247,4 +249,3 @@ def copy_file(source, target) -> None:
 
     with _step("write", target):
         shutil.copy2(source, target)
-

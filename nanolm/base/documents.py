@@ -93,8 +93,10 @@ def _read_small_file(path, what: str, max_bytes: int) -> bytes:
         kind = "a directory" if stat.S_ISDIR(info.st_mode) else "a pipe or a device"
         raise NanolmError(f"{what} is {kind}, not a file")
     if info.st_size > max_bytes:
-        raise NanolmError(f"{what} is {info.st_size / 2**20:.0f} MiB, far larger than any such file nanolm writes; "
-                          f"the file is damaged")
+        raise NanolmError(
+            f"{what} is {info.st_size / 2**20:.0f} MiB, far larger than any such file nanolm writes; "
+            f"the file is damaged"
+        )
     try:
         return path.read_bytes()
     except OSError as e:

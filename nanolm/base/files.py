@@ -34,12 +34,21 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from . import disk
 from ..errors import NanolmError, brief
+from . import disk
 
-
-ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO,
-                      errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EFBIG,
+    errno.EIO,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENAMETOOLONG,
+}
 """OS errors that are the machine's state (a full disk, a read-only or foreign directory),
 not a bug: the command line reports them in one line naming the path."""
 
@@ -51,8 +60,9 @@ def require_utf8(flag: str, value: str, why: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raw = value.encode("utf-8", "surrogateescape")
-        raise NanolmError(f"{flag} {raw!r} is not valid UTF-8 text, and {why}; rename it (or link to it) "
-                          f"with a UTF-8 name") from None
+        raise NanolmError(
+            f"{flag} {raw!r} is not valid UTF-8 text, and {why}; rename it (or link to it) with a UTF-8 name"
+        ) from None
 
 
 def text_argument(flag: str, value: str) -> str:
@@ -71,19 +81,24 @@ def text_argument(flag: str, value: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise NanolmError(f"{flag} {brief(repr(raw), 80)} is not UTF-8 text (byte {e.start}); type it in UTF-8 or "
-                          f"set your terminal to UTF-8") from None
+        raise NanolmError(
+            f"{flag} {brief(repr(raw), 80)} is not UTF-8 text (byte {e.start}); type it in UTF-8 or "
+            f"set your terminal to UTF-8"
+        ) from None
 
 
 def describe_os_error(e: OSError, flag: str = "--out-dir") -> str:
     """``OSError`` as one line: the path, then the cause, then what a user can do (``flag``: the
     option that chose where the command writes)."""
     where = e.filename if e.filename is not None else "a file"
-    hint = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space (disk quota)",
-            errno.EROFS: f"the file system is read-only; choose another {flag}",
-            errno.EACCES: f"you may not write there; choose another {flag}",
-            errno.EPERM: f"you may not write there; choose another {flag}",
-            errno.EFBIG: "the file is larger than this system allows"}.get(e.errno, "")
+    hint = {
+        errno.ENOSPC: "free some space",
+        errno.EDQUOT: "free some space (disk quota)",
+        errno.EROFS: f"the file system is read-only; choose another {flag}",
+        errno.EACCES: f"you may not write there; choose another {flag}",
+        errno.EPERM: f"you may not write there; choose another {flag}",
+        errno.EFBIG: "the file is larger than this system allows",
+    }.get(e.errno, "")
     return f"cannot write {where}: {e.strerror or e}" + (f" ({hint})" if hint else "")
 
 
@@ -136,7 +151,7 @@ class WholeWrites(io.RawIOBase):
         size = view.nbytes
         try:
             while view:
-                view = view[self.raw.write(view):]
+                view = view[self.raw.write(view) :]
         except OSError as e:
             self.error = e
             raise
@@ -297,8 +312,11 @@ def remove_abandoned_writes(directory, names) -> None:
         return
     for entry in entries:
         for prefix in prefixes:
-            if entry.name.startswith(prefix) and _TEMPORARY_TOKEN.fullmatch(entry.name[len(prefix):]) \
-                    and entry.is_file(follow_symlinks=False):
+            if (
+                entry.name.startswith(prefix)
+                and _TEMPORARY_TOKEN.fullmatch(entry.name[len(prefix) :])
+                and entry.is_file(follow_symlinks=False)
+            ):
                 try:
                     disk.remove(entry.path, missing_ok=True)
                 except OSError:
@@ -348,7 +366,11 @@ def check_manifest(directory, files, what: str, skip: tuple[str, ...] = (), on_b
     ``skip`` names files not covered (the file holding the manifest itself). ``on_block(name,
     bytes)`` sees every block read, so a caller can check contents in the same pass.
     """
-    if not isinstance(files, dict) or not files or not all(isinstance(k, str) and is_sha256(v) for k, v in files.items()):
+    if (
+        not isinstance(files, dict)
+        or not files
+        or not all(isinstance(k, str) and is_sha256(v) for k, v in files.items())
+    ):
         raise NanolmError(f"{what}: its manifest of files and checksums is missing or malformed")
     on_disk = files_under(directory, skip)
     missing = sorted(set(files) - set(on_disk))
@@ -409,8 +431,10 @@ def refuse_mount_point(path, flag: str) -> None:
     EXDEV, and what was built beside it would be lost); a directory inside it is fine."""
     path = Path(path)
     if path.is_dir() and not path.is_symlink() and os.path.ismount(path):
-        raise NanolmError(f"{flag} {path} is a mount point, which nanolm cannot replace in one step; choose a "
-                          f"directory inside it ({flag} {path / 'out'})")
+        raise NanolmError(
+            f"{flag} {path} is a mount point, which nanolm cannot replace in one step; choose a "
+            f"directory inside it ({flag} {path / 'out'})"
+        )
 
 
 def probe_writable(path) -> None:
@@ -435,5 +459,6 @@ def probe_writable(path) -> None:
         os.close(fd)
         disk.remove(probe)
     except OSError as e:
-        raise NanolmError(f"--out-dir {path}: cannot write in {existing} ({e.strerror or e}); "
-                          f"choose a directory you can write") from None
+        raise NanolmError(
+            f"--out-dir {path}: cannot write in {existing} ({e.strerror or e}); choose a directory you can write"
+        ) from None

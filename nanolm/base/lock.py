@@ -52,8 +52,8 @@ import socket
 import stat
 from pathlib import Path
 
-from . import disk
 from ..errors import NanolmError
+from . import disk
 
 try:
     import fcntl
@@ -95,7 +95,9 @@ def _open_lock_file(path: Path) -> int:
     """``DIR/.lock`` opened for writing, or a one-line error when it is not a plain file (a
     symbolic link could point anywhere, a FIFO would block or refuse the holder's line)."""
     try:
-        fd = disk.open_fd(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644)
+        fd = disk.open_fd(
+            path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0), 0o644
+        )
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EMLINK) or path.is_symlink():
             raise _not_a_lock_file(path) from None
@@ -107,10 +109,18 @@ def _open_lock_file(path: Path) -> int:
 
 
 def _not_a_lock_file(path: Path) -> NanolmError:
-    kind = ("a symbolic link" if path.is_symlink() else "a directory" if path.is_dir()
-            else "a FIFO" if stat.S_ISFIFO(path.lstat().st_mode) else "not a plain file")
-    return NanolmError(f"{path} is {kind}, not the lock file nanolm writes there; remove it, then run the same "
-                       f"command again")
+    kind = (
+        "a symbolic link"
+        if path.is_symlink()
+        else "a directory"
+        if path.is_dir()
+        else "a FIFO"
+        if stat.S_ISFIFO(path.lstat().st_mode)
+        else "not a plain file"
+    )
+    return NanolmError(
+        f"{path} is {kind}, not the lock file nanolm writes there; remove it, then run the same command again"
+    )
 
 
 def _holder(path: Path) -> str:
@@ -198,11 +208,15 @@ class RunLock:
             raise NanolmError(f"{flag} {directory} is a file, not a directory; choose another {flag}")
         for parent in directory.absolute().parents:
             holder = held_by_another(parent)
-            if holder is not None and holder not in _this_process_or_its_parent():  # a run (or its child) writing into its own directory
+            if (
+                holder is not None and holder not in _this_process_or_its_parent()
+            ):  # a run (or its child) writing into its own directory
                 raise busy_refusal(directory, holder, flag, inside=parent)
         self._made = [p for p in (directory, *directory.parents) if not p.exists()][::-1]
         if os.environ.get(NO_LOCK) == "1":
-            log(f"warning: {directory} is written without a lock ({NO_LOCK}=1): make sure no other process writes there")
+            log(
+                f"warning: {directory} is written without a lock ({NO_LOCK}=1): make sure no other process writes there"
+            )
             self.directory = directory
             return
         self._taking = directory
@@ -277,7 +291,9 @@ class RunLock:
             elif fd is not None:  # Windows: an open file cannot be removed
                 _quietly(lambda: os.close(fd))
                 fd = None
-                _quietly(lambda: disk.remove(path, missing_ok=True))  # fails if another writer opened it meanwhile: theirs
+                _quietly(
+                    lambda: disk.remove(path, missing_ok=True)
+                )  # fails if another writer opened it meanwhile: theirs
         finally:
             for descriptor in (fd, dir_fd):
                 if descriptor is not None:
@@ -348,11 +364,15 @@ def busy_refusal(directory: Path, holder: str, flag: str, inside: Path | None = 
     pid, _, host = holder.partition("@")
     who = f"process {pid} on {host}" if pid.isdigit() and host else "another process"
     if inside is not None:
-        return DirectoryBusy(f"{directory} is inside {inside}, which is being written by {who}: writing there would "
-                             f"change that run under it; wait for it to end, or choose another {flag}")
+        return DirectoryBusy(
+            f"{directory} is inside {inside}, which is being written by {who}: writing there would "
+            f"change that run under it; wait for it to end, or choose another {flag}"
+        )
     if who == "another process":  # no holder's line: a writer whose line is gone, or runs training on it
-        return DirectoryBusy(f"{directory} is in use by another process (being written, or read by a run training "
-                             f"on it); wait for it to end, or choose another {flag}")
+        return DirectoryBusy(
+            f"{directory} is in use by another process (being written, or read by a run training "
+            f"on it); wait for it to end, or choose another {flag}"
+        )
     return DirectoryBusy(f"{directory} is being written by {who}; wait for it to end, or choose another {flag}")
 
 
@@ -360,9 +380,11 @@ def _refusal(error: OSError, directory: Path, holder: str, flag: str) -> NanolmE
     if error.errno in HELD:
         return busy_refusal(directory, holder, flag)
     if error.errno in NO_LOCKS_HERE:
-        return NanolmError(f"{directory} is on a file system without working locks ({error.strerror}), so nanolm "
-                           f"cannot make sure it is the only process writing there; use a local disk or a mount with "
-                           f"locks, or set {NO_LOCK}=1 to write without one")
+        return NanolmError(
+            f"{directory} is on a file system without working locks ({error.strerror}), so nanolm "
+            f"cannot make sure it is the only process writing there; use a local disk or a mount with "
+            f"locks, or set {NO_LOCK}=1 to write without one"
+        )
     return NanolmError(f"cannot lock {directory / LOCK_FILE}: {error.strerror or error}")
 
 
@@ -415,7 +437,7 @@ def abandoned_scratch(target, purpose: str) -> list[Path]:
         return []
     found = []
     for entry in entries:
-        if not (entry.name.startswith(prefix) and _SCRATCH_TOKEN.fullmatch(entry.name[len(prefix):])):
+        if not (entry.name.startswith(prefix) and _SCRATCH_TOKEN.fullmatch(entry.name[len(prefix) :])):
             continue
         path = Path(entry.path)
         if entry.is_symlink() or not entry.is_dir() or _held(path):

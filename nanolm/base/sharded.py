@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from . import disk
 from ..errors import NanolmError
+from . import disk
 
 SHARDS = "sharded"
 
@@ -36,10 +36,15 @@ def _storage():
         )
     except ImportError:
         HuggingFaceStorageWriter = None
-    if HuggingFaceStorageWriter is None or "save_distributed" not in inspect.signature(HuggingFaceStorageWriter).parameters:
-        raise NanolmError(f"--dist fsdp checkpoints need torch.distributed.checkpoint's safetensors storage with "
-                          f"per-rank shards (PyTorch >= 2.9); this is PyTorch {torch.__version__}: upgrade it, "
-                          f"or use --dist ddp")
+    if (
+        HuggingFaceStorageWriter is None
+        or "save_distributed" not in inspect.signature(HuggingFaceStorageWriter).parameters
+    ):
+        raise NanolmError(
+            f"--dist fsdp checkpoints need torch.distributed.checkpoint's safetensors storage with "
+            f"per-rank shards (PyTorch >= 2.9); this is PyTorch {torch.__version__}: upgrade it, "
+            f"or use --dist ddp"
+        )
     return HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 
@@ -77,8 +82,10 @@ def save_sharded(directory: Path, model, optimizer) -> dict:
     _, writer = _storage()
     model_state, optim_state = get_state_dict(model, optimizer)
     with disk.written_by_library(directory):
-        dcp.save({"model": _untied(model_state, model), "optim": {"state": optim_state["state"]}},
-                 storage_writer=writer(str(directory), save_distributed=True))
+        dcp.save(
+            {"model": _untied(model_state, model), "optim": {"state": optim_state["state"]}},
+            storage_writer=writer(str(directory), save_distributed=True),
+        )
     return {"param_groups": optim_state["param_groups"]}
 
 
@@ -112,8 +119,9 @@ def load_sharded(checkpoint: Path, model: torch.nn.Module, optimizer=None, optim
         try:
             dcp.load(tensors, storage_reader=reader(str(path)))
         except (Exception, _checkpoint_exception()) as e:  # DCP's CheckpointException is a BaseException
-            raise NanolmError(f"checkpoint {checkpoint}: its shards cannot be read into this model "
-                              f"({_first_cause(e)})") from None
+            raise NanolmError(
+                f"checkpoint {checkpoint}: its shards cannot be read into this model ({_first_cause(e)})"
+            ) from None
         finally:
             logging.disable(logging.NOTSET)
         loaded = dict(tensors["model"])
@@ -125,5 +133,9 @@ def load_sharded(checkpoint: Path, model: torch.nn.Module, optimizer=None, optim
         groups = (optimizer_state or {}).get("param_groups")
         if not isinstance(groups, list):
             raise NanolmError(f"checkpoint {checkpoint}: state.pt has no optimizer param groups")
-        set_state_dict(model, optimizer, model_state_dict=loaded,
-                       optim_state_dict={"state": tensors["optim"]["state"], "param_groups": groups})
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=loaded,
+            optim_state_dict={"state": tensors["optim"]["state"], "param_groups": groups},
+        )

@@ -29,17 +29,30 @@ from pathlib import Path
 from ..tokenizer import EOS
 
 HEROES = [  # name, pronoun, possessive, kind
-    ("Lily", "she", "her", "girl"), ("Tom", "he", "his", "boy"), ("Mia", "she", "her", "girl"),
-    ("Ben", "he", "his", "boy"), ("Sue", "she", "her", "girl"), ("Max", "he", "his", "boy"),
-    ("Anna", "she", "her", "girl"), ("Sam", "he", "his", "boy"), ("Lucy", "she", "her", "girl"),
-    ("Tim", "he", "his", "boy"), ("Zoe", "she", "her", "girl"), ("Jack", "he", "his", "boy"),
+    ("Lily", "she", "her", "girl"),
+    ("Tom", "he", "his", "boy"),
+    ("Mia", "she", "her", "girl"),
+    ("Ben", "he", "his", "boy"),
+    ("Sue", "she", "her", "girl"),
+    ("Max", "he", "his", "boy"),
+    ("Anna", "she", "her", "girl"),
+    ("Sam", "he", "his", "boy"),
+    ("Lucy", "she", "her", "girl"),
+    ("Tim", "he", "his", "boy"),
+    ("Zoe", "she", "her", "girl"),
+    ("Jack", "he", "his", "boy"),
 ]
 AGES = ["little", "small", "young", "happy", "curious", "brave"]
 HOMES = ["a small house", "a big red house", "a tiny cottage", "a house by the sea", "a farm", "a quiet town"]
 TRAITS = [
-    "loved to play outside", "liked to draw pictures", "was very kind to everyone",
-    "loved to sing songs", "liked to help {pos} mom", "was always asking questions",
-    "loved animals", "liked to run fast",
+    "loved to play outside",
+    "liked to draw pictures",
+    "was very kind to everyone",
+    "loved to sing songs",
+    "liked to help {pos} mom",
+    "was always asking questions",
+    "loved animals",
+    "liked to run fast",
 ]
 PLACES = ["park", "forest", "garden", "beach", "river", "hill", "market", "school", "lake", "farm"]
 COLORS = ["red", "blue", "green", "yellow", "shiny", "big", "little", "soft"]
@@ -55,8 +68,11 @@ PROBLEMS = [
     ("the {thing} broke", "{name} fixed it with some tape"),
 ]
 MORALS = [
-    "sharing makes everyone happy", "it is good to be kind", "friends help each other",
-    "being brave is important", "it is fun to try new things",
+    "sharing makes everyone happy",
+    "it is good to be kind",
+    "friends help each other",
+    "being brave is important",
+    "it is fun to try new things",
 ]
 OBJECT_PRONOUN = {"she": "her", "he": "him"}
 
@@ -143,12 +159,16 @@ def _tell(t: _Teller) -> None:
             animal, sound = t.pick(ANIMALS)
             t.say(f"met a {animal} named ")
             friend = t.pick(FRIENDS)
-            t.say(f"{friend} at the {t.pick(PLACES)}. \"{sound}!\" said {friend}. ")
-            t.say(t.pick([
-                f'"Do you want to play with me?" asked {name}.',
-                f'"Hello, {friend}! Let us be friends," said {name}.',
-                f"{name} gave {friend} a little pat.",
-            ]))
+            t.say(f'{friend} at the {t.pick(PLACES)}. "{sound}!" said {friend}. ')
+            t.say(
+                t.pick(
+                    [
+                        f'"Do you want to play with me?" asked {name}.',
+                        f'"Hello, {friend}! Let us be friends," said {name}.',
+                        f"{name} gave {friend} a little pat.",
+                    ]
+                )
+            )
         elif kind_of_event == "problem":
             t.say(f"was at the {t.pick(PLACES)} when ")
             trouble, fix = t.pick(PROBLEMS if thing else PROBLEMS[:4])

@@ -20,8 +20,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import NanolmError
 from ..base.files import replace, sha256_file
+from ..errors import NanolmError
 
 
 @dataclass(frozen=True)
@@ -36,18 +36,23 @@ class RemoteCorpus:
 CORPORA = {
     "shakespeare": RemoteCorpus(
         "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
-        "tinyshakespeare.txt", 1_115_394,
+        "tinyshakespeare.txt",
+        1_115_394,
         "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
         "tiny-shakespeare: 1.1 MB of Shakespeare's plays, one document (the classic char-level benchmark)",
     ),
     "tinystories": RemoteCorpus(
         "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-valid.txt",
-        "TinyStoriesV2-GPT4-valid.txt", 22_502_601, None,
+        "TinyStoriesV2-GPT4-valid.txt",
+        22_502_601,
+        None,
         "TinyStories (GPT-4 stories, the 22 MB validation file: plenty for CPU-sized runs)",
     ),
     "tinystories-train": RemoteCorpus(
         "https://huggingface.co/datasets/roneneldan/TinyStories/resolve/main/TinyStoriesV2-GPT4-train.txt",
-        "TinyStoriesV2-GPT4-train.txt", 2_227_753_162, None,
+        "TinyStoriesV2-GPT4-train.txt",
+        2_227_753_162,
+        None,
         "TinyStories (GPT-4 stories, the 2.2 GB training file)",
     ),
 }
@@ -102,7 +107,8 @@ def fetch(name: str, directory: Path | None = None, log=print, progress: bool = 
         partial.unlink()
         raise NanolmError(
             f"the download of {name} does not match: {size} bytes, sha256 {sha[:16]}…; expected "
-            f"{corpus.size} bytes" + (f", sha256 {corpus.sha256[:16]}…" if corpus.sha256 else "")
+            f"{corpus.size} bytes"
+            + (f", sha256 {corpus.sha256[:16]}…" if corpus.sha256 else "")
             + "; nothing was kept. Try again, or download it yourself and pass --data PATH"
         )
     replace(partial, path)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import NanolmError
+from ..base import disk
 from ..base.documents import MAX_METADATA_BYTES, read_json
 from ..base.files import atomic_write_text, manifest, replace_directory, sealed
-from ..base import disk
 from ..base.lock import LOCK_FILE, ScratchDirectory, remove_abandoned_scratch
+from ..errors import NanolmError
 from ..tokenizer import Tokenizer, train_tokenizer
 from .corpus import entropy_path, write_stories
 from .download import resolve_data_path
@@ -68,8 +68,12 @@ def compressor_bits_per_byte(context: bytes, text: bytes) -> dict:
         return {}
     compressors = {"zlib": lambda b: len(zlib.compress(b, 9)), "xz": lambda b: len(lzma.compress(b, preset=6))}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        sizes = {(name, part): pool.submit(compress, data) for name, compress in compressors.items()
-                 for part, data in (("context", context), ("both", context + text)) if data}
+        sizes = {
+            (name, part): pool.submit(compress, data)
+            for name, compress in compressors.items()
+            for part, data in (("context", context), ("both", context + text))
+            if data
+        }
         sizes = {key: future.result() for key, future in sizes.items()}
     out = {}
     for name in compressors:
@@ -142,8 +146,20 @@ def prepare(
         scratch = ScratchDirectory(out, "prepare")
         staging = scratch.path
         disk.chmod(staging, 0o777 & ~_umask())  # as a plain mkdir would make it (mkdtemp's is private)
-        _prepare_into(staging, docs, source, tokenizer_kind, vocab_size, val_fraction, tokenizer, seq_len, progress,
-                      compressor_sample_bytes, log, t0)
+        _prepare_into(
+            staging,
+            docs,
+            source,
+            tokenizer_kind,
+            vocab_size,
+            val_fraction,
+            tokenizer,
+            seq_len,
+            progress,
+            compressor_sample_bytes,
+            log,
+            t0,
+        )
         replace_directory(staging, out, last=META_FILE)
     except BaseException as e:  # refused, interrupted or out of room: --out as it was, a new one never made
         if scratch is not None:
@@ -175,8 +191,20 @@ def _umask() -> int:
     return mask
 
 
-def _prepare_into(out: Path, docs: DocumentSource, source, tokenizer_kind: str, vocab_size: int, val_fraction: float,
-                  tokenizer: Tokenizer | None, seq_len: int, progress, compressor_sample_bytes: int, log, t0: float):
+def _prepare_into(
+    out: Path,
+    docs: DocumentSource,
+    source,
+    tokenizer_kind: str,
+    vocab_size: int,
+    val_fraction: float,
+    tokenizer: Tokenizer | None,
+    seq_len: int,
+    progress,
+    compressor_sample_bytes: int,
+    log,
+    t0: float,
+):
     """:func:`prepare`'s work, into ``out``: a scratch directory that becomes ``--out`` only when whole."""
     total_bytes = docs.size_bytes()
     shown = PrepareProgress(progress_mode(progress, total_bytes, log), log)
@@ -189,20 +217,24 @@ def _prepare_into(out: Path, docs: DocumentSource, source, tokenizer_kind: str, 
     doc_nats = _known_document_entropy(Path(source), log)
     shown.begin("encoding", expected)
     try:
-        n_docs, val_nats, compressor_bpb = _encode(docs, tokenizer, writers, val_fraction, doc_nats,
-                                                   compressor_sample_bytes, shown)
+        n_docs, val_nats, compressor_bpb = _encode(
+            docs, tokenizer, writers, val_fraction, doc_nats, compressor_sample_bytes, shown
+        )
     except BaseException:
         for w in writers.values():  # the scratch directory is deleted next
             with contextlib.suppress(OSError):
                 w.f.close()
         raise
     done, seconds = shown.end()
-    shown.say(f"prepare: encoded {megabytes(done)} in {format_seconds(seconds)} "
-              f"({done / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
+    shown.say(
+        f"prepare: encoded {megabytes(done)} in {format_seconds(seconds)} ({done / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
+    )
     if n_docs["train"] == 0:
-        raise NanolmError(f"{source} holds no document with text (empty documents skipped: {docs.empty}"
-                          + (f"; bad records skipped: {len(docs.problems)}, the first: {docs.problems[0]}"
-                             if docs.problems else "") + ")")
+        raise NanolmError(
+            f"{source} holds no document with text (empty documents skipped: {docs.empty}"
+            + (f"; bad records skipped: {len(docs.problems)}, the first: {docs.problems[0]}" if docs.problems else "")
+            + ")"
+        )
     for name, w in writers.items():
         w.close(out, name)
 
@@ -244,27 +276,49 @@ def load_training_data(cfg, scratch: Path, log=print, compressor_bounds: bool = 
         source = resolve_data_path(d.data, log)
         if (source / "meta.json").is_file():
             data = PreparedData(source)
-            log(f"data: prepared shards in {source}; their {data.meta['tokenizer']} tokenizer of "
-                f"{data.tokenizer.vocab_size} tokens is used (--tokenizer and --vocab-size do not apply)")
+            log(
+                f"data: prepared shards in {source}; their {data.meta['tokenizer']} tokenizer of "
+                f"{data.tokenizer.vocab_size} tokens is used (--tokenizer and --vocab-size do not apply)"
+            )
             return data
         log(f"data: {source}")
-    return prepare(source, scratch / "data", d.tokenizer, d.vocab_size, d.val_fraction, d.separator,
-                   d.text_field, seq_len=cfg.model.seq_len, progress=cfg.train.progress, log=log,
-                   compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if compressor_bounds else 0)
+    return prepare(
+        source,
+        scratch / "data",
+        d.tokenizer,
+        d.vocab_size,
+        d.val_fraction,
+        d.separator,
+        d.text_field,
+        seq_len=cfg.model.seq_len,
+        progress=cfg.train.progress,
+        log=log,
+        compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if compressor_bounds else 0,
+    )
 
 
 def _refuse_foreign_files(out: Path) -> None:
     """``out`` must be a directory that holds nothing but what prepare writes (or not exist yet)."""
     if out.exists() and not out.is_dir():
         raise NanolmError(f"--out {out} is a file; give a directory for the shards")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, META_FILE, LOCK_FILE)) \
-        if out.is_dir() else []
+    foreign = (
+        sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, META_FILE, LOCK_FILE))
+        if out.is_dir()
+        else []
+    )
     if foreign:
         raise NanolmError(f"{out} already holds {foreign[0]}, which prepare did not write; choose a new or empty --out")
 
 
-def _encode(docs, tokenizer: Tokenizer, writers: dict, val_fraction: float, doc_nats: list[float] | None,
-            compressor_sample_bytes: int, shown: PrepareProgress) -> tuple[dict, float, dict | None]:
+def _encode(
+    docs,
+    tokenizer: Tokenizer,
+    writers: dict,
+    val_fraction: float,
+    doc_nats: list[float] | None,
+    compressor_sample_bytes: int,
+    shown: PrepareProgress,
+) -> tuple[dict, float, dict | None]:
     """The second pass: every document encoded into its split's shard, ~8 MB of text at a time.
     Returns the documents per split, the validation documents' known information (nats) and
     the compressor bounds (None when ``compressor_sample_bytes`` is 0)."""
@@ -297,30 +351,38 @@ def _encode(docs, tokenizer: Tokenizer, writers: dict, val_fraction: float, doc_
         if chunk_chars >= 8_000_000:
             flush()
     with ThreadPoolExecutor(max_workers=1) as background:  # the compressors run while the last chunk encodes
-        compressor_bpb = (background.submit(compressor_bits_per_byte, b"".join(sample["train"]),
-                                            b"".join(sample["val"])) if compressor_sample_bytes else None)
+        compressor_bpb = (
+            background.submit(compressor_bits_per_byte, b"".join(sample["train"]), b"".join(sample["val"]))
+            if compressor_sample_bytes
+            else None
+        )
         flush()
     return n_docs, val_nats, compressor_bpb.result() if compressor_bpb is not None else None
 
 
-def _trained_tokenizer(docs, kind: str, vocab_size: int, val_fraction: float, expected: int,
-                       shown: PrepareProgress) -> Tokenizer:
+def _trained_tokenizer(
+    docs, kind: str, vocab_size: int, val_fraction: float, expected: int, shown: PrepareProgress
+) -> Tokenizer:
     """The first pass: the tokenizer learned from ``docs``, its progress shown by ``shown``."""
     start = time.monotonic()
     reads = expected if kind == "char" else min(BPE_TRAINING_CHARS, round(expected * (1 - val_fraction)))
 
     def read_all(done, seconds):
         if kind == "bpe":
-            shown.say(f"prepare: the tokenizer read {megabytes(done)} in {format_seconds(seconds)}; "
-                      f"computing its merges")
+            shown.say(
+                f"prepare: the tokenizer read {megabytes(done)} in {format_seconds(seconds)}; computing its merges"
+            )
 
-    texts = shown.follow(_tokenizer_texts(docs, kind, val_fraction), f"training the {kind} tokenizer", reads,
-                         on_end=read_all)
+    texts = shown.follow(
+        _tokenizer_texts(docs, kind, val_fraction), f"training the {kind} tokenizer", reads, on_end=read_all
+    )
     # not the Rust trainer's own bars (show_progress): for texts from an iterator its first bar
     # has no end, hence no ETA, and it would draw over this one
     tokenizer = train_tokenizer(kind, texts, vocab_size)
-    shown.say(f"prepare: tokenizer trained in {format_seconds(time.monotonic() - start)} "
-              f"({kind}, {tokenizer.vocab_size} tokens)")
+    shown.say(
+        f"prepare: tokenizer trained in {format_seconds(time.monotonic() - start)} "
+        f"({kind}, {tokenizer.vocab_size} tokens)"
+    )
     return tokenizer
 
 
@@ -336,7 +398,9 @@ def _tokenizer_texts(docs, kind: str, val_fraction: float):
                 return
 
 
-def _prepared_meta(source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes) -> dict:
+def _prepared_meta(
+    source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes
+) -> dict:
     crossing, n_windows = boundary_crossing_windows(
         np.asarray(writers["train"].doc_starts), writers["train"].n_tokens, seq_len
     )
@@ -350,8 +414,7 @@ def _prepared_meta(source, tokenizer, dtype, writers, n_docs, docs, val_fraction
         "max_id": max(w.max_id for w in writers.values()),
         "val_fraction": val_fraction,
         "splits": {
-            name: {"documents": n_docs[name], "tokens": w.n_tokens, "bytes": w.n_bytes}
-            for name, w in writers.items()
+            name: {"documents": n_docs[name], "tokens": w.n_tokens, "bytes": w.n_bytes} for name, w in writers.items()
         },
         "empty_documents_skipped": docs.empty,
         "bad_records": len(docs.problems),

@@ -92,8 +92,15 @@ class PrepareProgress:
         if self.mode == "bar":
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.total, desc=f"prepare: {what}", unit="B", unit_scale=True, file=sys.stdout,
-                            dynamic_ncols=True, leave=False)
+            self.bar = tqdm(
+                total=self.total,
+                desc=f"prepare: {what}",
+                unit="B",
+                unit_scale=True,
+                file=sys.stdout,
+                dynamic_ncols=True,
+                leave=False,
+            )
         else:
             self.log(f"prepare: {what} ({megabytes(self.total)} expected)")
 
@@ -112,8 +119,10 @@ class PrepareProgress:
         since = now - self.last_line
         if (self.done * 10 >= self.next_tenth * self.total and since >= PROGRESS_GAP_S) or since >= PROGRESS_EVERY_S:
             if self.done < self.total:
-                self.log(f"prepare: {self.what} {100 * self.done // self.total}% "
-                         f"({_rate_and_eta(self.done, self.total, now - self.start)})")
+                self.log(
+                    f"prepare: {self.what} {100 * self.done // self.total}% "
+                    f"({_rate_and_eta(self.done, self.total, now - self.start)})"
+                )
             self.next_tenth, self.last_line = self.done * 10 // self.total + 1, now
 
     def end(self) -> tuple[int, float]:

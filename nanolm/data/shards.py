@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..batches import Split
-from ..errors import NanolmError, brief
-from ..base.documents import read_json
 from ..base import disk
+from ..base.documents import read_json
 from ..base.files import check_manifest, check_seal, naming_the_file
 from ..base.lock import LOCK_FILE
+from ..batches import Split
+from ..errors import NanolmError, brief
 from ..tokenizer import Tokenizer
 
 META_FILE = "meta.json"
@@ -44,7 +44,9 @@ class PreparedData:
         self.dir = Path(directory)
         meta_path = self.dir / META_FILE
         if not meta_path.is_file():
-            raise NanolmError(f"{self.dir} is not a prepared data directory (no {META_FILE}); run `nanolm prepare` first")
+            raise NanolmError(
+                f"{self.dir} is not a prepared data directory (no {META_FILE}); run `nanolm prepare` first"
+            )
         self.meta = _checked_data_meta(read_json(meta_path, f"{meta_path}"), self.dir)
         dtype = np.dtype(self.meta["dtype"])
         largest = {"train.bin": -1, "val.bin": -1}
@@ -55,20 +57,29 @@ class PreparedData:
                 largest[name] = max(largest[name], int(np.frombuffer(block[:whole], dtype=dtype).max()))
 
         if verify:
-            check_manifest(self.dir, self.meta["files"], f"prepared data {self.dir}", skip=(META_FILE, LOCK_FILE),
-                           on_block=track_largest)
+            check_manifest(
+                self.dir,
+                self.meta["files"],
+                f"prepared data {self.dir}",
+                skip=(META_FILE, LOCK_FILE),
+                on_block=track_largest,
+            )
             self.max_id = max(largest.values())
         else:
             self.max_id = self.meta["max_id"]
         self.tokenizer = Tokenizer.load(self.dir / "tokenizer.json")
         if self.tokenizer.fingerprint() != self.meta["tokenizer_fingerprint"]:
-            raise NanolmError(f"{self.dir}/tokenizer.json is not the tokenizer these shards were made with; prepare the data again")
+            raise NanolmError(
+                f"{self.dir}/tokenizer.json is not the tokenizer these shards were made with; prepare the data again"
+            )
         self.splits = {}
         for name in ("train", "val"):
             n = self.meta["splits"][name]["tokens"]
             path = self.dir / f"{name}.bin"
             if path.stat().st_size != n * dtype.itemsize:
-                raise NanolmError(f"{path} holds {path.stat().st_size} bytes, expected {n * dtype.itemsize}; it is truncated or corrupt, prepare again")
+                raise NanolmError(
+                    f"{path} holds {path.stat().st_size} bytes, expected {n * dtype.itemsize}; it is truncated or corrupt, prepare again"
+                )
             tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
             starts = _load_doc_starts(self.dir / f"{name}_docs.npy", n)
             self.splits[name] = Split(tokens, starts, self.meta["splits"][name]["bytes"])
@@ -100,6 +111,7 @@ DATA_FILES = ("tokenizer.json", "train.bin", "val.bin", "train_docs.npy", "val_d
 
 def _checked_data_meta(meta, directory: Path) -> dict:
     """``meta.json`` of a prepared directory with every field a reader relies on checked."""
+
     def bad(what):
         return NanolmError(f"{directory / META_FILE}: {what}; prepare the data again")
 
@@ -118,18 +130,26 @@ def _checked_data_meta(meta, directory: Path) -> dict:
     if not isinstance(meta.get("tokenizer_fingerprint"), str) or not isinstance(meta.get("tokenizer"), str):
         raise bad("the tokenizer's fingerprint is missing")
     splits = meta.get("splits")
-    if not (isinstance(splits, dict) and all(isinstance(splits.get(n), dict) and count(splits[n].get("tokens"))
-                                             and count(splits[n].get("bytes")) for n in ("train", "val"))):
+    if not (
+        isinstance(splits, dict)
+        and all(
+            isinstance(splits.get(n), dict) and count(splits[n].get("tokens")) and count(splits[n].get("bytes"))
+            for n in ("train", "val")
+        )
+    ):
         raise bad("the token and byte counts of the splits are missing or malformed")
     if not isinstance(meta.get("max_id"), int):
         raise bad("max_id is missing")
     floor = meta.get("floor")
-    if floor is not None and not (isinstance(floor, dict) and all(
-            isinstance(floor.get(k), (int, float)) for k in ("nats", "bpb", "nats_per_token"))):
+    if floor is not None and not (
+        isinstance(floor, dict)
+        and all(isinstance(floor.get(k), (int, float)) for k in ("nats", "bpb", "nats_per_token"))
+    ):
         raise bad("the entropy floor is malformed")
     compressors = meta.get("compressor_bpb")
-    if compressors is not None and not (isinstance(compressors, dict)
-                                        and all(isinstance(v, (int, float)) for v in compressors.values())):
+    if compressors is not None and not (
+        isinstance(compressors, dict) and all(isinstance(v, (int, float)) for v in compressors.values())
+    ):
         raise bad("the compressor figures are malformed")
     return meta
 
@@ -141,8 +161,11 @@ def _load_doc_starts(path: Path, n_tokens: int) -> np.ndarray:
         starts = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         raise NanolmError(f"{path} is not a plain array of document offsets ({e}); prepare the data again") from None
-    if starts.dtype != np.int64 or starts.ndim != 1 or (len(starts) and (starts.min() < 0 or starts.max() > n_tokens
-                                                                        or (np.diff(starts) <= 0).any())):
+    if (
+        starts.dtype != np.int64
+        or starts.ndim != 1
+        or (len(starts) and (starts.min() < 0 or starts.max() > n_tokens or (np.diff(starts) <= 0).any()))
+    ):
         raise NanolmError(f"{path} does not hold increasing document offsets inside the split; prepare the data again")
     return starts
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import NanolmError
 from ..base.documents import parse_json
+from ..errors import NanolmError
 from ..tokenizer import EOS
 
 SEPARATOR = EOS
@@ -34,8 +34,9 @@ def _open_text_lines(path: Path):
         with open(path, encoding="utf-8", newline="") as f:
             for lineno, line in enumerate(f, start=1):
                 if "\x00" in line:
-                    raise NanolmError(f"{path} looks like a binary file (line {lineno} contains a NUL byte); "
-                                      f"pass a UTF-8 text file")
+                    raise NanolmError(
+                        f"{path} looks like a binary file (line {lineno} contains a NUL byte); pass a UTF-8 text file"
+                    )
                 yield line
     except UnicodeDecodeError as e:
         raise NanolmError(f"{path} is not valid UTF-8 ({e.reason} near byte {e.start}); convert it to UTF-8") from None
@@ -97,7 +98,9 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
     except Exception as e:
         raise NanolmError(f"{path} is not a readable parquet file ({e})") from None
     if text_field not in pf.schema_arrow.names:
-        raise NanolmError(f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); set --text-field")
+        raise NanolmError(
+            f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); set --text-field"
+        )
     for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if isinstance(text, str):
@@ -120,15 +123,19 @@ class DocumentSource:
         if not self.path.exists():
             raise NanolmError(f"data path {self.path} does not exist")
         if not self.path.is_dir() and not self.path.is_file():  # a pipe: <(command), a FIFO, a terminal
-            raise NanolmError(f"data path {self.path} is a pipe or a device, which can be read only once, and nanolm "
-                              f"reads its data twice (the tokenizer, then the shards); save it to a file first "
-                              f"(command > data.txt) and pass that file")
+            raise NanolmError(
+                f"data path {self.path} is a pipe or a device, which can be read only once, and nanolm "
+                f"reads its data twice (the tokenizer, then the shards); save it to a file first "
+                f"(command > data.txt) and pass that file"
+            )
         if self.path.is_dir():
             self.files = sorted(p for p in self.path.rglob("*.txt") if p.is_file())
             if not self.files:
                 raise NanolmError(f"directory {self.path} holds no .txt files")
         elif self.path.suffix not in (".txt", ".jsonl", ".parquet", ".md", ".text", ""):
-            raise NanolmError(f"{self.path}: unsupported file type {self.path.suffix!r}; use .txt, .jsonl, .parquet or a directory of .txt files")
+            raise NanolmError(
+                f"{self.path}: unsupported file type {self.path.suffix!r}; use .txt, .jsonl, .parquet or a directory of .txt files"
+            )
         if self.path.is_file() and self.path.stat().st_size == 0:
             raise NanolmError(f"{self.path} is empty")
 

@@ -35,25 +35,37 @@ def _train(args) -> None:
 def _sample(args) -> None:
     from .trained import generate
 
-    print(generate(args.run, args.prompt, args.max_new_tokens, args.temperature,
-                   args.top_k if args.top_k else None, args.top_p, args.seed, args.device))
+    print(
+        generate(
+            args.run,
+            args.prompt,
+            args.max_new_tokens,
+            args.temperature,
+            args.top_k if args.top_k else None,
+            args.top_p,
+            args.seed,
+            args.device,
+        )
+    )
 
 
 def _eval(args) -> None:
     from .trained import evaluate_file
 
     r = evaluate_file(args.run, args.data, args.batch_size, args.device)
-    print(f"{args.data}: loss {r['loss']:.4f} nats/token | perplexity {r['ppl']:.2f} | "
-          f"{r['bpb']:.4f} bits/byte | {r['tokens']} tokens, {r['bytes']} bytes")
+    print(
+        f"{args.data}: loss {r['loss']:.4f} nats/token | perplexity {r['ppl']:.2f} | "
+        f"{r['bpb']:.4f} bits/byte | {r['tokens']} tokens, {r['bytes']} bytes"
+    )
     if args.json:
         print(json.dumps(r))
 
 
 def _prepare(args) -> None:
-    from ..data.prepare import prepare, remove_abandoned_attempts
-    from ..run.directory import refuse_output_inside_a_run
     from ..base.files import refuse_mount_point, require_utf8
     from ..base.lock import RunLock
+    from ..data.prepare import prepare, remove_abandoned_attempts
+    from ..run.directory import refuse_output_inside_a_run
     from ..tokenizer import MAX_BPE_VOCAB
 
     if not 0 <= args.val_fraction < 1:
@@ -69,26 +81,41 @@ def _prepare(args) -> None:
     with RunLock() as lock:  # one writer: two prepares into one directory would interleave their shards
         lock.take(args.out, flag="--out")
         remove_abandoned_attempts(args.out)
-        data = prepare(args.data, args.out, args.tokenizer, args.vocab_size, args.val_fraction, args.separator,
-                       args.text_field, seq_len=args.seq_len, progress=args.progress)
+        data = prepare(
+            args.data,
+            args.out,
+            args.tokenizer,
+            args.vocab_size,
+            args.val_fraction,
+            args.separator,
+            args.text_field,
+            seq_len=args.seq_len,
+            progress=args.progress,
+        )
     m = data.meta
     s = m["splits"]
     print(f"prepared {args.data} -> {args.out} in {m['seconds']:.1f}s ({m['mb_per_s']:.1f} MB/s)")
     print(f"tokenizer: {m['tokenizer']}, {m['vocab_size']} tokens, shards {m['dtype']}")
     for name in ("train", "val"):
         print(f"{name}: {s[name]['documents']} documents, {s[name]['tokens']} tokens, {s[name]['bytes']} bytes")
-    print(f"mean document length: {m['mean_doc_tokens']} tokens; empty documents skipped: "
-          f"{m['empty_documents_skipped']}; bad records skipped: {m['bad_records']}")
+    print(
+        f"mean document length: {m['mean_doc_tokens']} tokens; empty documents skipped: "
+        f"{m['empty_documents_skipped']}; bad records skipped: {m['bad_records']}"
+    )
     if m["windows"]:
-        print(f"windows of {m['seq_len_for_stats']} tokens crossing a document boundary: "
-              f"{m['windows_crossing_a_boundary']} of {m['windows']} "
-              f"({100 * m['windows_crossing_a_boundary'] / m['windows']:.1f}%)")
+        print(
+            f"windows of {m['seq_len_for_stats']} tokens crossing a document boundary: "
+            f"{m['windows_crossing_a_boundary']} of {m['windows']} "
+            f"({100 * m['windows_crossing_a_boundary'] / m['windows']:.1f}%)"
+        )
     if m["compressor_bpb"]:
         bounds = ", ".join(f"{k} {v:.3f}" for k, v in m["compressor_bpb"].items())
         print(f"compressor bits per byte on the validation text (a model must beat these): {bounds}")
     if "floor" in m:
-        print(f"entropy floor of the validation text: {m['floor']['bpb']:.4f} bits/byte, "
-              f"{m['floor']['nats_per_token']:.4f} nats/token")
+        print(
+            f"entropy floor of the validation text: {m['floor']['bpb']:.4f} bits/byte, "
+            f"{m['floor']['nats_per_token']:.4f} nats/token"
+        )
 
 
 def _report(args) -> None:
@@ -108,9 +135,11 @@ def _data_stories(args) -> None:
     _refuse_inside_a_run(args.out, "--out")
 
     summary = write_stories(args.out, args.docs, args.seed)
-    print(f"wrote {args.docs} stories ({summary['bytes']} bytes) to {args.out}; "
-          f"entropy {summary['nats']:.1f} nats = {summary['bits_per_byte']:.4f} bits/byte "
-          f"(per document: {entropy_path(args.out)})")
+    print(
+        f"wrote {args.docs} stories ({summary['bytes']} bytes) to {args.out}; "
+        f"entropy {summary['nats']:.1f} nats = {summary['bits_per_byte']:.4f} bits/byte "
+        f"(per document: {entropy_path(args.out)})"
+    )
 
 
 def _data_download(args) -> None:
@@ -133,9 +162,9 @@ def _doctor(args) -> int:
 def _plan(args) -> None:
     import dataclasses
 
-    from ..run.plan import PRESETS, format_plan, make_plan, parse_count
     from ..model import GPTConfig
     from ..run.config import DataOptions, ModelOptions, load_toml
+    from ..run.plan import PRESETS, format_plan, make_plan, parse_count
 
     if args.preset and args.config:
         raise NanolmError("give --preset or --config, not both")
@@ -164,14 +193,40 @@ def _plan(args) -> None:
     dist = train["dist"] if train["dist"] != "auto" else ("ddp" if args.gpus > 1 else "none")
     tokens = parse_count(args.tokens) if args.tokens else 0
     optimizer = args.optimizer or optimizer
-    plan = make_plan(config, precision, dist, args.gpus, args.gpu, train["batch_size"], train["grad_accum"],
-                     config.seq_len, tokens, args.mfu, train["fp32_master"], optimizer)
+    plan = make_plan(
+        config,
+        precision,
+        dist,
+        args.gpus,
+        args.gpu,
+        train["batch_size"],
+        train["grad_accum"],
+        config.seq_len,
+        tokens,
+        args.mfu,
+        train["fp32_master"],
+        optimizer,
+    )
     if not args.tokens:
-        plan = make_plan(config, precision, dist, args.gpus, args.gpu, train["batch_size"], train["grad_accum"],
-                         config.seq_len, 20 * plan["parameters"], args.mfu, train["fp32_master"], optimizer)
+        plan = make_plan(
+            config,
+            precision,
+            dist,
+            args.gpus,
+            args.gpu,
+            train["batch_size"],
+            train["grad_accum"],
+            config.seq_len,
+            20 * plan["parameters"],
+            args.mfu,
+            train["fp32_master"],
+            optimizer,
+        )
     print(format_plan(plan, config, args.preset or ""))
     if not args.tokens:
-        print("           (--tokens not given: 20 tokens per parameter, the compute-optimal ratio of Hoffmann et al. 2022)")
+        print(
+            "           (--tokens not given: 20 tokens per parameter, the compute-optimal ratio of Hoffmann et al. 2022)"
+        )
     if args.json:
         out = {k: v for k, v in plan.items() if k != "gpu"}
         out["gpu"] = dataclasses.asdict(plan["gpu"])
@@ -260,8 +315,12 @@ def _add_training_commands(sub) -> None:
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    p = sub.add_parser("train", help="train a model", description="Train a GPT. Every option can also be set in "
-                       "a TOML file passed with --config (sections [model], [data], [optim], [train]); flags win.")
+    p = sub.add_parser(
+        "train",
+        help="train a model",
+        description="Train a GPT. Every option can also be set in "
+        "a TOML file passed with --config (sections [model], [data], [optim], [train]); flags win.",
+    )
     add_run_arguments(p)
     p.set_defaults(func=_train)
 
@@ -278,7 +337,9 @@ def _add_training_commands(sub) -> None:
 
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a run on a text file", formatter_class=fmt)
     p.add_argument("--run", required=True, metavar="RUN_DIR", help="run directory written by `nanolm train`")
-    p.add_argument("--data", required=True, metavar="FILE", help="text to score (.txt, .jsonl, .parquet or a directory)")
+    p.add_argument(
+        "--data", required=True, metavar="FILE", help="text to score (.txt, .jsonl, .parquet or a directory)"
+    )
     p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
@@ -296,9 +357,12 @@ def _add_training_commands(sub) -> None:
     p.add_argument("--separator", default=EOS, help="line separating documents in a .txt file")
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column with the text")
     p.add_argument("--seq-len", type=int, default=256, help="window length used for the boundary statistics")
-    p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
-                   help="progress of a long preparation (10 MB and more): a bar, plain lines, or auto (a bar on a "
-                        "terminal)")
+    p.add_argument(
+        "--progress",
+        choices=PROGRESS_MODES,
+        default="auto",
+        help="progress of a long preparation (10 MB and more): a bar, plain lines, or auto (a bar on a terminal)",
+    )
     p.set_defaults(func=_prepare)
 
 
@@ -306,52 +370,68 @@ def _add_health_commands(sub) -> None:
     """doctor, diagnose, compare, lab, sweep."""
     from ..run.config import add_run_arguments
 
-    p = sub.add_parser("doctor", help="check the setup before a long run (PASS/FAIL per invariant)",
-                       description="Run health checks on a training configuration (the same options as "
-                       "`nanolm train`): initial loss = ln V, memorising one batch, causality, no cross-document "
-                       "leak, grad accumulation = big batch, weight-decay groups, LR schedule, decoded data, "
-                       "token ids, the loss floor. Exit status 1 if any check fails.")
-    p.add_argument("--model", metavar="PKG.MODULE:CLASS", default=None,
-                   help="check your own model class instead: imports PKG.MODULE (which runs its code, as any import "
-                   "does: pass only a module you trust) from the current directory or the Python path, builds "
-                   "CLASS(GPTConfig(...)) and calls its forward(idx, ...), which must return the logits of every "
-                   "position, (batch, seq_len, vocab), or (logits, loss); runs the model invariants only")
+    p = sub.add_parser(
+        "doctor",
+        help="check the setup before a long run (PASS/FAIL per invariant)",
+        description="Run health checks on a training configuration (the same options as "
+        "`nanolm train`): initial loss = ln V, memorising one batch, causality, no cross-document "
+        "leak, grad accumulation = big batch, weight-decay groups, LR schedule, decoded data, "
+        "token ids, the loss floor. Exit status 1 if any check fails.",
+    )
+    p.add_argument(
+        "--model",
+        metavar="PKG.MODULE:CLASS",
+        default=None,
+        help="check your own model class instead: imports PKG.MODULE (which runs its code, as any import "
+        "does: pass only a module you trust) from the current directory or the Python path, builds "
+        "CLASS(GPTConfig(...)) and calls its forward(idx, ...), which must return the logits of every "
+        "position, (batch, seq_len, vocab), or (logits, loss); runs the model invariants only",
+    )
     add_run_arguments(p)
     p.set_defaults(func=_doctor)
 
-    p = sub.add_parser("diagnose", help="say in plain words what went wrong in a run, with the evidence",
-                       description="Read a run's metrics.jsonl and events.jsonl (nothing else) and print every "
-                       "finding: what was seen, what it usually means, what to do, and the steps and values it rests "
-                       "on. Rules: non-finite values, guard rollbacks, a loss stuck at ln V, a loss below the data's "
-                       "floor (a leak), a loss spike after a gradient-norm spike (LR too high), isolated spikes without "
-                       "a gradient warning (bad data), most steps clipped, validation rising while training falls, a "
-                       "training loss climbing back, a jolt after a resume (optimizer state missing), fp16 overflow "
-                       "and underflow, runaway attention logits, dead MLP units, a run of a shipped recipe that left its reference band. "
-                       "A healthy run gets 'no findings'. "
-                       "See docs/health.md.")
+    p = sub.add_parser(
+        "diagnose",
+        help="say in plain words what went wrong in a run, with the evidence",
+        description="Read a run's metrics.jsonl and events.jsonl (nothing else) and print every "
+        "finding: what was seen, what it usually means, what to do, and the steps and values it rests "
+        "on. Rules: non-finite values, guard rollbacks, a loss stuck at ln V, a loss below the data's "
+        "floor (a leak), a loss spike after a gradient-norm spike (LR too high), isolated spikes without "
+        "a gradient warning (bad data), most steps clipped, validation rising while training falls, a "
+        "training loss climbing back, a jolt after a resume (optimizer state missing), fp16 overflow "
+        "and underflow, runaway attention logits, dead MLP units, a run of a shipped recipe that left its reference band. "
+        "A healthy run gets 'no findings'. "
+        "See docs/health.md.",
+    )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `nanolm train`")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when there is any finding")
     p.add_argument("--json", action="store_true", help="print the findings as JSON (name, title, message, evidence)")
     p.set_defaults(func=_diagnose)
 
-    p = sub.add_parser("compare", help="did two runs train the same thing? (exit 0 yes, 1 no, as diff)",
-                       description="Compare two runs' curves step by step. The same seed and data with only the batch "
-                       "split differently (batch 32 against batch 8 with --grad-accum 4, or more ranks): the curves "
-                       "must agree to floating-point rounding, and the verdict names the first step where they part. "
-                       "Different seeds of the same setup: they must agree within seed noise (the width of the "
-                       "shipped reference band when the runs are recognised, else estimated from the runs). Any "
-                       "other difference in setup is named. Exit status 0 when they agree, 1 when they differ, 2 for "
-                       "bad input. See docs/course.md.")
+    p = sub.add_parser(
+        "compare",
+        help="did two runs train the same thing? (exit 0 yes, 1 no, as diff)",
+        description="Compare two runs' curves step by step. The same seed and data with only the batch "
+        "split differently (batch 32 against batch 8 with --grad-accum 4, or more ranks): the curves "
+        "must agree to floating-point rounding, and the verdict names the first step where they part. "
+        "Different seeds of the same setup: they must agree within seed noise (the width of the "
+        "shipped reference band when the runs are recognised, else estimated from the runs). Any "
+        "other difference in setup is named. Exit status 0 when they agree, 1 when they differ, 2 for "
+        "bad input. See docs/course.md.",
+    )
     p.add_argument("run_a", metavar="RUN_A", help="a run directory written by `nanolm train`")
     p.add_argument("run_b", metavar="RUN_B", help="another one")
     p.set_defaults(func=_compare)
 
-    p = sub.add_parser("replay", help="replay one step of a run from its checkpoint, with every instrument on",
-                       description="Load the newest valid checkpoint before --step, re-train the steps in between "
-                       "exactly as the run did, then take step --step again and show its loss, gradient norm, "
-                       "per-layer gradient norms and update/weight ratios, max attention logit and dead MLP units "
-                       "per block, where a NaN was born, and the text of its first window; the replayed loss is "
-                       "compared with the logged one. Writes nothing. See docs/runbooks.md.")
+    p = sub.add_parser(
+        "replay",
+        help="replay one step of a run from its checkpoint, with every instrument on",
+        description="Load the newest valid checkpoint before --step, re-train the steps in between "
+        "exactly as the run did, then take step --step again and show its loss, gradient norm, "
+        "per-layer gradient norms and update/weight ratios, max attention logit and dead MLP units "
+        "per block, where a NaN was born, and the text of its first window; the replayed loss is "
+        "compared with the logged one. Writes nothing. See docs/runbooks.md.",
+    )
     p.add_argument("run", metavar="RUN_DIR", help="run directory written by `nanolm train`")
     p.add_argument("--step", type=int, required=True, help="the optimizer step to replay (1 for the first)")
     p.add_argument("--device", default=None, help="replay on another device (default: the run's own)")
@@ -360,34 +440,56 @@ def _add_health_commands(sub) -> None:
 
     from .lab import VARIANTS
 
-    p = sub.add_parser("lab", help="a healthy run and the same run broken on purpose, each diagnosed",
-                       description="Train a healthy baseline and deliberately broken variants on the built-in story "
-                       "corpus (the real training code with one component swapped for a broken one), draw each one's "
-                       "dashboard next to the baseline, run `nanolm diagnose` on it, and print a table: what was "
-                       "broken, the expected symptom, the diagnosis, matched or not. About half a minute per variant "
-                       "on 2 CPU cores. Exit status 1 if a variant is not matched. Variants: "
-                       + "; ".join(f"{v.name}: {v.broken}" for v in VARIANTS) + ". See docs/health.md.")
-    p.add_argument("--out", default="runs/lab", metavar="DIR", help="directory for the runs, lab.md and lab.json (default: runs/lab)")
+    p = sub.add_parser(
+        "lab",
+        help="a healthy run and the same run broken on purpose, each diagnosed",
+        description="Train a healthy baseline and deliberately broken variants on the built-in story "
+        "corpus (the real training code with one component swapped for a broken one), draw each one's "
+        "dashboard next to the baseline, run `nanolm diagnose` on it, and print a table: what was "
+        "broken, the expected symptom, the diagnosis, matched or not. About half a minute per variant "
+        "on 2 CPU cores. Exit status 1 if a variant is not matched. Variants: "
+        + "; ".join(f"{v.name}: {v.broken}" for v in VARIANTS)
+        + ". See docs/health.md.",
+    )
+    p.add_argument(
+        "--out",
+        default="runs/lab",
+        metavar="DIR",
+        help="directory for the runs, lab.md and lab.json (default: runs/lab)",
+    )
     p.add_argument("--only", default=None, metavar="NAME,...", help="run only these variants (comma-separated)")
-    p.add_argument("--quick", action="store_true", help="a tiny model and corpus: seconds per variant; leaves out the variants whose symptom "
-                   "needs the full size, and lists them with the reason")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny model and corpus: seconds per variant; leaves out the variants whose symptom "
+        "needs the full size, and lists them with the reason",
+    )
     p.add_argument("--steps", type=int, default=None, help="steps per variant (default: 500, or 200 with --quick)")
     p.add_argument("--seed", type=int, default=1337, help="seed of every run (default: 1337)")
     p.add_argument("--no-report", action="store_true", help="skip the dashboards (no matplotlib needed)")
     p.set_defaults(func=_lab)
 
-    p = sub.add_parser("sweep", help="short runs at several learning rates; recommends the largest stable one",
-                       description="Train the same configuration for ~200 steps at each learning rate of --lrs "
-                       "(into OUT/lr_<value>), overlay the curves (OUT/report), and recommend the largest stable rate. "
-                       "A rate is stable when its run finished with finite losses and no guard skip or rollback; "
-                       "`nanolm diagnose` finds no non_finite, guard_actions, loss_stuck, loss_spike, "
-                       "train_loss_rising or fp16_overflow; and its final loss (last validation loss) is within "
-                       "--tolerance of the best stable run's. Takes every `nanolm train` option except --lr and "
-                       "--out-dir; --steps defaults to 200 here.")
+    p = sub.add_parser(
+        "sweep",
+        help="short runs at several learning rates; recommends the largest stable one",
+        description="Train the same configuration for ~200 steps at each learning rate of --lrs "
+        "(into OUT/lr_<value>), overlay the curves (OUT/report), and recommend the largest stable rate. "
+        "A rate is stable when its run finished with finite losses and no guard skip or rollback; "
+        "`nanolm diagnose` finds no non_finite, guard_actions, loss_stuck, loss_spike, "
+        "train_loss_rising or fp16_overflow; and its final loss (last validation loss) is within "
+        "--tolerance of the best stable run's. Takes every `nanolm train` option except --lr and "
+        "--out-dir; --steps defaults to 200 here.",
+    )
     p.add_argument("--lrs", required=True, metavar="LR,LR,...", help="learning rates to try, e.g. 1e-3,3e-3,1e-2")
-    p.add_argument("--out", default="runs/sweep", metavar="DIR", help="directory for the runs and the plots (default: runs/sweep)")
-    p.add_argument("--tolerance", type=float, default=0.1,
-                   help="a stable rate must end within this fraction of the best final loss (default: 0.1)")
+    p.add_argument(
+        "--out", default="runs/sweep", metavar="DIR", help="directory for the runs and the plots (default: runs/sweep)"
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.1,
+        help="a stable rate must end within this fraction of the best final loss (default: 0.1)",
+    )
     p.add_argument("--no-report", action="store_true", help="skip the plots (no matplotlib needed)")
     add_run_arguments(p)
     p.set_defaults(func=_sweep)
@@ -397,48 +499,83 @@ def _add_other_commands(sub) -> None:
     """export, report, plan, data."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    p = sub.add_parser("export", help="write a run as a Hugging Face transformers model", formatter_class=fmt,
-                       description="Export a trained run so that transformers' AutoModelForCausalLM.from_pretrained(OUT) "
-                       "loads it (Llama, or Qwen3 with --qk-norm) with the same logits.")
+    p = sub.add_parser(
+        "export",
+        help="write a run as a Hugging Face transformers model",
+        formatter_class=fmt,
+        description="Export a trained run so that transformers' AutoModelForCausalLM.from_pretrained(OUT) "
+        "loads it (Llama, or Qwen3 with --qk-norm) with the same logits.",
+    )
     p.add_argument("run", metavar="RUN_DIR", help="run directory (its final weights, else its newest checkpoint)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must be new or empty)")
     p.set_defaults(func=_export)
-    p = sub.add_parser("report", help="plot runs: PNG panels, a dashboard and a self-contained HTML page",
-                       description="Plot one run, or overlay several on the same axes.")
+    p = sub.add_parser(
+        "report",
+        help="plot runs: PNG panels, a dashboard and a self-contained HTML page",
+        description="Plot one run, or overlay several on the same axes.",
+    )
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by `nanolm train`")
     p.add_argument("--out", default=None, metavar="DIR", help="output directory (default: FIRST_RUN_DIR/report)")
-    p.add_argument("--x", choices=("step", "tokens", "time"), default="step",
-                   help="horizontal axis: optimizer steps, training tokens, or seconds (default: step)")
+    p.add_argument(
+        "--x",
+        choices=("step", "tokens", "time"),
+        default="step",
+        help="horizontal axis: optimizer steps, training tokens, or seconds (default: step)",
+    )
     p.set_defaults(func=_report)
 
     from ..run.plan import GPUS, PRECISIONS, PRESETS
 
-    p = sub.add_parser("plan", help="parameters, FLOPs, memory per GPU and time to train, before launching",
-                       description="Size a run: parameters, training FLOPs per token, memory per GPU (weights, "
-                       "gradients, optimizer state, activations with and without activation checkpointing) and the "
-                       "time to train a number of tokens. The model comes from --preset or --config (a nanolm TOML), "
-                       "then any flag below; formulas in docs/distributed.md.")
+    p = sub.add_parser(
+        "plan",
+        help="parameters, FLOPs, memory per GPU and time to train, before launching",
+        description="Size a run: parameters, training FLOPs per token, memory per GPU (weights, "
+        "gradients, optimizer state, activations with and without activation checkpointing) and the "
+        "time to train a number of tokens. The model comes from --preset or --config (a nanolm TOML), "
+        "then any flag below; formulas in docs/distributed.md.",
+    )
     p.add_argument("--preset", choices=list(PRESETS), help="a model shape: " + ", ".join(PRESETS))
     p.add_argument("--config", metavar="FILE.toml", help="a nanolm config ([model], [data] vocab_size, [train])")
-    for flag, kind, text in (("--n-layer", int, "transformer blocks"), ("--n-head", int, "attention heads"),
-                             ("--n-embd", int, "width of the residual stream"), ("--vocab-size", int, "vocabulary"),
-                             ("--seq-len", int, "sequence length"),
-                             ("--batch-size", int, "sequences per GPU micro-batch (default 1)"),
-                             ("--grad-accum", int, "micro-batches per step (default 1)")):
+    for flag, kind, text in (
+        ("--n-layer", int, "transformer blocks"),
+        ("--n-head", int, "attention heads"),
+        ("--n-embd", int, "width of the residual stream"),
+        ("--vocab-size", int, "vocabulary"),
+        ("--seq-len", int, "sequence length"),
+        ("--batch-size", int, "sequences per GPU micro-batch (default 1)"),
+        ("--grad-accum", int, "micro-batches per step (default 1)"),
+    ):
         p.add_argument(flag, type=kind, default=None, help=text)
     p.add_argument("--mlp", choices=["swiglu", "gelu"], default=None, help="MLP kind")
     p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None, help="QK-norm")
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None, help="tied output head")
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="number format (default bf16)")
-    p.add_argument("--fp32-master", action=argparse.BooleanOptionalAction, default=None,
-                   help="with bf16-pure: an fp32 master copy in the optimizer")
-    p.add_argument("--optimizer", choices=["adamw", "muon"], default=None,
-                   help="optimizer state to count (default adamw: two fp32 moments a weight; muon: one momentum "
-                        "for the hidden matrices)")
-    p.add_argument("--dist", choices=["auto", "none", "ddp", "fsdp"], default=None,
-                   help="data parallelism (default: ddp with --gpus > 1, else none)")
+    p.add_argument(
+        "--fp32-master",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with bf16-pure: an fp32 master copy in the optimizer",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default=None,
+        help="optimizer state to count (default adamw: two fp32 moments a weight; muon: one momentum "
+        "for the hidden matrices)",
+    )
+    p.add_argument(
+        "--dist",
+        choices=["auto", "none", "ddp", "fsdp"],
+        default=None,
+        help="data parallelism (default: ddp with --gpus > 1, else none)",
+    )
     p.add_argument("--gpus", type=int, default=1, help="number of GPUs")
-    p.add_argument("--gpu", choices=list(GPUS), default="h100", help="GPU model: its peak FLOP/s for the precision (nanolm.machine.hardware) and its memory")
+    p.add_argument(
+        "--gpu",
+        choices=list(GPUS),
+        default="h100",
+        help="GPU model: its peak FLOP/s for the precision (nanolm.machine.hardware) and its memory",
+    )
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation to assume")
     p.add_argument("--tokens", default=None, help="tokens to train, e.g. 2e9, 300M, 20B (default 20 per parameter)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
@@ -446,16 +583,21 @@ def _add_other_commands(sub) -> None:
 
     p = sub.add_parser("data", help="built-in and downloadable corpora")
     data_sub = p.add_subparsers(dest="data_command", required=True, metavar="CORPUS")
-    q = data_sub.add_parser("stories", help="write the built-in story corpus with its exact entropy", formatter_class=fmt)
+    q = data_sub.add_parser(
+        "stories", help="write the built-in story corpus with its exact entropy", formatter_class=fmt
+    )
     q.add_argument("--docs", type=int, default=4000, help="number of stories")
     q.add_argument("--seed", type=int, default=0, help="random seed")
     q.add_argument("--out", required=True, metavar="FILE", help="output text file (entropy goes to FILE.entropy.json)")
     q.set_defaults(func=_data_stories)
     from ..data.download import CORPORA
 
-    q = data_sub.add_parser("download", help="fetch a public corpus (verified, cached)",
-                            description="Download a public corpus once, verify its size and SHA-256, and cache it. "
-                            "Known: " + "; ".join(f"{k}: {v.about}" for k, v in CORPORA.items()))
+    q = data_sub.add_parser(
+        "download",
+        help="fetch a public corpus (verified, cached)",
+        description="Download a public corpus once, verify its size and SHA-256, and cache it. "
+        "Known: " + "; ".join(f"{k}: {v.about}" for k, v in CORPORA.items()),
+    )
     q.add_argument("name", choices=list(CORPORA), help="corpus to fetch")
     q.add_argument("--dir", default=None, help="cache directory (default: $NANOLM_CACHE or ~/.cache/nanolm)")
     q.set_defaults(func=_data_download)
@@ -574,8 +716,10 @@ def _run(args) -> int:
         if e.errno not in ENVIRONMENT_ERRNOS:
             raise
         command = args.command if args.command != "data" else f"data {args.data_command}"
-        _tell(f"error: {describe_os_error(e, OUTPUT_FLAGS.get(command, '--out'))}; whatever was saved before is "
-              f"intact: run the same command again once that is fixed")
+        _tell(
+            f"error: {describe_os_error(e, OUTPUT_FLAGS.get(command, '--out'))}; whatever was saved before is "
+            f"intact: run the same command again once that is fixed"
+        )
         return 2
     except Exception as e:
         from ..machine.runtime import TrainingInterrupted
@@ -654,8 +798,10 @@ def _flushed(code: int) -> int:
             if isinstance(stream, ClosableOutput):
                 stream.discard()
             if not code:
-                _tell(f"error: the command's {name} could not be written ({e.strerror}); free some space or write "
-                      f"it elsewhere")
+                _tell(
+                    f"error: the command's {name} could not be written ({e.strerror}); free some space or write "
+                    f"it elsewhere"
+                )
                 code = 2
     return code
 

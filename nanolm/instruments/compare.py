@@ -37,8 +37,12 @@ from ..watch.sinks import read_metrics
 
 FP_TOLERANCE = 1e-4  # relative: two splits of one batch agree this closely while rounding differences are small
 DRIFT = 1e-6  # a difference already this large at the previous logged step has grown there: amplified rounding
-SPLIT_OPTIONS = {"train.batch_size", "train.grad_accum", "run.world_size",  # how a step's batch is cut up ...
-                 "run.val_windows"}  # ... and the validation set's size: val_loss is then not compared
+SPLIT_OPTIONS = {
+    "train.batch_size",
+    "train.grad_accum",
+    "run.world_size",  # how a step's batch is cut up ...
+    "run.val_windows",
+}  # ... and the validation set's size: val_loss is then not compared
 SAME_TRAINING_KEYS = ("loss", "grad_norm", "lr")
 SEED_NOISE_SIGMAS = 4.0  # different seeds: the smoothed training losses may differ by this many noise units
 SMOOTHING = 5  # logged steps averaged before two seeds' training losses are compared
@@ -135,20 +139,28 @@ def compare_records(a: RunRecord, b: RunRecord) -> Comparison:
     diff = differences(a.setup, b.setup)
     split = [d for d in diff if d in SPLIT_OPTIONS]
     other = [f"{d} ({_value(a.setup, d)} vs {_value(b.setup, d)})" for d in diff if d not in SPLIT_OPTIONS]
-    tokens = [r.setup["train"]["batch_size"] * r.setup["train"]["grad_accum"] * r.setup["run"]["world_size"]
-              for r in (a, b)]
+    tokens = [
+        r.setup["train"]["batch_size"] * r.setup["train"]["grad_accum"] * r.setup["run"]["world_size"] for r in (a, b)
+    ]
     if tokens[0] != tokens[1]:
         other.append(f"sequences per step ({tokens[0]} vs {tokens[1]})")
     if other:
-        return Comparison("different_setups", False,
-                          [f"different setups: {', '.join(other)}; they did not train the same thing"])
+        return Comparison(
+            "different_setups", False, [f"different setups: {', '.join(other)}; they did not train the same thing"]
+        )
     kind = "same_training" if a.seed == b.seed else "seeds"
     broken = first_non_finite_difference(a.rows, b.rows, ("loss", "val_loss", "grad_norm"))
     if broken is not None:
         step, key, x, y = broken
-        return Comparison(kind, False, [f"they differ at step {step}: {key} {x:.6g} vs {y:.6g}: one run's value is not "
-                                        f"finite, the other's is (only finite values are compared beyond it)"],
-                          parted_at=step)
+        return Comparison(
+            kind,
+            False,
+            [
+                f"they differ at step {step}: {key} {x:.6g} vs {y:.6g}: one run's value is not "
+                f"finite, the other's is (only finite values are compared beyond it)"
+            ],
+            parted_at=step,
+        )
     if a.seed == b.seed:
         return _same_training(a, b, split)
     return _seeds(a, b)
@@ -183,28 +195,39 @@ def _value(setup: dict, dotted: str):
 
 def _same_training(a: RunRecord, b: RunRecord, split: list[str]) -> Comparison:
     cut = [d for d in split if d != "run.val_windows"]
-    how = (f"the batch is split differently ({', '.join(f'{d} {_value(a.setup, d)} vs {_value(b.setup, d)}' for d in cut)})"
-           if cut else "the same setup")
-    lines = [f"same seed ({a.seed}), data and recipe; {how}: each step sees the same windows, so the curves must agree "
-             f"to floating-point rounding (relative {FP_TOLERANCE:g})"]
+    how = (
+        f"the batch is split differently ({', '.join(f'{d} {_value(a.setup, d)} vs {_value(b.setup, d)}' for d in cut)})"
+        if cut
+        else "the same setup"
+    )
+    lines = [
+        f"same seed ({a.seed}), data and recipe; {how}: each step sees the same windows, so the curves must agree "
+        f"to floating-point rounding (relative {FP_TOLERANCE:g})"
+    ]
     keys = list(SAME_TRAINING_KEYS)
     if a.val_windows == b.val_windows:
         keys.append("val_loss")
     else:
-        lines.append(f"val_loss not compared: the validation sets differ ({a.val_windows} vs {b.val_windows} windows); "
-                     f"give both the same --eval-windows")
+        lines.append(
+            f"val_loss not compared: the validation sets differ ({a.val_windows} vs {b.val_windows} windows); "
+            f"give both the same --eval-windows"
+        )
     parting, drift_from = find_parting(a.rows, b.rows, keys)
     if parting is not None:
         step, key, x, y, d = parting
-        lines.append(f"they part at step {step}: {key} {x:.6g} vs {y:.6g} ({d:.1e} relative, {x / y if y else math.inf:.3g}x), "
-                     f"against a rounding tolerance of {FP_TOLERANCE:g}, with no drift before it")
+        lines.append(
+            f"they part at step {step}: {key} {x:.6g} vs {y:.6g} ({d:.1e} relative, {x / y if y else math.inf:.3g}x), "
+            f"against a rounding tolerance of {FP_TOLERANCE:g}, with no drift before it"
+        )
         return Comparison("same_training", False, lines, parted_at=step)
     if drift_from is None:
         n = len(common_rows(a.rows, b.rows, "loss"))
         lines.append(f"agree at every common logged step ({n}) within {FP_TOLERANCE:g}")
         return Comparison("same_training", True, lines)
-    lines.append(f"agree to rounding until step {drift_from}, where their rounding differences, growing step by step, "
-                 f"pass {FP_TOLERANCE:g}: from there on they are compared as two seeds are")
+    lines.append(
+        f"agree to rounding until step {drift_from}, where their rounding differences, growing step by step, "
+        f"pass {FP_TOLERANCE:g}: from there on they are compared as two seeds are"
+    )
     rest = _seeds(a, b, after=drift_from)
     return Comparison("same_training", rest.agree, lines + rest.lines[1:], rest.parted_at)
 
@@ -244,20 +267,25 @@ def _seeds(a: RunRecord, b: RunRecord, after: int = 0) -> Comparison:
                     continue
                 width = bounds[1] - bounds[0]
                 if abs(x - y) > width:
-                    lines.append(f"they differ at step {step}: {key} {x:.6g} vs {y:.6g}, more than the band's width "
-                                 f"{width:.4g}")
+                    lines.append(
+                        f"they differ at step {step}: {key} {x:.6g} vs {y:.6g}, more than the band's width {width:.4g}"
+                    )
                     return Comparison("seeds", False, lines, parted_at=step)
         lines.append("agree within the band's width at every common step")
         return Comparison("seeds", True, lines)
     noise = _loss_noise(a.rows) + _loss_noise(b.rows)
     if not noise:
-        raise NanolmError(f"too few logged training steps to estimate the seed noise (at least {MIN_NOISE_STEPS} "
-                          f"each); log more often (--log-every) or compare against a recognised recipe")
+        raise NanolmError(
+            f"too few logged training steps to estimate the seed noise (at least {MIN_NOISE_STEPS} "
+            f"each); log more often (--log-every) or compare against a recognised recipe"
+        )
     sigma = statistics.median(noise)
     tolerance = SEED_NOISE_SIGMAS * sigma * math.sqrt(2 / SMOOTHING)
-    lines.append(f"tolerance: {tolerance:.3g} nats (no reference band for this setup; estimated from the runs: the "
-                 f"step-to-step scatter of their training loss, sigma {sigma:.3g}, for a mean over {SMOOTHING} logged "
-                 f"steps; {SEED_NOISE_SIGMAS:g} sigma)")
+    lines.append(
+        f"tolerance: {tolerance:.3g} nats (no reference band for this setup; estimated from the runs: the "
+        f"step-to-step scatter of their training loss, sigma {sigma:.3g}, for a mean over {SMOOTHING} logged "
+        f"steps; {SEED_NOISE_SIGMAS:g} sigma)"
+    )
     loss_a, loss_b = _smoothed(a.rows, after), _smoothed(b.rows, after)
     for step in sorted(set(loss_a) & set(loss_b)):
         if abs(loss_a[step] - loss_b[step]) > tolerance:
@@ -278,7 +306,7 @@ def _loss_noise(rows: list[dict]) -> list[float]:
     losses = [r["loss"] for r in rows if _number(r.get("loss"))]
     if len(losses) < MIN_NOISE_STEPS:
         return []
-    half = losses[len(losses) // 2:]
+    half = losses[len(losses) // 2 :]
     diffs = [abs(x - y) for x, y in zip(half, half[1:])]
     return [1.4826 * statistics.median(diffs) / math.sqrt(2)]
 
@@ -287,7 +315,7 @@ def _smoothed(rows: list[dict], after: int) -> dict[int, float]:
     points = [(r["step"], r["loss"]) for r in rows if _number(r.get("loss"))]
     out = {}
     for i in range(SMOOTHING - 1, len(points)):
-        window = points[i - SMOOTHING + 1: i + 1]
+        window = points[i - SMOOTHING + 1 : i + 1]
         if window[0][0] > after:
             out[window[-1][0]] = sum(v for _, v in window) / SMOOTHING
     return out

@@ -110,7 +110,7 @@ class Trace:
         out = []
         prefix = key + "/"
         for r in self.rows:
-            values = {k[len(prefix):]: v for k, v in r.items() if k.startswith(prefix) and _finite(v)}
+            values = {k[len(prefix) :]: v for k, v in r.items() if k.startswith(prefix) and _finite(v)}
             if values:
                 out.append((r["step"], values))
         return out
@@ -159,18 +159,17 @@ def _loss_spikes(train: list[dict]) -> list[dict]:
         return []
     losses = [r["loss"] for r in train]
     base = [statistics.median(losses[max(0, i - 5) : i + 6]) for i in range(n)]
-    resid = [l - b for l, b in zip(losses, base)]
+    resid = [loss - b for loss, b in zip(losses, base)]
     norms = [r.get("grad_norm") for r in train]
     start, fell = losses[0], False
     flagged: dict[int, dict] = {}
     for i in range(1, n):
         fell = fell or losses[i - 1] < 0.95 * start
-        above_start = fell and losses[i] > start and all(l <= start for l in losses[1:i])
+        above_start = fell and losses[i] > start and all(loss <= start for loss in losses[1:i])
         threshold = math.inf
         if i >= 5:  # before that the centred window is lopsided toward the (lower) future
             around = [abs(resid[j]) for j in range(max(0, i - 15), min(n, i + 16))]
-            threshold = max(SPIKE_SIGMAS * 1.4826 * statistics.median(around), SPIKE_MIN_JUMP,
-                            SPIKE_MIN_REL * base[i])
+            threshold = max(SPIKE_SIGMAS * 1.4826 * statistics.median(around), SPIKE_MIN_JUMP, SPIKE_MIN_REL * base[i])
         if resid[i] > threshold or above_start:
             jump = losses[i] - (statistics.median(losses[max(0, i - 3) : i]) if above_start else base[i])
             flagged[i] = {"above_start": above_start, "jump": jump}
@@ -181,15 +180,31 @@ def _loss_spikes(train: list[dict]) -> list[dict]:
             earlier = [g for g in norms[i + 3 : i + 13] if _finite(g)]
         reference = statistics.median(earlier) if earlier else None
         sparse = train[i]["step"] - train[i - 1]["step"] > 1
-        window = [(train[j]["step"], norms[j]) for j in range(max(0, i - 3), i + (1 if sparse else 0))
-                  if _finite(norms[j]) and (j not in flagged or j == i)]
+        window = [
+            (train[j]["step"], norms[j])
+            for j in range(max(0, i - 3), i + (1 if sparse else 0))
+            if _finite(norms[j]) and (j not in flagged or j == i)
+        ]
         peak_step, peak_norm = max(window, key=lambda sv: sv[1]) if window else (None, None)
         precursor = bool(peak_norm and reference and peak_norm >= GRAD_PRECURSOR * reference)
         isolated = i + 1 < n and i + 1 not in flagged
-        spikes.append({"index": i, "step": train[i]["step"], "loss": losses[i], "baseline": losses[i] - f["jump"],
-                       "jump": f["jump"], "lr": train[i].get("lr"), "above_start": f["above_start"],
-                       "grad_norm": norms[i], "grad_norm_peak": peak_norm, "grad_norm_peak_step": peak_step,
-                       "grad_norm_reference": reference, "precursor": precursor, "isolated": isolated})
+        spikes.append(
+            {
+                "index": i,
+                "step": train[i]["step"],
+                "loss": losses[i],
+                "baseline": losses[i] - f["jump"],
+                "jump": f["jump"],
+                "lr": train[i].get("lr"),
+                "above_start": f["above_start"],
+                "grad_norm": norms[i],
+                "grad_norm_peak": peak_norm,
+                "grad_norm_peak_step": peak_step,
+                "grad_norm_reference": reference,
+                "precursor": precursor,
+                "isolated": isolated,
+            }
+        )
     return spikes
 
 
@@ -207,20 +222,33 @@ def rule_non_finite(t: Trace) -> Finding | None:
     if events:
         described = []
         for e in events:
-            what = {"rollback": f"rolled back to step {e.get('to_step')}", "skip": "the update was skipped",
-                    "stop": "the run stopped"}.get(e.get("action"), e.get("action", "?"))
+            what = {
+                "rollback": f"rolled back to step {e.get('to_step')}",
+                "skip": "the update was skipped",
+                "stop": "the run stopped",
+            }.get(e.get("action"), e.get("action", "?"))
             origin = f"; first non-finite: {e['origin']}" if e.get("origin") else ""
             ids = f"; {e['bad_ids']} token ids outside the vocabulary" if e.get("bad_ids") else ""
-            described.append(f"step {e['step']} (loss {e.get('loss')}, grad norm {e.get('grad_norm')}): {what}{origin}{ids}")
+            described.append(
+                f"step {e['step']} (loss {e.get('loss')}, grad norm {e.get('grad_norm')}): {what}{origin}{ids}"
+            )
         parts.append("A non-finite loss or gradient appeared at " + "; at ".join(described) + ".")
-        evidence["events"] = [{k: e.get(k) for k in ("step", "loss", "grad_norm", "lr", "action", "to_step", "origin", "bad_ids")
-                               if e.get(k) is not None} for e in events]
+        evidence["events"] = [
+            {
+                k: e.get(k)
+                for k in ("step", "loss", "grad_norm", "lr", "action", "to_step", "origin", "bad_ids")
+                if e.get(k) is not None
+            }
+            for e in events
+        ]
     if bad_rows:
         parts.append(f"The logged loss is not finite at step(s) {bad_rows[:10]}.")
         evidence["non_finite_loss_steps"] = bad_rows[:20]
-    parts.append("One bad batch (ids out of range, a corrupted shard) gives a one-off event that a "
-                 "rollback cures; repeated events after rising gradient norms mean the run is diverging "
-                 "(lower --lr, longer --warmup, --qk-norm); under fp16, try bf16 or fp32 to rule out the format.")
+    parts.append(
+        "One bad batch (ids out of range, a corrupted shard) gives a one-off event that a "
+        "rollback cures; repeated events after rising gradient norms mean the run is diverging "
+        "(lower --lr, longer --warmup, --qk-norm); under fp16, try bf16 or fp32 to rule out the format."
+    )
     return Finding("non_finite", "NaN or inf in the loss or gradients", " ".join(parts), evidence)
 
 
@@ -232,13 +260,23 @@ def rule_guard_actions(t: Trace) -> Finding | None:
     kinds = sorted({a for e in acted for a in e.get("on", [])})
     actions = sorted({e["action"] for e in acted})
     return Finding(
-        "guard_actions", "the guard skipped or rolled back spikes",
+        "guard_actions",
+        "the guard skipped or rolled back spikes",
         f"The spike guard acted {len(acted)} time(s) ({', '.join(actions)}) on {' and '.join(kinds) or 'spikes'} at "
         f"step(s) {steps[:10]}. Each rollback discards the work since the last checkpoint. One event is a bad batch; "
         f"several, or a rollback that is followed by another spike, mean the learning rate is too high for this "
         f"model (lower --lr, or --rollback-lr-scale 0.5 to let the guard lower it).",
-        {"spikes": [{k: _r(e.get(k)) for k in ("step", "loss", "grad_norm", "lr", "z_loss", "z_grad_norm", "action")
-                     if e.get(k) is not None} for e in acted[:10]]})
+        {
+            "spikes": [
+                {
+                    k: _r(e.get(k))
+                    for k in ("step", "loss", "grad_norm", "lr", "z_loss", "z_grad_norm", "action")
+                    if e.get(k) is not None
+                }
+                for e in acted[:10]
+            ]
+        },
+    )
 
 
 def rule_loss_stuck(t: Trace) -> Finding | None:
@@ -249,25 +287,34 @@ def rule_loss_stuck(t: Trace) -> Finding | None:
     step0 = [r["val_loss"] for r in t.evals if r["step"] == 0]
     if step0:
         start = max(start, step0[0])
-    tail = [r["loss"] for r in train[-max(3, len(train) // 5):]]
+    tail = [r["loss"] for r in train[-max(3, len(train) // 5) :]]
     late = statistics.median(tail)
     best = min(_smoothed([r["loss"] for r in train]))
     if late < STUCK_FRACTION * start or best < STUCK_FRACTION * start:
         return None
     lrs = [r["lr"] for r in train if _finite(r.get("lr"))]
     return Finding(
-        "loss_stuck", "the loss never moved from its starting value",
+        "loss_stuck",
+        "the loss never moved from its starting value",
         f"The loss started at {start:.3f} and is still {late:.3f} at step {train[-1]['step']} (its best, smoothed: "
-        f"{best:.3f}). e^{start:.2f} " + (f"≈ {math.exp(start):.0f}" if start <= 50 else f"> {math.exp(50):.1e}")
+        f"{best:.3f}). e^{start:.2f} "
+        + (f"≈ {math.exp(start):.0f}" if start <= 50 else f"> {math.exp(50):.1e}")
         + ": the model guesses uniformly among about that "
-        f"many tokens, the vocabulary, and has learned nothing. When the optimizer works ("
+        "many tokens, the vocabulary, and has learned nothing. When the optimizer works ("
         + (f"the learning rate was {min(lrs):.2e}..{max(lrs):.2e}" if lrs else "no learning rate was logged: check it")
-        + f"), a flat loss at ln V means the targets do not follow from the inputs: "
-        f"misaligned or shuffled labels, corrupted or random token shards, the wrong tokenizer for the shards. "
-        f"Decode a batch and look at it (`nanolm doctor` does); check the gradients reach the weights.",
-        {"start_loss": _r(start), "final_loss": _r(late), "best_smoothed_loss": _r(best),
-         "ln_vocab_estimate": _r(start), "vocab_estimate": round(math.exp(min(start, 50))),
-         "lr_range": [_r(min(lrs)), _r(max(lrs))] if lrs else None, "last_step": train[-1]["step"]})
+        + "), a flat loss at ln V means the targets do not follow from the inputs: "
+        "misaligned or shuffled labels, corrupted or random token shards, the wrong tokenizer for the shards. "
+        "Decode a batch and look at it (`nanolm doctor` does); check the gradients reach the weights.",
+        {
+            "start_loss": _r(start),
+            "final_loss": _r(late),
+            "best_smoothed_loss": _r(best),
+            "ln_vocab_estimate": _r(start),
+            "vocab_estimate": round(math.exp(min(start, 50))),
+            "lr_range": [_r(min(lrs)), _r(max(lrs))] if lrs else None,
+            "last_step": train[-1]["step"],
+        },
+    )
 
 
 def rule_leak(t: Trace) -> Finding | None:
@@ -296,29 +343,38 @@ def rule_leak(t: Trace) -> Finding | None:
     evidence = {"floor_loss": _r(floor)}
     if val_below:
         first = val_below[0]
-        evidence.update(val_below_floor_from_step=first["step"], val_loss=_r(first["val_loss"]),
-                        final_val_loss=_r(last_val["val_loss"]))
-        message = (f"The validation loss fell to {first['val_loss']:.4f} nats/token at step {first['step']} "
-                   f"({last_val['val_loss']:.4f} at step {last_val['step']}), below the data's entropy floor of "
-                   f"{floor:.4f}. No model can predict text with fewer nats than its information content, so this "
-                   f"is never a very good model: the model sees the tokens it predicts. Usual causes: attention that "
-                   f"is not causal (a mask missing or turned around), targets equal to the inputs, documents in a "
-                   f"window that see each other when they share content. `nanolm doctor` checks causality and the "
-                   f"document mask.")
+        evidence.update(
+            val_below_floor_from_step=first["step"],
+            val_loss=_r(first["val_loss"]),
+            final_val_loss=_r(last_val["val_loss"]),
+        )
+        message = (
+            f"The validation loss fell to {first['val_loss']:.4f} nats/token at step {first['step']} "
+            f"({last_val['val_loss']:.4f} at step {last_val['step']}), below the data's entropy floor of "
+            f"{floor:.4f}. No model can predict text with fewer nats than its information content, so this "
+            f"is never a very good model: the model sees the tokens it predicts. Usual causes: attention that "
+            f"is not causal (a mask missing or turned around), targets equal to the inputs, documents in a "
+            f"window that see each other when they share content. `nanolm doctor` checks causality and the "
+            f"document mask."
+        )
     else:
         evidence.update(train_below_floor_from_step=train_below["step"], train_loss=_r(train_below["loss"]))
         val_far = last_val is not None and last_val["val_loss"] > floor + 1.0
         if last_val is not None:
             evidence.update(final_val_loss=_r(last_val["val_loss"]), final_val_step=last_val["step"])
-        message = (f"The training loss fell below the data's entropy floor of {floor:.4f} nats/token from step "
-                   f"{train_below['step']} on (loss {train_below['loss']:.4f})"
-                   + (f", while the validation loss is {last_val['val_loss']:.3f} at step {last_val['step']}, far above "
-                      f"it. The model found a shortcut that exists only in the training batches: the targets leak "
-                      f"into the inputs (targets not shifted by one token, so it learns to copy), which does not "
-                      f"transfer to honest validation windows. Check that targets are the inputs shifted by one."
-                      if val_far else
-                      ". No model can go below the floor on text it has not memorised, and the validation loss never "
-                      "improved much: the targets leak into the inputs in training (not shifted, a non-causal mask)."))
+        message = (
+            f"The training loss fell below the data's entropy floor of {floor:.4f} nats/token from step "
+            f"{train_below['step']} on (loss {train_below['loss']:.4f})"
+            + (
+                f", while the validation loss is {last_val['val_loss']:.3f} at step {last_val['step']}, far above "
+                f"it. The model found a shortcut that exists only in the training batches: the targets leak "
+                f"into the inputs (targets not shifted by one token, so it learns to copy), which does not "
+                f"transfer to honest validation windows. Check that targets are the inputs shifted by one."
+                if val_far
+                else ". No model can go below the floor on text it has not memorised, and the validation loss never "
+                "improved much: the targets leak into the inputs in training (not shifted, a non-causal mask)."
+            )
+        )
     return Finding("leak", "loss below the data's floor: the model sees what it predicts", message, evidence)
 
 
@@ -341,25 +397,42 @@ def rule_loss_spike(t: Trace) -> Finding | None:
     else:
         when = f"at step {s['step']}, well after warmup (which ended at step {warm})"
     return Finding(
-        "loss_spike", "loss spike after a gradient-norm spike (learning rate too high)",
+        "loss_spike",
+        "loss spike after a gradient-norm spike (learning rate too high)",
         f"The loss jumped from about {s['baseline']:.3f} to {s['loss']:.3f} at step {s['step']}, right after the "
         f"gradient norm rose to {s['grad_norm_peak']:.3g} at step {s['grad_norm_peak_step']} "
         f"({s['grad_norm_peak'] / s['grad_norm_reference']:.1f}x its recent median {s['grad_norm_reference']:.3g}), "
         f"{when}" + (f", at a learning rate of {lr:.2e}{' (the peak)' if high else ''}" if _finite(lr) else "") + ". "
-        f"A gradient that grows first and a loss "
-        f"that follows is an optimisation instability, not bad data: the update was too large for the curvature "
-        f"there. Lower --lr, lengthen --warmup, or bound the attention logits with --qk-norm; "
-        f"--on-spike rollback with --rollback-lr-scale 0.5 recovers automatically."
-        + (f" {len(spikes)} such spikes in all, at steps {[x['step'] for x in spikes][:10]}." if len(spikes) > 1 else "")
-        + (f" One caution: the gradient norm and the loss rose in the same logged row, and the steps between rows are "
-           f"not logged, so which came first is not known; a single bad batch raises both at once and is gone by the "
-           f"next row. `nanolm replay RUN_DIR --step {s['step']}` tells them apart: a bad batch raises every layer's "
-           f"gradient alike and leaves the attention logits as they were."
-           if s["grad_norm_peak_step"] == s["step"] and s["isolated"] else ""),
-        {"step": s["step"], "loss": _r(s["loss"]), "loss_before": _r(s["baseline"]),
-         "grad_norm_peak": _r(s["grad_norm_peak"]), "grad_norm_peak_step": s["grad_norm_peak_step"],
-         "grad_norm_median_before": _r(s["grad_norm_reference"]), "lr": _r(lr), "peak_lr": _r(peak),
-         "warmup_end_step": warm, "spike_steps": [x["step"] for x in spikes][:20]})
+        "A gradient that grows first and a loss "
+        "that follows is an optimisation instability, not bad data: the update was too large for the curvature "
+        "there. Lower --lr, lengthen --warmup, or bound the attention logits with --qk-norm; "
+        "--on-spike rollback with --rollback-lr-scale 0.5 recovers automatically."
+        + (
+            f" {len(spikes)} such spikes in all, at steps {[x['step'] for x in spikes][:10]}."
+            if len(spikes) > 1
+            else ""
+        )
+        + (
+            f" One caution: the gradient norm and the loss rose in the same logged row, and the steps between rows are "
+            f"not logged, so which came first is not known; a single bad batch raises both at once and is gone by the "
+            f"next row. `nanolm replay RUN_DIR --step {s['step']}` tells them apart: a bad batch raises every layer's "
+            f"gradient alike and leaves the attention logits as they were."
+            if s["grad_norm_peak_step"] == s["step"] and s["isolated"]
+            else ""
+        ),
+        {
+            "step": s["step"],
+            "loss": _r(s["loss"]),
+            "loss_before": _r(s["baseline"]),
+            "grad_norm_peak": _r(s["grad_norm_peak"]),
+            "grad_norm_peak_step": s["grad_norm_peak_step"],
+            "grad_norm_median_before": _r(s["grad_norm_reference"]),
+            "lr": _r(lr),
+            "peak_lr": _r(peak),
+            "warmup_end_step": warm,
+            "spike_steps": [x["step"] for x in spikes][:20],
+        },
+    )
 
 
 def rule_data_spikes(t: Trace) -> Finding | None:
@@ -367,12 +440,17 @@ def rule_data_spikes(t: Trace) -> Finding | None:
     isolated = [s for s in spikes if s["isolated"] and s["jump"] >= DATA_SPIKE_MIN_JUMP]
     if len(isolated) < DATA_SPIKES_MIN or len(isolated) < 0.6 * len(spikes):
         return None
-    ratios = [s["grad_norm"] / s["grad_norm_reference"] for s in isolated
-              if _finite(s["grad_norm"]) and s["grad_norm_reference"]]
-    evidence = {"spike_steps": [s["step"] for s in isolated][:20],
-                "jumps": [_r(s["jump"], 3) for s in isolated][:20],
-                "grad_norm_at_spikes_vs_median": _r(statistics.median(ratios), 3) if ratios else None,
-                "logged_rows": len(t.train)}
+    ratios = [
+        s["grad_norm"] / s["grad_norm_reference"]
+        for s in isolated
+        if _finite(s["grad_norm"]) and s["grad_norm_reference"]
+    ]
+    evidence = {
+        "spike_steps": [s["step"] for s in isolated][:20],
+        "jumps": [_r(s["jump"], 3) for s in isolated][:20],
+        "grad_norm_at_spikes_vs_median": _r(statistics.median(ratios), 3) if ratios else None,
+        "logged_rows": len(t.train),
+    }
     gap = ""
     if t.evals:
         pairs = []
@@ -384,17 +462,22 @@ def rule_data_spikes(t: Trace) -> Finding | None:
             step, train_loss, val_loss = pairs[-1]
             evidence.update(train_loss_near_last_eval=_r(train_loss), val_loss_last_eval=_r(val_loss))
             if train_loss > 1.2 * val_loss:
-                gap = (f" The training loss around step {step} ({train_loss:.3f}) is also well above the validation "
-                       f"loss ({val_loss:.3f}): the training batches are harder than held-out text, which clean data "
-                       f"of the same source never is.")
+                gap = (
+                    f" The training loss around step {step} ({train_loss:.3f}) is also well above the validation "
+                    f"loss ({val_loss:.3f}): the training batches are harder than held-out text, which clean data "
+                    f"of the same source never is."
+                )
     return Finding(
-        "data_spikes", "isolated loss spikes without a gradient warning (bad data)",
+        "data_spikes",
+        "isolated loss spikes without a gradient warning (bad data)",
         f"The loss jumped up on {len(isolated)} isolated logged steps (e.g. {evidence['spike_steps'][:6]}, by "
         f"{evidence['jumps'][:6]} nats) and fell straight back on the next one, with no rise of the gradient norm "
         f"before them. An optimisation instability builds up and lingers; a jump that comes from nowhere and vanishes "
         f"is a batch unlike the others: random or corrupted tokens, a foreign-language or binary document, a shard "
         f"written with another tokenizer.{gap} Find the windows those steps drew and decode them; drop or repair "
-        f"the shard.", evidence)
+        f"the shard.",
+        evidence,
+    )
 
 
 def rule_clipped_most_steps(t: Trace) -> Finding | None:
@@ -406,7 +489,9 @@ def rule_clipped_most_steps(t: Trace) -> Finding | None:
     counted = [r for r in after if _finite(r.get("clipped_steps"))]
     at_warm = [r for r in train if r["step"] <= warm and _finite(r.get("clipped_steps"))]
     if counted and at_warm:
-        frac = (counted[-1]["clipped_steps"] - at_warm[-1]["clipped_steps"]) / max(1, counted[-1]["step"] - at_warm[-1]["step"])
+        frac = (counted[-1]["clipped_steps"] - at_warm[-1]["clipped_steps"]) / max(
+            1, counted[-1]["step"] - at_warm[-1]["step"]
+        )
     else:
         frac = sum(bool(r["clipped"]) for r in after) / len(after)
     frac = min(frac, 1.0)
@@ -418,28 +503,43 @@ def rule_clipped_most_steps(t: Trace) -> Finding | None:
     low = max(unclipped) if unclipped else None
     high = min(clipped) if clipped else None
     median_norm = statistics.median(norms) if norms else None
-    spread = (statistics.quantiles(norms, n=10)[-1] / max(statistics.quantiles(norms, n=10)[0], 1e-12)
-              if len(norms) >= 10 else None)
+    spread = (
+        statistics.quantiles(norms, n=10)[-1] / max(statistics.quantiles(norms, n=10)[0], 1e-12)
+        if len(norms) >= 10
+        else None
+    )
     if low is not None and high is not None and low <= high:
         threshold, bounds = f" (the clip threshold lies between {low:.3g} and {high:.3g})", [_r(low), _r(high)]
     elif high is not None:
-        threshold, bounds = f" (every logged step was clipped: the clip threshold is below {high:.3g})", [None, _r(high)]
+        threshold, bounds = (
+            f" (every logged step was clipped: the clip threshold is below {high:.3g})",
+            [None, _r(high)],
+        )
     else:
         threshold, bounds = "", None
     return Finding(
-        "clipped_most_steps", "most steps clipped after warmup",
+        "clipped_most_steps",
+        "most steps clipped after warmup",
         f"{frac:.0%} of the steps after warmup (step {warm}) were clipped"
-        + (f"; the median gradient norm after warmup is {median_norm:.3g}{threshold}" if median_norm is not None
-           else "; no gradient norm was logged after warmup")
+        + (
+            f"; the median gradient norm after warmup is {median_norm:.3g}{threshold}"
+            if median_norm is not None
+            else "; no gradient norm was logged after warmup"
+        )
         + ". In a healthy run clipping is frequent during warmup and rare after it. "
-        f"Clipping every step means the clip, not the learning rate, sets the step size: usually the learning rate "
-        f"is too high (lower --lr). If the loss otherwise falls smoothly and the norm sits at a steady multiple of the "
-        f"threshold, the gradient itself is scaled up: a loss summed instead of averaged (not divided by the "
-        f"gradient-accumulation count or the token count) multiplies every gradient, which Adam hides and only the "
-        f"clipping shows.",
-        {"clipped_fraction_after_warmup": _r(frac, 3), "warmup_end_step": warm,
-         "median_grad_norm_after_warmup": _r(median_norm), "clip_threshold_between": bounds,
-         "grad_norm_p90_over_p10": _r(spread, 3)})
+        "Clipping every step means the clip, not the learning rate, sets the step size: usually the learning rate "
+        "is too high (lower --lr). If the loss otherwise falls smoothly and the norm sits at a steady multiple of the "
+        "threshold, the gradient itself is scaled up: a loss summed instead of averaged (not divided by the "
+        "gradient-accumulation count or the token count) multiplies every gradient, which Adam hides and only the "
+        "clipping shows.",
+        {
+            "clipped_fraction_after_warmup": _r(frac, 3),
+            "warmup_end_step": warm,
+            "median_grad_norm_after_warmup": _r(median_norm),
+            "clip_threshold_between": bounds,
+            "grad_norm_p90_over_p10": _r(spread, 3),
+        },
+    )
 
 
 def rule_memorising(t: Trace) -> Finding | None:
@@ -456,7 +556,8 @@ def rule_memorising(t: Trace) -> Finding | None:
         return None  # worse than the untrained model: rule_val_worse_than_start says what that means
     rise = last["val_loss"] - best["val_loss"]
     if rise < max(MEMORISE_RISE * best["val_loss"], MEMORISE_MIN_RISE) or not all(
-            r["val_loss"] > best["val_loss"] for r in after):
+        r["val_loss"] > best["val_loss"] for r in after
+    ):
         return None
 
     def train_near(step):
@@ -467,14 +568,22 @@ def rule_memorising(t: Trace) -> Finding | None:
     if tb is None or tl is None or tl >= tb:
         return None
     return Finding(
-        "memorising", "validation loss rising while training loss falls (memorising)",
+        "memorising",
+        "validation loss rising while training loss falls (memorising)",
         f"The validation loss was lowest at step {best['step']} ({best['val_loss']:.4f}) and rose to "
         f"{last['val_loss']:.4f} by step {last['step']}, while the training loss kept falling ({tb:.4f} -> {tl:.4f}). "
         f"The model is learning the training set by heart rather than the language: too many passes over too little "
         f"data for its size. Use the best checkpoint (kept by --keep), more data, a smaller model or fewer steps; "
         f"dropout and weight decay help a little.",
-        {"best_val_step": best["step"], "best_val_loss": _r(best["val_loss"]), "last_val_step": last["step"],
-         "last_val_loss": _r(last["val_loss"]), "train_loss_at_best": _r(tb), "train_loss_at_last": _r(tl)})
+        {
+            "best_val_step": best["step"],
+            "best_val_loss": _r(best["val_loss"]),
+            "last_val_step": last["step"],
+            "last_val_loss": _r(last["val_loss"]),
+            "train_loss_at_best": _r(tb),
+            "train_loss_at_last": _r(tl),
+        },
+    )
 
 
 def rule_val_worse_than_start(t: Trace) -> Finding | None:
@@ -486,21 +595,27 @@ def rule_val_worse_than_start(t: Trace) -> Finding | None:
     tail = later[-2:]
     if not all(r["val_loss"] > start["val_loss"] + MEMORISE_MIN_RISE for r in tail):
         return None
-    train_tail = [r["loss"] for r in t.train[-max(3, len(t.train) // 10):]]
+    train_tail = [r["loss"] for r in t.train[-max(3, len(t.train) // 10) :]]
     train_late = statistics.median(train_tail) if train_tail else None
     if train_late is None or train_late >= STUCK_FRACTION * start["val_loss"]:
         return None  # training did not learn either: rule_loss_stuck covers it
     return Finding(
-        "val_worse_than_start", "validation worse than the untrained model while training improves",
+        "val_worse_than_start",
+        "validation worse than the untrained model while training improves",
         f"The validation loss ended at {tail[-1]['val_loss']:.3f} (step {tail[-1]['step']}), worse than the untrained "
         f"model's {start['val_loss']:.3f} at step 0, while the training loss fell to {train_late:.3f}. That is not "
         f"ordinary memorising, which first helps the validation loss and then slowly hurts it: the model learned "
         f"something that holds only in the training batches. Usual causes: the training targets leak into the inputs "
         f"(targets equal to the inputs instead of the next tokens, so the model learns to copy), or the training and "
         f"validation data are prepared differently (another tokenizer, another shift, another mask).",
-        {"val_loss_step0": _r(start["val_loss"]), "val_loss_last": _r(tail[-1]["val_loss"]),
-         "last_eval_step": tail[-1]["step"], "train_loss_late": _r(train_late),
-         "best_val_loss": _r(min(r["val_loss"] for r in later))})
+        {
+            "val_loss_step0": _r(start["val_loss"]),
+            "val_loss_last": _r(tail[-1]["val_loss"]),
+            "last_eval_step": tail[-1]["step"],
+            "train_loss_late": _r(train_late),
+            "best_val_loss": _r(min(r["val_loss"] for r in later)),
+        },
+    )
 
 
 def rule_train_loss_rising(t: Trace) -> Finding | None:
@@ -513,13 +628,19 @@ def rule_train_loss_rising(t: Trace) -> Finding | None:
     if end < RISING_FACTOR * smooth[i] + RISING_MIN:
         return None
     return Finding(
-        "train_loss_rising", "the training loss ended well above its best",
+        "train_loss_rising",
+        "the training loss ended well above its best",
         f"The training loss (smoothed over 9 logged steps) was lowest at step {train[i]['step']} ({smooth[i]:.4f}) "
         f"and ended at {end:.4f} at step {train[-1]['step']}. A loss that climbs back up is diverging or was knocked "
         f"off course (see any spike, clipping or attention finding above); lower --lr, and restart from the best "
         f"checkpoint rather than the last.",
-        {"best_step": train[i]["step"], "best_loss_smoothed": _r(smooth[i]), "final_loss_smoothed": _r(end),
-         "final_step": train[-1]["step"]})
+        {
+            "best_step": train[i]["step"],
+            "best_loss_smoothed": _r(smooth[i]),
+            "final_loss_smoothed": _r(end),
+            "final_step": train[-1]["step"],
+        },
+    )
 
 
 def rule_resume_jump(t: Trace) -> Finding | None:
@@ -542,20 +663,32 @@ def rule_resume_jump(t: Trace) -> Finding | None:
         return None
     e, reference, peak, first_loss, worst, last_before = findings[0]
     s = e["step"]
-    loss_part = (f" and the loss went from {first_loss:.4f} (step {s + 1}, before that update) to {worst['loss']:.4f} "
-                 f"(step {worst['step']})" if worst is not None else "")
+    loss_part = (
+        f" and the loss went from {first_loss:.4f} (step {s + 1}, before that update) to {worst['loss']:.4f} "
+        f"(step {worst['step']})"
+        if worst is not None
+        else ""
+    )
     return Finding(
-        "resume_jump", "a jolt right after resuming (optimizer state missing?)",
+        "resume_jump",
+        "a jolt right after resuming (optimizer state missing?)",
         f"Right after the run resumed at step {s}, the gradient norm jumped to {peak['grad_norm']:.3g} at step "
         f"{peak['step']}, {peak['grad_norm'] / reference:.1f}x its median of {reference:.3g} over the steps before"
         f"{loss_part}. A resume that restores everything continues exactly where the run stopped; a jolt means the "
         f"first update after it was oversized. The classic cause is a missing optimizer state: a fresh AdamW's "
         f"bias-corrected first step moves every weight by the full learning rate, whatever its gradient's history. "
         f"Check that the checkpoint holds the optimizer state and that it is loaded (and the LR schedule's step too).",
-        {"resume_step": s, "grad_norm_after": _r(peak["grad_norm"]), "grad_norm_after_step": peak["step"],
-         "grad_norm_median_before": _r(reference), "loss_first_after": _r(first_loss),
-         "loss_worst_after": _r(worst["loss"]) if worst else None, "loss_last_before": _r(last_before["loss"]),
-         "resumes_with_a_jolt": [f[0]["step"] for f in findings]})
+        {
+            "resume_step": s,
+            "grad_norm_after": _r(peak["grad_norm"]),
+            "grad_norm_after_step": peak["step"],
+            "grad_norm_median_before": _r(reference),
+            "loss_first_after": _r(first_loss),
+            "loss_worst_after": _r(worst["loss"]) if worst else None,
+            "loss_last_before": _r(last_before["loss"]),
+            "resumes_with_a_jolt": [f[0]["step"] for f in findings],
+        },
+    )
 
 
 def rule_fp16_overflow(t: Trace) -> Finding | None:
@@ -571,18 +704,32 @@ def rule_fp16_overflow(t: Trace) -> Finding | None:
         return None
     skip_steps = [b["step"] for a, b in zip(rows, rows[1:]) if b.get("skipped_steps", 0) > a.get("skipped_steps", 0)]
     return Finding(
-        "fp16_overflow", "fp16 overflow: skipped steps and a collapsing loss scale",
+        "fp16_overflow",
+        "fp16 overflow: skipped steps and a collapsing loss scale",
         "Under fp16, "
-        + (f"{skipped} of {t.last_step} steps were skipped because a gradient overflowed"
-           if any("skipped_steps" in r for r in rows) else "the skipped steps were not logged")
-        + (f", and the loss scale went from {top:g} down to {min(scales):g} (last {scales[-1]:g})"
-           if min(scales) < top else f", at a loss scale of {top:g} throughout")
+        + (
+            f"{skipped} of {t.last_step} steps were skipped because a gradient overflowed"
+            if any("skipped_steps" in r for r in rows)
+            else "the skipped steps were not logged"
+        )
+        + (
+            f", and the loss scale went from {top:g} down to {min(scales):g} (last {scales[-1]:g})"
+            if min(scales) < top
+            else f", at a loss scale of {top:g} throughout"
+        )
         + ". A healthy fp16 run skips a step now and "
-        f"then, when the scale probes upward; repeated overflows mean the gradients (or activations) themselves "
-        f"exceed fp16's range of 65,504: the run is diverging or its activations are huge. Lower --lr, use --qk-norm, "
-        f"or train in bf16 (fp32's range, no loss scaling needed).",
-        {"skipped_steps": skipped, "steps": t.last_step, "max_loss_scale": top, "min_loss_scale": min(scales),
-         "last_loss_scale": scales[-1], "logged_steps_with_new_skips": skip_steps[:20]})
+        "then, when the scale probes upward; repeated overflows mean the gradients (or activations) themselves "
+        "exceed fp16's range of 65,504: the run is diverging or its activations are huge. Lower --lr, use --qk-norm, "
+        "or train in bf16 (fp32's range, no loss scaling needed).",
+        {
+            "skipped_steps": skipped,
+            "steps": t.last_step,
+            "max_loss_scale": top,
+            "min_loss_scale": min(scales),
+            "last_loss_scale": scales[-1],
+            "logged_steps_with_new_skips": skip_steps[:20],
+        },
+    )
 
 
 def rule_fp16_underflow(t: Trace) -> Finding | None:
@@ -593,16 +740,25 @@ def rule_fp16_underflow(t: Trace) -> Finding | None:
     if share < UNDERFLOW_SHARE:
         return None
     scales = [r["loss_scale"] for r in rows if _finite(r.get("loss_scale"))]
-    cause = (f"A loss scale is logged (last {scales[-1]:g}), so it is too low for these gradients: check it is not pinned."
-             if scales else "No loss scale is logged for this fp16 run: loss scaling looks switched off.")
-    message = (f"Under fp16, {share:.0%} of the gradient values (median of {len(rows)} logged steps, from step "
-               f"{rows[0]['step']}) were below fp16's normal range during backward (2^-14 = 6.1e-5, at the loss scale "
-               f"used): there fp16 keeps only a few of its digits, and below 6e-8 none, so those gradients are noise "
-               f"or 0 and their weights learn little or nothing. This follows from the gradients' sizes and the format, "
-               f"on any hardware. {cause} Multiply the loss by a scale before backward (nanolm's --precision fp16 does, "
-               f"dynamically) or use bf16.")
-    evidence = {"grad_subnormal_frac_median": _r(share), "first_step": rows[0]["step"], "last_step": rows[-1]["step"],
-                "loss_scale_logged": bool(scales)}
+    cause = (
+        f"A loss scale is logged (last {scales[-1]:g}), so it is too low for these gradients: check it is not pinned."
+        if scales
+        else "No loss scale is logged for this fp16 run: loss scaling looks switched off."
+    )
+    message = (
+        f"Under fp16, {share:.0%} of the gradient values (median of {len(rows)} logged steps, from step "
+        f"{rows[0]['step']}) were below fp16's normal range during backward (2^-14 = 6.1e-5, at the loss scale "
+        f"used): there fp16 keeps only a few of its digits, and below 6e-8 none, so those gradients are noise "
+        f"or 0 and their weights learn little or nothing. This follows from the gradients' sizes and the format, "
+        f"on any hardware. {cause} Multiply the loss by a scale before backward (nanolm's --precision fp16 does, "
+        f"dynamically) or use bf16."
+    )
+    evidence = {
+        "grad_subnormal_frac_median": _r(share),
+        "first_step": rows[0]["step"],
+        "last_step": rows[-1]["step"],
+        "loss_scale_logged": bool(scales),
+    }
     return Finding("fp16_underflow", "fp16 underflow: the gradients lie below fp16's range", message, evidence)
 
 
@@ -618,13 +774,19 @@ def _zero_gradients_rising(t: Trace) -> Finding | None:
     if late < UNDERFLOW_LATE or late < UNDERFLOW_GROWTH * early:
         return None
     return Finding(
-        "fp16_underflow", "fp16 underflow: more and more gradients are exactly zero",
+        "fp16_underflow",
+        "fp16 underflow: more and more gradients are exactly zero",
         f"The share of gradient elements that are exactly zero rose from {early:.2e} (first logged steps) to "
         f"{late:.2e} (last ones), {late / max(early, 1e-12):.0f}x. Under fp16 a gradient below ~6e-8 comes out 0, "
         f"and its weight stops learning. Multiply the loss by a scale before backward (nanolm's --precision fp16 "
         f"does, dynamically) or use bf16.",
-        {"grad_zero_frac_early": _r(early), "grad_zero_frac_late": _r(late), "first_step": rows[0]["step"],
-         "last_step": rows[-1]["step"]})
+        {
+            "grad_zero_frac_early": _r(early),
+            "grad_zero_frac_late": _r(late),
+            "first_step": rows[0]["step"],
+            "last_step": rows[-1]["step"],
+        },
+    )
 
 
 def rule_attention_logits(t: Trace) -> Finding | None:
@@ -637,33 +799,41 @@ def rule_attention_logits(t: Trace) -> Finding | None:
     trajectory = [(s, _r(values.get(block), 3)) for s, values in series if block in values]
     picks = sorted({0, len(trajectory) // 4, len(trajectory) // 2, 3 * len(trajectory) // 4, len(trajectory) - 1})
     return Finding(
-        "attention_logits", "attention logits far too large (use QK-norm or a lower LR)",
+        "attention_logits",
+        "attention logits far too large (use QK-norm or a lower LR)",
         f"The largest attention logit reached {value:.0f} in block {block} at step {step} (last: "
         f"{trajectory[-1][1]} at step {trajectory[-1][0]}); healthy runs level off around 10-30. Softmax over logits "
         f"that far apart is a hard argmax: heads lock onto single tokens, their gradient vanishes, and this growth is "
         f"the usual prelude to loss spikes and divergence. --qk-norm bounds the logits by construction; a lower --lr "
         f"or a longer --warmup keeps them from running away.",
-        {"max_logit": _r(value), "block": block, "step": step, "trajectory": [trajectory[i] for i in picks]})
+        {"max_logit": _r(value), "block": block, "step": step, "trajectory": [trajectory[i] for i in picks]},
+    )
 
 
 def rule_dead_units(t: Trace) -> Finding | None:
     series = t.blocks("mlp_dead_frac")
     if len(series) < 3:
         return None
-    tail = series[-max(2, len(series) // 3):]
+    tail = series[-max(2, len(series) // 3) :]
     blocks = set().union(*(values for _, values in tail))
     worst = {b: statistics.median(values.get(b, 0.0) for _, values in tail) for b in blocks}
     block = max(worst, key=worst.get)
     if worst[block] < DEAD_FRACTION:
         return None
     return Finding(
-        "dead_units", "many MLP units dead for good",
+        "dead_units",
+        "many MLP units dead for good",
         f"{worst[block]:.0%} of block {block}'s MLP units never opened on the probe batch over the last "
         f"{len(tail)} statistics steps (steps {tail[0][0]}..{tail[-1][0]}). A unit that is shut on every token gets "
         f"almost no gradient and rarely recovers, so the model has lost that capacity. The usual cause is a "
         f"learning rate too high early on (one large update pushes whole units shut): lower --lr or lengthen --warmup.",
-        {"block": block, "dead_fraction": _r(worst[block], 3), "steps": [tail[0][0], tail[-1][0]],
-         "per_block": {b: _r(v, 3) for b, v in sorted(worst.items())}})
+        {
+            "block": block,
+            "dead_fraction": _r(worst[block], 3),
+            "steps": [tail[0][0], tail[-1][0]],
+            "per_block": {b: _r(v, 3) for b, v in sorted(worst.items())},
+        },
+    )
 
 
 # --------------------------------------------------------------------------- the recipe (step-0 row)
@@ -682,14 +852,21 @@ def rule_no_clipping(t: Trace) -> Finding | None:
     if peak < UNCLIPPED_SPIKE * median:
         return None
     return Finding(
-        "no_clipping", "gradient-norm spikes reached the weights unclipped",
+        "no_clipping",
+        "gradient-norm spikes reached the weights unclipped",
         f"Clipping is off (clip 0) and the gradient norm reached {peak:.3g} at step {step}, {peak / median:.0f}x its "
         f"median of {median:.3g}. Adam normalises each coordinate by its running second moment, so a sudden large "
         f"gradient is not fully normalised away: that step moves the weights far more than a typical one, and at a "
         f"high learning rate such steps push attention logits and norms into regions the run must then recover from. "
         f"Clip the global norm (--clip 1.0, the usual value): it caps those steps and leaves the others alone.",
-        {"clip": 0, "grad_norm_max": _r(peak), "grad_norm_max_step": step, "grad_norm_median": _r(median),
-         "ratio": _r(peak / median, 3)})
+        {
+            "clip": 0,
+            "grad_norm_max": _r(peak),
+            "grad_norm_max_step": step,
+            "grad_norm_median": _r(median),
+            "ratio": _r(peak / median, 3),
+        },
+    )
 
 
 def rule_slow_second_moment(t: Trace) -> Finding | None:
@@ -710,17 +887,28 @@ def rule_slow_second_moment(t: Trace) -> Finding | None:
     if ratio < EARLY_INSTABILITY and not (logits and max(logits) > ATTENTION_LOGIT_MAX):
         return None
     return Finding(
-        "slow_second_moment", "Adam's second moment adapts too slowly for this warmup",
+        "slow_second_moment",
+        "Adam's second moment adapts too slowly for this warmup",
         f"beta2 = {beta2:g} averages the squared gradients over ~{memory:.0f} steps, but the warmup lasts "
         f"{warmup} steps; early in the run the gradient norm reached {max(early):.3g}, {ratio:.0f}x its later median"
-        + (f", and the attention logits grew to {max(logits):.0f}" if logits and max(logits) > ATTENTION_LOGIT_MAX
-           else "") + ". While the second moment still remembers the first, unrepresentative gradients, each "
+        + (
+            f", and the attention logits grew to {max(logits):.0f}"
+            if logits and max(logits) > ATTENTION_LOGIT_MAX
+            else ""
+        )
+        + ". While the second moment still remembers the first, unrepresentative gradients, each "
         "coordinate's step is mis-sized: too large where gradients grew, too small where they shrank, at the full "
         "learning rate. Use beta2 = 0.95 (the usual choice for language models), or a warmup of at least "
         f"~{SLOW_WARMUP_SHARE * memory:.0f} steps.",
-        {"beta2": beta2, "warmup_steps": warmup, "second_moment_memory_steps": _r(memory, 3),
-         "early_grad_norm_max": _r(max(early)), "later_grad_norm_median": _r(statistics.median(later)),
-         "attention_logit_max": _r(max(logits)) if logits else None})
+        {
+            "beta2": beta2,
+            "warmup_steps": warmup,
+            "second_moment_memory_steps": _r(memory, 3),
+            "early_grad_norm_max": _r(max(early)),
+            "later_grad_norm_median": _r(statistics.median(later)),
+            "attention_logit_max": _r(max(logits)) if logits else None,
+        },
+    )
 
 
 def rule_no_lr_decay(t: Trace) -> Finding | None:
@@ -741,19 +929,30 @@ def rule_no_lr_decay(t: Trace) -> Finding | None:
     n = t.last_step
     window = [r["loss"] for r in t.train if 0.6 * n < r["step"] <= 0.8 * n]
     final = [r["loss"] for r in t.train if r["step"] > 0.8 * n]
-    change = (statistics.median(window) - statistics.median(final)) / statistics.median(window) if window and final \
-        else None
+    change = (
+        (statistics.median(window) - statistics.median(final)) / statistics.median(window) if window and final else None
+    )
     return Finding(
-        "no_lr_decay", "the learning rate never decays",
+        "no_lr_decay",
+        "the learning rate never decays",
         f"The learning rate is still {last_lr:.3g} at step {last_step}, {last_lr / t.peak_lr:.0%} of its peak: it never "
-        f"decayed." + (f" Over the last fifth of the run the loss {'fell' if change >= 0 else 'rose'} {abs(change):.1%}."
-                      if change is not None else "")
+        f"decayed."
+        + (
+            f" Over the last fifth of the run the loss {'fell' if change >= 0 else 'rose'} {abs(change):.1%}."
+            if change is not None
+            else ""
+        )
         + " At a constant rate the weights keep bouncing around the minimum at the scale the rate sets; lowering "
         "the rate at the end (cosine or linear decay to ~10 % of the peak, or the decay phase of a warmup-stable-decay "
         "schedule) lets them settle, and the loss drops further in the last steps. Set --min-lr below --lr (its "
         "default is lr / 10).",
-        {"last_lr": _r(last_lr), "peak_lr": _r(t.peak_lr), "last_step": last_step,
-         "loss_change_last_fifth": _r(change, 3) if change is not None else None})
+        {
+            "last_lr": _r(last_lr),
+            "peak_lr": _r(t.peak_lr),
+            "last_step": last_step,
+            "loss_change_last_fifth": _r(change, 3) if change is not None else None,
+        },
+    )
 
 
 def rule_decay_on_norms(t: Trace) -> Finding | None:
@@ -763,20 +962,26 @@ def rule_decay_on_norms(t: Trace) -> Finding | None:
         return None
     final = [(s, v["final_norm"]) for s, v in t.blocks("weight_norm") if "final_norm" in v]
     return Finding(
-        "decay_on_norms", "weight decay is applied to norms, biases or embeddings",
+        "decay_on_norms",
+        "weight decay is applied to norms, biases or embeddings",
         f"The optimizer applies weight decay {recipe['weight_decay']:g} to {decayed} parameter tensors that are norm "
         f"gains, biases or embeddings. Decay pulls weights toward zero: right for the matrices that mix "
         f"features, wrong for a norm's gains (their natural value is 1, and shrinking them rescales every activation "
         f"after it) and for embeddings (a rare token's row gets a gradient only when the token occurs, but is decayed "
         f"at every step). The run still trains, a little worse. Put those parameters in a group with weight_decay 0 "
         f"(nanolm.optim.get_param_groups); `nanolm doctor` checks the groups before a run.",
-        {"decayed_norms_biases_embeddings": decayed, "weight_decay": recipe["weight_decay"],
-         "final_norm_weight_norm": [_r(final[0][1]), _r(final[-1][1])] if len(final) >= 2 else None})
+        {
+            "decayed_norms_biases_embeddings": decayed,
+            "weight_decay": recipe["weight_decay"],
+            "final_norm_weight_norm": [_r(final[0][1]), _r(final[-1][1])] if len(final) >= 2 else None,
+        },
+    )
 
 
 def rule_left_reference_band(t: Trace) -> Finding | None:
-    ref = reference_for_digest(t.rows[0].get("setup_digest") if t.rows and t.rows[0]["step"] == 0 else None,
-                               t.references)
+    ref = reference_for_digest(
+        t.rows[0].get("setup_digest") if t.rows and t.rows[0]["step"] == 0 else None, t.references
+    )
     if ref is None:
         return None
     found = departures(ref, t.rows)
@@ -786,42 +991,85 @@ def rule_left_reference_band(t: Trace) -> Finding | None:
     said = []
     if look is not None and look.own_seed:
         among = population_look(ref, t.rows)
-        said.append(f"its validation curve is {look.describe()} (a run of this seed differs from its reference run "
-                    f"by what reruns of the seeds differ, crossing the test's threshold "
-                    f"{100 * ref.seed_curves.false_alarm:g} % of the time"
-                    + (f"; among all the seeds it is {among.percent:+.1f} %, {among.one_in()} for a healthy run"
-                       if among is not None else "") + ")")
+        said.append(
+            f"its validation curve is {look.describe()} (a run of this seed differs from its reference run "
+            f"by what reruns of the seeds differ, crossing the test's threshold "
+            f"{100 * ref.seed_curves.false_alarm:g} % of the time"
+            + (
+                f"; among all the seeds it is {among.percent:+.1f} %, {among.one_in()} for a healthy run"
+                if among is not None
+                else ""
+            )
+            + ")"
+        )
     elif look is not None:
-        said.append(f"its validation curve is {look.describe()} (the seeds' curves over {len(ref.curve_seeds)} seeds; "
-                    f"a healthy run crosses the test's threshold at any evaluation {100 * ref.curve.false_alarm:g} % "
-                    f"of the time)")
+        said.append(
+            f"its validation curve is {look.describe()} (the seeds' curves over {len(ref.curve_seeds)} seeds; "
+            f"a healthy run crosses the test's threshold at any evaluation {100 * ref.curve.false_alarm:g} % "
+            f"of the time)"
+        )
     if found:
-        said.append(found[0].describe() + (f"; also {'; '.join(d.describe() for d in found[1:6])}" if found[1:] else ""))
+        said.append(
+            found[0].describe() + (f"; also {'; '.join(d.describe() for d in found[1:6])}" if found[1:] else "")
+        )
     evidence = {"reference": ref.name}
     if found:
         first = found[0]
-        evidence.update({"key": first.key, "step": first.step, "value": _r(first.value),
-                         "band": [_r(first.lo), _r(first.hi)], "outside_until": first.until,
-                         "also": [f"{d.key}@{d.step}" for d in found[1:6]] or None})
+        evidence.update(
+            {
+                "key": first.key,
+                "step": first.step,
+                "value": _r(first.value),
+                "band": [_r(first.lo), _r(first.hi)],
+                "outside_until": first.until,
+                "also": [f"{d.key}@{d.step}" for d in found[1:6]] or None,
+            }
+        )
     if look is not None:
-        evidence["curve"] = {"excess_percent": _r(look.percent, 3), "since": look.since, "through": look.step,
-                             "t": _r(look.t, 3), "healthy_one_in": look.one_in(),
-                             "against": "its seed's reference run" if look.own_seed else "the seeds' mean"}
+        evidence["curve"] = {
+            "excess_percent": _r(look.percent, 3),
+            "since": look.since,
+            "through": look.step,
+            "t": _r(look.t, 3),
+            "healthy_one_in": look.one_in(),
+            "against": "its seed's reference run" if look.own_seed else "the seeds' mean",
+        }
     return Finding(
-        "left_reference_band", f"the run left the reference of {ref.title}",
+        "left_reference_band",
+        f"the run left the reference of {ref.title}",
         f"This run's setup (configuration, data and number format) is that of {ref.describe()}. Here "
-        + "; and ".join(said) + ". Seeds alone do not do this (the band is the seeds' extremes widened by their "
+        + "; and ".join(said)
+        + ". Seeds alone do not do this (the band is the seeds' extremes widened by their "
         "spread; the curve test is calibrated on their curves): something differs from the recipe that the "
         "configuration does not show, such as changed code (a bug), other library versions, or a very different "
         "machine's arithmetic. Train the recipe again with the installed nanolm (`nanolm compare` says where two runs "
         "part), and compare the code with the one that measured the band. The earliest departure is where to look.",
-        evidence)
+        evidence,
+    )
 
 
-RULES = [rule_non_finite, rule_guard_actions, rule_loss_stuck, rule_leak, rule_loss_spike, rule_data_spikes,
-         rule_clipped_most_steps, rule_memorising, rule_val_worse_than_start, rule_train_loss_rising, rule_resume_jump, rule_fp16_overflow,
-         rule_fp16_underflow, rule_attention_logits, rule_dead_units, rule_no_clipping, rule_slow_second_moment,
-         rule_no_lr_decay, rule_decay_on_norms, rule_left_reference_band]
+RULES = [
+    rule_non_finite,
+    rule_guard_actions,
+    rule_loss_stuck,
+    rule_leak,
+    rule_loss_spike,
+    rule_data_spikes,
+    rule_clipped_most_steps,
+    rule_memorising,
+    rule_val_worse_than_start,
+    rule_train_loss_rising,
+    rule_resume_jump,
+    rule_fp16_overflow,
+    rule_fp16_underflow,
+    rule_attention_logits,
+    rule_dead_units,
+    rule_no_clipping,
+    rule_slow_second_moment,
+    rule_no_lr_decay,
+    rule_decay_on_norms,
+    rule_left_reference_band,
+]
 
 
 # --------------------------------------------------------------------------- entry points
@@ -873,7 +1121,9 @@ def format_findings(run_dir, findings: list[Finding]) -> str:
         lines.append("")
         lines.append(f"{i}. [{f.name}] {f.title}")
         lines.append(f"   {f.message}")
-        lines.append("   evidence: " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.evidence.items() if v is not None))
+        lines.append(
+            "   evidence: " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in f.evidence.items() if v is not None)
+        )
         if f.runbook:
             lines.append(f"   what to do, step by step: docs/runbooks.md#{f.runbook}")
     return "\n".join(lines)

@@ -28,7 +28,13 @@ import torch
 
 from ..batches import Batch, WindowSampler, pack_windows
 from ..errors import NanolmError
-from ..machine.device import has_cpp_compiler, has_triton, refuse_what_the_device_cannot_do, resolve_device, tf32_capable
+from ..machine.device import (
+    has_cpp_compiler,
+    has_triton,
+    refuse_what_the_device_cannot_do,
+    resolve_device,
+    tf32_capable,
+)
 from ..model import GPT, GPTConfig, flex_attention_chosen
 from ..optim import get_param_groups
 from ..precision import resolve_precision
@@ -65,7 +71,8 @@ def _logits(model, idx, **kw):
         raise ModelContractError(
             f"forward(idx) returned logits of shape {shape} for idx of shape {tuple(idx.shape)}; doctor needs logits for "
             f"every position, (batch, seq_len, vocab) (a model that returns only the last position when no targets "
-            f"are given, as nanoGPT's does, must return all of them)")
+            f"are given, as nanoGPT's does, must return all of them)"
+        )
     return logits
 
 
@@ -85,29 +92,35 @@ def check_initial_loss(model, batch: Batch, vocab_size: int, tolerance: float = 
     """A fresh model should be uniformly unsure: loss ≈ ln V."""
     with torch.no_grad():
         logits = _logits(model.eval(), batch.idx)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                 batch.targets.reshape(-1)).item()
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), batch.targets.reshape(-1)
+        ).item()
     model.train()
     expected = math.log(vocab_size)
     ok = math.isfinite(loss) and abs(loss - expected) <= tolerance * expected
-    return Check("initial loss", ok, f"{loss:.3f} vs ln V = {expected:.3f} (within {tolerance:.0%} expected)",
-                 "the initialisation is too large (the model is confidently wrong before it has seen any "
-                 "data) or the logits are scaled/biased; initialise with a small std (0.02) and no "
-                 "output bias" if loss > expected else
-                 "the loss is below chance before training: the targets leak into the inputs (not shifted?) "
-                 "or the loss is not a mean over tokens")
+    return Check(
+        "initial loss",
+        ok,
+        f"{loss:.3f} vs ln V = {expected:.3f} (within {tolerance:.0%} expected)",
+        "the initialisation is too large (the model is confidently wrong before it has seen any "
+        "data) or the logits are scaled/biased; initialise with a small std (0.02) and no "
+        "output bias"
+        if loss > expected
+        else "the loss is below chance before training: the targets leak into the inputs (not shifted?) "
+        "or the loss is not a mean over tokens",
+    )
 
 
-def check_memorises_one_batch(model, batch: Batch, steps: int = 300, lr: float = 3e-3,
-                              target: float = 0.1) -> Check:
+def check_memorises_one_batch(model, batch: Batch, steps: int = 300, lr: float = 3e-3, target: float = 0.1) -> Check:
     """Any correct model with enough capacity drives the loss on one fixed batch to ~0."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     first = loss = None
     for step in range(steps):
         logits = _logits(model, batch.idx)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                 batch.targets.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), batch.targets.reshape(-1)
+        )
         if first is None:
             first = loss.item()
         opt.zero_grad(set_to_none=True)
@@ -117,9 +130,13 @@ def check_memorises_one_batch(model, batch: Batch, steps: int = 300, lr: float =
             break
     final = loss.item()
     ok = math.isfinite(final) and final < target
-    return Check("memorise one batch", ok, f"loss {first:.3f} -> {final:.4f} in {step + 1} steps (< {target} expected)",
-                 "gradients do not reach the weights (a detach, no_grad, or parameters missing from the "
-                 "optimizer), the output ignores the input, or the model is far too small")
+    return Check(
+        "memorise one batch",
+        ok,
+        f"loss {first:.3f} -> {final:.4f} in {step + 1} steps (< {target} expected)",
+        "gradients do not reach the weights (a detach, no_grad, or parameters missing from the "
+        "optimizer), the output ignores the input, or the model is far too small",
+    )
 
 
 def check_causality(model, vocab_size: int, seq_len: int) -> Check:
@@ -135,9 +152,13 @@ def check_causality(model, vocab_size: int, seq_len: int) -> Check:
     model.train()
     worst = (a[:, :cut] - b[:, :cut]).abs().max().item()
     ok = worst <= 1e-5
-    return Check("causality", ok, f"max change of past logits when the future changes: {worst:.2e}",
-                 "the model reads the future: the attention mask is missing or turned around "
-                 "(is_causal, tril vs triu). Training loss will look great and generation will be garbage")
+    return Check(
+        "causality",
+        ok,
+        f"max change of past logits when the future changes: {worst:.2e}",
+        "the model reads the future: the attention mask is missing or turned around "
+        "(is_causal, tril vs triu). Training loss will look great and generation will be garbage",
+    )
 
 
 def check_document_isolation(model, vocab_size: int, seq_len: int) -> Check:
@@ -157,9 +178,13 @@ def check_document_isolation(model, vocab_size: int, seq_len: int) -> Check:
     model.train()
     worst = (a[:, split:] - b[:, split:]).abs().max().item()
     ok = worst <= 1e-6
-    return Check("no cross-document leak", ok, f"max change of document B's logits when A changes: {worst:.2e}",
-                 "doc_ids are accepted but not used to mask attention: every packed window lets a "
-                 "document read the one before it")
+    return Check(
+        "no cross-document leak",
+        ok,
+        f"max change of document B's logits when A changes: {worst:.2e}",
+        "doc_ids are accepted but not used to mask attention: every packed window lets a "
+        "document read the one before it",
+    )
 
 
 def check_grad_accum_matches_big_batch(model, batch: Batch, k: int = 4) -> Check:
@@ -177,16 +202,22 @@ def check_grad_accum_matches_big_batch(model, batch: Batch, k: int = 4) -> Check
 
     B = batch.idx.shape[0]
     size = max(1, B // k)
-    micro = [Batch(uneven.idx[i : i + size], uneven.targets[i : i + size], uneven.loss_mask[i : i + size])
-             for i in range(0, B, size)]
+    micro = [
+        Batch(uneven.idx[i : i + size], uneven.targets[i : i + size], uneven.loss_mask[i : i + size])
+        for i in range(0, B, size)
+    ]
     big, acc = grads([uneven]), grads(micro)
     model.zero_grad(set_to_none=True)
     rel = ((big - acc).abs().max() / big.abs().max().clamp(min=1e-30)).item()
     ok = rel <= 1e-5
-    return Check(f"batch x{len(micro)} == grad_accum={len(micro)}", ok, f"max relative gradient difference {rel:.1e}",
-                 "micro-batch losses are averaged per micro-batch (or not divided by the accumulation "
-                 "count): tokens in short micro-batches weigh more, and the effective learning rate "
-                 "changes with --grad-accum")
+    return Check(
+        f"batch x{len(micro)} == grad_accum={len(micro)}",
+        ok,
+        f"max relative gradient difference {rel:.1e}",
+        "micro-batch losses are averaged per micro-batch (or not divided by the accumulation "
+        "count): tokens in short micro-batches weigh more, and the effective learning rate "
+        "changes with --grad-accum",
+    )
 
 
 def check_param_groups(model, weight_decay: float) -> Check:
@@ -196,11 +227,18 @@ def check_param_groups(model, weight_decay: float) -> Check:
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     wrong += [n for n, p in model.named_parameters() if id(p) in decayed and id(p) in embeddings]
     ok = not wrong
-    detail = (f"{len(decay_group['params'])} decayed matrices, {len(no_decay_group['params'])} without decay"
-              if ok else f"decayed but should not be: {', '.join(wrong[:5])}")
-    return Check("weight decay groups", ok, detail,
-                 "norm gains and biases are decayed toward 0: norms lose their scale, and rare tokens' "
-                 "embedding rows are eroded")
+    detail = (
+        f"{len(decay_group['params'])} decayed matrices, {len(no_decay_group['params'])} without decay"
+        if ok
+        else f"decayed but should not be: {', '.join(wrong[:5])}"
+    )
+    return Check(
+        "weight decay groups",
+        ok,
+        detail,
+        "norm gains and biases are decayed toward 0: norms lose their scale, and rare tokens' "
+        "embedding rows are eroded",
+    )
 
 
 # --------------------------------------------------------------------------- setup checks
@@ -208,14 +246,18 @@ def check_lr_schedule(cfg: RunConfig) -> Check:
     """Warmup first, then a decay that ends on the floor and never goes under it."""
     o, t = cfg.optim, cfg.train
     lrs = [learning_rate(s, o, t.steps) for s in range(1, t.steps + 2)]  # every step, and one after the last
-    after_warmup = lrs[o.warmup:]
+    after_warmup = lrs[o.warmup :]
     problems, meanings = [], []
     if o.warmup <= 0 or lrs[0] >= o.lr:
         problems.append("no warmup: the first step runs at the peak rate")
-        meanings.append("Adam's first updates are full size while its variance estimate is still noise; a fresh "
-                        "model can be thrown into a bad region (a loss spike at the start). Use --warmup")
+        meanings.append(
+            "Adam's first updates are full size while its variance estimate is still noise; a fresh "
+            "model can be thrown into a bad region (a loss spike at the start). Use --warmup"
+        )
     if min(after_warmup) < o.min_lr * (1 - 1e-9) or min(lrs) < 0 or abs(lrs[-1] - o.min_lr) > 1e-12 + 1e-9 * o.lr:
-        problems.append(f"the decay does not end on the floor {o.min_lr:.2e} (ends at {lrs[-1]:.2e}, min {min(after_warmup):.2e})")
+        problems.append(
+            f"the decay does not end on the floor {o.min_lr:.2e} (ends at {lrs[-1]:.2e}, min {min(after_warmup):.2e})"
+        )
         meanings.append("the schedule function is broken")
     if max(lrs) > o.lr * (1 + 1e-9):
         problems.append("the rate exceeds --lr")
@@ -227,8 +269,11 @@ def check_lr_schedule(cfg: RunConfig) -> Check:
         decay = "a straight line"
     else:
         decay = f"flat, then a straight line over the last {o.decay_fraction:.0%} of the steps"
-    detail = (f"warmup {o.warmup} steps to {o.lr:.1e}, {decay} to the floor {o.min_lr:.1e} at step {t.steps}"
-              if ok else "; ".join(problems))
+    detail = (
+        f"warmup {o.warmup} steps to {o.lr:.1e}, {decay} to the floor {o.min_lr:.1e} at step {t.steps}"
+        if ok
+        else "; ".join(problems)
+    )
     return Check("LR schedule", ok, detail, "; ".join(meanings))
 
 
@@ -243,30 +288,46 @@ def check_sample_window(tokens: np.ndarray, tokenizer, seq_len: int) -> Check:
     ok = readable >= 0.95 and broken <= 1 and eos_share <= 0.25
     preview = text[:120].replace("\n", "\\n")
     detail = f'"{preview}"' + ("" if ok else f" ({readable:.0%} printable, {broken} broken bytes, {eos_share:.0%} EOS)")
-    return Check("a training window decodes to text", ok, detail,
-                 "the token stream is not what the tokenizer wrote (shards read with the wrong dtype or "
-                 "offset, or made with another tokenizer), or the documents are split in the wrong place "
-                 "(a separator that matches nearly every line)")
+    return Check(
+        "a training window decodes to text",
+        ok,
+        detail,
+        "the token stream is not what the tokenizer wrote (shards read with the wrong dtype or "
+        "offset, or made with another tokenizer), or the documents are split in the wrong place "
+        "(a separator that matches nearly every line)",
+    )
 
 
 def check_token_ids(data, vocab_size: int) -> Check:
     worst = max(int(np.max(s.tokens)) if len(s.tokens) else -1 for s in data.splits.values())
     ok = 0 <= worst < vocab_size
-    return Check("token ids within the vocabulary", ok, f"largest id {worst}, vocabulary {vocab_size}",
-                 "ids beyond the embedding table: on GPU an out-of-bounds gather (a crash or silent "
-                 "garbage); the shards were made with another tokenizer")
+    return Check(
+        "token ids within the vocabulary",
+        ok,
+        f"largest id {worst}, vocabulary {vocab_size}",
+        "ids beyond the embedding table: on GPU an out-of-bounds gather (a crash or silent "
+        "garbage); the shards were made with another tokenizer",
+    )
 
 
 def check_loss_floor(data) -> Check:
     floor = data.meta.get("floor")
     if floor:
-        detail = (f"the data's entropy: {floor['bpb']:.4f} bits/byte = {floor['nats_per_token']:.4f} nats/token "
-                  f"(no model can go below; a validation loss under it is a leak)")
+        detail = (
+            f"the data's entropy: {floor['bpb']:.4f} bits/byte = {floor['nats_per_token']:.4f} nats/token "
+            f"(no model can go below; a validation loss under it is a leak)"
+        )
     else:
         bounds = data.meta.get("compressor_bpb") or {}
-        detail = ("entropy unknown; a compressor needs " + ", ".join(f"{k} {v:.3f}" for k, v in bounds.items())
-                  + " bits/byte on the validation text (a trained model should beat xz)") if bounds else \
-            "entropy unknown and no validation text to bound it"
+        detail = (
+            (
+                "entropy unknown; a compressor needs "
+                + ", ".join(f"{k} {v:.3f}" for k, v in bounds.items())
+                + " bits/byte on the validation text (a trained model should beat xz)"
+            )
+            if bounds
+            else "entropy unknown and no validation text to bound it"
+        )
     return Check("expected loss floor", True, detail)
 
 
@@ -324,16 +385,19 @@ def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list
 
         name = cls.__name__ if model_spec else "nanolm GPT"
         n_params = sum(p.numel() for p in make_model().parameters())
-        log(f"nanolm doctor: {name}, {n_params / 1e6:.2f}M parameters, {tokenizer.kind} vocabulary of "
-            f"{tokenizer.vocab_size}, data {cfg.data.data or 'built-in stories'}")
+        log(
+            f"nanolm doctor: {name}, {n_params / 1e6:.2f}M parameters, {tokenizer.kind} vocabulary of "
+            f"{tokenizer.vocab_size}, data {cfg.data.data or 'built-in stories'}"
+        )
         t = cfg.train
         for line in device_choices(t.device, t.precision, cfg.model.attention, t.tf32, t.deterministic, t.compile):
             log("  " + line)
         sampler = WindowSampler(len(data.train), seq_len, 8, seed=cfg.train.seed)
         batch = pack_windows(data.train.tokens, sampler.next_starts(), seq_len, tokenizer.eos_id, doc_mask=False)
         results = []
-        checks = model_checks(make_model, tokenizer.vocab_size, seq_len, batch, model_spec is None,
-                              cfg.optim.weight_decay)
+        checks = model_checks(
+            make_model, tokenizer.vocab_size, seq_len, batch, model_spec is None, cfg.optim.weight_decay
+        )
         while True:
             try:
                 check = next(checks)
@@ -344,24 +408,33 @@ def run_doctor(cfg: RunConfig, model_spec: str | None = None, log=print) -> list
             except Exception as e:
                 if model_spec is None:
                     raise
-                raise NanolmError(f"--model {model_spec}: the model raised {type(e).__name__} during the checks "
-                                  f"({str(e).strip().splitlines()[0] if str(e).strip() else 'no message'})") from None
+                raise NanolmError(
+                    f"--model {model_spec}: the model raised {type(e).__name__} during the checks "
+                    f"({str(e).strip().splitlines()[0] if str(e).strip() else 'no message'})"
+                ) from None
             log(check.line())
             results.append(check)
         if model_spec is None:
-            for check in (check_lr_schedule(cfg), check_sample_window(data.train.tokens, tokenizer, seq_len),
-                          check_token_ids(data, tokenizer.vocab_size), check_loss_floor(data)):
+            for check in (
+                check_lr_schedule(cfg),
+                check_sample_window(data.train.tokens, tokenizer, seq_len),
+                check_token_ids(data, tokenizer.vocab_size),
+                check_loss_floor(data),
+            ):
                 log(check.line())
                 results.append(check)
     failed = sum(not c.passed for c in results)
     skipped = sum(c.skipped for c in results)
-    log(f"{len(results) - failed - skipped} passed, {skipped} skipped, {failed} failed in "
-        f"{time.perf_counter() - started:.1f}s")
+    log(
+        f"{len(results) - failed - skipped} passed, {skipped} skipped, {failed} failed in "
+        f"{time.perf_counter() - started:.1f}s"
+    )
     return results
 
 
-def device_choices(device_name: str, precision_name: str, attention: str, tf32: bool,
-                   deterministic: bool, compile: bool) -> list[str]:
+def device_choices(
+    device_name: str, precision_name: str, attention: str, tf32: bool, deterministic: bool, compile: bool
+) -> list[str]:
     """What a run with these options would pick on this machine, and why, one line each
     (``nanolm doctor`` prints them). Raises the run's own one-line error for what the
     device cannot do."""
@@ -377,13 +450,17 @@ def device_choices(device_name: str, precision_name: str, attention: str, tf32: 
     why = " (auto: cuda > mps > cpu)" if device_name == "auto" else ""
     precision = resolve_precision(precision_name, device)
     flex = flex_attention_chosen(attention, device)
-    lines = [f"device     {device} ({where}){why}",
-             f"precision  {precision.describe()}",
-             f"attention  {'FlexAttention block mask' if flex else 'SDPA with a boolean mask'} for the document mask"
-             f" ({'requested' if attention != 'auto' else 'auto: FlexAttention on CUDA with Triton, SDPA elsewhere'})"]
+    lines = [
+        f"device     {device} ({where}){why}",
+        f"precision  {precision.describe()}",
+        f"attention  {'FlexAttention block mask' if flex else 'SDPA with a boolean mask'} for the document mask"
+        f" ({'requested' if attention != 'auto' else 'auto: FlexAttention on CUDA with Triton, SDPA elsewhere'})",
+    ]
     if precision.name == "fp32" and tf32_capable(device):
         lines.append(f"tf32       {'on: fp32 matrix products on TF32 tensor cores' if tf32 else 'off (--no-tf32)'}")
-    lines.append(f"batches    {'through pinned host memory (overlaps the copy)' if device.type == 'cuda' else 'no pinning'}"
-                 f" | compile {'available' if (has_triton() if device.type == 'cuda' else has_cpp_compiler()) else 'unavailable'}"
-                 f"{' (asked)' if compile else ''}")
+    lines.append(
+        f"batches    {'through pinned host memory (overlaps the copy)' if device.type == 'cuda' else 'no pinning'}"
+        f" | compile {'available' if (has_triton() if device.type == 'cuda' else has_cpp_compiler()) else 'unavailable'}"
+        f"{' (asked)' if compile else ''}"
+    )
     return lines

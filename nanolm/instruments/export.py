@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import NanolmError
-from ..run.directory import refuse_output_inside_a_run
 from ..base import disk
 from ..base.files import atomic_write_text, naming_the_file, refuse_mount_point, replace
 from ..base.lock import ScratchDirectory, remove_abandoned_scratch
+from ..errors import NanolmError
+from ..run.directory import refuse_output_inside_a_run
 from ..run.final import load_run
 from ..tokenizer import EOS
 
@@ -29,8 +29,10 @@ from ..tokenizer import EOS
 def hf_config(model) -> dict:
     c = model.config
     if c.mlp != "swiglu":
-        raise NanolmError(f"a model with mlp={c.mlp!r} maps to no standard Hugging Face architecture "
-                          f"(Llama and Qwen3 use SwiGLU); export supports mlp=swiglu only")
+        raise NanolmError(
+            f"a model with mlp={c.mlp!r} maps to no standard Hugging Face architecture "
+            f"(Llama and Qwen3 use SwiGLU); export supports mlp=swiglu only"
+        )
     qwen3 = c.qk_norm
     config = {
         "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
@@ -70,17 +72,19 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     for i, block in enumerate(model.blocks):
         p = f"model.layers.{i}."
         q, k, v = block.attn.qkv.weight.chunk(3, dim=0)
-        out.update({
-            p + "input_layernorm.weight": block.attn_norm.weight,
-            p + "self_attn.q_proj.weight": q,
-            p + "self_attn.k_proj.weight": k,
-            p + "self_attn.v_proj.weight": v,
-            p + "self_attn.o_proj.weight": block.attn.proj.weight,
-            p + "post_attention_layernorm.weight": block.mlp_norm.weight,
-            p + "mlp.gate_proj.weight": block.mlp.gate.weight,
-            p + "mlp.up_proj.weight": block.mlp.up.weight,
-            p + "mlp.down_proj.weight": block.mlp.down.weight,
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": block.attn_norm.weight,
+                p + "self_attn.q_proj.weight": q,
+                p + "self_attn.k_proj.weight": k,
+                p + "self_attn.v_proj.weight": v,
+                p + "self_attn.o_proj.weight": block.attn.proj.weight,
+                p + "post_attention_layernorm.weight": block.mlp_norm.weight,
+                p + "mlp.gate_proj.weight": block.mlp.gate.weight,
+                p + "mlp.up_proj.weight": block.mlp.up.weight,
+                p + "mlp.down_proj.weight": block.mlp.down.weight,
+            }
+        )
         if c.qk_norm:
             out[p + "self_attn.q_norm.weight"] = block.attn.q_norm.weight
             out[p + "self_attn.k_norm.weight"] = block.attn.k_norm.weight
@@ -119,15 +123,23 @@ def export_run(run_dir, out_dir, log=print) -> Path:
             with open(weights, "rb") as f:
                 disk.sync(f, weights)
         tokenizer.save(staging / "tokenizer.json")
-        atomic_write_text(staging / "tokenizer_config.json", json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": EOS,
-            "bos_token": EOS,
-            "model_max_length": model.config.seq_len,
-            "clean_up_tokenization_spaces": False,
-        }, indent=2))
-        atomic_write_text(staging / "generation_config.json", json.dumps(
-            {"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2))
+        atomic_write_text(
+            staging / "tokenizer_config.json",
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "eos_token": EOS,
+                    "bos_token": EOS,
+                    "model_max_length": model.config.seq_len,
+                    "clean_up_tokenization_spaces": False,
+                },
+                indent=2,
+            ),
+        )
+        atomic_write_text(
+            staging / "generation_config.json",
+            json.dumps({"bos_token_id": tokenizer.eos_id, "eos_token_id": tokenizer.eos_id}, indent=2),
+        )
         disk.chmod(staging, 0o755)
         disk.sync_dir(staging)
         replace(staging, out)  # onto nothing, or onto an empty directory: one atomic rename

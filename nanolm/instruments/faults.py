@@ -81,8 +81,9 @@ def decay_everything(model, cfg, precision):
     o = cfg.optim
     groups = [{"params": list(dict.fromkeys(model.parameters())), "weight_decay": o.weight_decay}]  # a tied matrix once
     if precision.pure_bf16:
-        return BF16AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), master_weights=cfg.train.fp32_master,
-                         seed=cfg.train.seed)
+        return BF16AdamW(
+            groups, lr=o.lr, betas=(o.beta1, o.beta2), master_weights=cfg.train.fp32_master, seed=cfg.train.seed
+        )
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
 
 

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import NanolmError
-from ..run.config import RunConfig
 from ..base.files import refuse_taken_outputs
 from ..base.lock import RunLock
+from ..errors import NanolmError
+from ..run.config import RunConfig
 
 
 @dataclass
@@ -78,62 +78,137 @@ def _loss_not_averaged(cfg: RunConfig) -> None:
 
 VARIANTS = [
     Variant("healthy", "nothing", "the loss falls toward the floor; no finding", ()),
-    Variant("high_lr_no_warmup", "learning rate x10 and no warmup",
-            "a loss spike after a gradient-norm spike in the first steps; attention logits in the hundreds",
-            ("loss_spike", "attention_logits", "clipped_most_steps", "dead_units", "train_loss_rising"),
-            _set(optim__lr=lambda c: c.optim.lr * 10, optim__warmup=0),
-            needs_full_length=("the tiny model's attention logits grow but its loss never spikes: a 2-layer, 32-wide "
-                               "model is too shallow to amplify a large update into a loss spike")),
-    Variant("fp16_no_loss_scaling", "fp16 autocast without loss scaling",
-            "about a fifth of the gradient values below fp16's normal range, from the first step (underflow)",
-            ("fp16_underflow",), _set(train__precision="fp16", debug__no_loss_scaling=True), steps_scale=0.04),
-    Variant("targets_not_shifted", "targets are the inputs (not shifted by one)",
-            "training loss far below the data's floor; validation worse than the untrained model",
-            ("leak", "val_worse_than_start"),
-            _set(debug__unshifted_targets=True)),
-    Variant("non_causal", "attention sees the future (no causal mask)",
-            "training and validation loss below the data's floor", ("leak",), _set(debug__non_causal=True),
-            needs_full_length=("in 200 steps the tiny model learns to read the next token only partly: its "
-                               "loss falls far below the healthy run's but stays far above the data's floor")),
-    Variant("loss_not_averaged", "micro-batch losses not divided by grad_accum (4)",
-            "gradient norm ~4x too large: every step clipped", ("clipped_most_steps",), _loss_not_averaged),
-    Variant("resume_without_optimizer_state", "killed after a checkpoint, resumed without the optimizer state",
-            "a jolt in gradient norm and loss right after the resume", ("resume_jump",),
-            _set(debug__drop_optimizer_state=True), resume_at=0.12,
-            needs_full_length=("a fresh optimizer's full-size first steps do not jolt a model this small: its "
-                               "gradient norm after the resume is below its level before")),
-    Variant("no_doc_mask", "cross-document attention mask off",
-            "none in the metrics: the stories are independent, so there is nothing to leak (control)", (),
-            _set(data__doc_mask=False)),
-    Variant("corrupt_data", "2% of the training tokens replaced by random ids (one stretch)",
-            "isolated loss spikes without a gradient-norm rise; train loss above val loss", ("data_spikes",),
-            _set(debug__corrupt_data=0.02)),
-    Variant("bad_batch_nan", "one step's gradient made NaN (guard: --on-nan rollback)",
-            "a NaN event, rolled back to the last checkpoint; the run ends close to healthy", ("non_finite",),
-            _set(debug__inject_nan_at=lambda c: int(c.train.steps * 0.6))),
-    Variant("no_clipping_high_lr", "clipping off (--clip 0) at a learning rate x10",
-            "gradient-norm spikes of tens of times the median reach the weights; attention logits run away",
-            ("no_clipping",), _set(optim__clip=0.0, optim__lr=lambda c: c.optim.lr * 10),
-            needs_full_length=("the tiny model's gradient norm stays within a few times its median: no spike large "
-                               "enough to call unclipped")),
-    Variant("beta2_0999_short_warmup", "AdamW beta2 = 0.999 with a 5-step warmup (learning rate x3)",
-            "early gradient-norm spikes while the second moment still remembers the first steps; the loss lags",
-            ("slow_second_moment",), _set(optim__beta2=0.999, optim__warmup=5, optim__lr=lambda c: c.optim.lr * 3),
-            needs_full_length=("the tiny model's early gradient norms stay close to its later ones: too small a "
-                               "model to go unstable while the second moment catches up")),
-    Variant("constant_lr", "a constant learning rate: no decay (--min-lr = --lr)",
-            "the loss still bounces at the end, above where a decayed run settles", ("no_lr_decay",),
-            _set(optim__min_lr=lambda c: c.optim.lr)),
-    Variant("decay_on_everything", "weight decay on norms, biases and embeddings too",
-            "trains a little worse, nothing loud in the curves; the optimizer's recorded groups say it",
-            ("decay_on_norms",), _set(debug__decay_everything=True)),
-    Variant("random_targets", "targets drawn at random, independently of the inputs (a data bug)",
-            "the loss stays at ln V: there is nothing to learn", ("loss_stuck",), _set(debug__random_targets=True)),
-    Variant("memorising", "a tiny corpus (40 stories) trained 600 steps: ~60 epochs",
-            "the training loss falls toward 0 while the validation loss rises", ("memorising",),
-            _set(data__stories=40, train__steps=600),
-            needs_full_length=("the tiny model lacks the capacity to memorise even 40 stories: its validation loss is "
-                               "still falling at step 600")),
+    Variant(
+        "high_lr_no_warmup",
+        "learning rate x10 and no warmup",
+        "a loss spike after a gradient-norm spike in the first steps; attention logits in the hundreds",
+        ("loss_spike", "attention_logits", "clipped_most_steps", "dead_units", "train_loss_rising"),
+        _set(optim__lr=lambda c: c.optim.lr * 10, optim__warmup=0),
+        needs_full_length=(
+            "the tiny model's attention logits grow but its loss never spikes: a 2-layer, 32-wide "
+            "model is too shallow to amplify a large update into a loss spike"
+        ),
+    ),
+    Variant(
+        "fp16_no_loss_scaling",
+        "fp16 autocast without loss scaling",
+        "about a fifth of the gradient values below fp16's normal range, from the first step (underflow)",
+        ("fp16_underflow",),
+        _set(train__precision="fp16", debug__no_loss_scaling=True),
+        steps_scale=0.04,
+    ),
+    Variant(
+        "targets_not_shifted",
+        "targets are the inputs (not shifted by one)",
+        "training loss far below the data's floor; validation worse than the untrained model",
+        ("leak", "val_worse_than_start"),
+        _set(debug__unshifted_targets=True),
+    ),
+    Variant(
+        "non_causal",
+        "attention sees the future (no causal mask)",
+        "training and validation loss below the data's floor",
+        ("leak",),
+        _set(debug__non_causal=True),
+        needs_full_length=(
+            "in 200 steps the tiny model learns to read the next token only partly: its "
+            "loss falls far below the healthy run's but stays far above the data's floor"
+        ),
+    ),
+    Variant(
+        "loss_not_averaged",
+        "micro-batch losses not divided by grad_accum (4)",
+        "gradient norm ~4x too large: every step clipped",
+        ("clipped_most_steps",),
+        _loss_not_averaged,
+    ),
+    Variant(
+        "resume_without_optimizer_state",
+        "killed after a checkpoint, resumed without the optimizer state",
+        "a jolt in gradient norm and loss right after the resume",
+        ("resume_jump",),
+        _set(debug__drop_optimizer_state=True),
+        resume_at=0.12,
+        needs_full_length=(
+            "a fresh optimizer's full-size first steps do not jolt a model this small: its "
+            "gradient norm after the resume is below its level before"
+        ),
+    ),
+    Variant(
+        "no_doc_mask",
+        "cross-document attention mask off",
+        "none in the metrics: the stories are independent, so there is nothing to leak (control)",
+        (),
+        _set(data__doc_mask=False),
+    ),
+    Variant(
+        "corrupt_data",
+        "2% of the training tokens replaced by random ids (one stretch)",
+        "isolated loss spikes without a gradient-norm rise; train loss above val loss",
+        ("data_spikes",),
+        _set(debug__corrupt_data=0.02),
+    ),
+    Variant(
+        "bad_batch_nan",
+        "one step's gradient made NaN (guard: --on-nan rollback)",
+        "a NaN event, rolled back to the last checkpoint; the run ends close to healthy",
+        ("non_finite",),
+        _set(debug__inject_nan_at=lambda c: int(c.train.steps * 0.6)),
+    ),
+    Variant(
+        "no_clipping_high_lr",
+        "clipping off (--clip 0) at a learning rate x10",
+        "gradient-norm spikes of tens of times the median reach the weights; attention logits run away",
+        ("no_clipping",),
+        _set(optim__clip=0.0, optim__lr=lambda c: c.optim.lr * 10),
+        needs_full_length=(
+            "the tiny model's gradient norm stays within a few times its median: no spike large "
+            "enough to call unclipped"
+        ),
+    ),
+    Variant(
+        "beta2_0999_short_warmup",
+        "AdamW beta2 = 0.999 with a 5-step warmup (learning rate x3)",
+        "early gradient-norm spikes while the second moment still remembers the first steps; the loss lags",
+        ("slow_second_moment",),
+        _set(optim__beta2=0.999, optim__warmup=5, optim__lr=lambda c: c.optim.lr * 3),
+        needs_full_length=(
+            "the tiny model's early gradient norms stay close to its later ones: too small a "
+            "model to go unstable while the second moment catches up"
+        ),
+    ),
+    Variant(
+        "constant_lr",
+        "a constant learning rate: no decay (--min-lr = --lr)",
+        "the loss still bounces at the end, above where a decayed run settles",
+        ("no_lr_decay",),
+        _set(optim__min_lr=lambda c: c.optim.lr),
+    ),
+    Variant(
+        "decay_on_everything",
+        "weight decay on norms, biases and embeddings too",
+        "trains a little worse, nothing loud in the curves; the optimizer's recorded groups say it",
+        ("decay_on_norms",),
+        _set(debug__decay_everything=True),
+    ),
+    Variant(
+        "random_targets",
+        "targets drawn at random, independently of the inputs (a data bug)",
+        "the loss stays at ln V: there is nothing to learn",
+        ("loss_stuck",),
+        _set(debug__random_targets=True),
+    ),
+    Variant(
+        "memorising",
+        "a tiny corpus (40 stories) trained 600 steps: ~60 epochs",
+        "the training loss falls toward 0 while the validation loss rises",
+        ("memorising",),
+        _set(data__stories=40, train__steps=600),
+        needs_full_length=(
+            "the tiny model lacks the capacity to memorise even 40 stories: its validation loss is "
+            "still falling at step 600"
+        ),
+    ),
 ]
 BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -189,8 +264,14 @@ def _subprocess_env() -> dict:
     return env
 
 
-def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bool = False, seed: int = 1337,
-                log_lines: list[str] | None = None) -> tuple[Path, str | None]:
+def run_variant(
+    variant: Variant,
+    out: Path,
+    steps: int | None = None,
+    quick: bool = False,
+    seed: int = 1337,
+    log_lines: list[str] | None = None,
+) -> tuple[Path, str | None]:
     """Train one variant into ``out/<name>``; returns (run dir, error message or None)."""
     from ..base.lock import DirectoryBusy
     from ..train import train
@@ -214,15 +295,23 @@ def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bo
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             config_file = out / f".{variant.name}-part1.toml"
             config_file.write_text(first.to_toml(), encoding="utf-8")
-            proc = subprocess.run([sys.executable, "-m", "nanolm", "train", "--config", str(config_file)],
-                                  capture_output=True, text=True, env=_subprocess_env())
+            proc = subprocess.run(
+                [sys.executable, "-m", "nanolm", "train", "--config", str(config_file)],
+                capture_output=True,
+                text=True,
+                env=_subprocess_env(),
+            )
             config_file.unlink()
             lines += proc.stdout.splitlines() + proc.stderr.splitlines()
             if proc.returncode != -9 or not (run_dir / "checkpoints").is_dir():
-                raise NanolmError(f"the first part of {variant.name} did not stop at its checkpoint "
-                                  f"(exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:] or ''}")
-            lines.append(f"--- killed after the checkpoint of step {stop}; resuming "
-                         f"{'without' if cfg.debug.drop_optimizer_state else 'with'} the optimizer state")
+                raise NanolmError(
+                    f"the first part of {variant.name} did not stop at its checkpoint "
+                    f"(exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:] or ''}"
+                )
+            lines.append(
+                f"--- killed after the checkpoint of step {stop}; resuming "
+                f"{'without' if cfg.debug.drop_optimizer_state else 'with'} the optimizer state"
+            )
         train(cfg, log=lines.append, factories=factories(cfg))
     except DirectoryBusy:  # another process writes there: nothing of it is touched, not even train.log
         lines = None
@@ -236,8 +325,15 @@ def run_variant(variant: Variant, out: Path, steps: int | None = None, quick: bo
     return run_dir, error
 
 
-def run_lab(out, only: list[str] | None = None, steps: int | None = None, quick: bool = False, seed: int = 1337,
-            report: bool = True, log=print) -> list[LabResult]:
+def run_lab(
+    out,
+    only: list[str] | None = None,
+    steps: int | None = None,
+    quick: bool = False,
+    seed: int = 1337,
+    report: bool = True,
+    log=print,
+) -> list[LabResult]:
     """Run the variants (all, or ``only``) into ``out``; returns one :class:`LabResult` each
     and writes ``out/lab.md`` and ``out/lab.json``."""
     out = Path(out)
@@ -273,8 +369,18 @@ def _lab(names: list[str], out: Path, steps, quick: bool, seed: int, report: boo
             (run_dir / "diagnosis.txt").write_text(text + "\n", encoding="utf-8")
         found = [f.name for f in findings]
         matched = (not found) if not variant.expect else any(n in variant.expect for n in found)
-        result = LabResult(name, variant.broken, variant.symptom, list(variant.expect), found,
-                           [f.title for f in findings], matched, round(wall, 1), str(run_dir), error)
+        result = LabResult(
+            name,
+            variant.broken,
+            variant.symptom,
+            list(variant.expect),
+            found,
+            [f.title for f in findings],
+            matched,
+            round(wall, 1),
+            str(run_dir),
+            error,
+        )
         if quick and variant.needs_full_length:
             result.extra["needs_full_length"] = variant.needs_full_length
         if report and run_dir.is_dir():
@@ -304,19 +410,25 @@ def _dashboard(run_dir: Path, healthy: Path | None, log) -> str | None:
 
 def format_table(results: list[LabResult], left_out: list[Variant] = ()) -> str:
     """The lab's summary as a Markdown table, then the variants ``--quick`` left out and why."""
-    lines = ["| variant | what is broken | expected symptom | diagnosis | matched | wall |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| variant | what is broken | expected symptom | diagnosis | matched | wall |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in results:
         diagnosis = r.diagnosis() + (f" (run error: {r.error})" if r.error else "")
         if r.extra.get("needs_full_length"):
             diagnosis += f" (at --quick size this variant needs the full length: {r.extra['needs_full_length']})"
-        lines.append(f"| {r.name} | {r.broken} | {r.symptom} | {diagnosis} | {'yes' if r.matched else 'NO'} | "
-                     f"{r.wall_s:.0f} s |")
+        lines.append(
+            f"| {r.name} | {r.broken} | {r.symptom} | {diagnosis} | {'yes' if r.matched else 'NO'} | {r.wall_s:.0f} s |"
+        )
     n = sum(r.matched for r in results)
     lines.append("")
     lines.append(f"{n} of {len(results)} variants matched.")
     if left_out:
-        lines += ["", f"Not run with --quick ({len(left_out)}): their symptom needs the full-size model and run "
-                  "(run `nanolm lab` without --quick, or `--only NAME` to see one miss):"]
+        lines += [
+            "",
+            f"Not run with --quick ({len(left_out)}): their symptom needs the full-size model and run "
+            "(run `nanolm lab` without --quick, or `--only NAME` to see one miss):",
+        ]
         lines += [f"- {v.name}: {v.needs_full_length}" for v in left_out]
     return "\n".join(lines)

@@ -68,8 +68,10 @@ def checkpoint_before(run_dir: Path, step: int, log=print) -> Path:
             return path
         except NanolmError as e:
             log(f"warning: {e}; trying an earlier checkpoint")
-    raise NanolmError(f"{run_dir} has no valid checkpoint before step {step} to replay from "
-                      f"(checkpoints are kept with --keep; --keep 0 keeps them all)")
+    raise NanolmError(
+        f"{run_dir} has no valid checkpoint before step {step} to replay from "
+        f"(checkpoints are kept with --keep; --keep 0 keeps them all)"
+    )
 
 
 def replay(run_dir, step: int, device: str | None = None, log=print) -> dict:
@@ -106,45 +108,92 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
         cast_weights_(model, torch.bfloat16)
     optimizer = factories.optimizer(model, cfg, precision)
     scaler = factories.scaler(enabled=precision.name == "fp16")
-    sampler = WindowSampler(len(data.train), cfg.model.seq_len, t.batch_size * world, seed=t.seed,
-                            random_offset=d.random_offset)
-    batches = factories.batches(data.train.tokens, sampler, cfg.model.seq_len, tokenizer.eos_id, t.grad_accum,
-                            doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
+    sampler = WindowSampler(
+        len(data.train), cfg.model.seq_len, t.batch_size * world, seed=t.seed, random_offset=d.random_offset
+    )
+    batches = factories.batches(
+        data.train.tokens,
+        sampler,
+        cfg.model.seq_len,
+        tokenizer.eos_id,
+        t.grad_accum,
+        doc_mask=d.doc_mask,
+        reset_positions=d.reset_positions,
+        mask_boundary=d.mask_boundary,
+    )
     guard = Guard.from_options(g, out_dir=None, log=log)
-    checkpointer = Checkpointer.for_run(cfg, dist=Distributed("none", dev), run_dir=run_dir, model=model,
-                                        optimizer=optimizer, tokenizer=tokenizer, data_digest=data.digest, log=log,
-                                        stateful={"sampler": batches, "scaler": scaler, "progress": Progress(),
-                                                  "guard": guard, "observer": _Ignored()})
+    checkpointer = Checkpointer.for_run(
+        cfg,
+        dist=Distributed("none", dev),
+        run_dir=run_dir,
+        model=model,
+        optimizer=optimizer,
+        tokenizer=tokenizer,
+        data_digest=data.digest,
+        log=log,
+        stateful={"sampler": batches, "scaler": scaler, "progress": Progress(), "guard": guard, "observer": _Ignored()},
+    )
     start = checkpointer.restore(checkpoint)
-    step_setup = StepSetup(model, optimizer, schedule=partial(learning_rate, o=o, total_steps=t.steps), clip=o.clip,
-                           scaler=scaler, autocast=precision.autocast, guard=guard, loss_fn=factories.loss_fn)
+    step_setup = StepSetup(
+        model,
+        optimizer,
+        schedule=partial(learning_rate, o=o, total_steps=t.steps),
+        clip=o.clip,
+        scaler=scaler,
+        autocast=precision.autocast,
+        guard=guard,
+        loss_fn=factories.loss_fn,
+    )
     log(f"replay: from {checkpoint.name}, re-training steps {start + 1}..{step - 1}, then step {step}")
     for s in range(start + 1, step):
         result = train_step(step_setup, s, batches.next(s))
         if result.action in ("rollback", "stop"):
-            raise NanolmError(f"the run's guard acted at step {s} ({result.action}; see events.jsonl): a replay "
-                              f"can go up to step {s}, not past it")
+            raise NanolmError(
+                f"the run's guard acted at step {s} ({result.action}; see events.jsonl): a replay "
+                f"can go up to step {s}, not past it"
+            )
 
     micro_batches = batches.next(step)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     watch = GradientWatch(model, LayerStats(model, micro_batches[0], precision.autocast), precision.name == "fp16")
     # step N is examined, whatever the guard would have decided, at the rate the run used (its guard's scale)
     lr_scale = guard.lr_scale
-    examined = dataclasses.replace(step_setup, guard=None, watch=lambda s, batches: watch,
-                                   schedule=lambda s: learning_rate(s, o, t.steps) * lr_scale)
+    examined = dataclasses.replace(
+        step_setup,
+        guard=None,
+        watch=lambda s, batches: watch,
+        schedule=lambda s: learning_rate(s, o, t.steps) * lr_scale,
+    )
     result = train_step(examined, step, micro_batches)
     loss, grad_norm = float(result.loss), float(result.grad_norm)
-    report = {"run": str(run_dir), "step": step, "from_checkpoint": checkpoint.name, "replayed_steps": step - 1 - start,
-              "loss": loss, "grad_norm": grad_norm, "lr": result.lr, "clipped": o.clip > 0 and grad_norm > o.clip,
-              "counted_tokens": counted_tokens(micro_batches), "layers": watch.after_update(),
-              "first_window": tokenizer.decode(micro_batches[0].idx[0].tolist())[:300]}
-    logged = next((r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == step and "loss" in r), None) \
-        if (run_dir / "metrics.jsonl").is_file() else None
-    rolled = [e for e in read_events(run_dir) if e.get("action") == "rollback" and isinstance(e.get("to_step"), int)
-              and e["to_step"] < step <= e["step"]]
+    report = {
+        "run": str(run_dir),
+        "step": step,
+        "from_checkpoint": checkpoint.name,
+        "replayed_steps": step - 1 - start,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": result.lr,
+        "clipped": o.clip > 0 and grad_norm > o.clip,
+        "counted_tokens": counted_tokens(micro_batches),
+        "layers": watch.after_update(),
+        "first_window": tokenizer.decode(micro_batches[0].idx[0].tolist())[:300],
+    }
+    logged = (
+        next((r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("step") == step and "loss" in r), None)
+        if (run_dir / "metrics.jsonl").is_file()
+        else None
+    )
+    rolled = [
+        e
+        for e in read_events(run_dir)
+        if e.get("action") == "rollback" and isinstance(e.get("to_step"), int) and e["to_step"] < step <= e["step"]
+    ]
     if rolled:  # the logged row is the second pass's: the run went back past this step and drew new batches
-        report["note"] = (f"the run rolled back from step {rolled[0]['step']} to {rolled[0]['to_step']}: this replay is "
-                          f"the first pass through step {step}; metrics.jsonl keeps the second")
+        report["note"] = (
+            f"the run rolled back from step {rolled[0]['step']} to {rolled[0]['to_step']}: this replay is "
+            f"the first pass through step {step}; metrics.jsonl keeps the second"
+        )
     elif logged is not None:
         report["logged_loss"] = logged["loss"]
         report["matches_the_log"] = _same(loss, logged["loss"])
@@ -161,24 +210,37 @@ def _same(a: float, b: float) -> bool:
 
 
 def format_replay(r: dict) -> str:
-    lines = [f"step {r['step']} of {r['run']}, replayed from {r['from_checkpoint']} ({r['replayed_steps']} steps "
-             f"re-trained first)",
-             f"  loss {r['loss']:.4f} | grad norm {r['grad_norm']:.3f}{' (clipped)' if r['clipped'] else ''} | "
-             f"lr {r['lr']:.2e} | {r['counted_tokens']} counted tokens"]
+    lines = [
+        f"step {r['step']} of {r['run']}, replayed from {r['from_checkpoint']} ({r['replayed_steps']} steps "
+        f"re-trained first)",
+        f"  loss {r['loss']:.4f} | grad norm {r['grad_norm']:.3f}{' (clipped)' if r['clipped'] else ''} | "
+        f"lr {r['lr']:.2e} | {r['counted_tokens']} counted tokens",
+    ]
     if "note" in r:
         lines.append(f"  note: {r['note']}")
     if "logged_loss" in r:
-        lines.append(f"  the run logged loss {r['logged_loss']:.4f} at this step: "
-                     + ("the replay is that step" if r["matches_the_log"] else
-                        "the replay differs (another device or thread count, or --compile, changes the last bits)"))
+        lines.append(
+            f"  the run logged loss {r['logged_loss']:.4f} at this step: "
+            + (
+                "the replay is that step"
+                if r["matches_the_log"]
+                else "the replay differs (another device or thread count, or --compile, changes the last bits)"
+            )
+        )
     layers = r["layers"]
-    for key, label in (("grad_norm", "gradient norm"), ("update_ratio", "update/weight"),
-                       ("attn_logit_max", "max attention logit"), ("mlp_dead_frac", "dead MLP units")):
+    for key, label in (
+        ("grad_norm", "gradient norm"),
+        ("update_ratio", "update/weight"),
+        ("attn_logit_max", "max attention logit"),
+        ("mlp_dead_frac", "dead MLP units"),
+    ):
         values = {k.split("/", 1)[1]: v for k, v in layers.items() if k.startswith(key + "/")}
         if values:
             lines.append(f"  {label:20s} " + "  ".join(f"{name} {v:.3g}" for name, v in values.items()))
     if "origin" in r:
-        lines.append(f"  first non-finite: {r['origin']}" + (f"; {r['bad_ids']} token ids out of range"
-                                                              if r.get("bad_ids") else ""))
+        lines.append(
+            f"  first non-finite: {r['origin']}"
+            + (f"; {r['bad_ids']} token ids out of range" if r.get("bad_ids") else "")
+        )
     lines.append("  first window: " + repr(r["first_window"][:160]))
     return "\n".join(lines)

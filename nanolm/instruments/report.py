@@ -114,12 +114,14 @@ def load_run(path) -> Run:
     if (path / "config.toml").is_file():
         from ..base.documents import read_toml
 
-        config = {section: values for section, values in read_toml(path / "config.toml").items()
-                  if isinstance(values, dict)}
+        config = {
+            section: values for section, values in read_toml(path / "config.toml").items() if isinstance(values, dict)
+        }
     return Run(path, path.name, rows, config)
 
 
 # ---- panels: (name, title, what healthy looks like, what trouble looks like, draw function)
+
 
 @dataclass
 class Panel:
@@ -167,8 +169,16 @@ def _bands(ax, runs, key, x, label="reference band"):
         if not scale:
             continue
         xs = [s * scale for s in band.steps]
-        ax.fill_between(xs, band.lo, band.hi, color="0.6", alpha=0.25, linewidth=0, zorder=0,
-                        label=f"{label} ({len(ref.seeds)} seeds)" if label and len(seen) == 1 else None)
+        ax.fill_between(
+            xs,
+            band.lo,
+            band.hi,
+            color="0.6",
+            alpha=0.25,
+            linewidth=0,
+            zorder=0,
+            label=f"{label} ({len(ref.seeds)} seeds)" if label and len(seen) == 1 else None,
+        )
 
 
 def draw_loss(ax, runs, x, colors):
@@ -177,8 +187,18 @@ def draw_loss(ax, runs, x, colors):
     for run, c in zip(runs, colors):
         multi = len(runs) > 1
         _line(ax, run, "loss", x, c, f"{run.name} train" if multi else "train loss", linewidth=1, alpha=0.7)
-        _line(ax, run, "val_loss", x, c, f"{run.name} val" if multi else "val loss", marker="o", markersize=3,
-              linewidth=1.5, linestyle="-" if not multi else ":")
+        _line(
+            ax,
+            run,
+            "val_loss",
+            x,
+            c,
+            f"{run.name} val" if multi else "val loss",
+            marker="o",
+            markersize=3,
+            linewidth=1.5,
+            linestyle="-" if not multi else ":",
+        )
     _reference_lines(ax, runs, colors, lambda run: run.last("floor_loss"), "floor (entropy of the data)")
     ax.set_ylabel("nats / token")
 
@@ -251,6 +271,7 @@ def draw_memory(ax, runs, x, colors):
 
 def _per_layer(prefix, ylabel, percent=False):
     """Lines per layer: one run in depth colours (viridis), several in their run colours, shaded by depth."""
+
     def draw(ax, runs, x, colors):
         from matplotlib import colormaps
 
@@ -282,7 +303,10 @@ def _per_layer(prefix, ylabel, percent=False):
             top = max((max(line.get_ydata(), default=0) for line in ax.get_lines()), default=0)
             ax.set_ylim(-0.5, max(5.0, 1.15 * top))
         if not single:
-            ax.text(0.01, 0.01, "shade: light = first block, dark = last", transform=ax.transAxes, fontsize=6, alpha=0.7)
+            ax.text(
+                0.01, 0.01, "shade: light = first block, dark = last", transform=ax.transAxes, fontsize=6, alpha=0.7
+            )
+
     return draw
 
 
@@ -293,47 +317,138 @@ def draw_loss_scale(ax, runs, x, colors):
 
 
 PANELS = [
-    Panel("loss", "Loss and validation loss", "falls fast, then slowly; val tracks train; both stay above the floor",
-          "flat from step 1 (LR, data); val rising while train falls (overfitting); below the floor (a leak); "
-          "spikes that do not come back down", ("loss", "val_loss"), draw_loss, log_y=True),
-    Panel("val_bpb", "Validation bits per byte", "falls toward the floor; comparable across tokenizers",
-          "below the floor: the model sees what it should not", ("val_bpb",), draw_bpb),
-    Panel("grad_norm", "Gradient norm (before clipping)", "rises briefly in warmup, then settles below the clip line "
-          "and drifts slowly", "lives above the clip line (every step clipped: LR too high); sudden spikes "
-          "(bad batch, instability); a steady climb late in training", ("grad_norm",), draw_grad_norm, log_y=True),
-    Panel("lr", "Learning rate", "linear warmup, then the cosine down to min_lr (or, with --schedule wsd, flat at the "
-          "peak and a straight line down to min_lr at the end)",
-          "anything else is a schedule bug, or a resume that restarted the schedule", ("lr",), draw_lr),
-    Panel("clipped_frac", "Clipped steps", "many clipped steps in warmup, few or none afterwards",
-          "most steps clipped after warmup: the clip is doing the LR's job; lower --lr", ("clipped_steps",), draw_clipped),
-    Panel("tokens_per_sec", "Throughput", "flat after the first steps",
-          "a slow decline (a leak, thermal throttling, a shared machine); dips at evaluations are expected",
-          ("tokens_per_sec",), draw_tokens),
-    Panel("mfu", "Model FLOPs utilisation", "flat; 30-50 % is good on a GPU in bf16",
-          "a few % on a GPU: the input pipeline, host syncs or tiny batches dominate", ("mfu",), draw_mfu),
-    Panel("memory", "Memory", "flat after the first steps", "a steady climb: something keeps tensors alive",
-          ("rss_mb", "cuda_max_alloc_mb"), draw_memory),
-    Panel("weight_norm", "Weight norm per layer", "slow, smooth change; weight decay keeps it bounded",
-          "a layer that grows without end; a sudden jump", ("weight_norm/",), _per_layer("weight_norm", "‖w‖"), log_y=True),
-    Panel("layer_grad_norm", "Gradient norm per layer", "within an order of magnitude of each other",
-          "first blocks far below the last (vanishing) or far above (exploding)", ("grad_norm/",),
-          _per_layer("grad_norm", "‖g‖, before clipping"), log_y=True),
-    Panel("update_ratio", "Update / weight per layer", "1e-3 to a few 1e-2, highest after warmup, falling with the schedule",
-          "above ~5e-2 for long (weights rewritten within tens of steps); below 1e-5 (a layer that stopped "
-          "learning); one layer far from the others",
-          ("update_ratio/",), _per_layer("update_ratio", "‖Δw‖ / ‖w‖"), log_y=True),
-    Panel("attn_logit_max", "Max attention logit per layer", "grows early, then levels off (tens at most)",
-          "keeps growing (hundreds): attention saturates onto single tokens and training destabilises; "
-          "QK-norm (--qk-norm) bounds it", ("attn_logit_max/",), _per_layer("attn_logit_max", "max q·k/√d")),
-    Panel("mlp_dead_frac", "Dead MLP units per layer", "near 0 %",
-          "a share that keeps rising: units that never open again, capacity lost (LR too high is the usual cause)",
-          ("mlp_dead_frac/",), _per_layer("mlp_dead_frac", "% never open on the probe batch", percent=True)),
-    Panel("act_rms", "Activation RMS per block", "grows with depth and over training, smoothly",
-          "one block exploding relative to its neighbours: where divergence starts", ("act_rms/",),
-          _per_layer("act_rms", "RMS of the residual stream"), log_y=True),
-    Panel("loss_scale", "fp16 loss scale", "settles to a plateau, with rare halvings",
-          "halving again and again: gradients overflow (inf/NaN) on many steps", ("loss_scale",), draw_loss_scale,
-          log_y=True),
+    Panel(
+        "loss",
+        "Loss and validation loss",
+        "falls fast, then slowly; val tracks train; both stay above the floor",
+        "flat from step 1 (LR, data); val rising while train falls (overfitting); below the floor (a leak); "
+        "spikes that do not come back down",
+        ("loss", "val_loss"),
+        draw_loss,
+        log_y=True,
+    ),
+    Panel(
+        "val_bpb",
+        "Validation bits per byte",
+        "falls toward the floor; comparable across tokenizers",
+        "below the floor: the model sees what it should not",
+        ("val_bpb",),
+        draw_bpb,
+    ),
+    Panel(
+        "grad_norm",
+        "Gradient norm (before clipping)",
+        "rises briefly in warmup, then settles below the clip line and drifts slowly",
+        "lives above the clip line (every step clipped: LR too high); sudden spikes "
+        "(bad batch, instability); a steady climb late in training",
+        ("grad_norm",),
+        draw_grad_norm,
+        log_y=True,
+    ),
+    Panel(
+        "lr",
+        "Learning rate",
+        "linear warmup, then the cosine down to min_lr (or, with --schedule wsd, flat at the "
+        "peak and a straight line down to min_lr at the end)",
+        "anything else is a schedule bug, or a resume that restarted the schedule",
+        ("lr",),
+        draw_lr,
+    ),
+    Panel(
+        "clipped_frac",
+        "Clipped steps",
+        "many clipped steps in warmup, few or none afterwards",
+        "most steps clipped after warmup: the clip is doing the LR's job; lower --lr",
+        ("clipped_steps",),
+        draw_clipped,
+    ),
+    Panel(
+        "tokens_per_sec",
+        "Throughput",
+        "flat after the first steps",
+        "a slow decline (a leak, thermal throttling, a shared machine); dips at evaluations are expected",
+        ("tokens_per_sec",),
+        draw_tokens,
+    ),
+    Panel(
+        "mfu",
+        "Model FLOPs utilisation",
+        "flat; 30-50 % is good on a GPU in bf16",
+        "a few % on a GPU: the input pipeline, host syncs or tiny batches dominate",
+        ("mfu",),
+        draw_mfu,
+    ),
+    Panel(
+        "memory",
+        "Memory",
+        "flat after the first steps",
+        "a steady climb: something keeps tensors alive",
+        ("rss_mb", "cuda_max_alloc_mb"),
+        draw_memory,
+    ),
+    Panel(
+        "weight_norm",
+        "Weight norm per layer",
+        "slow, smooth change; weight decay keeps it bounded",
+        "a layer that grows without end; a sudden jump",
+        ("weight_norm/",),
+        _per_layer("weight_norm", "‖w‖"),
+        log_y=True,
+    ),
+    Panel(
+        "layer_grad_norm",
+        "Gradient norm per layer",
+        "within an order of magnitude of each other",
+        "first blocks far below the last (vanishing) or far above (exploding)",
+        ("grad_norm/",),
+        _per_layer("grad_norm", "‖g‖, before clipping"),
+        log_y=True,
+    ),
+    Panel(
+        "update_ratio",
+        "Update / weight per layer",
+        "1e-3 to a few 1e-2, highest after warmup, falling with the schedule",
+        "above ~5e-2 for long (weights rewritten within tens of steps); below 1e-5 (a layer that stopped "
+        "learning); one layer far from the others",
+        ("update_ratio/",),
+        _per_layer("update_ratio", "‖Δw‖ / ‖w‖"),
+        log_y=True,
+    ),
+    Panel(
+        "attn_logit_max",
+        "Max attention logit per layer",
+        "grows early, then levels off (tens at most)",
+        "keeps growing (hundreds): attention saturates onto single tokens and training destabilises; "
+        "QK-norm (--qk-norm) bounds it",
+        ("attn_logit_max/",),
+        _per_layer("attn_logit_max", "max q·k/√d"),
+    ),
+    Panel(
+        "mlp_dead_frac",
+        "Dead MLP units per layer",
+        "near 0 %",
+        "a share that keeps rising: units that never open again, capacity lost (LR too high is the usual cause)",
+        ("mlp_dead_frac/",),
+        _per_layer("mlp_dead_frac", "% never open on the probe batch", percent=True),
+    ),
+    Panel(
+        "act_rms",
+        "Activation RMS per block",
+        "grows with depth and over training, smoothly",
+        "one block exploding relative to its neighbours: where divergence starts",
+        ("act_rms/",),
+        _per_layer("act_rms", "RMS of the residual stream"),
+        log_y=True,
+    ),
+    Panel(
+        "loss_scale",
+        "fp16 loss scale",
+        "settles to a plateau, with rare halvings",
+        "halving again and again: gradients overflow (inf/NaN) on many steps",
+        ("loss_scale",),
+        draw_loss_scale,
+        log_y=True,
+    ),
 ]
 
 X_LABELS = {"step": "optimizer step", "tokens": "training tokens", "time": "seconds"}
@@ -409,13 +524,20 @@ def render(run_dirs, out_dir=None, x: str = "step", dpi: int = 90) -> dict:
     (out / "dashboard.png").write_bytes(_png(fig, int(dpi * 0.75)))
 
     (out / "report.html").write_text(_html(runs, panels, images), encoding="utf-8")
-    return {"out_dir": str(out), "dashboard": str(out / "dashboard.png"), "html": str(out / "report.html"),
-            "panels": [p.name for p in panels]}
+    return {
+        "out_dir": str(out),
+        "dashboard": str(out / "dashboard.png"),
+        "html": str(out / "report.html"),
+        "panels": [p.name for p in panels],
+    }
 
 
 def summary(run: Run) -> dict:
     """A run in one line of figures: where it ended, and how it got there."""
-    median = lambda key: statistics.median(run.series(key)[1]) if run.has(key) else None
+
+    def median(key):
+        return statistics.median(run.series(key)[1]) if run.has(key) else None
+
     return {
         "run": run.name,
         "steps": run.last("step"),
@@ -452,8 +574,10 @@ def _html(runs: list[Run], panels: list[Panel], images: dict[str, bytes]) -> str
     diff_table = ""
     if diffs:
         diff_head = "<th>option</th>" + "".join(f"<th>{html.escape(r.name)}</th>" for r in runs)
-        diff_body = "".join(f"<tr><td>{html.escape(k)}</td>" + "".join(f"<td>{_fmt(v)}</td>" for v in vals) + "</tr>"
-                            for k, vals in diffs.items())
+        diff_body = "".join(
+            f"<tr><td>{html.escape(k)}</td>" + "".join(f"<td>{_fmt(v)}</td>" for v in vals) + "</tr>"
+            for k, vals in diffs.items()
+        )
         diff_table = f"<h2>Options that differ</h2><table><tr>{diff_head}</tr>{diff_body}</table>"
     figures = "".join(
         f'<figure id="panel-{p.name}"><img alt="{html.escape(p.title)}" '

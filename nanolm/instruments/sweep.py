@@ -69,7 +69,7 @@ def final_loss(run_dir: Path) -> tuple[float | None, str]:
     if evals and math.isfinite(evals[-1]["val_loss"]):
         return evals[-1]["val_loss"], "val"
     train = [r["loss"] for r in rows if r.get("step", 0) > 0 and isinstance(r.get("loss"), (int, float))]
-    tail = train[-max(1, len(train) // 10):]
+    tail = train[-max(1, len(train) // 10) :]
     if tail and all(math.isfinite(x) for x in tail):
         return statistics.fmean(tail), "train"
     return None, "none"
@@ -89,12 +89,13 @@ def _config_for(args: argparse.Namespace, lr: float, out_dir: Path, steps_given:
     return config_from_args(ns)
 
 
-def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float = 0.1, report: bool = True,
-              log=print) -> dict:
+def run_sweep(
+    args: argparse.Namespace, lrs: list[float], out, tolerance: float = 0.1, report: bool = True, log=print
+) -> dict:
     """Train at every rate in ``lrs`` into ``out/lr_<value>``; returns the table and the
     recommendation (see the module docstring for the rule)."""
-    from ..run.config import load_toml
     from ..base.lock import RunLock
+    from ..run.config import load_toml
 
     if not 0 <= tolerance < 10:
         raise NanolmError(f"--tolerance must be a fraction such as 0.1, got {tolerance}")
@@ -103,8 +104,9 @@ def run_sweep(args: argparse.Namespace, lrs: list[float], out, tolerance: float 
     if hasattr(args, "lr"):
         raise NanolmError("nanolm sweep takes its learning rates from --lrs; do not pass --lr")
     out = Path(out)
-    steps_given = hasattr(args, "steps") or "steps" in (load_toml(args.config).get("train", {})
-                                                        if getattr(args, "config", None) else {})
+    steps_given = hasattr(args, "steps") or "steps" in (
+        load_toml(args.config).get("train", {}) if getattr(args, "config", None) else {}
+    )
     configs = {lr: _config_for(args, lr, out / lr_dir_name(lr), steps_given) for lr in lrs}  # validate all first
     with RunLock() as lock:  # one writer: a second sweep on --out is refused, not mixed in
         lock.take(out, flag="--out", log=log)
@@ -140,20 +142,33 @@ def _sweep(configs: dict, out: Path, tolerance: float, report: bool, log) -> dic
         findings = diagnose(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         loss, kind = final_loss(run_dir) if (run_dir / "metrics.jsonl").is_file() else (None, "none")
         bad = [f.name for f in findings if f.name in UNSTABLE_FINDINGS]
-        reasons = ([f"stopped: {error}"] if error else []) + bad + ([] if loss is not None else ["no finite final loss"])
-        rows.append({"lr": lr, "run_dir": str(run_dir), "final_loss": loss, "final_loss_kind": kind,
-                     "findings": [f.name for f in findings], "unstable_because": reasons,
-                     "wall_s": round(time.perf_counter() - started, 1)})
-        log(f"sweep: lr {lr:g}: final {kind} loss {loss if loss is None else round(loss, 4)}"
-            f"{'; unstable: ' + ', '.join(reasons) if reasons else ''}")
+        reasons = (
+            ([f"stopped: {error}"] if error else []) + bad + ([] if loss is not None else ["no finite final loss"])
+        )
+        rows.append(
+            {
+                "lr": lr,
+                "run_dir": str(run_dir),
+                "final_loss": loss,
+                "final_loss_kind": kind,
+                "findings": [f.name for f in findings],
+                "unstable_because": reasons,
+                "wall_s": round(time.perf_counter() - started, 1),
+            }
+        )
+        log(
+            f"sweep: lr {lr:g}: final {kind} loss {loss if loss is None else round(loss, 4)}"
+            f"{'; unstable: ' + ', '.join(reasons) if reasons else ''}"
+        )
     recommended = recommend(rows, tolerance)
     result = {"rows": rows, "recommended_lr": recommended, "tolerance": tolerance, "out": str(out)}
     if report:
         from .report import render
 
         try:
-            result["dashboard"] = render([r["run_dir"] for r in rows if Path(r["run_dir"], "metrics.jsonl").is_file()],
-                                         out / "report")["dashboard"]
+            result["dashboard"] = render(
+                [r["run_dir"] for r in rows if Path(r["run_dir"], "metrics.jsonl").is_file()], out / "report"
+            )["dashboard"]
         except NanolmError as e:
             log(f"sweep: no plots ({e})")
     (out / "sweep.md").write_text(format_sweep(result) + "\n", encoding="utf-8")
@@ -187,8 +202,12 @@ def format_sweep(result: dict) -> str:
         lines.append(f"| {r['lr']:g}{mark} | {loss} | {status} | {', '.join(r['findings']) or '-'} |")
     lines.append("")
     if result["recommended_lr"] is None:
-        lines.append("No stable learning rate: every run stopped, spiked, diverged or did not learn; try smaller rates.")
+        lines.append(
+            "No stable learning rate: every run stopped, spiked, diverged or did not learn; try smaller rates."
+        )
     else:
-        lines.append(f"Recommended: --lr {result['recommended_lr']:g}, the largest stable rate (finite, no spike or "
-                     f"divergence, final loss within {result['tolerance']:.0%} of the best).")
+        lines.append(
+            f"Recommended: --lr {result['recommended_lr']:g}, the largest stable rate (finite, no spike or "
+            f"divergence, final loss within {result['tolerance']:.0%} of the best)."
+        )
     return "\n".join(lines)

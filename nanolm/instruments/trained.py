@@ -23,8 +23,16 @@ from ..run.final import load_run
 from ..sample import sample_text
 
 
-def generate(run_dir, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8,
-             top_k: int | None = 50, top_p: float | None = None, seed: int = 0, device: str = "auto") -> str:
+def generate(
+    run_dir,
+    prompt: str = "",
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int = 0,
+    device: str = "auto",
+) -> str:
     """Text continuing ``prompt`` from the weights of ``run_dir`` (repeatable for a seed)."""
     if max_new_tokens <= 0:
         raise NanolmError(f"--max-new-tokens must be positive, got {max_new_tokens}")
@@ -60,8 +68,15 @@ def evaluate_file(run_dir, path, batch_size: int = 16, device: str = "auto") -> 
     seq_len = min(config.model.seq_len, len(tokens) - 1)  # a file shorter than a window is one window
     split = Split(tokens, np.zeros(0, dtype=np.int64), sum(len(t.encode("utf-8")) for t in texts))
     d = config.data
-    batches = eval_batches(split, seq_len, batch_size, tokenizer.eos_id, doc_mask=d.doc_mask,
-                           reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
+    batches = eval_batches(
+        split,
+        seq_len,
+        batch_size,
+        tokenizer.eos_id,
+        doc_mask=d.doc_mask,
+        reset_positions=d.reset_positions,
+        mask_boundary=d.mask_boundary,
+    )
     result = estimate_loss(model, batches, torch.from_numpy(tokenizer.token_bytes()), dev)
     result["ppl"] = float(np.exp(min(result["loss"], 700.0)))
     return result

@@ -59,8 +59,7 @@ def tf32_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def refuse_what_the_device_cannot_do(device: torch.device, deterministic: bool, compile: bool,
-                                     attention: str) -> None:
+def refuse_what_the_device_cannot_do(device: torch.device, deterministic: bool, compile: bool, attention: str) -> None:
     """One line naming the fix for a request this device cannot honour, before anything is written.
 
     PyTorch's own failures come later and less plainly: MPS has no deterministic version of
@@ -69,22 +68,29 @@ def refuse_what_the_device_cannot_do(device: torch.device, deterministic: bool, 
     GPU is a Triton kernel.
     """
     if device.type == "mps" and deterministic:
-        raise NanolmError("--deterministic: PyTorch has no deterministic kernels for every operation on MPS; "
-                          "drop --deterministic, or use --device cpu for a bit-exact run")
+        raise NanolmError(
+            "--deterministic: PyTorch has no deterministic kernels for every operation on MPS; "
+            "drop --deterministic, or use --device cpu for a bit-exact run"
+        )
     if compile and device.type == "cuda" and not has_triton():
-        raise NanolmError("--compile on a CUDA GPU needs Triton, which this PyTorch lacks: "
-                          "pip install triton, or drop --compile")
+        raise NanolmError(
+            "--compile on a CUDA GPU needs Triton, which this PyTorch lacks: pip install triton, or drop --compile"
+        )
     if compile and device.type == "cpu" and not has_cpp_compiler():
-        raise NanolmError("--compile on the CPU needs a C++ compiler (g++ or clang++) on the PATH: "
-                          "install one, or drop --compile")
+        raise NanolmError(
+            "--compile on the CPU needs a C++ compiler (g++ or clang++) on the PATH: install one, or drop --compile"
+        )
     if attention == "flex" and device.type != "cuda":
         raise NanolmError("FlexAttention has no backward pass on CPU or MPS; use --attention sdpa (or auto)")
     if attention == "flex" and not has_triton():
-        raise NanolmError("--attention flex on a CUDA GPU needs Triton, which this PyTorch lacks: "
-                          "pip install triton, or use --attention sdpa (or auto)")
+        raise NanolmError(
+            "--attention flex on a CUDA GPU needs Triton, which this PyTorch lacks: "
+            "pip install triton, or use --attention sdpa (or auto)"
+        )
 
 
 def is_out_of_memory(error: BaseException) -> bool:
     """CUDA raises ``torch.OutOfMemoryError``; MPS a plain RuntimeError ("MPS backend out of memory")."""
     return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower()
+    )

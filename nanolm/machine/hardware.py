@@ -115,7 +115,9 @@ def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.fl
             return 2 * n**3 / max(best, 1e-9)
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, declared: float = 0.0) -> tuple[float | None, str]:
+def peak_flops(
+    device: torch.device, dtype: torch.dtype = torch.float32, declared: float = 0.0
+) -> tuple[float | None, str]:
     """The peak FLOP/s that MFU is measured against, and where the figure comes from.
 
     Order: a declared value (``--peak-flops``) wins; a CUDA GPU is looked up in

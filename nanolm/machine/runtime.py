@@ -33,12 +33,21 @@ def settings_restored():
     another thread count without asking for them. The random generators a run seeds (Python's,
     NumPy's, torch's on the CPU, and on each GPU already in use) continue where the caller's were.
     """
-    before = (torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision(),
-              torch.backends.cudnn.benchmark, torch.backends.cudnn.allow_tf32, torch.get_num_threads(),
-              os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_float32_matmul_precision(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_num_threads(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
     cuda_in_use = torch.cuda.is_available() and torch.cuda.is_initialized()
-    generators = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-                  torch.cuda.get_rng_state_all() if cuda_in_use else None)
+    generators = (
+        random.getstate(),
+        np.random.get_state(),
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if cuda_in_use else None,
+    )
     try:
         yield
     finally:
@@ -100,8 +109,13 @@ def capture_rng(device: torch.device) -> dict:
     version, py_state, py_gauss = random.getstate()
     state = {
         "python": {"version": version, "state": list(py_state), "gauss": py_gauss},
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "torch": torch.get_rng_state(),
     }
     device = torch.device(device)
@@ -166,9 +180,11 @@ def configure_threads(threads: int, device: torch.device, log=print, auto: bool 
     cores, used = os.cpu_count() or 1, torch.get_num_threads()
     busy = os.getloadavg()[0]
     if used > 1 and busy + used > cores + 0.75:
-        log(f"cpu: {used} threads on {cores} cores while the load average says other processes keep ~{busy:.1f} "
+        log(
+            f"cpu: {used} threads on {cores} cores while the load average says other processes keep ~{busy:.1f} "
             f"busy; PyTorch's threads then wait on each other, and the steps can run several times slower "
-            f"(docs/benchmarks.md). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}.")
+            f"(docs/benchmarks.md). If this run crawls, try --threads {max(1, cores - math.ceil(busy - 0.25))}."
+        )
 
 
 class TrainingInterrupted(Exception):
@@ -302,11 +318,16 @@ class StopOnSignal(StopSignals):
             self.requested, self._requested_at = signum, self._clock()
 
     def _handle(self, signum, frame):
-        if (self.requested is not None and signum == signal.SIGINT
-                and self._clock() - self._requested_at > SAME_REQUEST_SECONDS):
-            raise StoppedAtOnce(f"{stop_reason(signum)} after {stop_reason(self.requested)}: stopped at once, without "
-                                f"saving this step; run the same command again to resume from the last checkpoint",
-                                self.requested)
+        if (
+            self.requested is not None
+            and signum == signal.SIGINT
+            and self._clock() - self._requested_at > SAME_REQUEST_SECONDS
+        ):
+            raise StoppedAtOnce(
+                f"{stop_reason(signum)} after {stop_reason(self.requested)}: stopped at once, without "
+                f"saving this step; run the same command again to resume from the last checkpoint",
+                self.requested,
+            )
         self.request(signum)
 
     def __enter__(self):

@@ -57,8 +57,15 @@ class ThreadTuner:
     micro-batch, its gradients thrown away (``nanolm.step.discarded_pass``). The loop calls
     :meth:`before_step` by name, between drawing a step's batches and taking the step."""
 
-    def __init__(self, trial_pass: Callable | None, log=print, cores: int | None = None,
-                 clock=time.perf_counter, load=None, enabled: bool = True):
+    def __init__(
+        self,
+        trial_pass: Callable | None,
+        log=print,
+        cores: int | None = None,
+        clock=time.perf_counter,
+        load=None,
+        enabled: bool = True,
+    ):
         self.trial_pass, self.log, self.clock = trial_pass, log, clock
         self.load = load or (lambda: os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0)
         self.cores = cores or os.cpu_count() or 1

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from ..base.documents import LARGEST_INTEGER, read_toml
+from ..base.files import require_utf8
 from ..batches import DEFAULT_EVAL_WINDOWS
 from ..distributed import torchrun_env
 from ..errors import NanolmError, brief
@@ -32,8 +34,6 @@ from ..tokenizer import EOS, MAX_BPE_VOCAB
 from ..tokenizer import KINDS as TOKENIZER_KINDS
 from ..watch.guards import NAN_ACTIONS, SPIKE_ACTIONS
 from ..watch.sinks import LOG_SINKS, PROGRESS_MODES, parse_sinks
-from ..base.documents import LARGEST_INTEGER, read_toml
-from ..base.files import require_utf8
 
 MAX_THREADS = 1024
 """The most CPU threads a run may ask for: twice the logical cores of the largest CPUs made. Far
@@ -65,13 +65,19 @@ class ModelOptions:
     rope_theta: float = option(10000.0, "RoPE base: larger means slower-turning positions")
     tie_embeddings: bool = option(True, "share the input embedding and the output head")
     dropout: float = option(0.0, "dropout probability (0 is right for single-epoch pretraining)")
-    attention: str = option("auto", "attention kernel for the document mask: auto (FlexAttention on CUDA with Triton, "
-                            "SDPA with a boolean mask elsewhere), sdpa, or flex (CUDA only for training)",
-                            choices=ATTENTION_BACKENDS)
-    loss_chunk: int = option(0, "positions whose logits the output head and the loss compute at once in training and "
-                             "evaluation: auto (or 0) keeps a chunk's fp32 logits in a CPU's cache (~4 MB) or under "
-                             "~128 MB on a GPU; a number >= batch_size x seq_len computes them whole (docs/benchmarks.md)",
-                             parse=count_or_auto)
+    attention: str = option(
+        "auto",
+        "attention kernel for the document mask: auto (FlexAttention on CUDA with Triton, "
+        "SDPA with a boolean mask elsewhere), sdpa, or flex (CUDA only for training)",
+        choices=ATTENTION_BACKENDS,
+    )
+    loss_chunk: int = option(
+        0,
+        "positions whose logits the output head and the loss compute at once in training and "
+        "evaluation: auto (or 0) keeps a chunk's fp32 logits in a CPU's cache (~4 MB) or under "
+        "~128 MB on a GPU; a number >= batch_size x seq_len computes them whole (docs/benchmarks.md)",
+        parse=count_or_auto,
+    )
 
     def gpt_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))
@@ -79,15 +85,20 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    data: str = option("", "training text: a .txt/.jsonl/.parquet file, a directory of .txt files, "
-                       "or a directory made by `nanolm prepare`; empty = the built-in story corpus")
+    data: str = option(
+        "",
+        "training text: a .txt/.jsonl/.parquet file, a directory of .txt files, "
+        "or a directory made by `nanolm prepare`; empty = the built-in story corpus",
+    )
     tokenizer: str = option("bpe", "tokenizer to train on the data", choices=TOKENIZER_KINDS)
     vocab_size: int = option(512, "BPE vocabulary size, EOS included (257 to 16777216); ignored by char")
     val_fraction: float = option(0.1, "share of the data held out for validation (whole documents)")
     doc_mask: bool = option(True, "block-diagonal attention: tokens never attend across a document boundary")
     reset_positions: bool = option(False, "restart RoPE positions at 0 at every document")
-    mask_boundary: bool = option(False, "do not count the prediction of a document's first token "
-                                 "(by default EOS opens each document and predicts it)")
+    mask_boundary: bool = option(
+        False,
+        "do not count the prediction of a document's first token (by default EOS opens each document and predicts it)",
+    )
     random_offset: bool = option(False, "shift the window grid by a random offset every epoch")
     separator: str = option(EOS, "line that separates documents in a .txt file")
     text_field: str = option("text", "field (jsonl) or column (parquet) holding the text")
@@ -99,20 +110,30 @@ class OptimOptions:
     lr: float = option(3e-3, "peak learning rate")
     min_lr: float | None = option(None, "final learning rate, where the decay ends (default: lr / 10)")
     warmup: int | None = option(None, "linear warmup steps (default: steps / 10, at most 200)")
-    schedule: str = option("cosine", "the rate after warmup: cosine (decays from the end of warmup to --min-lr at "
-                           "--steps) or wsd (warmup-stable-decay: the peak rate until the last --decay-fraction of "
-                           "the steps, then a straight line down to --min-lr; docs/speedrun.md)", choices=SCHEDULES)
+    schedule: str = option(
+        "cosine",
+        "the rate after warmup: cosine (decays from the end of warmup to --min-lr at "
+        "--steps) or wsd (warmup-stable-decay: the peak rate until the last --decay-fraction of "
+        "the steps, then a straight line down to --min-lr; docs/speedrun.md)",
+        choices=SCHEDULES,
+    )
     decay_fraction: float = option(0.2, "with --schedule wsd: the share of --steps spent decaying at the end")
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (never on norms, biases, embeddings)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     clip: float = option(1.0, "clip the global gradient norm to this value (0 = never clip)")
-    optimizer: str = option("adamw", "adamw, or muon: Muon (orthogonalised momentum) on the hidden matrices, AdamW on "
-                            "embeddings, head, norms and biases (needs PyTorch >= 2.9; docs/speedrun.md)",
-                            choices=OPTIMIZERS)
-    muon_lr: float | None = option(None, "with --optimizer muon: peak learning rate of the hidden matrices (default: "
-                                   "--lr; Muon's update is scaled to AdamW's size, so the same rate means the same "
-                                   "step); the schedule (warmup, then --schedule's decay) applies to it alike")
+    optimizer: str = option(
+        "adamw",
+        "adamw, or muon: Muon (orthogonalised momentum) on the hidden matrices, AdamW on "
+        "embeddings, head, norms and biases (needs PyTorch >= 2.9; docs/speedrun.md)",
+        choices=OPTIMIZERS,
+    )
+    muon_lr: float | None = option(
+        None,
+        "with --optimizer muon: peak learning rate of the hidden matrices (default: "
+        "--lr; Muon's update is scaled to AdamW's size, so the same rate means the same "
+        "step); the schedule (warmup, then --schedule's decay) applies to it alike",
+    )
     muon_momentum: float = option(0.95, "with --optimizer muon: Muon's (Nesterov) momentum")
 
 
@@ -123,68 +144,121 @@ class TrainOptions:
     grad_accum: int = option(1, "micro-batches per optimizer step (tokens/step = batch_size × grad_accum × seq_len)")
     seed: int = option(1337, "seed for initialisation, data order and sampling")
     device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    threads: int = option(0, "CPU threads for PyTorch's kernels: auto (or 0) measures, at the second step and "
-                          "whenever the machine's load changes, which count (all cores, half, one) runs the step "
-                          "fastest, and switches only for a clear gain: on a machine other jobs also use, fewer "
-                          "threads than cores is often several times faster. A number (up to 1024) fixes the count "
-                          "(--deterministic keeps PyTorch's default); docs/benchmarks.md", parse=count_or_auto)
-    process_tuning: str = option("auto", "auto: the nanolm command (and python -m nanolm.train) tunes its own process "
-                                 "for the run: on a CPU the C allocator keeps freed buffers for the next step, and the "
-                                 "garbage collector skips the objects that live until exit; off: neither. train() "
-                                 "called from Python never tunes the process (docs/benchmarks.md)",
-                                 choices=("auto", "off"))
-    compile: bool = option(False, "torch.compile the model: tens of seconds of compiling at start-up, then faster steps, "
-                           "so it pays only on long runs (docs/benchmarks.md has the break-even on a CPU); "
-                           "leave it off while debugging")
-    precision: str = option("auto", "number format: auto (bf16 on a GPU or CPU that multiplies it natively, fp16 with loss scaling on a GPU "
-                            "without bf16 tensor cores such as a T4 or V100, else fp32), fp32, bf16 or fp16 "
-                            "(autocast over fp32 weights; fp16 adds loss scaling), bf16-pure (bf16 weights, "
-                            "stochastic rounding); see docs/precision.md", choices=PRECISIONS)
-    fp32_master: bool = option(False, "with --precision bf16-pure: keep an fp32 master copy of the weights in the "
-                               "optimizer (round to nearest) instead of stochastic rounding")
+    threads: int = option(
+        0,
+        "CPU threads for PyTorch's kernels: auto (or 0) measures, at the second step and "
+        "whenever the machine's load changes, which count (all cores, half, one) runs the step "
+        "fastest, and switches only for a clear gain: on a machine other jobs also use, fewer "
+        "threads than cores is often several times faster. A number (up to 1024) fixes the count "
+        "(--deterministic keeps PyTorch's default); docs/benchmarks.md",
+        parse=count_or_auto,
+    )
+    process_tuning: str = option(
+        "auto",
+        "auto: the nanolm command (and python -m nanolm.train) tunes its own process "
+        "for the run: on a CPU the C allocator keeps freed buffers for the next step, and the "
+        "garbage collector skips the objects that live until exit; off: neither. train() "
+        "called from Python never tunes the process (docs/benchmarks.md)",
+        choices=("auto", "off"),
+    )
+    compile: bool = option(
+        False,
+        "torch.compile the model: tens of seconds of compiling at start-up, then faster steps, "
+        "so it pays only on long runs (docs/benchmarks.md has the break-even on a CPU); "
+        "leave it off while debugging",
+    )
+    precision: str = option(
+        "auto",
+        "number format: auto (bf16 on a GPU or CPU that multiplies it natively, fp16 with loss scaling on a GPU "
+        "without bf16 tensor cores such as a T4 or V100, else fp32), fp32, bf16 or fp16 "
+        "(autocast over fp32 weights; fp16 adds loss scaling), bf16-pure (bf16 weights, "
+        "stochastic rounding); see docs/precision.md",
+        choices=PRECISIONS,
+    )
+    fp32_master: bool = option(
+        False,
+        "with --precision bf16-pure: keep an fp32 master copy of the weights in the "
+        "optimizer (round to nearest) instead of stochastic rounding",
+    )
     eval_every: int = option(100, "evaluate on the validation set every N steps (and at the end)")
-    eval_at_start: bool = option(True, "evaluate the untrained model at step 0: the reference that `nanolm diagnose` "
-                                 "compares the run with (val_worse_than_start); skipping it saved 1-3 %% of the CPU speedrun")
-    eval_windows: int | None = option(None, "validation windows per evaluation: one fixed set whatever --batch-size, "
-                                      "--grad-accum or the ranks (default: 320 for a new run, its own for a run continued)")
-    eval_batches: int | None = option(None, "the earlier sizing, still read: N batches of --batch-size per rank "
-                                      "(--eval-windows wins)")
+    eval_at_start: bool = option(
+        True,
+        "evaluate the untrained model at step 0: the reference that `nanolm diagnose` "
+        "compares the run with (val_worse_than_start); skipping it saved 1-3 %% of the CPU speedrun",
+    )
+    eval_windows: int | None = option(
+        None,
+        "validation windows per evaluation: one fixed set whatever --batch-size, "
+        "--grad-accum or the ranks (default: 320 for a new run, its own for a run continued)",
+    )
+    eval_batches: int | None = option(
+        None, "the earlier sizing, still read: N batches of --batch-size per rank (--eval-windows wins)"
+    )
     log_every: int = option(10, "print and record training metrics every N steps")
-    stats_every: int = option(50, "record per-layer statistics after step 1 and every N steps: weight and gradient "
-                              "norms, update/weight ratios, max attention logit, dead MLP units, activation RMS (0 = never)")
+    stats_every: int = option(
+        50,
+        "record per-layer statistics after step 1 and every N steps: weight and gradient "
+        "norms, update/weight ratios, max attention logit, dead MLP units, activation RMS (0 = never)",
+    )
     log: str = option("", "extra metric sinks beside metrics.jsonl, comma-separated: " + ", ".join(LOG_SINKS))
-    progress: str = option("auto", "terminal output: a progress bar, plain lines, or auto (a bar on a terminal)",
-                           choices=PROGRESS_MODES)
-    peak_flops: float = option(0.0, "peak FLOP/s that MFU is measured against (0 = the data sheet for known GPUs, "
-                               "a measured matmul on CPU)")
-    out_dir: str = option("", "run directory (default: runs/<data name>, or runs/<data name>-N when that holds a "
-                          "different run; the same command always finds its own run there and continues it)")
+    progress: str = option(
+        "auto", "terminal output: a progress bar, plain lines, or auto (a bar on a terminal)", choices=PROGRESS_MODES
+    )
+    peak_flops: float = option(
+        0.0, "peak FLOP/s that MFU is measured against (0 = the data sheet for known GPUs, a measured matmul on CPU)"
+    )
+    out_dir: str = option(
+        "",
+        "run directory (default: runs/<data name>, or runs/<data name>-N when that holds a "
+        "different run; the same command always finds its own run there and continues it)",
+    )
     sample_tokens: int = option(200, "tokens to generate as a sample at the end (0 = none)")
-    target_val_bpb: float = option(0.0, "stop as soon as an evaluation's val bpb is at or below this, as if --steps "
-                                   "were reached there (0 = never); the LR schedule still spans --steps")
-    ckpt_every: int | None = option(None, "save a checkpoint every N steps (default: at every evaluation); "
-                                    "one is always saved at the end and on SIGINT/SIGTERM")
+    target_val_bpb: float = option(
+        0.0,
+        "stop as soon as an evaluation's val bpb is at or below this, as if --steps "
+        "were reached there (0 = never); the LR schedule still spans --steps",
+    )
+    ckpt_every: int | None = option(
+        None,
+        "save a checkpoint every N steps (default: at every evaluation); "
+        "one is always saved at the end and on SIGINT/SIGTERM",
+    )
     keep: int = option(3, "checkpoints to keep: the newest K plus the best by validation loss (0 = keep all)")
-    resume: str = option("auto", "auto: continue the run in --out-dir from its newest valid checkpoint, finish it, "
-                         "or restart an attempt that never saved one; never: only start a new run (a directory "
-                         "with checkpoints is refused); or the path of a checkpoint (or run) directory to continue from")
-    tf32: bool = option(True, "with --precision fp32 on an Ampere or later NVIDIA GPU: matrix products on TF32 tensor "
-                        "cores (fp32 range, 10-bit mantissa, fp32 accumulation; several times fp32's peak); --no-tf32 keeps full fp32 "
-                        "products (docs/gpu.md)")
-    deterministic: bool = option(False, "make every kernel deterministic (torch.use_deterministic_algorithms); "
-                                 "free on CPU, slower on GPU")
-    dist: str = option("auto", "data parallelism under torchrun: ddp (every rank holds the whole model), fsdp "
-                       "(weights, gradients and optimizer state sharded across ranks), none, or auto (ddp when "
-                       "torchrun started several processes); see docs/distributed.md",
-                       choices=("auto", "none", "ddp", "fsdp"))
+    resume: str = option(
+        "auto",
+        "auto: continue the run in --out-dir from its newest valid checkpoint, finish it, "
+        "or restart an attempt that never saved one; never: only start a new run (a directory "
+        "with checkpoints is refused); or the path of a checkpoint (or run) directory to continue from",
+    )
+    tf32: bool = option(
+        True,
+        "with --precision fp32 on an Ampere or later NVIDIA GPU: matrix products on TF32 tensor "
+        "cores (fp32 range, 10-bit mantissa, fp32 accumulation; several times fp32's peak); --no-tf32 keeps full fp32 "
+        "products (docs/gpu.md)",
+    )
+    deterministic: bool = option(
+        False, "make every kernel deterministic (torch.use_deterministic_algorithms); free on CPU, slower on GPU"
+    )
+    dist: str = option(
+        "auto",
+        "data parallelism under torchrun: ddp (every rank holds the whole model), fsdp "
+        "(weights, gradients and optimizer state sharded across ranks), none, or auto (ddp when "
+        "torchrun started several processes); see docs/distributed.md",
+        choices=("auto", "none", "ddp", "fsdp"),
+    )
 
 
 @dataclass
 class GuardOptions:
-    on_nan: str = option("rollback", "on a non-finite loss or gradient: stop, skip the update, or roll back to the "
-                         "last checkpoint and skip the offending batches", choices=NAN_ACTIONS)
-    on_spike: str = option("warn", "on a loss or gradient-norm spike: off, warn, skip the update, or roll back",
-                           choices=SPIKE_ACTIONS)
+    on_nan: str = option(
+        "rollback",
+        "on a non-finite loss or gradient: stop, skip the update, or roll back to the "
+        "last checkpoint and skip the offending batches",
+        choices=NAN_ACTIONS,
+    )
+    on_spike: str = option(
+        "warn", "on a loss or gradient-norm spike: off, warn, skip the update, or roll back", choices=SPIKE_ACTIONS
+    )
     spike_threshold: float = option(6.0, "a spike is this many robust standard deviations above the recent median")
     spike_window: int = option(50, "steps of history the spike detector compares with")
     max_rollbacks: int = option(3, "stop with a report after this many rollbacks")
@@ -201,28 +275,45 @@ class DebugOptions:
     replace the run's own.
     """
 
-    drop_optimizer_state: bool = option(False, "on resume, do not restore the optimizer state", flag="debug-drop-optimizer-state")
-    kill_after_checkpoint: int = option(0, "SIGKILL this process right after saving the checkpoint of this step",
-                                        flag="debug-kill-after-checkpoint")
-    unshifted_targets: bool = option(False, "targets are the inputs themselves, not the next tokens",
-                                     flag="debug-unshifted-targets")
+    drop_optimizer_state: bool = option(
+        False, "on resume, do not restore the optimizer state", flag="debug-drop-optimizer-state"
+    )
+    kill_after_checkpoint: int = option(
+        0, "SIGKILL this process right after saving the checkpoint of this step", flag="debug-kill-after-checkpoint"
+    )
+    unshifted_targets: bool = option(
+        False, "targets are the inputs themselves, not the next tokens", flag="debug-unshifted-targets"
+    )
     non_causal: bool = option(False, "attention sees the whole window, future included", flag="debug-non-causal")
-    loss_not_averaged: bool = option(False, "micro-batch losses are not divided by the accumulation count",
-                                     flag="debug-loss-not-averaged")
+    loss_not_averaged: bool = option(
+        False, "micro-batch losses are not divided by the accumulation count", flag="debug-loss-not-averaged"
+    )
     no_loss_scaling: bool = option(False, "fp16 without loss scaling", flag="debug-no-loss-scaling")
-    corrupt_data: float = option(0.0, "replace this share of the training tokens (one contiguous region) with random ids",
-                                 flag="debug-corrupt-data")
+    corrupt_data: float = option(
+        0.0,
+        "replace this share of the training tokens (one contiguous region) with random ids",
+        flag="debug-corrupt-data",
+    )
     inject_nan_at: int = option(0, "make one gradient non-finite at this step", flag="debug-inject-nan-at")
-    inject_spike_at: int = option(0, "multiply this step's loss and gradients by 100, like one bad batch",
-                                  flag="debug-inject-spike-at")
-    decay_everything: bool = option(False, "apply weight decay to every parameter: norms, biases and embeddings too",
-                                    flag="debug-decay-everything")
-    random_targets: bool = option(False, "targets drawn at random, independently of the inputs",
-                                  flag="debug-random-targets")
+    inject_spike_at: int = option(
+        0, "multiply this step's loss and gradients by 100, like one bad batch", flag="debug-inject-spike-at"
+    )
+    decay_everything: bool = option(
+        False, "apply weight decay to every parameter: norms, biases and embeddings too", flag="debug-decay-everything"
+    )
+    random_targets: bool = option(
+        False, "targets drawn at random, independently of the inputs", flag="debug-random-targets"
+    )
 
 
-SECTIONS = {"model": ModelOptions, "data": DataOptions, "optim": OptimOptions, "train": TrainOptions,
-            "guard": GuardOptions, "debug": DebugOptions}
+SECTIONS = {
+    "model": ModelOptions,
+    "data": DataOptions,
+    "optim": OptimOptions,
+    "train": TrainOptions,
+    "guard": GuardOptions,
+    "debug": DebugOptions,
+}
 HIDDEN_SECTIONS = {"debug"}
 
 
@@ -270,24 +361,52 @@ class RunConfig:
                 if isinstance(value, str):
                     require_utf8(f"--{flag_name(f.name)}", value, "the run's config.toml must hold it")
                 if isinstance(value, int) and not isinstance(value, bool):  # TOML's integers are 64-bit
-                    need(-LARGEST_INTEGER <= value < LARGEST_INTEGER, f.name, value,
-                         "below 2^63 (the run's config.toml holds 64-bit integers)")
-        for name, value in (("steps", t.steps), ("batch_size", t.batch_size), ("grad_accum", t.grad_accum),
-                            ("eval_every", t.eval_every), ("log_every", t.log_every),
-                            ("stories", d.stories), ("n_layer", m.n_layer),
-                            ("n_head", m.n_head), ("n_embd", m.n_embd)):
+                    need(
+                        -LARGEST_INTEGER <= value < LARGEST_INTEGER,
+                        f.name,
+                        value,
+                        "below 2^63 (the run's config.toml holds 64-bit integers)",
+                    )
+        for name, value in (
+            ("steps", t.steps),
+            ("batch_size", t.batch_size),
+            ("grad_accum", t.grad_accum),
+            ("eval_every", t.eval_every),
+            ("log_every", t.log_every),
+            ("stories", d.stories),
+            ("n_layer", m.n_layer),
+            ("n_head", m.n_head),
+            ("n_embd", m.n_embd),
+        ):
             need(value > 0, name, value, "positive")
-        need(t.ckpt_every is None or t.ckpt_every > 0, "ckpt_every", t.ckpt_every, "positive (a checkpoint every N steps)")
+        need(
+            t.ckpt_every is None or t.ckpt_every > 0,
+            "ckpt_every",
+            t.ckpt_every,
+            "positive (a checkpoint every N steps)",
+        )
         need(t.eval_batches is None or t.eval_batches > 0, "eval_batches", t.eval_batches, "positive")
         need(t.eval_windows is None or t.eval_windows > 0, "eval_windows", t.eval_windows, "positive")
         need(finite(o.lr) and o.lr > 0, "lr", o.lr, "a positive number")
-        need(o.min_lr is None or (finite(o.min_lr) and 0 <= o.min_lr <= o.lr), "min_lr", o.min_lr,
-             f"between 0 and --lr ({o.lr})")
+        need(
+            o.min_lr is None or (finite(o.min_lr) and 0 <= o.min_lr <= o.lr),
+            "min_lr",
+            o.min_lr,
+            f"between 0 and --lr ({o.lr})",
+        )
         need(o.warmup is None or o.warmup >= 0, "warmup", o.warmup, ">= 0")
-        need(finite(o.decay_fraction) and 0 < o.decay_fraction <= 1, "decay_fraction", o.decay_fraction,
-             "in (0, 1]: the share of the steps that the wsd schedule spends decaying")
-        need(o.warmup is None or o.warmup <= t.steps, "warmup", o.warmup,
-             f"at most --steps ({t.steps}): a warmup longer than the run never reaches --lr")
+        need(
+            finite(o.decay_fraction) and 0 < o.decay_fraction <= 1,
+            "decay_fraction",
+            o.decay_fraction,
+            "in (0, 1]: the share of the steps that the wsd schedule spends decaying",
+        )
+        need(
+            o.warmup is None or o.warmup <= t.steps,
+            "warmup",
+            o.warmup,
+            f"at most --steps ({t.steps}): a warmup longer than the run never reaches --lr",
+        )
         need(finite(o.weight_decay) and o.weight_decay >= 0, "weight_decay", o.weight_decay, ">= 0")
         need(finite(o.beta1) and 0 <= o.beta1 < 1, "beta1", o.beta1, "in [0, 1)")
         need(finite(o.beta2) and 0 <= o.beta2 < 1, "beta2", o.beta2, "in [0, 1)")
@@ -296,47 +415,77 @@ class RunConfig:
         need(finite(m.dropout) and 0 <= m.dropout < 1, "dropout", m.dropout, "in [0, 1)")
         need(m.seq_len >= 2, "seq_len", m.seq_len, "at least 2")
         need(0 <= t.seed < 2**32, "seed", t.seed, "in [0, 2^32)")
-        need(0 <= t.threads <= MAX_THREADS, "threads", t.threads, f"auto, or a number of threads from 1 to {MAX_THREADS}")
+        need(
+            0 <= t.threads <= MAX_THREADS, "threads", t.threads, f"auto, or a number of threads from 1 to {MAX_THREADS}"
+        )
         need(t.stats_every >= 0, "stats_every", t.stats_every, ">= 0 (0 = never)")
         need(t.keep >= 0, "keep", t.keep, ">= 0 (0 = keep every checkpoint)")
         need(t.sample_tokens >= 0, "sample_tokens", t.sample_tokens, ">= 0 (0 = no sample)")
-        need(finite(t.peak_flops) and t.peak_flops >= 0, "peak_flops", t.peak_flops, "a FLOP/s figure >= 0 (0 = look it up)")
-        need(finite(t.target_val_bpb) and t.target_val_bpb >= 0, "target_val_bpb", t.target_val_bpb, ">= 0 (0 = no target)")
+        need(
+            finite(t.peak_flops) and t.peak_flops >= 0,
+            "peak_flops",
+            t.peak_flops,
+            "a FLOP/s figure >= 0 (0 = look it up)",
+        )
+        need(
+            finite(t.target_val_bpb) and t.target_val_bpb >= 0,
+            "target_val_bpb",
+            t.target_val_bpb,
+            ">= 0 (0 = no target)",
+        )
         need(finite(d.val_fraction) and 0 <= d.val_fraction < 1, "val_fraction", d.val_fraction, "in [0, 1)")
         need(0 < d.vocab_size <= MAX_BPE_VOCAB, "vocab_size", d.vocab_size, f"positive and at most {MAX_BPE_VOCAB}")
-        need(d.separator.strip() != "" and "\n" not in d.separator, "separator", d.separator,
-             "one non-blank line of text")
+        need(
+            d.separator.strip() != "" and "\n" not in d.separator,
+            "separator",
+            d.separator,
+            "one non-blank line of text",
+        )
         unknown = [s for s in parse_sinks(t.log) if s not in LOG_SINKS]
         if unknown:
-            raise NanolmError(f"unknown --log sink {unknown[0]!r}; known: {', '.join(LOG_SINKS)} "
-                              f"(metrics.jsonl is always written)")
+            raise NanolmError(
+                f"unknown --log sink {unknown[0]!r}; known: {', '.join(LOG_SINKS)} (metrics.jsonl is always written)"
+            )
         need(finite(g.spike_threshold) and g.spike_threshold > 0, "spike_threshold", g.spike_threshold, "> 0")
         need(g.spike_window >= 5, "spike_window", g.spike_window, ">= 5")
         need(g.max_rollbacks >= 0, "max_rollbacks", g.max_rollbacks, ">= 0")
-        need(finite(g.rollback_lr_scale) and 0 < g.rollback_lr_scale <= 1, "rollback_lr_scale", g.rollback_lr_scale,
-             "in (0, 1]")
+        need(
+            finite(g.rollback_lr_scale) and 0 < g.rollback_lr_scale <= 1,
+            "rollback_lr_scale",
+            g.rollback_lr_scale,
+            "in (0, 1]",
+        )
         if not 0 <= self.debug.corrupt_data < 1:
             raise NanolmError("--debug-corrupt-data must be in [0, 1)")
         if t.dist == "fsdp" and t.precision == "bf16-pure":
-            raise NanolmError("--precision bf16-pure does not combine with --dist fsdp (its stochastic rounding works "
-                              "on whole tensors, FSDP holds shards); use --precision bf16, or --dist ddp")
+            raise NanolmError(
+                "--precision bf16-pure does not combine with --dist fsdp (its stochastic rounding works "
+                "on whole tensors, FSDP holds shards); use --precision bf16, or --dist ddp"
+            )
         need(o.muon_lr is None or (finite(o.muon_lr) and o.muon_lr > 0), "muon_lr", o.muon_lr, "a positive number")
         need(finite(o.muon_momentum) and 0 <= o.muon_momentum < 1, "muon_momentum", o.muon_momentum, "in [0, 1)")
         if o.optimizer == "muon":
             if not muon_available():
-                raise NanolmError(f"--optimizer muon needs PyTorch >= 2.9 (torch.optim.Muon); this is {torch.__version__}. "
-                                  f"Upgrade PyTorch, or use --optimizer adamw")
+                raise NanolmError(
+                    f"--optimizer muon needs PyTorch >= 2.9 (torch.optim.Muon); this is {torch.__version__}. "
+                    f"Upgrade PyTorch, or use --optimizer adamw"
+                )
             if t.dist == "fsdp":
-                raise NanolmError("--optimizer muon does not combine with --dist fsdp (Muon orthogonalises whole "
-                                  "matrices, FSDP holds each in shards); use --dist ddp")
+                raise NanolmError(
+                    "--optimizer muon does not combine with --dist fsdp (Muon orthogonalises whole "
+                    "matrices, FSDP holds each in shards); use --dist ddp"
+                )
             if t.precision == "bf16-pure":
-                raise NanolmError("--optimizer muon does not combine with --precision bf16-pure (its bf16 optimizer "
-                                  "is AdamW's); use --precision bf16")
+                raise NanolmError(
+                    "--optimizer muon does not combine with --precision bf16-pure (its bf16 optimizer "
+                    "is AdamW's); use --precision bf16"
+                )
         elif o.muon_lr is not None:
             raise NanolmError("--muon-lr only applies to --optimizer muon")
         if t.fp32_master and t.precision != "bf16-pure":
-            raise NanolmError("--fp32-master only applies to --precision bf16-pure "
-                              "(fp32, bf16 and fp16 keep fp32 weights already)")
+            raise NanolmError(
+                "--fp32-master only applies to --precision bf16-pure (fp32, bf16 and fp16 keep fp32 weights already)"
+            )
         m.gpt_config(vocab_size=1)  # shape checks (n_embd divisible by n_head, ...)
 
     def to_toml(self) -> str:
@@ -364,9 +513,10 @@ def _toml_value(value) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    escaped = "".join("\\" + ch if ch in '"\\' else
-                      f"\\u{ord(ch):04x}" if (ord(ch) < 0x20 and ch != "\t") or ord(ch) == 0x7F else ch
-                      for ch in str(value))
+    escaped = "".join(
+        "\\" + ch if ch in '"\\' else f"\\u{ord(ch):04x}" if (ord(ch) < 0x20 and ch != "\t") or ord(ch) == 0x7F else ch
+        for ch in str(value)
+    )
     return f'"{escaped}"'
 
 
@@ -419,14 +569,17 @@ def load_toml(path) -> dict[str, dict]:
         if section not in SECTIONS:
             raise NanolmError(f"unknown section [{_brief(section)[1:-1]}] in {path}; known: {known_sections}")
         if not isinstance(values, dict):
-            raise NanolmError(f"{section} in {path} must be a table of options ([{section}] and its lines), got "
-                              f"{type(values).__name__} {_brief(values)}")
+            raise NanolmError(
+                f"{section} in {path} must be a table of options ([{section}] and its lines), got "
+                f"{type(values).__name__} {_brief(values)}"
+            )
         known = {f.name for f in dataclasses.fields(SECTIONS[section])}
         for key, value in values.items():
             if key not in known:
                 hint = f" (it belongs in [{_section_of(key)}])" if key in _OWNER else ""
-                raise NanolmError(f"unknown option {_brief(key)} in [{section}] of {path}{hint}; "
-                                  f"known: {', '.join(sorted(known))}")
+                raise NanolmError(
+                    f"unknown option {_brief(key)} in [{section}] of {path}{hint}; known: {', '.join(sorted(known))}"
+                )
             out.setdefault(section, {})[key] = _coerce(key, value, str(path))
     return out
 

@@ -45,6 +45,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..base import disk
+from ..base.documents import read_json
+from ..base.files import atomic_write_text, move_directory, probe_writable, remove_abandoned_writes
+from ..base.lock import DirectoryBusy, ReadLock, RunLock, busy_refusal, held_by_another
 from ..batches import fewer_tokens_than_a_window
 from ..checkpoint import (
     CHECKPOINTS,
@@ -59,22 +63,27 @@ from ..data.prepare import load_training_data
 from ..data.shards import PreparedData
 from ..errors import NanolmError
 from .config import RunConfig, load_run_config
-from ..base.documents import read_json
-from ..base import disk
-from ..base.files import atomic_write_text, move_directory, probe_writable, remove_abandoned_writes
 from .final import read_final
-from ..base.lock import DirectoryBusy, ReadLock, RunLock, busy_refusal, held_by_another
 from .resume import check_resume_compatible, data_moved_to, refused_changes
 
-RUN_FILES = ("config.toml", "tokenizer.json", "metrics.jsonl", "events.jsonl", "model.safetensors", "final.json",
-             "checkpoints", "data")
+RUN_FILES = (
+    "config.toml",
+    "tokenizer.json",
+    "metrics.jsonl",
+    "events.jsonl",
+    "model.safetensors",
+    "final.json",
+    "checkpoints",
+    "data",
+)
 """Every name nanolm writes at the top of a run directory (besides tensorboard/ and wandb/)."""
 
 
 def _is_run_directory(path: Path) -> bool:
     """A directory ``nanolm train`` writes: config.toml (written first) and any other run file."""
-    return (path / "config.toml").is_file() and any((path / name).exists() for name in RUN_FILES
-                                                     if name != "config.toml")
+    return (path / "config.toml").is_file() and any(
+        (path / name).exists() for name in RUN_FILES if name != "config.toml"
+    )
 
 
 def _checked_by_manifest(path: Path) -> bool:
@@ -102,22 +111,28 @@ def refuse_output_inside_a_run(path, flag: str) -> None:
     refused here in one line rather than by ``mkdir`` as a traceback."""
     path = Path(path)
     if path.is_symlink() and not path.exists():
-        raise NanolmError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist; remove the "
-                          f"link or choose another {flag}")
+        raise NanolmError(
+            f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist; remove the "
+            f"link or choose another {flag}"
+        )
     real = Path(os.path.realpath(path))
     child = real
     for ancestor in real.parents:
         if _checked_by_manifest(ancestor):
             kind = "a checkpoint" if CHECKPOINTS in ancestor.parts else "prepared data"
-            raise NanolmError(f"{flag} {path} is inside {ancestor}, {kind} whose files nanolm checks against its "
-                              f"manifest: anything written there makes it invalid; choose another {flag}")
+            raise NanolmError(
+                f"{flag} {path} is inside {ancestor}, {kind} whose files nanolm checks against its "
+                f"manifest: anything written there makes it invalid; choose another {flag}"
+            )
         if child.name in RUN_FILES and _is_run_directory(ancestor):
             holder = held_by_another(ancestor)
             if holder is not None:  # name the process writing it: the user may not know it runs
                 raise busy_refusal(path, holder, flag, inside=ancestor)
-            raise NanolmError(f"{flag} {path} is {'inside ' if child != real else ''}{ancestor / child.name}, which "
-                              f"the run in {ancestor} writes; choose a path beside it, such as {ancestor / 'export'}, "
-                              f"or another {flag}")
+            raise NanolmError(
+                f"{flag} {path} is {'inside ' if child != real else ''}{ancestor / child.name}, which "
+                f"the run in {ancestor} writes; choose a path beside it, such as {ancestor / 'export'}, "
+                f"or another {flag}"
+            )
         child = ancestor
 
 
@@ -152,8 +167,9 @@ def _finished(final: dict | None, cfg: RunConfig) -> bool:
     return final["step"] >= t.steps or reached
 
 
-def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatch: bool,
-              lock: RunLock) -> RunPlan | list[str]:
+def _plan_for(
+    out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatch: bool, lock: RunLock
+) -> RunPlan | list[str]:
     """The plan for ``out_dir``, made holding its lock, or (when ``quiet_mismatch``) the
     refused differences of the run it holds, for the caller to try another directory."""
     t = cfg.train
@@ -164,8 +180,10 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
         return RunPlan(out_dir)
     if not (out_dir / "config.toml").is_file():
         existing = sorted(name for name in RUN_FILES if (out_dir / name).exists())
-        raise NanolmError(f"{out_dir} holds {', '.join(existing)} but no config.toml: it is not a nanolm run "
-                          f"this command can continue; choose another --out-dir")
+        raise NanolmError(
+            f"{out_dir} holds {', '.join(existing)} but no config.toml: it is not a nanolm run "
+            f"this command can continue; choose another --out-dir"
+        )
     committed = list_checkpoints(out_dir)
     checkpoint = valid_resume_checkpoint(out_dir, log) if committed else None
     try:
@@ -174,29 +192,38 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
     except NanolmError as e:
         if quiet_mismatch:
             return [f"its config.toml is unreadable ({e})"]
-        raise NanolmError(f"{out_dir} holds a run whose configuration cannot be read ({e}); "
-                          f"choose another --out-dir") from None
+        raise NanolmError(
+            f"{out_dir} holds a run whose configuration cannot be read ({e}); choose another --out-dir"
+        ) from None
     refused = refused_changes(saved, saved_world, cfg, world_size)
     if refused and cfg.data.data and not Path(cfg.data.data).exists() and not (out_dir / "data").is_dir():
         # prepared data the run read where it was is gone: that, not the tokenizer options its absence
         # changed, is what to say
-        raise NanolmError(f"data path {cfg.data.data} does not exist: the run in {out_dir} trained on it; restore "
-                          f"it, or start a new run with another --out-dir")
+        raise NanolmError(
+            f"data path {cfg.data.data} does not exist: the run in {out_dir} trained on it; restore "
+            f"it, or start a new run with another --out-dir"
+        )
     moved = [line for line in refused if line.startswith("data:")]
     data_moved = bool(moved) and checkpoint is not None and data_moved_to(cfg, checkpoint)
     if data_moved:
         refused = [line for line in refused if line not in moved]
     elif moved and checkpoint is not None:
-        refused = [f"{line} (not the data the run trained on: compared by content, not by name)" if line in moved
-                   else line for line in refused]
+        refused = [
+            f"{line} (not the data the run trained on: compared by content, not by name)" if line in moved else line
+            for line in refused
+        ]
     if refused:
         if quiet_mismatch:
             return refused
-        raise NanolmError(f"cannot continue the run in {out_dir}: incompatible changes: {'; '.join(refused)}. "
-                          f"Keep those settings, or start a new run with another --out-dir")
+        raise NanolmError(
+            f"cannot continue the run in {out_dir}: incompatible changes: {'; '.join(refused)}. "
+            f"Keep those settings, or start a new run with another --out-dir"
+        )
     if t.resume == "never" and (committed or (out_dir / "model.safetensors").exists()):
-        raise NanolmError(f"{out_dir} already holds a run with checkpoints; --resume never does not train over it: "
-                          f"choose another --out-dir")
+        raise NanolmError(
+            f"{out_dir} already holds a run with checkpoints; --resume never does not train over it: "
+            f"choose another --out-dir"
+        )
     try:
         final = read_final(out_dir)
     except NanolmError as e:
@@ -204,17 +231,26 @@ def _plan_for(out_dir: Path, cfg: RunConfig, world_size: int, log, quiet_mismatc
         final = None
     finished_at = final["step"] if _finished(final, cfg) else None  # only verified final weights say so
     if finished_at is not None and (checkpoint is None or _step(checkpoint) <= finished_at):
-        return RunPlan(out_dir, finished=True, message=_past_steps(out_dir, finished_at, t.steps) or (
-            f"{out_dir} finished at step {finished_at} of {t.steps}; nothing to do (raise --steps to train longer, "
-            f"or choose another --out-dir for a new run)"))
+        return RunPlan(
+            out_dir,
+            finished=True,
+            message=_past_steps(out_dir, finished_at, t.steps)
+            or (
+                f"{out_dir} finished at step {finished_at} of {t.steps}; nothing to do (raise --steps to train longer, "
+                f"or choose another --out-dir for a new run)"
+            ),
+        )
     if checkpoint is not None:
         return RunPlan(out_dir, checkpoint=checkpoint, data_moved=data_moved, eval_windows=saved.train.eval_windows)
     if committed:
-        raise NanolmError(f"{out_dir} has checkpoints but none is valid (see the warnings above); starting over "
-                          f"would discard the run: move the directory aside to start again, or --resume PATH")
+        raise NanolmError(
+            f"{out_dir} has checkpoints but none is valid (see the warnings above); starting over "
+            f"would discard the run: move the directory aside to start again, or --resume PATH"
+        )
     if final is not None or (out_dir / "model.safetensors").exists():
-        raise NanolmError(f"{out_dir} holds final weights but no checkpoint to continue from; "
-                          f"start a new run with another --out-dir")
+        raise NanolmError(
+            f"{out_dir} holds final weights but no checkpoint to continue from; start a new run with another --out-dir"
+        )
     return RunPlan(out_dir, restart=True)
 
 
@@ -234,16 +270,28 @@ def locate_run(cfg: RunConfig, lock: RunLock, world_size: int, log=print) -> Run
     if t.resume not in ("auto", "never"):  # --resume PATH
         checkpoint = resume_checkpoint_at(Path(t.resume), log)
         if plan.checkpoint is not None and plan.out_dir.resolve() not in checkpoint.resolve().parents:
-            raise NanolmError(f"{plan.out_dir} holds checkpoints of its own; --resume {t.resume} continues another "
-                              f"run into a new --out-dir")
+            raise NanolmError(
+                f"{plan.out_dir} holds checkpoints of its own; --resume {t.resume} continues another "
+                f"run into a new --out-dir"
+            )
         saved = load_run_config(checkpoint / "config.toml")
         moved = saved.data.data != cfg.data.data and data_moved_to(cfg, checkpoint)
-        plan = RunPlan(plan.out_dir, checkpoint=checkpoint, restart=plan.restart, data_moved=moved,
-                       eval_windows=saved.train.eval_windows)
+        plan = RunPlan(
+            plan.out_dir,
+            checkpoint=checkpoint,
+            restart=plan.restart,
+            data_moved=moved,
+            eval_windows=saved.train.eval_windows,
+        )
     if plan.restart:  # an attempt that never saved: its logs give way to this run's
-        log(f"{plan.out_dir} holds a run that stopped before its first checkpoint was saved; " +
-            (f"its files give way to the run continued from {plan.checkpoint}" if plan.checkpoint is not None
-             else "starting it again from step 0"))
+        log(
+            f"{plan.out_dir} holds a run that stopped before its first checkpoint was saved; "
+            + (
+                f"its files give way to the run continued from {plan.checkpoint}"
+                if plan.checkpoint is not None
+                else "starting it again from step 0"
+            )
+        )
     past = _past_steps(plan.out_dir, _step(plan.checkpoint), t.steps) if plan.checkpoint is not None else ""
     if past:
         log(past)
@@ -253,8 +301,11 @@ def locate_run(cfg: RunConfig, lock: RunLock, world_size: int, log=print) -> Run
 def _past_steps(out_dir: Path, step: int, steps: int) -> str:
     """What a run already past ``--steps`` does (nothing but its final weights, from where it
     is: training does not go back), said in one line; empty when it is not past them."""
-    return (f"{out_dir} is at step {step}, past --steps {steps}: nothing to train; its final weights are from "
-            f"step {step}") if step > steps else ""
+    return (
+        (f"{out_dir} is at step {step}, past --steps {steps}: nothing to train; its final weights are from step {step}")
+        if step > steps
+        else ""
+    )
 
 
 def _first_free_or_same(cfg: RunConfig, world_size: int, log, lock: RunLock) -> RunPlan:
@@ -270,8 +321,10 @@ def _first_free_or_same(cfg: RunConfig, world_size: int, log, lock: RunLock) -> 
                 raise
         if isinstance(plan, RunPlan):
             if skipped:
-                log(f"{skipped[0][0]} holds a different run ({skipped[0][1]}); this one is {out_dir} "
-                    f"(pass --out-dir to choose)")
+                log(
+                    f"{skipped[0][0]} holds a different run ({skipped[0][1]}); this one is {out_dir} "
+                    f"(pass --out-dir to choose)"
+                )
             return plan
         lock.release()
         skipped.append((out_dir, "; ".join(plan[:3]) + (" ..." if len(plan) > 3 else "")))
@@ -311,8 +364,10 @@ def resume_checkpoint_at(path: Path, log) -> Path:
                     raise
                 if is_run:
                     continue  # pruned while copied: the run has a newer one by now
-                raise NanolmError(f"--resume {path}: its run removed that checkpoint while it was read (a live run "
-                                  f"keeps --keep of them); pass the run directory to continue from its newest") from None
+                raise NanolmError(
+                    f"--resume {path}: its run removed that checkpoint while it was read (a live run "
+                    f"keeps --keep of them); pass the run directory to continue from its newest"
+                ) from None
             log(f"resume: {run_dir} is training now; continuing from a copy of {found.name} (it may be pruned there)")
         elif is_run:
             return found  # valid_resume_checkpoint verified it and checked its state
@@ -348,9 +403,11 @@ def open_run_data(run_data: Path, checkpoint: Path, cfg: RunConfig, scratch: Pat
         log(f"warning: {e}; preparing the run's data again from its source")
     data = load_training_data(cfg, scratch, log, compressor_bounds=False)
     if read_checkpoint_meta(checkpoint).get("data_digest") != data.digest:
-        raise NanolmError(f"{run_data} is damaged, and its source ({cfg.data.data or 'the built-in corpus'}) no "
-                          f"longer gives the data the run was trained on; restore the source, or start a new run "
-                          f"with another --out-dir")
+        raise NanolmError(
+            f"{run_data} is damaged, and its source ({cfg.data.data or 'the built-in corpus'}) no "
+            f"longer gives the data the run was trained on; restore the source, or start a new run "
+            f"with another --out-dir"
+        )
     return data
 
 
@@ -370,14 +427,19 @@ def use_prepared_tokenizer(cfg: RunConfig) -> None:
     meta = Path(d.data) / "meta.json" if d.data else None
     if meta is not None and meta.is_file():
         prepared = read_json(meta)
-        if isinstance(prepared, dict) and prepared.get("tokenizer") in ("bpe", "char") \
-                and isinstance(prepared.get("vocab_size"), int) and not isinstance(prepared["vocab_size"], bool):
+        if (
+            isinstance(prepared, dict)
+            and prepared.get("tokenizer") in ("bpe", "char")
+            and isinstance(prepared.get("vocab_size"), int)
+            and not isinstance(prepared["vocab_size"], bool)
+        ):
             d.tokenizer, d.vocab_size = prepared["tokenizer"], prepared["vocab_size"]
             return
         # said here, not as the tokenizer options left in force (a continued run would name those)
-        raise NanolmError(f"prepared data {meta.parent}: its meta.json does not say which tokenizer the shards use "
-                          f"(damaged, or not written by nanolm prepare); prepare the data again")
-
+        raise NanolmError(
+            f"prepared data {meta.parent}: its meta.json does not say which tokenizer the shards use "
+            f"(damaged, or not written by nanolm prepare); prepare the data again"
+        )
 
 
 def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, log=print) -> PreparedData:
@@ -406,8 +468,15 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
         if checkpoint is not None:
             check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data, plan.data_moved)
         data.check_vocab(data.tokenizer.vocab_size)
-        check_memory(cfg.model.gpt_config(data.tokenizer.vocab_size), precision, dist, t.batch_size,
-                     t.eval_windows, cfg.optim.optimizer, grad_accum=t.grad_accum)
+        check_memory(
+            cfg.model.gpt_config(data.tokenizer.vocab_size),
+            precision,
+            dist,
+            t.batch_size,
+            t.eval_windows,
+            cfg.optim.optimizer,
+            grad_accum=t.grad_accum,
+        )
         if dist.is_main:
             disk.make_dir(out_dir, parents=True, exist_ok=True)
             remove_abandoned_writes(out_dir, ["config.toml", "tokenizer.json", "metrics.jsonl"])  # killed writes

@@ -12,6 +12,18 @@ from pathlib import Path
 
 import torch
 
+from ..base import disk
+from ..base.documents import read_json
+from ..base.files import (
+    atomic_write_text,
+    check_seal,
+    is_sha256,
+    manifest,
+    remove_abandoned_writes,
+    sealed,
+    sha256_file,
+)
+from ..base.sharded import load_sharded
 from ..checkpoint import (
     FORMAT,
     _is_int,
@@ -29,18 +41,6 @@ from ..errors import NanolmError
 from ..model import GPT
 from ..tokenizer import Tokenizer
 from .config import RunConfig, load_run_config
-from ..base.documents import read_json
-from ..base import disk
-from ..base.files import (
-    atomic_write_text,
-    remove_abandoned_writes,
-    check_seal,
-    is_sha256,
-    manifest,
-    sealed,
-    sha256_file,
-)
-from ..base.sharded import load_sharded
 
 FINAL = "final.json"
 
@@ -85,9 +85,13 @@ def write_final(run_dir, model: torch.nn.Module, step: int, summary: dict | None
     remove_abandoned_writes(run_dir, [FINAL, "model.safetensors"])
     save_weights(model, run_dir / "model.safetensors")
     summary = summary or {}
-    meta = {"format": FORMAT, "step": step, "val_loss": _json_float(summary.get("val_loss")),
-            "val_bpb": _json_float(summary.get("val_bpb")),
-            "files": manifest(run_dir, ("model.safetensors", "config.toml", "tokenizer.json"))}
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "val_loss": _json_float(summary.get("val_loss")),
+        "val_bpb": _json_float(summary.get("val_bpb")),
+        "files": manifest(run_dir, ("model.safetensors", "config.toml", "tokenizer.json")),
+    }
     atomic_write_text(run_dir / FINAL, json.dumps(sealed(meta), indent=2))
 
 
@@ -101,10 +105,14 @@ def read_final(run_dir) -> dict | None:
     meta = read_json(run_dir / FINAL, f"{run_dir / FINAL}")
     if isinstance(meta, dict):
         check_seal(meta, f"{run_dir / FINAL}")
-    if not (isinstance(meta, dict) and meta.get("format") == FORMAT and _is_int(meta.get("step"))
-            and all(meta.get(k) is None or _is_number(meta.get(k)) for k in ("val_loss", "val_bpb"))
-            and isinstance(meta.get("files"), dict) and set(meta["files"]) == {"model.safetensors", "config.toml",
-                                                                              "tokenizer.json"}):
+    if not (
+        isinstance(meta, dict)
+        and meta.get("format") == FORMAT
+        and _is_int(meta.get("step"))
+        and all(meta.get(k) is None or _is_number(meta.get(k)) for k in ("val_loss", "val_bpb"))
+        and isinstance(meta.get("files"), dict)
+        and set(meta["files"]) == {"model.safetensors", "config.toml", "tokenizer.json"}
+    ):
         raise NanolmError(f"{run_dir / FINAL} is malformed")
     for name, expected in meta["files"].items():
         path = run_dir / name

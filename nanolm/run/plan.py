@@ -120,9 +120,16 @@ def fused_head_bytes(c: GPTConfig, precision: str, tokens: int) -> int:
     return 4 * c.vocab_size * c.n_embd + rows * (2 * e + 4) * c.vocab_size
 
 
-def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: int = 1,
-                   micro_batch: int = 1, seq_len: int | None = None, fp32_master: bool = False,
-                   optimizer: str = "adamw") -> dict:
+def memory_per_gpu(
+    c: GPTConfig,
+    precision: str = "bf16",
+    dist: str = "ddp",
+    gpus: int = 1,
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    fp32_master: bool = False,
+    optimizer: str = "adamw",
+) -> dict:
     """Bytes per GPU, by what holds them; activations with and without checkpointing.
 
     Optimizer state: AdamW keeps two fp32 moments (8 bytes a parameter); under ``muon`` the
@@ -149,7 +156,8 @@ def memory_per_gpu(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpu
         "autocast_weights": 2 * matmul_parameters(c) if precision in AUTOCAST else 0,
         "fsdp_gathered": (weight_bytes * (2 * block + root + max(block, root)) if dist == "fsdp" and gpus > 1 else 0),
         "activations": tokens * (c.n_layer * layer + head) + fused_head_bytes(c, precision, tokens),
-        "activations_checkpointed": tokens * (c.n_layer * residual + layer + head) + fused_head_bytes(c, precision, tokens),
+        "activations_checkpointed": tokens * (c.n_layer * residual + layer + head)
+        + fused_head_bytes(c, precision, tokens),
     }
     state = sum(v for k, v in rows.items() if not k.startswith("activations"))
     rows["total"] = state + rows["activations"]
@@ -184,9 +192,10 @@ def available_memory(device) -> tuple[float | None, str]:
                     found.append((float(line.split()[1]) * 1024, "available RAM"))
     except (OSError, ValueError, IndexError):
         pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             limit, usage = Path(limit_file).read_text().strip(), Path(usage_file).read_text().strip()
             if limit != "max" and int(limit) < 1 << 60:
@@ -197,8 +206,15 @@ def available_memory(device) -> tuple[float | None, str]:
     return min(found) if found else (None, "")
 
 
-def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windows: int,
-                 optimizer: str = "adamw", grad_accum: int = 1) -> None:
+def check_memory(
+    c: GPTConfig,
+    precision: str,
+    dist,
+    batch_size: int,
+    eval_windows: int,
+    optimizer: str = "adamw",
+    grad_accum: int = 1,
+) -> None:
     """Refuse, before anything is written, a run whose step cannot fit in memory.
 
     The estimate is :func:`memory_per_gpu` (weights, gradients, optimizer state,
@@ -215,20 +231,31 @@ def check_memory(c: GPTConfig, precision: str, dist, batch_size: int, eval_windo
     if available is None:
         return
     processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    rows = memory_per_gpu(c, precision, dist.mode if dist.mode != "none" else "none", dist.world_size,
-                          batch_size, c.seq_len, optimizer=optimizer)
+    rows = memory_per_gpu(
+        c,
+        precision,
+        dist.mode if dist.mode != "none" else "none",
+        dist.world_size,
+        batch_size,
+        c.seq_len,
+        optimizer=optimizer,
+    )
     step_batches = grad_accum * batch_size * c.seq_len * BATCH_BYTES_PER_TOKEN
     need = (rows["total"] + eval_windows * c.seq_len * BATCH_BYTES_PER_TOKEN + step_batches) * processes_here
     if step_batches > available:
-        raise NanolmError(f"one step of --grad-accum {grad_accum} micro-batches of --batch-size {batch_size} × "
-                          f"--seq-len {c.seq_len} holds {_gb_text(step_batches)} of batches, but {device} has "
-                          f"{_gb_text(available)} {source}; lower --grad-accum")
+        raise NanolmError(
+            f"one step of --grad-accum {grad_accum} micro-batches of --batch-size {batch_size} × "
+            f"--seq-len {c.seq_len} holds {_gb_text(step_batches)} of batches, but {device} has "
+            f"{_gb_text(available)} {source}; lower --grad-accum"
+        )
     if need > available:
-        raise NanolmError(f"this run needs at least {_gb_text(need)} of memory (--batch-size {batch_size} × --seq-len "
-                          f"{c.seq_len}: activations {_gb_text(rows['activations'])}, validation batches "
-                          f"{_gb_text(eval_windows * c.seq_len * BATCH_BYTES_PER_TOKEN)}) but {device} has {_gb_text(available)} "
-                          f"{source}; lower --batch-size (raise --grad-accum for the same tokens per step) "
-                          f"or --eval-windows")
+        raise NanolmError(
+            f"this run needs at least {_gb_text(need)} of memory (--batch-size {batch_size} × --seq-len "
+            f"{c.seq_len}: activations {_gb_text(rows['activations'])}, validation batches "
+            f"{_gb_text(eval_windows * c.seq_len * BATCH_BYTES_PER_TOKEN)}) but {device} has {_gb_text(available)} "
+            f"{source}; lower --batch-size (raise --grad-accum for the same tokens per step) "
+            f"or --eval-windows"
+        )
 
 
 def parse_count(text: str) -> float:
@@ -243,9 +270,20 @@ def parse_count(text: str) -> float:
         raise NanolmError(f"not a count: {text!r} (use e.g. 2e9, 300M, 20B)") from None
 
 
-def make_plan(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: int = 1, gpu: str = "h100",
-              micro_batch: int = 1, grad_accum: int = 1, seq_len: int | None = None, tokens: float = 0,
-              mfu: float = 0.4, fp32_master: bool = False, optimizer: str = "adamw") -> dict:
+def make_plan(
+    c: GPTConfig,
+    precision: str = "bf16",
+    dist: str = "ddp",
+    gpus: int = 1,
+    gpu: str = "h100",
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+    seq_len: int | None = None,
+    tokens: float = 0,
+    mfu: float = 0.4,
+    fp32_master: bool = False,
+    optimizer: str = "adamw",
+) -> dict:
     """Every figure of ``nanolm plan`` in one dict (bytes, FLOPs, seconds)."""
     if gpu not in GPUS:
         raise NanolmError(f"unknown GPU {gpu!r}; known: {', '.join(GPUS)}")
@@ -261,8 +299,10 @@ def make_plan(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: in
     tokens_per_step = micro_batch * grad_accum * T * gpus
     peak = spec.peak({"bf16-pure": "bf16"}.get(precision, precision), tf32=True)  # fp32 on TF32 where it exists
     if peak is None:
-        raise NanolmError(f"the {spec.name} has no {precision} tensor cores (it emulates bf16, slowly); "
-                          f"plan with --precision fp16 (or fp32)")
+        raise NanolmError(
+            f"the {spec.name} has no {precision} tensor cores (it emulates bf16, slowly); "
+            f"plan with --precision fp16 (or fp32)"
+        )
     seconds = fpt * tokens / (gpus * peak * mfu) if tokens else 0.0
     return {
         "parameters": count_parameters(c),
@@ -278,8 +318,14 @@ def make_plan(c: GPTConfig, precision: str = "bf16", dist: str = "ddp", gpus: in
         "steps": math.ceil(tokens / tokens_per_step) if tokens else 0,
         "seconds": seconds,
         "mfu": mfu,
-        "setup": dict(precision=precision, dist=dist, micro_batch=micro_batch, grad_accum=grad_accum, seq_len=T,
-                      optimizer=optimizer),
+        "setup": dict(
+            precision=precision,
+            dist=dist,
+            micro_batch=micro_batch,
+            grad_accum=grad_accum,
+            seq_len=T,
+            optimizer=optimizer,
+        ),
     }
 
 
@@ -332,8 +378,11 @@ def format_plan(p: dict, c: GPTConfig, name: str = "") -> str:
     rows = [
         (f"weights ({wb}{shard})", m["weights"], m["weights"]),
         (f"gradients ({wb}{shard})", m["gradients"], m["gradients"]),
-        (f"{'Muon + AdamW' if s.get('optimizer') == 'muon' else 'AdamW'} state (fp32{shard})", m["optimizer"],
-         m["optimizer"]),
+        (
+            f"{'Muon + AdamW' if s.get('optimizer') == 'muon' else 'AdamW'} state (fp32{shard})",
+            m["optimizer"],
+            m["optimizer"],
+        ),
         ("16-bit weight copies (autocast)", m["autocast_weights"], m["autocast_weights"]),
         ("gathered blocks (FSDP)", m["fsdp_gathered"], m["fsdp_gathered"]),
         ("activations", m["activations"], m["activations_checkpointed"]),
@@ -343,13 +392,21 @@ def format_plan(p: dict, c: GPTConfig, name: str = "") -> str:
             lines.append(f"  {label:<34}{_gb(a)}   {_gb(b)}")
     lines.append(f"  {'total':<34}{_gb(m['total'])}   {_gb(m['total_checkpointed'])}")
     capacity = spec.memory_gb * 1e9
-    verdict = "fits" if m["total"] <= 0.9 * capacity else (
-        "fits only with activation checkpointing" if m["total_checkpointed"] <= 0.9 * capacity else "does not fit")
+    verdict = (
+        "fits"
+        if m["total"] <= 0.9 * capacity
+        else (
+            "fits only with activation checkpointing" if m["total_checkpointed"] <= 0.9 * capacity else "does not fit"
+        )
+    )
     lines.append(f"  on a {spec.memory_gb:g} GB GPU (keeping 10% for the allocator and buffers): {verdict}")
     lines.append("  (activation checkpointing is a planning figure: nanolm train does not checkpoint activations yet)")
     if p["tokens"]:
-        lines += ["", f"time       {_size(p['tokens'])} tokens in {p['steps']:,} steps at {p['mfu']:.0%} MFU: "
-                      f"{p['flops_per_token']:.3e} × {p['tokens']:.3g} / ({p['gpus']} × {p['peak_flops']:.3g} × "
-                      f"{p['mfu']:g}) = {p['seconds']:.3g} s = {_duration(p['seconds'])} "
-                      f"({p['seconds'] * p['gpus'] / 3600:,.0f} GPU-hours)"]
+        lines += [
+            "",
+            f"time       {_size(p['tokens'])} tokens in {p['steps']:,} steps at {p['mfu']:.0%} MFU: "
+            f"{p['flops_per_token']:.3e} × {p['tokens']:.3g} / ({p['gpus']} × {p['peak_flops']:.3g} × "
+            f"{p['mfu']:g}) = {p['seconds']:.3g} s = {_duration(p['seconds'])} "
+            f"({p['seconds'] * p['gpus'] / 3600:,.0f} GPU-hours)",
+        ]
     return "\n".join(lines)

@@ -24,16 +24,48 @@ from ..errors import NanolmError
 from ..tokenizer import Tokenizer
 from .config import HIDDEN_SECTIONS, SECTIONS, GuardOptions, RunConfig, load_run_config
 
-
 COMPATIBLE_ON_RESUME = {
     # what may change between a run and its resumption: how long, how often, where, and the
     # optimizer's knobs (lowering the LR for a restart is a classic); everything else shapes
     # the model or the data stream, and changing it mid-run would silently mix two runs
-    "train": {"steps", "eval_every", "eval_at_start", "eval_batches", "eval_windows", "log_every", "sample_tokens", "out_dir", "device", "tf32",
-              "threads", "process_tuning", "compile", "ckpt_every", "keep", "resume", "deterministic", "stats_every", "log", "progress",
-              "peak_flops", "target_val_bpb", "dist"},
-    "optim": {"lr", "min_lr", "warmup", "schedule", "decay_fraction", "weight_decay", "beta1", "beta2", "clip", "muon_lr",
-              "muon_momentum"},
+    "train": {
+        "steps",
+        "eval_every",
+        "eval_at_start",
+        "eval_batches",
+        "eval_windows",
+        "log_every",
+        "sample_tokens",
+        "out_dir",
+        "device",
+        "tf32",
+        "threads",
+        "process_tuning",
+        "compile",
+        "ckpt_every",
+        "keep",
+        "resume",
+        "deterministic",
+        "stats_every",
+        "log",
+        "progress",
+        "peak_flops",
+        "target_val_bpb",
+        "dist",
+    },
+    "optim": {
+        "lr",
+        "min_lr",
+        "warmup",
+        "schedule",
+        "decay_fraction",
+        "weight_decay",
+        "beta1",
+        "beta2",
+        "clip",
+        "muon_lr",
+        "muon_momentum",
+    },
     "model": {"loss_chunk"},  # how the head and loss are computed, not what: the same numbers up to rounding
     "guard": {f.name for f in dataclasses.fields(GuardOptions)},
 }
@@ -69,8 +101,10 @@ def refused_changes(saved: RunConfig, saved_world: int, cfg: RunConfig, world_si
     before, after = s.batch_size * s.grad_accum * saved_world, t.batch_size * t.grad_accum * world_size
     if before != after:
         refused += [line for line in split if line.startswith(("batch_size:", "grad_accum:"))]
-        refused.append(f"global batch (batch_size × grad_accum × world size): {s.batch_size}×{s.grad_accum}×"
-                       f"{saved_world} = {before} -> {t.batch_size}×{t.grad_accum}×{world_size} = {after} windows")
+        refused.append(
+            f"global batch (batch_size × grad_accum × world size): {s.batch_size}×{s.grad_accum}×"
+            f"{saved_world} = {before} -> {t.batch_size}×{t.grad_accum}×{world_size} = {after} windows"
+        )
     return refused
 
 
@@ -90,9 +124,15 @@ def data_moved_to(cfg: RunConfig, checkpoint: Path) -> bool:
         return data.digest == digest
 
 
-def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=print,
-                            dist: Distributed | None = None, data: PreparedData | None = None,
-                            data_moved: bool = False) -> None:
+def check_resume_compatible(
+    checkpoint: Path,
+    cfg: RunConfig,
+    tokenizer,
+    log=print,
+    dist: Distributed | None = None,
+    data: PreparedData | None = None,
+    data_moved: bool = False,
+) -> None:
     """Refuse a resumption that would silently mix two different runs; log allowed changes.
 
     The split of the global batch (batch size, accumulation, world size) may change as long
@@ -108,11 +148,15 @@ def check_resume_compatible(checkpoint: Path, cfg: RunConfig, tokenizer, log=pri
         refused.append("tokenizer: the data's tokenizer is not the one the run was trained with")
     elif data is not None and meta.get("data_digest", data.digest) != data.digest:
         # named as the user gave it: raw text is prepared in a scratch directory gone by the time this is read
-        refused.append(f"data: {cfg.data.data or 'the built-in corpus'} is not the data the checkpoint was trained on "
-                       f"(its files differ)")
+        refused.append(
+            f"data: {cfg.data.data or 'the built-in corpus'} is not the data the checkpoint was trained on "
+            f"(its files differ)"
+        )
     if refused:
-        raise NanolmError(f"cannot resume from {checkpoint}: incompatible changes: {'; '.join(refused)}. "
-                          f"Keep those settings, or start a new run with another --out-dir")
+        raise NanolmError(
+            f"cannot resume from {checkpoint}: incompatible changes: {'; '.join(refused)}. "
+            f"Keep those settings, or start a new run with another --out-dir"
+        )
     for line in allowed:
         same = " by its digest: the same data" if line.startswith("data:") else ""
         log(f"resume: {line} (allowed{same})")

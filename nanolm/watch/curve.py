@@ -76,8 +76,16 @@ class Curve:
     def looks(self, values: dict[int, float]) -> list["Look"]:
         """The test at each of the run's evaluations (``values``: step -> value), in order: the
         first k evaluations of the curve, for each k the run has reached without a gap."""
-        return _looks(self.key, self.steps, self.mean_log, np.asarray(self.cov_log), 1 / self.seeds, self.seeds - 1,
-                      self.threshold, values)
+        return _looks(
+            self.key,
+            self.steps,
+            self.mean_log,
+            np.asarray(self.cov_log),
+            1 / self.seeds,
+            self.seeds - 1,
+            self.threshold,
+            values,
+        )
 
     def widened(self, factor: float) -> "Curve":
         """The same test with every look's t divided by ``factor`` (the covariance times its square;
@@ -86,12 +94,26 @@ class Curve:
         them: ``factor`` is the root mean square of those runs' t, measured
         (``benchmarks/other_cpus.py``), so that their t is about 1 again."""
         cov = np.asarray(self.cov_log, dtype=np.float64) * factor**2
-        return Curve(self.key, self.steps, self.mean_log, [[nine_figures(x) for x in row] for row in cov], self.seeds,
-                     self.threshold, self.false_alarm)
+        return Curve(
+            self.key,
+            self.steps,
+            self.mean_log,
+            [[nine_figures(x) for x in row] for row in cov],
+            self.seeds,
+            self.threshold,
+            self.false_alarm,
+        )
 
     def to_json(self) -> dict:
-        return {"key": self.key, "steps": self.steps, "mean_log": self.mean_log, "cov_log": self.cov_log,
-                "seeds": self.seeds, "threshold": self.threshold, "false_alarm": self.false_alarm}
+        return {
+            "key": self.key,
+            "steps": self.steps,
+            "mean_log": self.mean_log,
+            "cov_log": self.cov_log,
+            "seeds": self.seeds,
+            "threshold": self.threshold,
+            "false_alarm": self.false_alarm,
+        }
 
 
 @dataclass
@@ -114,20 +136,43 @@ class SeedCurves:
         own = self.logs.get(str(seed))
         if own is None:
             return []
-        return _looks(self.key, self.steps, own, np.asarray(self.rerun_cov), 0.0, self.reruns, self.threshold,
-                      values, own_seed=True)
+        return _looks(
+            self.key,
+            self.steps,
+            own,
+            np.asarray(self.rerun_cov),
+            0.0,
+            self.reruns,
+            self.threshold,
+            values,
+            own_seed=True,
+        )
 
     def with_floor(self, floor: float, seed: int = 0) -> "SeedCurves":
         """The same curves with each step's rerun noise at least ``floor`` and the threshold
         simulated again: what a new floor makes of a shipped reference, without its trainings."""
         cov = floored(np.asarray(self.rerun_cov, dtype=np.float64), floor)
         threshold = max_t_threshold(cov, self.reruns, self.false_alarm, seed, paired=True)
-        return SeedCurves(self.key, self.steps, self.logs, [[nine_figures(x) for x in row] for row in cov], self.reruns,
-                          nine_figures(threshold), self.false_alarm)
+        return SeedCurves(
+            self.key,
+            self.steps,
+            self.logs,
+            [[nine_figures(x) for x in row] for row in cov],
+            self.reruns,
+            nine_figures(threshold),
+            self.false_alarm,
+        )
 
     def to_json(self) -> dict:
-        return {"key": self.key, "steps": self.steps, "logs": self.logs, "rerun_cov": self.rerun_cov,
-                "reruns": self.reruns, "threshold": self.threshold, "false_alarm": self.false_alarm}
+        return {
+            "key": self.key,
+            "steps": self.steps,
+            "logs": self.logs,
+            "rerun_cov": self.rerun_cov,
+            "reruns": self.reruns,
+            "threshold": self.threshold,
+            "false_alarm": self.false_alarm,
+        }
 
 
 RERUN_FLOOR = 0.004
@@ -146,9 +191,14 @@ def floored(cov: np.ndarray, floor: float) -> np.ndarray:
     return corr * np.outer(at_least, at_least)
 
 
-def seed_curves_from_runs(key: str, firsts: dict[int, dict[int, float]], reruns: dict[int, dict[int, float]],
-                          false_alarm: float = FALSE_ALARM, seed: int = 0,
-                          samples: int = SIMULATED_CURVES) -> SeedCurves | None:
+def seed_curves_from_runs(
+    key: str,
+    firsts: dict[int, dict[int, float]],
+    reruns: dict[int, dict[int, float]],
+    false_alarm: float = FALSE_ALARM,
+    seed: int = 0,
+    samples: int = SIMULATED_CURVES,
+) -> SeedCurves | None:
     """The seeds' own curves (``firsts``: seed -> {step: value}) and what their reruns
     (``reruns``, some of the same seeds) differ by; None with fewer than 5 reruns."""
     paired = [s for s in reruns if s in firsts]
@@ -161,12 +211,28 @@ def seed_curves_from_runs(key: str, firsts: dict[int, dict[int, float]], reruns:
     diffs = np.array([[math.log(reruns[s][t]) - math.log(firsts[s][t]) for t in steps] for s in paired])
     cov = floored(diffs.T @ diffs / len(paired), RERUN_FLOOR)
     threshold = max_t_threshold(cov, len(paired), false_alarm, seed, samples, paired=True)
-    return SeedCurves(key, steps, {str(s): [nine_figures(math.log(firsts[s][t])) for t in steps] for s in sorted(firsts)},
-                      [[nine_figures(x) for x in row] for row in cov], len(paired), nine_figures(threshold), false_alarm)
+    return SeedCurves(
+        key,
+        steps,
+        {str(s): [nine_figures(math.log(firsts[s][t])) for t in steps] for s in sorted(firsts)},
+        [[nine_figures(x) for x in row] for row in cov],
+        len(paired),
+        nine_figures(threshold),
+        false_alarm,
+    )
 
 
-def _looks(key: str, steps: list[int], centre, cov: np.ndarray, inflation: float, df: int, threshold: float,
-           values: dict[int, float], own_seed: bool = False) -> list["Look"]:
+def _looks(
+    key: str,
+    steps: list[int],
+    centre,
+    cov: np.ndarray,
+    inflation: float,
+    df: int,
+    threshold: float,
+    values: dict[int, float],
+    own_seed: bool = False,
+) -> list["Look"]:
     """The running-mean test at each evaluation: the weighted mean (:func:`look_weights`) of
     log(value) - ``centre`` over the first k steps, over its standard deviation from ``cov``
     (times 1 + ``inflation``)."""
@@ -225,8 +291,10 @@ class Look:
     def describe(self) -> str:
         where = "above" if self.excess > 0 else "below"
         healthy = "a rerun of that seed" if self.own_seed else "a healthy run"
-        return (f"{self.key} {self.percent:+.1f} % {where} {self.against} since step {self.since} (through step "
-                f"{self.step}); {healthy} is this far about {self.one_in()}")
+        return (
+            f"{self.key} {self.percent:+.1f} % {where} {self.against} since step {self.since} (through step "
+            f"{self.step}); {healthy} is this far about {self.one_in()}"
+        )
 
 
 def _two_figures(n: float) -> int:
@@ -236,8 +304,13 @@ def _two_figures(n: float) -> int:
     return int(round(n / 10**digits) * 10**digits)
 
 
-def curve_from_seeds(key: str, per_seed: list[dict[int, float]], false_alarm: float = FALSE_ALARM,
-                     seed: int = 0, samples: int = SIMULATED_CURVES) -> Curve | None:
+def curve_from_seeds(
+    key: str,
+    per_seed: list[dict[int, float]],
+    false_alarm: float = FALSE_ALARM,
+    seed: int = 0,
+    samples: int = SIMULATED_CURVES,
+) -> Curve | None:
     """The curve test for ``key`` from each seed's ``{step: value}``: the evaluations after step 0
     that every seed logged, finite and positive. None with fewer than 5 seeds or no evaluation.
     ``seed`` and ``samples``: the threshold's simulation (:func:`max_t_threshold`)."""
@@ -248,8 +321,15 @@ def curve_from_seeds(key: str, per_seed: list[dict[int, float]], false_alarm: fl
     logs = np.log(np.array([[run[s] for s in steps] for run in per_seed], dtype=np.float64))
     cov = np.atleast_2d(np.cov(logs, rowvar=False, ddof=1))
     threshold = max_t_threshold(cov, len(per_seed), false_alarm, seed, samples)
-    return Curve(key, steps, [nine_figures(x) for x in logs.mean(axis=0)], [[nine_figures(x) for x in row] for row in cov],
-                 len(per_seed), nine_figures(threshold), false_alarm)
+    return Curve(
+        key,
+        steps,
+        [nine_figures(x) for x in logs.mean(axis=0)],
+        [[nine_figures(x) for x in row] for row in cov],
+        len(per_seed),
+        nine_figures(threshold),
+        false_alarm,
+    )
 
 
 SPREAD_FLOOR = 1e-6
@@ -274,8 +354,15 @@ def prefix_correlation(cov: np.ndarray) -> np.ndarray:
     return prefix / np.outer(sd, sd)
 
 
-def max_t_threshold(cov: np.ndarray, runs: int, false_alarm: float, seed: int = 0,
-                    samples: int = SIMULATED_CURVES, *, paired: bool = False) -> float:
+def max_t_threshold(
+    cov: np.ndarray,
+    runs: int,
+    false_alarm: float,
+    seed: int = 0,
+    samples: int = SIMULATED_CURVES,
+    *,
+    paired: bool = False,
+) -> float:
     """The |t| that healthy runs exceed at any of their looks with probability ``false_alarm``.
 
     Found by doing the test itself, many times, on healthy runs drawn from a normal with
@@ -344,8 +431,10 @@ def _incomplete_beta(a: float, b: float, x: float) -> float:
     d = 1.0 / (d if abs(d) > tiny else tiny)
     f = d
     for m in range(1, 300):
-        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+        for numerator in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
             d = 1.0 + numerator * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + numerator / c

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import NanolmError
-from ..base.documents import read_jsonl
 from ..base import disk
+from ..base.documents import read_jsonl
 from ..base.files import naming_the_file
+from ..errors import NanolmError
 
 NAN_ACTIONS = ("stop", "skip", "rollback")
 SPIKE_ACTIONS = ("off", "warn", "skip", "rollback")
@@ -99,9 +99,20 @@ class Guard:
     decides without writing ``events.jsonl`` (every rank but the first, a replay).
     """
 
-    def __init__(self, *, out_dir, on_nan: str = "rollback", on_spike: str = "warn", window: int = 50,
-                 threshold: float = 6.0, max_rollbacks: int = 3, rollback_lr_scale: float = 1.0, log=print,
-                 rollback_to=None, explain_nan=None):
+    def __init__(
+        self,
+        *,
+        out_dir,
+        on_nan: str = "rollback",
+        on_spike: str = "warn",
+        window: int = 50,
+        threshold: float = 6.0,
+        max_rollbacks: int = 3,
+        rollback_lr_scale: float = 1.0,
+        log=print,
+        rollback_to=None,
+        explain_nan=None,
+    ):
         self.on_nan, self.on_spike, self.max_rollbacks = on_nan, on_spike, max_rollbacks
         self.reads_every_step = reads_every_step(on_nan, on_spike)
         self.loss = SpikeDetector(window, threshold)
@@ -119,10 +130,18 @@ class Guard:
     @classmethod
     def from_options(cls, options, *, out_dir, log=print, rollback_to=None, explain_nan=None) -> "Guard":
         """A guard as the run's ``[guard]`` section (``nanolm.run.config.GuardOptions``) says."""
-        return cls(out_dir=out_dir, on_nan=options.on_nan, on_spike=options.on_spike, window=options.spike_window,
-                   threshold=options.spike_threshold, max_rollbacks=options.max_rollbacks,
-                   rollback_lr_scale=options.rollback_lr_scale, log=log, rollback_to=rollback_to,
-                   explain_nan=explain_nan)
+        return cls(
+            out_dir=out_dir,
+            on_nan=options.on_nan,
+            on_spike=options.on_spike,
+            window=options.spike_window,
+            threshold=options.spike_threshold,
+            max_rollbacks=options.max_rollbacks,
+            rollback_lr_scale=options.rollback_lr_scale,
+            log=log,
+            rollback_to=rollback_to,
+            explain_nan=explain_nan,
+        )
 
     def decide(self, step: int, loss: float, grad_norm: float, lr: float):
         """:meth:`check`, then the fallbacks: (action, event, the checkpoint to roll back to)."""
@@ -145,9 +164,11 @@ class Guard:
             return
         self.record(event, {"take": "warn"}.get(result.action, result.action))
         if result.action == "stop":
-            raise NanolmError(f"training stopped at step {result.step} on a {event['kind']} event "
-                              f"({event.get('origin') or event.get('note') or 'see events.jsonl'}); "
-                              f"run `nanolm diagnose {self.out_dir}`")
+            raise NanolmError(
+                f"training stopped at step {result.step} on a {event['kind']} event "
+                f"({event.get('origin') or event.get('note') or 'see events.jsonl'}); "
+                f"run `nanolm diagnose {self.out_dir}`"
+            )
 
     def rolled_back(self, event: dict, to_step: int) -> None:
         """The run is back at ``to_step``: count it, lower the learning rate if asked, record
@@ -167,15 +188,30 @@ class Guard:
         """The action for this step (``take``, ``skip``, ``rollback`` or ``stop``) and its event."""
         evidence = {"recent": list(self.history)}
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            event = {"step": step, "kind": "nan", "loss": _json_number(loss), "grad_norm": _json_number(grad_norm),
-                     "lr": lr, **evidence}
+            event = {
+                "step": step,
+                "kind": "nan",
+                "loss": _json_number(loss),
+                "grad_norm": _json_number(grad_norm),
+                "lr": lr,
+                **evidence,
+            }
             return self.on_nan, event
         spike_loss, z_loss = self.loss.is_spike(loss)
         spike_grad, z_grad = self.grad.is_spike(grad_norm)
         self.history.append({"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr})
         if self.on_spike != "off" and (spike_loss or spike_grad):
-            event = {"step": step, "kind": "spike", "on": [n for n, s in (("loss", spike_loss), ("grad_norm", spike_grad)) if s],
-                     "loss": loss, "grad_norm": grad_norm, "lr": lr, "z_loss": z_loss, "z_grad_norm": z_grad, **evidence}
+            event = {
+                "step": step,
+                "kind": "spike",
+                "on": [n for n, s in (("loss", spike_loss), ("grad_norm", spike_grad)) if s],
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "z_loss": z_loss,
+                "z_grad_norm": z_grad,
+                **evidence,
+            }
             action = {"warn": "take"}.get(self.on_spike, self.on_spike)
             if action == "take":  # a warned spike still belongs to the history
                 self.loss.add(loss)
@@ -191,8 +227,10 @@ class Guard:
         self._append(event)
         what = "non-finite loss or gradient" if event["kind"] == "nan" else f"{'/'.join(event['on'])} spike"
         extra = f"; first non-finite: {event['origin']}" if event.get("origin") else ""
-        self.log(f"guard: {what} at step {event['step']} (loss {event['loss']}, grad norm {event['grad_norm']}"
-                 f"{extra}): {action}")
+        self.log(
+            f"guard: {what} at step {event['step']} (loss {event['loss']}, grad norm {event['grad_norm']}"
+            f"{extra}): {action}"
+        )
 
     def note(self, kind: str, step: int, **details) -> None:
         """Record a non-guard event that diagnosis needs (a resume, a rollback landing)."""
@@ -219,11 +257,15 @@ def _is_number(x) -> bool:
 
 
 _EVENT_FIELDS = {
-    "step": lambda v: type(v) is int and v >= 0, "kind": lambda v: isinstance(v, str),
-    "action": lambda v: isinstance(v, str), "origin": lambda v: isinstance(v, str), "note": lambda v: isinstance(v, str),
+    "step": lambda v: type(v) is int and v >= 0,
+    "kind": lambda v: isinstance(v, str),
+    "action": lambda v: isinstance(v, str),
+    "origin": lambda v: isinstance(v, str),
+    "note": lambda v: isinstance(v, str),
     "on": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "recent": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
-    "to_step": lambda v: type(v) is int, "bad_ids": lambda v: type(v) is int,
+    "to_step": lambda v: type(v) is int,
+    "bad_ids": lambda v: type(v) is int,
     "loss": lambda v: _is_number(v) or v in ("nan", "inf", "-inf"),
     "grad_norm": lambda v: _is_number(v) or v in ("nan", "inf", "-inf"),
 }

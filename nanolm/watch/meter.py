@@ -43,9 +43,19 @@ class StepMeter:
     as training time. Elapsed time and ETA include everything.
     """
 
-    def __init__(self, total_steps: int, tokens_per_step: int, flops_per_token: int, peak: float | None,
-                 clip: float, device: torch.device, start_step: int = 0, clipped_steps: int = 0,
-                 elapsed_s: float = 0.0, host_values: bool = False):
+    def __init__(
+        self,
+        total_steps: int,
+        tokens_per_step: int,
+        flops_per_token: int,
+        peak: float | None,
+        clip: float,
+        device: torch.device,
+        start_step: int = 0,
+        clipped_steps: int = 0,
+        elapsed_s: float = 0.0,
+        host_values: bool = False,
+    ):
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
         self.flops_per_token, self.peak, self.clip = flops_per_token, peak, clip
         self.device = torch.device(device)
@@ -114,5 +124,8 @@ class StepMeter:
 
     def constants(self) -> dict:
         """The run's fixed figures, recorded once in the step-0 row."""
-        return {"tokens_per_step": self.tokens_per_step, "flops_per_token": self.flops_per_token,
-                "peak_flops": self.peak}
+        return {
+            "tokens_per_step": self.tokens_per_step,
+            "flops_per_token": self.flops_per_token,
+            "peak_flops": self.peak,
+        }

@@ -30,8 +30,8 @@ import torch
 from ..errors import NanolmError
 from ..precision import grad_subnormal_fraction, grad_zero_fraction
 from ..step import wsd_decay_start
-from .meter import StepMeter
 from .guards import reads_every_step
+from .meter import StepMeter
 from .reference import BandWatch, no_reference_line, setup_digest
 from .sinks import Monitor, parse_sinks
 from .stats import LayerStats
@@ -65,17 +65,35 @@ class ObserverOptions:
         t, o = cfg.train, cfg.optim
         # the optimizer's settings, recorded once in the step-0 row: a reader of the logs (and ``nanolm
         # diagnose``) can tell a run without clipping or LR decay from the numbers alone
-        recipe = {"peak_lr": o.lr, "min_lr": o.min_lr, "warmup_steps": o.warmup, "beta1": o.beta1, "beta2": o.beta2,
-                  "weight_decay": o.weight_decay, "clip": o.clip, "optimizer": o.optimizer, "schedule": o.schedule}
+        recipe = {
+            "peak_lr": o.lr,
+            "min_lr": o.min_lr,
+            "warmup_steps": o.warmup,
+            "beta1": o.beta1,
+            "beta2": o.beta2,
+            "weight_decay": o.weight_decay,
+            "clip": o.clip,
+            "optimizer": o.optimizer,
+            "schedule": o.schedule,
+        }
         if o.schedule == "wsd":  # the peak until decay_start_step by design, then a line to min_lr at decay_end_step
             recipe["decay_start_step"] = wsd_decay_start(o.warmup, t.steps, o.decay_fraction) + 1
             recipe["decay_end_step"] = t.steps + 1
         if o.optimizer == "muon":
             recipe.update(muon_lr=o.muon_lr, muon_momentum=o.muon_momentum)
-        return cls(steps=t.steps, tokens_per_step=tokens_per_step, log_every=t.log_every, stats_every=t.stats_every,
-                   sinks=tuple(parse_sinks(t.log)), progress=t.progress, seed=t.seed, target_val_bpb=t.target_val_bpb,
-                   loss_read_every_step=reads_every_step(cfg.guard.on_nan, cfg.guard.on_spike), recipe=recipe,
-                   config=cfg.to_dict())
+        return cls(
+            steps=t.steps,
+            tokens_per_step=tokens_per_step,
+            log_every=t.log_every,
+            stats_every=t.stats_every,
+            sinks=tuple(parse_sinks(t.log)),
+            progress=t.progress,
+            seed=t.seed,
+            target_val_bpb=t.target_val_bpb,
+            loss_read_every_step=reads_every_step(cfg.guard.on_nan, cfg.guard.on_spike),
+            recipe=recipe,
+            config=cfg.to_dict(),
+        )
 
 
 class GradientWatch:
@@ -113,9 +131,23 @@ class Observer:
     and the training time so far.
     """
 
-    def __init__(self, options: ObserverOptions, *, dist, out_dir: Path, model, precision, scaler, progress,
-                 evaluates, peak: tuple[float | None, str], log=print, optimizer=None, setup: dict | None = None,
-                 reference=None):
+    def __init__(
+        self,
+        options: ObserverOptions,
+        *,
+        dist,
+        out_dir: Path,
+        model,
+        precision,
+        scaler,
+        progress,
+        evaluates,
+        peak: tuple[float | None, str],
+        log=print,
+        optimizer=None,
+        setup: dict | None = None,
+        reference=None,
+    ):
         self.options = options
         self.setup, self.reference = setup, reference  # the run's setup, and the shipped reference it matches (or None)
         self.band = BandWatch(reference, options.seed) if reference is not None else None
@@ -141,16 +173,32 @@ class Observer:
         recipe and setup, with the untrained model's ``evaluation`` when there is one."""
         o, step = self.options, self.progress.step
         if self.dist.is_main:
-            self.monitor = Monitor(self.out_dir, o.steps, list(o.sinks), o.config, self.log, o.progress,
-                                   resume_step=step if step else None)
-        self.meter = StepMeter(o.steps, o.tokens_per_step, self.model.flops_per_token(), self.peak, o.recipe["clip"],
-                               self.dist.device, start_step=step, clipped_steps=self.resumed.get("clipped_steps", 0),
-                               elapsed_s=self.resumed.get("elapsed_s", 0.0), host_values=o.loss_read_every_step)
+            self.monitor = Monitor(
+                self.out_dir, o.steps, list(o.sinks), o.config, self.log, o.progress, resume_step=step if step else None
+            )
+        self.meter = StepMeter(
+            o.steps,
+            o.tokens_per_step,
+            self.model.flops_per_token(),
+            self.peak,
+            o.recipe["clip"],
+            self.dist.device,
+            start_step=step,
+            clipped_steps=self.resumed.get("clipped_steps", 0),
+            elapsed_s=self.resumed.get("elapsed_s", 0.0),
+            host_values=o.loss_read_every_step,
+        )
         self.restarted_at = step
         self.announce_reference()
         if step == 0:
-            row = {"step": 0, "elapsed_s": 0.0, "n_params": self.model.num_params(), **self.meter.constants(),
-                   **self.recipe(), **self.reference_keys()}
+            row = {
+                "step": 0,
+                "elapsed_s": 0.0,
+                "n_params": self.model.num_params(),
+                **self.meter.constants(),
+                **self.recipe(),
+                **self.reference_keys(),
+            }
             self.record(self.judged({**row, **evaluation}) if evaluation else row)
         self.meter.lap(step)
 
@@ -162,8 +210,10 @@ class Observer:
         if self.reference is None:
             self.log(no_reference_line(self.setup))
             return
-        self.log(f"reference: this is {self.reference.describe()}; each evaluation says whether the validation "
-                 f"loss is inside its band")
+        self.log(
+            f"reference: this is {self.reference.describe()}; each evaluation says whether the validation "
+            f"loss is inside its band"
+        )
         if self.monitor is not None:
             self.band.resume(self.monitor.metrics.rows)  # a resumed run: since when it is outside, from its rows
 
@@ -171,8 +221,10 @@ class Observer:
         """The step-0 row's record of the setup (its digest) and the reference it matched."""
         if self.setup is None:
             return {}
-        keys = {"setup_digest": setup_digest(self.setup),
-                **{k: v for k, v in self.setup["run"].items() if k != "val_windows"}}
+        keys = {
+            "setup_digest": setup_digest(self.setup),
+            **{k: v for k, v in self.setup["run"].items() if k != "val_windows"},
+        }
         if self.reference is not None:
             keys["reference"] = self.reference.name
             keys["seed"] = self.options.seed  # a seed the reference trained is judged against its own curve
@@ -185,21 +237,34 @@ class Observer:
         if self.optimizer is not None:  # what the optimizer really decays, not what the options say
             embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, torch.nn.Embedding)}
             recipe["decayed_norms_biases_embeddings"] = sum(
-                1 for group in self.optimizer.param_groups if group.get("weight_decay", 0) > 0
-                for p in group["params"] if p.dim() < 2 or id(p) in embeddings)
+                1
+                for group in self.optimizer.param_groups
+                if group.get("weight_decay", 0) > 0
+                for p in group["params"]
+                if p.dim() < 2 or id(p) in embeddings
+            )
         return recipe
 
     # ---------------------------------------------------------------- one step
     def logs(self, step: int) -> bool:
         o = self.options
-        return (step % o.log_every == 0 or self.evaluates(step) or step == o.steps or step == 1
-                or is_stats_step(step, o.stats_every) or step - self.restarted_at <= 3)  # a (re)start: all shown
+        return (
+            step % o.log_every == 0
+            or self.evaluates(step)
+            or step == o.steps
+            or step == 1
+            or is_stats_step(step, o.stats_every)
+            or step - self.restarted_at <= 3
+        )  # a (re)start: all shown
 
     def gradient_watch(self, step: int, micro_batches) -> GradientWatch | None:
         """The watch on this step's gradients, or None when nothing is to be read of them.
         Per-layer figures are read on rank 0's own model; under FSDP no rank holds whole layers."""
-        stats = (LayerStats(self.model, micro_batches[0], self.precision.autocast)
-                 if is_stats_step(step, self.options.stats_every) and self.dist.is_main and not self.dist.sharded else None)
+        stats = (
+            LayerStats(self.model, micro_batches[0], self.precision.autocast)
+            if is_stats_step(step, self.options.stats_every) and self.dist.is_main and not self.dist.sharded
+            else None
+        )
         underflow = self.logs(step) and self.precision.name == "fp16"
         return GradientWatch(self.model, stats, underflow, self.scaler) if stats is not None or underflow else None
 
@@ -244,8 +309,7 @@ class Observer:
         target = self.options.target_val_bpb
         reached = 0 < target and row.get("val_bpb", math.inf) <= target
         if reached:
-            self.log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {target} at step "
-                     f"{row['step']}: done")
+            self.log(f"val bpb {row['val_bpb']:.4f} <= --target-val-bpb {target} at step {row['step']}: done")
         return reached
 
     def record(self, row: dict) -> None:

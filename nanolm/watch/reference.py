@@ -44,14 +44,38 @@ NOT_COUNTED = {
     # what does not change the numbers a run trains through: the seed (the band is over seeds),
     # where it writes and reads from (the data itself is counted, by its digest), what it logs
     # and when, how fast it runs, and when it stops early
-    "train": {"seed", "out_dir", "log", "log_every", "stats_every", "progress", "threads", "process_tuning", "resume",
-              "keep", "ckpt_every", "eval_every", "eval_at_start", "sample_tokens", "peak_flops", "target_val_bpb",
-              "device", "deterministic", "tf32", "dist", "eval_batches", "eval_windows",  # as run.val_windows
-              "precision"},  # as run.precision, what it resolved to: "auto" and "fp32" are one format on such a CPU
+    "train": {
+        "seed",
+        "out_dir",
+        "log",
+        "log_every",
+        "stats_every",
+        "progress",
+        "threads",
+        "process_tuning",
+        "resume",
+        "keep",
+        "ckpt_every",
+        "eval_every",
+        "eval_at_start",
+        "sample_tokens",
+        "peak_flops",
+        "target_val_bpb",
+        "device",
+        "deterministic",
+        "tf32",
+        "dist",
+        "eval_batches",
+        "eval_windows",  # as run.val_windows
+        "precision",
+    },  # as run.precision, what it resolved to: "auto" and "fp32" are one format on such a CPU
     "data": {"data"},
     "model": {"loss_chunk"},  # how the head and loss are computed, not what
 }
-SECTIONS_NOT_COUNTED = ("guard", "debug")  # the guard acts only on trouble; debug switches are bugs, which bands exist to catch
+SECTIONS_NOT_COUNTED = (
+    "guard",
+    "debug",
+)  # the guard acts only on trouble; debug switches are bugs, which bands exist to catch
 
 TRAIN_METRICS = ("loss", "lr", "grad_norm", "clipped_frac")
 EVAL_METRICS = ("val_loss", "val_bpb")
@@ -79,8 +103,13 @@ def setup_of(cfg, data_digest: str, precision: str, device_type: str, world_size
         skip = NOT_COUNTED.get(section, set())
         setup[section] = {k: v for k, v in options.items() if k not in skip}
     t = cfg.train
-    setup["run"] = {"data_digest": data_digest, "precision": precision, "device_type": device_type,
-                    "world_size": world_size, "val_windows": t.eval_windows or DEFAULT_EVAL_WINDOWS}
+    setup["run"] = {
+        "data_digest": data_digest,
+        "precision": precision,
+        "device_type": device_type,
+        "world_size": world_size,
+        "val_windows": t.eval_windows or DEFAULT_EVAL_WINDOWS,
+    }
     return setup
 
 
@@ -90,8 +119,12 @@ def setup_digest(setup: dict) -> str:
 
 def differences(a: dict, b: dict) -> list[str]:
     """The options in which two setups differ, as ``section.option``."""
-    return sorted(f"{s}.{k}" for s in set(a) | set(b) for k in set(a.get(s, {})) | set(b.get(s, {}))
-                  if a.get(s, {}).get(k) != b.get(s, {}).get(k))
+    return sorted(
+        f"{s}.{k}"
+        for s in set(a) | set(b)
+        for k in set(a.get(s, {})) | set(b.get(s, {}))
+        if a.get(s, {}).get(k) != b.get(s, {}).get(k)
+    )
 
 
 @dataclass
@@ -132,7 +165,11 @@ def band_from_seeds(key: str, per_seed: list[dict[int, float]]) -> Band | None:
     lo, mid, hi = [], [], []
     for step in steps:
         values = sorted(run[step] for run in per_seed)
-        median = values[len(values) // 2] if len(values) % 2 else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        median = (
+            values[len(values) // 2]
+            if len(values) % 2
+            else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        )
         spread = values[-1] - values[0]
         floor = (GROUP_RELATIVE_FLOOR if key.startswith(GROUP_METRICS) else RELATIVE_FLOOR.get(key, 0.0)) * abs(median)
         widen = max(WIDEN * spread, floor, ABSOLUTE_FLOOR.get(key, 0.0))
@@ -188,12 +225,20 @@ class Reference:
 
     def describe(self) -> str:
         curve = f", its curve over {len(self.curve_seeds)}" if self.curve is not None else ""
-        return (f"{self.title} ({self.precision}, band over {len(self.seeds)} seeds{curve}, measured {self.date} on "
-                f"{self.machine})")
+        return (
+            f"{self.title} ({self.precision}, band over {len(self.seeds)} seeds{curve}, measured {self.date} on "
+            f"{self.machine})"
+        )
 
     def to_json(self) -> dict:
-        out = {"format": FORMAT, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                    if f.name not in ("bands", "curve", "seed_curves")}}
+        out = {
+            "format": FORMAT,
+            **{
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name not in ("bands", "curve", "seed_curves")
+            },
+        }
         out["bands"] = {k: dataclasses.asdict(b) for k, b in sorted(self.bands.items())}
         for name in ("curve", "seed_curves"):
             if getattr(self, name) is not None:
@@ -204,11 +249,17 @@ class Reference:
     def from_json(cls, data: dict) -> "Reference":
         if data.get("format") != FORMAT:
             raise ValueError(f"reference format {data.get('format')!r}, expected {FORMAT}")
-        fields = {f.name: data[f.name] for f in dataclasses.fields(cls)
-                  if f.name not in ("bands", "curve", "seed_curves") and f.name in data}  # later fields may be absent
-        return cls(**fields, bands={k: Band(**b) for k, b in data["bands"].items()},
-                   curve=Curve(**data["curve"]) if data.get("curve") else None,
-                   seed_curves=SeedCurves(**data["seed_curves"]) if data.get("seed_curves") else None)
+        fields = {
+            f.name: data[f.name]
+            for f in dataclasses.fields(cls)
+            if f.name not in ("bands", "curve", "seed_curves") and f.name in data
+        }  # later fields may be absent
+        return cls(
+            **fields,
+            bands={k: Band(**b) for k, b in data["bands"].items()},
+            curve=Curve(**data["curve"]) if data.get("curve") else None,
+            seed_curves=SeedCurves(**data["seed_curves"]) if data.get("seed_curves") else None,
+        )
 
 
 def shipped_references(directory=None) -> tuple[Reference, ...]:
@@ -218,8 +269,10 @@ def shipped_references(directory=None) -> tuple[Reference, ...]:
 
 @lru_cache(maxsize=None)
 def _read_references(directory: str) -> tuple[Reference, ...]:
-    return tuple(Reference.from_json(json.loads(path.read_text(encoding="utf-8")))
-                 for path in sorted(Path(directory).glob("*.json")))
+    return tuple(
+        Reference.from_json(json.loads(path.read_text(encoding="utf-8")))
+        for path in sorted(Path(directory).glob("*.json"))
+    )
 
 
 def find_reference(setup: dict, references=None) -> Reference | None:
@@ -274,8 +327,9 @@ class Departure:
 
     def describe(self) -> str:
         where = "above" if self.side > 0 else "below"
-        return (f"{self.key} {where} its band from step {self.step} ({self.value:.4g} against "
-                f"{self.lo:.4g}..{self.hi:.4g})")
+        return (
+            f"{self.key} {where} its band from step {self.step} ({self.value:.4g} against {self.lo:.4g}..{self.hi:.4g})"
+        )
 
 
 # a training number must stay outside for this many logged steps in a row to count: one noisy
@@ -375,13 +429,20 @@ class BandWatch:
         return out
 
     def _curve_keys(self, step: int) -> dict:
-        looks = curve_looks(self.reference, [{"step": s, self.KEY: v} for s, v in sorted(self.values.items())],
-                            self.seed)
+        looks = curve_looks(
+            self.reference, [{"step": s, self.KEY: v} for s, v in sorted(self.values.items())], self.seed
+        )
         if not looks or looks[-1].step != step:
             return {}
         look = looks[-1]
-        return {"val_curve_since": look.since, "val_curve_excess": look.excess, "val_curve_t": look.t,
-                "val_curve_tail": look.tail, "val_curve_side": look.side, "val_curve_own_seed": int(look.own_seed)}
+        return {
+            "val_curve_since": look.since,
+            "val_curve_excess": look.excess,
+            "val_curve_t": look.t,
+            "val_curve_tail": look.tail,
+            "val_curve_side": look.side,
+            "val_curve_own_seed": int(look.own_seed),
+        }
 
 
 def format_band(row: dict) -> str:
@@ -394,12 +455,22 @@ def format_band(row: dict) -> str:
         side = row["val_band_side"]
         text += "inside" if side == 0 else f"{'above' if side > 0 else 'below'} since step {row['val_band_since']}"
     if "val_curve_excess" in row:
-        look = Look("val_loss", row["val_curve_since"], row["step"], row["val_curve_excess"], row["val_curve_t"],
-                    row["val_curve_tail"], row["val_curve_side"] != 0, bool(row.get("val_curve_own_seed")))
+        look = Look(
+            "val_loss",
+            row["val_curve_since"],
+            row["step"],
+            row["val_curve_excess"],
+            row["val_curve_t"],
+            row["val_curve_tail"],
+            row["val_curve_side"] != 0,
+            bool(row.get("val_curve_own_seed")),
+        )
         if look.departs:
             where = "above" if look.excess > 0 else "below"
-            text += (f" | {look.percent:+.1f} % {where} {look.against} since step {look.since}, "
-                     f"{'a rerun' if look.own_seed else 'a healthy run'} {look.one_in()}")
+            text += (
+                f" | {look.percent:+.1f} % {where} {look.against} since step {look.since}, "
+                f"{'a rerun' if look.own_seed else 'a healthy run'} {look.one_in()}"
+            )
         else:
             text += f" | {look.percent:+.1f} % vs {'its seed' if look.own_seed else 'seeds'}"
     return text

@@ -36,8 +36,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..base.documents import read_jsonl
 from ..base import disk
+from ..base.documents import read_jsonl
 from ..base.files import atomic_write_text, naming_the_file
 from .reference import format_band
 
@@ -89,8 +89,7 @@ class MetricsFile:
         self.file.close()
 
 
-TEXT_KEYS = frozenset({"optimizer", "schedule", "setup_digest", "data_digest", "precision", "device_type",
-                       "reference"})
+TEXT_KEYS = frozenset({"optimizer", "schedule", "setup_digest", "data_digest", "precision", "device_type", "reference"})
 """The keys of a metrics row that hold text (the step-0 row's recipe and setup)."""
 FLAG_KEYS = frozenset({"clipped"})
 """The keys that hold true or false; every other key holds a number (or null)."""
@@ -163,9 +162,14 @@ class WandbSink:
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_key() else "offline")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "nanolm"), name=Path(out_dir).name,
-                              dir=str(out_dir), config=config, mode=mode,
-                              settings=wandb.Settings(silent=True, console="off"))
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "nanolm"),
+            name=Path(out_dir).name,
+            dir=str(out_dir),
+            config=config,
+            mode=mode,
+            settings=wandb.Settings(silent=True, console="off"),
+        )
 
     def write(self, row: dict) -> None:
         self.run.log(_numbers(row), step=row["step"])
@@ -231,8 +235,10 @@ class Terminal:
     def show(self, row: dict) -> None:
         if "loss" in row:
             if self.bar is not None:
-                self.bar.set_postfix_str(f"loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-                                         f"{row['tokens_per_sec'] / 1000:.1f}k tok/s", refresh=False)
+                self.bar.set_postfix_str(
+                    f"loss {row['loss']:.4f} | lr {row['lr']:.2e} | {row['tokens_per_sec'] / 1000:.1f}k tok/s",
+                    refresh=False,
+                )
                 self.bar.update(row["step"] - self.bar.n)
             else:
                 self.log(format_train_line(row, self.total_steps))
@@ -262,8 +268,16 @@ class Monitor:
     disk) is an error, as it would be for a checkpoint.
     """
 
-    def __init__(self, out_dir, total_steps: int, sinks=(), config: dict | None = None, log=print,
-                 progress: str = "lines", resume_step: int | None = None):
+    def __init__(
+        self,
+        out_dir,
+        total_steps: int,
+        sinks=(),
+        config: dict | None = None,
+        log=print,
+        progress: str = "lines",
+        resume_step: int | None = None,
+    ):
         out_dir = Path(out_dir)
         self.metrics = MetricsFile(out_dir / "metrics.jsonl", resume_step, log)
         start = self.metrics.last_step if self.metrics.last_step > 0 else 0
@@ -294,8 +308,10 @@ class Monitor:
         self.metrics.rewind(step)
 
     def _warn(self, name: str, what: str, error: Exception) -> None:
-        self.terminal.write(f"warning: the {name} logger {what} ({type(error).__name__}: {error}); it is off for "
-                            f"the rest of this run, and metrics.jsonl still records everything")
+        self.terminal.write(
+            f"warning: the {name} logger {what} ({type(error).__name__}: {error}); it is off for "
+            f"the rest of this run, and metrics.jsonl still records everything"
+        )
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -319,16 +335,20 @@ def format_duration(seconds: float) -> str:
 
 def format_train_line(row: dict, total_steps: int) -> str:
     width = len(str(total_steps))
-    line = (f"step {row['step']:>{width}}/{total_steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
-            f"grad norm {row['grad_norm']:.3f}{' (clipped)' if row.get('clipped') else ''} | "
-            f"{row['tokens_per_sec'] / 1000:.1f}k tok/s")
+    line = (
+        f"step {row['step']:>{width}}/{total_steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+        f"grad norm {row['grad_norm']:.3f}{' (clipped)' if row.get('clipped') else ''} | "
+        f"{row['tokens_per_sec'] / 1000:.1f}k tok/s"
+    )
     if "mfu" in row:
         line += f" | mfu {100 * row['mfu']:.1f}%"
     line += f" | {row['elapsed_s']:.1f}s"
     if "eta_s" in row:
         line += f" | eta {format_duration(row['eta_s'])}"
     if "loss_scale" in row:
-        line += f" | scale {row['loss_scale']:g}, {row['skipped_steps']} skipped, {row['grad_zero_frac']:.1%} zero grads"
+        line += (
+            f" | scale {row['loss_scale']:g}, {row['skipped_steps']} skipped, {row['grad_zero_frac']:.1%} zero grads"
+        )
     return line
 
 

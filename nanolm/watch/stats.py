@@ -105,8 +105,9 @@ class LayerStats:
         return row
 
 
-def max_attention_logit(attn, x: torch.Tensor, cos, sin, mask: torch.Tensor | None = None,
-                        max_scores: int = 2**24) -> torch.Tensor:
+def max_attention_logit(
+    attn, x: torch.Tensor, cos, sin, mask: torch.Tensor | None = None, max_scores: int = 2**24
+) -> torch.Tensor:
     """The largest logit ``q·k / sqrt(head_dim)`` that attention ``attn`` lets through for input ``x``.
 
     Recomputed from the layer's own :meth:`~nanolm.model.Attention.queries_keys_values`
