@@ -4,6 +4,7 @@ holds, when a non-finite loss stops a run, what a resume and a rollback continue
 says. ``test_sinks.py`` and ``test_train.py`` watch the same decisions through whole runs."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -147,7 +148,8 @@ def test_a_non_finite_loss_stops_a_run_whose_guard_reads_no_step(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "target, val_bpb, reached", [(0.0, 0.5, False), (1.0, 1.0, True), (1.0, 1.01, False), (1.0, None, False)]
+    "target, val_bpb, reached",
+    [(0.0, 0.5, False), (0.0, 0.0, False), (1.0, 1.0, True), (1.0, 1.01, False), (1.0, None, False)],
 )
 def test_the_target_is_reached_at_an_evaluation_at_or_below_it(tmp_path, target, val_bpb, reached):
     observer = _observer(tmp_path, target_val_bpb=target)
@@ -165,6 +167,8 @@ def test_a_resume_continues_the_clipped_steps_and_the_training_time(tmp_path):
     observer.start()
     state = observer.state_dict()
     assert state["clipped_steps"] == 3 and 12.5 <= state["elapsed_s"] < 60 and observer.restarted_at == 10
+    time.sleep(0.01)
+    assert observer.elapsed() > 12.5  # the clock runs from the resumed time on
     observer.load_state_dict({"clipped_steps": 1, "elapsed_s": 0.0})  # a rollback: the checkpoint's count, the clock on
     assert observer.state_dict()["clipped_steps"] == 1 and observer.elapsed() >= 12.5
 
@@ -214,7 +218,8 @@ def test_fp16s_underflow_is_read_from_the_gradients_at_the_scale_backward_ran_at
 
     model = tiny_model()
     for i, p in enumerate(model.parameters()):
-        p.grad = torch.zeros_like(p) if i % 3 == 0 else torch.full_like(p, 1e-6)
+        # 4e-5: below fp16's normal range as it is, within it when doubled (the scale backward ran at)
+        p.grad = torch.zeros_like(p) if i % 3 == 0 else torch.full_like(p, 1e-6 if i % 3 == 1 else 4e-5)
     scaler = DynamicLossScaler(enabled=True)
     watch = GradientWatch(model, None, underflow=True, scaler=scaler)
     watch.capture()
@@ -224,9 +229,11 @@ def test_fp16s_underflow_is_read_from_the_gradients_at_the_scale_backward_ran_at
         "grad_subnormal_frac": grad_subnormal_fraction(model.parameters(), scaler.loss_scale).item(),
     }
     assert 0 < figures["grad_zero_frac"] < 1 and figures["grad_subnormal_frac"] > 0
+    assert all(type(v) is float for v in figures.values())  # read from the device, once
     unscaled = GradientWatch(model, None, underflow=True, scaler=None)  # no scaler: a scale of 1
     unscaled.capture()
     assert unscaled.after_update()["grad_subnormal_frac"] == grad_subnormal_fraction(model.parameters(), 1.0).item()
+    assert grad_subnormal_fraction(model.parameters(), 1.0) != grad_subnormal_fraction(model.parameters(), 2.0)
     quiet = GradientWatch(model, None, underflow=False)
     quiet.capture()
     assert quiet.after_update() == {}
@@ -283,8 +290,54 @@ def test_a_rollback_discards_the_rows_after_its_checkpoint_and_shows_the_next_st
     observer.rewound(10)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3, 10]
     assert observer.restarted_at == 10 and observer.logs(13) and not observer.logs(14)
+    written = []
+    observer.monitor.write = written.append  # above the progress bar, when there is one
     observer.write("a line for the person watching")
+    assert written == ["a line for the person watching"] and "a line for the person watching" not in observer.said
+    row = observer.observe(_result(11))  # the next step's throughput is measured from the rollback's step
+    assert row["step"] == 11 and row["tokens_per_sec"] > 0
     observer.close()
+    assert observer.monitor.metrics.file.closed
     lone = _observer(tmp_path / "lone")  # not started (no monitor): its lines go to the log
     lone.write("said")
     assert lone.said == ["said"]
+    lone.close()  # nothing opened, nothing to close
+
+
+def test_fp16s_watch_reads_the_gradients_of_the_model_at_the_scalers_scale(tmp_path):
+    """On a logged fp16 step the observer's watch reads the run's own model, at the scale the
+    scaler ran backward at (a gradient of 1e-8 was normal at 65536x, below fp16's range at 1x)."""
+    from nanolm.precision import grad_subnormal_fraction, grad_zero_fraction
+
+    observer = _observer(tmp_path, precision="fp16")
+    for i, p in enumerate(observer.model.parameters()):
+        p.grad = torch.zeros_like(p) if i % 2 else torch.full_like(p, 1e-8)
+    watch = observer.gradient_watch(10, [None])
+    watch.capture()
+    params = observer.model.parameters
+    assert watch.after_update() == {
+        "grad_zero_frac": grad_zero_fraction(params()).item(),
+        "grad_subnormal_frac": grad_subnormal_fraction(params(), observer.scaler.loss_scale).item(),
+    }
+    assert grad_subnormal_fraction(params(), observer.scaler.loss_scale) != grad_subnormal_fraction(params(), 1.0)
+
+
+def test_statistics_steps_probe_under_the_runs_autocast(tmp_path):
+    observer = _observer(tmp_path, precision="bf16", stats_every=5)
+    watch = observer.gradient_watch(5, [None])
+    used, runs = watch.layer_stats.autocast, observer.precision.autocast
+    assert (used.func, used.args, used.keywords) == (runs.func, runs.args, runs.keywords)
+
+
+def test_a_rollback_judges_the_band_again_from_the_rows_it_keeps(tmp_path):
+    from nanolm.watch.reference import BandWatch, shipped_references
+
+    reference = next(r for r in shipped_references() if r.bands.get("val_loss") is not None)
+    observer = _observer(tmp_path)
+    observer.setup, observer.reference = reference.setup, reference
+    observer.band = BandWatch(reference, observer.options.seed)
+    observer.start(evaluation={"val_loss": 99.0, "val_bpb": 9.0})  # far above the band at step 0
+    assert observer.band.side == 1 and observer.band.since == 0
+    observer.rewound(0)  # the rows kept: step 0's only
+    assert observer.band.side == 1 and observer.band.since == 0 and observer.band.values == {0: 99.0}
+    observer.close()
