@@ -27,18 +27,22 @@ def _observer(
     optimizer=None,
     evaluates=lambda s: s % 8 == 0,
     cfg=None,
+    dist=None,
+    setup=None,
+    reference=None,
     **train,
 ) -> Observer:
     cfg = cfg or RunConfig()
     cfg.train.steps, cfg.train.log_every, cfg.train.stats_every, cfg.train.batch_size = 40, 10, 0, 3
     cfg.model.seq_len = 32
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for k, v in train.items():
         setattr(cfg.train, k, v)
     said = []
     model = tiny_model()
     observer = Observer(
         ObserverOptions.from_config(cfg, tokens_per_step=3 * 32),
-        dist=Distributed(),
+        dist=dist or Distributed(),
         out_dir=tmp_path,
         model=model,
         precision=resolve_precision(precision, torch.device("cpu")),
@@ -48,6 +52,8 @@ def _observer(
         peak=peak,
         log=said.append,
         optimizer=optimizer,
+        setup=setup,
+        reference=reference,
     )
     observer.said = said
     return observer
@@ -65,6 +71,8 @@ def test_a_step_is_logged_at_its_period_the_first_steps_after_a_start_evaluation
     observer = _observer(tmp_path, stats_every=7)
     logged = [step for step in range(1, 41) if observer.logs(step)]
     assert logged == [1, 2, 3, 7, 8, 10, 14, 16, 20, 21, 24, 28, 30, 32, 35, 40]
+    last = _observer(tmp_path / "43", steps=43)  # the last step, off every period
+    assert last.logs(43) and not last.logs(42)
     observer.restarted_at = 22  # a resume (or a rollback) at step 22: its next three steps are shown
     assert [step for step in range(21, 28) if observer.logs(step)] == [21, 22, 23, 24, 25]
 
@@ -99,7 +107,7 @@ def test_the_step_0_row_records_the_recipe_as_run(tmp_path):
         "decay_start_step": wsd_decay_start(4, 40, 0.25) + 1,
         "decay_end_step": 41,
     }
-    o.schedule, o.optimizer = "cosine", "muon"
+    o.schedule, o.optimizer, o.muon_lr, o.muon_momentum = "cosine", "muon", 0.02, 0.9
     observer = _observer(tmp_path, cfg=cfg)
     recipe = observer.recipe()
     assert "decay_start_step" not in recipe and (recipe["muon_lr"], recipe["muon_momentum"]) == (
@@ -243,11 +251,8 @@ def test_a_shipped_recipes_run_is_announced_judged_and_recorded_with_its_referen
     from nanolm.watch.reference import no_reference_line, setup_digest, shipped_references
 
     reference = next(r for r in shipped_references() if r.bands.get("val_loss") is not None)
-    observer = _observer(tmp_path)
-    observer.setup, observer.reference = reference.setup, reference
-    from nanolm.watch.reference import BandWatch
-
-    observer.band = BandWatch(reference, observer.options.seed)
+    observer = _observer(tmp_path, setup=reference.setup, reference=reference, seed=7)
+    assert observer.band.reference is reference and observer.band.seed == 7
     observer.start(evaluation={"val_loss": 99.0, "val_bpb": 9.0})
     assert observer.said[0] == (
         f"reference: this is {reference.describe()}; each evaluation says whether the "
@@ -258,6 +263,7 @@ def test_a_shipped_recipes_run_is_announced_judged_and_recorded_with_its_referen
     keys = {k: v for k, v in reference.setup["run"].items() if k != "val_windows"}
     assert row["setup_digest"] == setup_digest(reference.setup) and row["reference"] == reference.name
     assert row["seed"] == observer.options.seed and all(row[k] == v for k, v in keys.items())
+    assert row["elapsed_s"] == 0.0 and observer.elapsed() < 1.0  # a new run's clock starts at 0
     assert row["step"] == 0 and row["val_loss"] == 99.0 and row["n_params"] == observer.model.num_params()
     lo, hi = reference.bands["val_loss"].at(0)  # judged against the band at step 0: far above it
     assert (row["val_band_lo"], row["val_band_hi"], row["val_band_side"], row["val_band_since"]) == (lo, hi, 1, 0)
@@ -330,14 +336,24 @@ def test_statistics_steps_probe_under_the_runs_autocast(tmp_path):
 
 
 def test_a_rollback_judges_the_band_again_from_the_rows_it_keeps(tmp_path):
-    from nanolm.watch.reference import BandWatch, shipped_references
+    from nanolm.watch.reference import shipped_references
 
     reference = next(r for r in shipped_references() if r.bands.get("val_loss") is not None)
-    observer = _observer(tmp_path)
-    observer.setup, observer.reference = reference.setup, reference
-    observer.band = BandWatch(reference, observer.options.seed)
+    observer = _observer(tmp_path, setup=reference.setup, reference=reference)
     observer.start(evaluation={"val_loss": 99.0, "val_bpb": 9.0})  # far above the band at step 0
     assert observer.band.side == 1 and observer.band.since == 0
     observer.rewound(0)  # the rows kept: step 0's only
     assert observer.band.side == 1 and observer.band.since == 0 and observer.band.values == {0: 99.0}
     observer.close()
+
+
+def test_the_peak_counts_every_process_and_a_resume_cuts_the_log_back_to_its_checkpoint(tmp_path):
+    from nanolm.distributed import Distributed as World
+
+    assert _observer(tmp_path / "two", dist=World(world_size=2)).peak == 2 * 2.5e12  # MFU against every rank's
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 2.0}}\n' for s in (0, 5, 10, 15, 20)))
+    observer = _observer(tmp_path)
+    observer.progress.step = 10  # resumed from the checkpoint of step 10: the rows after it are a lost trajectory
+    observer.start()
+    observer.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 5, 10]
