@@ -357,3 +357,17 @@ def test_the_peak_counts_every_process_and_a_resume_cuts_the_log_back_to_its_che
     observer.start()
     observer.close()
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 5, 10]
+
+
+def test_a_resumed_recipe_run_rebuilds_its_band_from_the_rows_it_kept(tmp_path):
+    """Since when a run is outside its band is read back from metrics.jsonl on a resume: the
+    evaluation line goes on saying 'above since step 0', not 'since' the resume."""
+    from nanolm.watch.reference import shipped_references
+
+    reference = next(r for r in shipped_references() if r.bands.get("val_loss") is not None)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "loss": 9.0, "val_loss": 99.0}\n{"step": 5, "loss": 8.0}\n')
+    observer = _observer(tmp_path, setup=reference.setup, reference=reference)
+    observer.progress.step = 5
+    observer.start()
+    assert observer.band.values == {0: 99.0} and (observer.band.side, observer.band.since) == (1, 0)
+    observer.close()
