@@ -513,8 +513,14 @@ def score(
                 capture_output=True,
                 text=True,
             )
-            if ran.returncode != 0:
-                raise SystemExit(f"error: mutmut failed on {module}:\n{ran.stdout[-3000:]}\n{ran.stderr[-3000:]}")
+            if ran.returncode != 0:  # without mutmut's progress lines, which would fill what is shown
+                said = [
+                    line
+                    for line in (ran.stdout + "\n" + ran.stderr).splitlines()
+                    if line.strip()
+                    and not re.search(r"(Running stats|Generating mutants|Running clean tests)\s*$", line)
+                ]
+                raise SystemExit(f"error: mutmut failed on {module}:\n" + "\n".join(said)[-6000:])
             listed = subprocess.run(
                 [sys.executable, "-m", "mutmut", "results", "--all", "true"],
                 cwd=copy,
