@@ -156,3 +156,8 @@ def test_a_listed_change_names_its_mutant_and_one_gone_is_reported():
     assert tool._function_name("nanolm.base.lock.xǁRunLockǁrelease__mutmut_12") == "RunLock.release"
     assert tool._function_name("nanolm.run.directory.x__plan_for__mutmut_3") == "_plan_for"
     assert tool._mangled("RunLock.release") == "xǁRunLockǁrelease" and tool._mangled("_plan_for") == "x__plan_for"
+
+
+def test_a_function_the_module_does_not_have_is_refused_in_one_line():
+    with pytest.raises(SystemExit, match=r"^error: nanolm/base/lock.py has no function RunLock.relase"):
+        _tool().score("nanolm/base/lock.py", ("tests/test_run_lock.py",), 1, False, 15.0, functions=("RunLock.relase",))

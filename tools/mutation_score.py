@@ -460,6 +460,9 @@ def score(
     given). With ``previous`` (an earlier result for the same source), only its survivors run again,
     against today's tests and equivalents: what it killed stays killed."""
     functions = functions or FUNCTIONS.get(module, ())
+    missing = [f for f in functions if not _only((ROOT / module).read_text(), {f}).strip()]
+    if missing:  # a misspelt name would measure no mutant at all
+        raise SystemExit(f"error: {module} has no function {missing[0]} (a method is Class.method)")
     if previous is not None and not _same_program(previous, module):
         raise SystemExit(f"error: {module} changed since the run being rechecked; run it whole again")
     equivalents = _equivalents(module)  # before the hour a run may take: a listed change gone stops it here
