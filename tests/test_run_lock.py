@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -724,12 +725,16 @@ def test_the_holder_is_read_from_a_plain_lock_file_only_and_never_waits(tmp_path
     assert holder(tmp_path / "plain") == "42@node"
 
 
-def _removed_once(monkeypatch, name):
-    """``nanolm.base.lock.<name>`` finding its path gone the first time (removed by a writer that let go
-    at that very moment), as usual after; returns the paths it was called with."""
+def _removed_once(monkeypatch, name, gone):
+    """``nanolm.base.lock.<name>`` finding ``gone`` missing the first time it is asked for it (removed by
+    a writer that let go at that very moment), as usual after; returns the calls for ``gone``. (Only that
+    path: the parents' probe calls it too, on any parent holding a ``.lock``, as pytest's own temporary
+    directories do.)"""
     real, calls = getattr(nanolm.base.lock, name), []
 
     def removed_once(path):
+        if Path(path) != gone:
+            return real(path)
         calls.append(path)
         if len(calls) == 1:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
@@ -743,7 +748,7 @@ def test_a_directory_removed_while_it_is_locked_is_made_again_and_locked(tmp_pat
     """A refused writer removes the empty directory it had made; a writer locking it at that very
     moment makes it again and goes on, and one whose lock file is replaced every time gives up in
     one line."""
-    calls = _removed_once(monkeypatch, "_open_directory")
+    calls = _removed_once(monkeypatch, "_open_directory", tmp_path / "run")
     with RunLock() as lock:
         lock.take(tmp_path / "run")
         assert len(calls) == 2 and (tmp_path / "run" / LOCK_FILE).is_file()
@@ -807,11 +812,20 @@ def test_where_only_the_lock_file_could_lock_and_locks_fail_nothing_is_left_behi
     with pytest.raises(NanolmError):
         RunLock().take(tmp_path / "held")
     assert (tmp_path / "held" / LOCK_FILE).read_text() == "5@other\n"
+    removed = tmp_path / "removed" / LOCK_FILE
+
+    def removed_then_no_locks(fd, operation):  # the file this call made, removed by another program meanwhile
+        removed.unlink()
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(nanolm.base.lock.fcntl, "flock", removed_then_no_locks)
+    with pytest.raises(NanolmError, match="is on a file system without working locks"):
+        RunLock().take(tmp_path / "removed")
 
 
 def test_where_only_the_lock_file_can_lock_a_directory_removed_meanwhile_is_made_again(tmp_path, monkeypatch):
     _lock_file_only(monkeypatch)
-    calls = _removed_once(monkeypatch, "_open_lock_file")
+    calls = _removed_once(monkeypatch, "_open_lock_file", tmp_path / "run" / LOCK_FILE)
     with RunLock() as lock:
         lock.take(tmp_path / "run")
         assert len(calls) == 2 and (tmp_path / "run" / LOCK_FILE).read_text().startswith(f"{os.getpid()}@")
@@ -1130,3 +1144,65 @@ def test_a_resume_in_another_world_size_is_judged_by_the_global_batch_of_this_wo
             log=lambda *_: None,
         )
     assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == before
+
+
+@pytest.mark.parametrize("where", ["directory", "lock file only"])
+def test_every_disk_step_of_taking_a_lock_names_the_lock_file_it_writes(where, tmp_path, monkeypatch):
+    """The crash-point enumeration and the full-disk message read each step's path: a holder's line
+    written under another name would send both to the wrong file."""
+    from nanolm.base import disk
+
+    if where == "lock file only":
+        _lock_file_only(monkeypatch)
+    with disk.faults(disk.FaultPlan()) as plan, RunLock() as lock:
+        lock.take(tmp_path / "run")
+    writes = [path for kind, path in plan.steps if kind == "write"]
+    assert writes == [str(tmp_path / "run" / LOCK_FILE)] * 2  # emptied, then the holder's line
+
+
+@pytest.mark.parametrize("where", ["directory", "lock file only"])
+def test_the_lock_file_is_removed_while_the_lock_is_still_held(where, tmp_path, monkeypatch):
+    """Removed after the lock was let go, the file could be locked at that moment by a second
+    writer, who would then believe it holds a directory whose lock file is gone."""
+    from nanolm.base import disk
+
+    fcntl = pytest.importorskip("fcntl")
+    path = tmp_path / "run" / LOCK_FILE
+    held_when_removed = []
+
+    class Probe(disk.FaultPlan):
+        def before(self, kind, target):
+            if kind == "remove" and target == path:
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held_when_removed.append(False)
+                except BlockingIOError:
+                    held_when_removed.append(True)
+                finally:
+                    os.close(fd)
+            super().before(kind, target)
+
+    if where == "lock file only":
+        _lock_file_only(monkeypatch)
+    lock = RunLock()
+    lock.take(tmp_path / "run")
+    with disk.faults(Probe()):
+        lock.release()
+    assert held_when_removed == [True] and not path.exists()
+
+
+def test_where_an_open_file_cannot_be_removed_the_lock_file_is_closed_then_removed(tmp_path, monkeypatch):
+    """Windows (no fcntl, no directory to lock) removes no open file: the release closes the
+    lock file first, then removes it, and leaves no descriptor open. Played here by taking the lock
+    through its file and letting go with ``fcntl`` gone."""
+    _lock_file_only(monkeypatch)
+    lock = RunLock()
+    lock.take(tmp_path / "run")
+    fd = lock._fd
+    monkeypatch.setattr(nanolm.base.lock, "fcntl", None)
+    lock.release()
+    assert not (tmp_path / "run").exists()  # the lock file, then the directory the lock made
+    with pytest.raises(OSError) as closed:
+        os.fstat(fd)
+    assert closed.value.errno == errno.EBADF

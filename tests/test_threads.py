@@ -148,11 +148,17 @@ def test_deterministic_runs_keep_their_numbers_and_thread_count_on_a_busy_machin
         return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
     def run(name, deterministic):
-        lines = []
-        train(
-            tiny_run_config(stories_file, tmp_path / name, steps=4, eval_every=4, deterministic=deterministic),
-            log=lines.append,
-        )
+        # the process starts at every core, as where OMP_NUM_THREADS is unset: with OMP_NUM_THREADS=1 (clusters,
+        # the mutation runs) the simulated busy machine would ask the tuner for the count it already has
+        lines, started_with = [], torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count())
+        try:
+            train(
+                tiny_run_config(stories_file, tmp_path / name, steps=4, eval_every=4, deterministic=deterministic),
+                log=lines.append,
+            )
+        finally:
+            torch.set_num_threads(started_with)
         return [line for line in lines if line.startswith("threads: ")], losses(tmp_path / name)
 
     switched_idle, idle = run("idle", True)
