@@ -33,7 +33,7 @@ from .errors import NanolmError
 from .fused_loss import IGNORE, head_cross_entropy_sum
 from .machine import device as machine
 
-MLP_KINDS = ("swiglu", "gelu")
+MLP_KINDS = ("swiglu", "gelu", "relu2")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
 
 
@@ -83,10 +83,10 @@ class GPTConfig:
     def mlp_hidden(self) -> int:
         """Hidden width of the MLP.
 
-        GELU uses the classic 4x. SwiGLU has three matrices instead of two, so its width is
-        2/3 of that (rounded up to a multiple of 32) to keep the parameter count equal.
+        GELU and ReLU² use the classic 4x. SwiGLU has three matrices instead of two, so its width
+        is 2/3 of that (rounded up to a multiple of 32) to keep the parameter count equal.
         """
-        if self.mlp == "gelu":
+        if self.mlp in ("gelu", "relu2"):
             return 4 * self.n_embd
         return 32 * math.ceil(8 * self.n_embd / 3 / 32)
 
@@ -317,6 +317,8 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.kind == "swiglu":
             return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.kind == "relu2":  # ReLU squared (Primer, So et al. 2021; modded-nanogpt's MLP): two matrices, no gate
+            return self.down(F.relu(self.up(x)).square())
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
 

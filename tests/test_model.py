@@ -456,3 +456,18 @@ def test_rotary_attention_makes_the_position_reset_redundant_under_the_mask():
                 outs[mask, reset] = model(b.idx, doc_ids=b.doc_ids, positions=b.positions)[0][:, len_a:]
     torch.testing.assert_close(outs[True, True], outs[True, False], rtol=1e-5, atol=1e-5)
     assert (outs[False, True] - outs[False, False]).abs().max() > 1e-5
+
+
+def test_relu2_mlp_is_the_square_of_relu_over_the_gelu_width():
+    """ReLU² (modded-nanogpt's MLP) has GELU's two matrices at 4x the width: the same parameters
+    and FLOPs, another nonlinearity; negative pre-activations give exactly 0, as ReLU's do."""
+    from nanolm.model import MLP
+
+    relu2, gelu = GPTConfig(n_embd=32, n_head=2, mlp="relu2"), GPTConfig(n_embd=32, n_head=2, mlp="gelu")
+    assert relu2.mlp_hidden == gelu.mlp_hidden == 128
+    assert GPT(relu2).num_params() == GPT(gelu).num_params()
+    assert GPT(relu2).flops_per_token() == GPT(gelu).flops_per_token()
+    mlp = MLP(relu2)
+    x = torch.randn(3, 5, 32)
+    torch.testing.assert_close(mlp(x), mlp.down(torch.relu(mlp.up(x)) ** 2), rtol=0, atol=0)
+    assert not hasattr(mlp, "gate")

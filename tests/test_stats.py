@@ -150,7 +150,7 @@ def test_attention_logit_max_is_the_scaled_dot_product_with_rope_and_qk_norm():
             x = block(x, cos, sin)
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu", "relu2"])
 def test_dead_units_are_those_never_open_on_any_token_of_the_batch(mlp):
     """One block whose MLP input is ±√C along two directions A, B; units wired by hand."""
     model = tiny_model(n_layer=1, mlp=mlp)

@@ -524,6 +524,7 @@ def _add_other_commands(sub) -> None:
     )
     p.set_defaults(func=_report)
 
+    from ..model import MLP_KINDS
     from ..run.plan import GPUS, PRECISIONS, PRESETS
 
     p = sub.add_parser(
@@ -546,7 +547,7 @@ def _add_other_commands(sub) -> None:
         ("--grad-accum", int, "micro-batches per step (default 1)"),
     ):
         p.add_argument(flag, type=kind, default=None, help=text)
-    p.add_argument("--mlp", choices=["swiglu", "gelu"], default=None, help="MLP kind")
+    p.add_argument("--mlp", choices=MLP_KINDS, default=None, help="MLP kind")
     p.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None, help="QK-norm")
     p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None, help="tied output head")
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="number format (default bf16)")
