@@ -1218,6 +1218,15 @@ BUGS = [
         "        return data.digest == digest[::-1]",
     ),
     Bug(
+        "lock_let_go_before_its_file_is_removed",
+        "a run's lock is let go before its lock file is removed: a second writer locking that file in between "
+        "believes it holds the directory, its lock file then removed under it, and a third writer passes too",
+        "nanolm/base/lock.py",
+        "            if fd is not None and (fcntl is not None or dir_fd is not None):",
+        "            if fd is not None and (fcntl is not None and dir_fd is not None):",
+        tests=("test_run_lock",),
+    ),
+    Bug(
         "lock_file_of_another_removed",
         "a run directory whose .lock an older nanolm holds: the refusal's cleanup took "
         "the file as its own and removed it (and was a traceback), so the next writer could pass",
