@@ -1,4 +1,6 @@
+import contextlib
 import math
+import os
 
 import numpy as np
 import pytest
@@ -405,3 +407,297 @@ def test_a_validation_split_shorter_than_a_window_is_said_once_at_the_start(tmp_
     assert (
         said.count("warning: the validation split is shorter than one window; no validation loss will be reported") == 1
     )
+
+
+def _split(n_tokens: int) -> Split:
+    tokens = (np.arange(n_tokens) * 7 % 50 + 1).astype(np.uint16)
+    tokens[::13] = 0  # a document boundary (EOS) every 13 tokens
+    return Split(tokens, np.flatnonzero(tokens == 0).astype(np.int64), n_tokens)
+
+
+def test_the_training_stream_and_validation_set_are_built_with_every_data_option_of_the_run():
+    """build_batches hands each option of the config to the part that acts on it, none left at
+    that part's own default: a packing option dropped there trains on other windows than the run
+    recorded, and nothing downstream could tell."""
+    from types import SimpleNamespace
+
+    from nanolm.distributed import Distributed
+    from nanolm.train import Factories, build_batches
+
+    cfg = RunConfig()
+    cfg.model.seq_len = 8
+    cfg.train.batch_size, cfg.train.grad_accum, cfg.train.seed, cfg.train.eval_windows = 2, 3, 7, 5
+    cfg.data.doc_mask, cfg.data.reset_positions, cfg.data.mask_boundary, cfg.data.random_offset = (
+        False,
+        True,
+        True,
+        True,
+    )
+    data = SimpleNamespace(train=_split(300), val=_split(120), tokenizer=SimpleNamespace(eos_id=0))
+    seen = {}
+
+    def batches(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        return "the stream"
+
+    stream, val = build_batches(cfg, Distributed(rank=1, world_size=2), data, Factories(batches=batches))
+    tokens, sampler, seq_len, eos_id, grad_accum = seen["args"]
+    pack = dict(doc_mask=False, reset_positions=True, mask_boundary=True)
+    assert stream == "the stream" and seen["kwargs"] == pack
+    assert tokens is data.train.tokens and (seq_len, eos_id, grad_accum) == (8, 0, 3)
+    assert (sampler.n_windows, sampler.seq_len, sampler.batch_size, sampler.seed) == ((300 - 1 - 8) // 8, 8, 2, 7)
+    assert (sampler.random_offset, sampler.rank, sampler.world_size) == (True, 1, 2)
+    expected = eval_batches(data.val, 8, 2, 0, max_windows=5, **pack)
+    assert len(val) == len(expected) == 3  # five windows, two a batch
+    for got, want in zip(val, expected):
+        for name in ("idx", "targets", "loss_mask", "doc_ids", "positions"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure", "fp16"])
+def test_the_model_is_built_with_the_runs_precision_seed_and_optimizer(precision, monkeypatch):
+    """build_model: weights stored in bf16 only under pure bf16, a loss scaler only for fp16,
+    every rank but the first on its own random stream after the model is built, the optimizer's
+    split said once, and compiled only when asked."""
+    from nanolm.distributed import Distributed
+    from nanolm.machine.runtime import derived_seed, seed_everything
+    from nanolm.precision import Precision
+    from nanolm.train import Factories, build_model
+
+    cfg = RunConfig()
+    cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.seq_len = 1, 32, 2, 16
+    cfg.train.seed, cfg.optim.optimizer = 11, "muon"
+    said, scalers, compiled = [], [], []
+    monkeypatch.setattr(torch, "compile", lambda module: compiled.append(module) or module)
+    seed_everything(0)
+    built = build_model(
+        cfg,
+        Distributed(rank=3, world_size=4),
+        Precision(precision, "cpu", "asked"),
+        64,
+        Factories(scaler=lambda enabled: scalers.append(enabled) or f"scaler {enabled}"),
+        said.append,
+    )
+    after = torch.rand(1)
+    seed_everything(derived_seed(11, 3))
+    assert torch.equal(after, torch.rand(1))  # rank 3's own stream, from the run's seed
+    dtypes = {p.dtype for p in built.model.parameters()}
+    assert dtypes == {torch.bfloat16 if precision == "bf16-pure" else torch.float32}
+    assert scalers == [precision == "fp16"] and built.scaler == f"scaler {precision == 'fp16'}"
+    assert built.step_model is built.model and compiled == []
+    if precision == "bf16-pure":  # AdamW for bf16 weights: one optimizer, no split to say
+        assert said == []
+    else:
+        assert len(said) == 1 and said[0].startswith("optimizer: Muon on ")
+    on_meta = build_model(
+        cfg,
+        Distributed(device=torch.device("meta")),
+        Precision(precision, "meta", "asked"),
+        64,
+        Factories(),
+        said.append,
+    )
+    assert {p.device.type for p in on_meta.model.parameters()} == {"meta"}  # built on the run's device
+    cfg.train.compile = True
+    compiled_run = build_model(cfg, Distributed(), Precision(precision, "cpu", "asked"), 64, Factories(), said.append)
+    assert compiled == [compiled_run.model] and compiled_run.step_model is compiled_run.model
+
+
+def test_each_component_of_a_run_is_given_the_parts_of_that_run(tmp_path, stories_file, monkeypatch):
+    """build_components wires the run: each component is handed this run's model, optimizer,
+    scaler, precision, guard, data and log, never a default of its own. A part left at its
+    default trains on as if nothing were wrong (fp32 on one CPU process is every default), so each
+    hand-over is checked here by identity, with every component recorded as it is built."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_run_config
+
+    import nanolm.train as T
+    from nanolm.checkpoint import Checkpointer
+    from nanolm.watch.reference import shipped_references
+
+    seen = {}
+
+    def recorded(name, real):
+        def record(*args, **kwargs):
+            seen[name] = SimpleNamespace(args=args, kwargs=kwargs, result=real(*args, **kwargs))
+            return seen[name].result
+
+        return record
+
+    def with_floor(*args, **kwargs):
+        data = real_set_up(*args, **kwargs)
+        data.meta["floor"] = {
+            "bpb": 0.5,
+            "nats_per_token": 1.5,
+        }  # as `nanolm prepare` measures it (a run's own preparation skips it)
+        seen["data"] = data
+        return data
+
+    real_set_up, rolled, explained = T.set_up_run_directory, [], []
+    quick = next(r for r in shipped_references() if r.name == "quick-fp32")
+    monkeypatch.setattr(T, "set_up_run_directory", with_floor)
+    monkeypatch.setattr(T, "setup_of", recorded("setup_of", T.setup_of))
+    monkeypatch.setattr(T, "find_reference", recorded("find_reference", lambda setup: quick))
+    monkeypatch.setattr(T, "peak_flops", recorded("peak_flops", T.peak_flops))
+    monkeypatch.setattr(T, "rollback_checkpoint", lambda *args: rolled.append(args) or "a checkpoint")
+    monkeypatch.setattr(T, "nan_origin", lambda *args: explained.append(args) or "an origin")
+    monkeypatch.setattr(T, "Validator", SimpleNamespace(for_run=recorded("validator", T.Validator.for_run)))
+    monkeypatch.setattr(T, "Observer", recorded("observer", T.Observer))
+    monkeypatch.setattr(T, "Guard", SimpleNamespace(from_options=recorded("guard", T.Guard.from_options)))
+    monkeypatch.setattr(T, "StepSetup", recorded("step", T.StepSetup))
+
+    def loss_fn(model, batch):
+        return T.summed_token_loss(model, batch)
+
+    factories = T.Factories(
+        loss_fn=loss_fn, checkpointer=SimpleNamespace(for_run=recorded("checkpointer", Checkpointer.for_run))
+    )
+    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=2, eval_every=2, peak_flops=3e12, precision="bf16")
+    T.train(cfg, log=lambda line: None, factories=factories)
+
+    data, observer, step = seen["data"], seen["observer"], seen["step"]
+    model, optimizer = step.args
+    o = observer.kwargs
+    dist, precision, watcher = o["dist"], o["precision"], observer.result
+    run_cfg = seen["validator"].args[0]  # the command's configuration, its defaults resolved
+    assert run_cfg.train.peak_flops == 3e12 and seen["setup_of"].args == (
+        run_cfg,
+        data.digest,
+        precision.name,
+        "cpu",
+        1,
+    )
+    assert seen["find_reference"].args == (seen["setup_of"].result,)
+    assert seen["peak_flops"].args == (dist.device, torch.bfloat16, 3e12)  # autocast's type, not the weights'
+    assert precision.autocast != contextlib.nullcontext  # bf16 autocast: a step's own, not StepSetup's default
+    assert o["setup"] is seen["setup_of"].result and o["reference"] is quick and o["optimizer"] is optimizer
+    assert o["model"] is model and o["peak"] == seen["peak_flops"].result
+    v = seen["validator"].kwargs
+    assert (
+        v["floor"] == {"bpb": 0.5, "nats_per_token": 1.5}
+        and v["model"] is model
+        and v["dist"] is dist
+        and v["precision"] is precision
+    )
+    assert o["evaluates"] == seen["validator"].result.due
+    g = seen["guard"].kwargs
+    assert g["out_dir"] == tmp_path / "run" and g["log"] == watcher.write
+    assert g["rollback_to"]() == "a checkpoint" and rolled == [(dist, tmp_path / "run", watcher.write)]
+    assert g["explain_nan"]("a batch") == "an origin"
+
+    def autocast_of(made):  # a partial of torch.autocast, made anew at each read of precision.autocast
+        return (made.func, made.args, made.keywords)
+
+    (nan_args,) = explained
+    assert nan_args[:2] == (model, "a batch") and nan_args[3] == data.tokenizer.vocab_size
+    assert autocast_of(nan_args[2]) == autocast_of(precision.autocast)
+    s = step.kwargs
+    assert s["step_model"] is model and s["scaler"] is o["scaler"]
+    assert autocast_of(s["autocast"]) == autocast_of(precision.autocast)
+    assert s["dist"] is dist and s["guard"] is seen["guard"].result and s["loss_fn"] is loss_fn
+    assert s["watch"] == watcher.gradient_watch and s["clip"] == run_cfg.optim.clip
+    assert s["schedule"].keywords == dict(o=run_cfg.optim, total_steps=2)
+    c = seen["checkpointer"].kwargs
+    assert (c["dist"], c["run_dir"], c["model"], c["optimizer"]) == (dist, tmp_path / "run", model, optimizer)
+    assert c["data_digest"] == data.digest and c["log"] == watcher.write and c["tokenizer"] is data.tokenizer
+    assert c["stateful"]["scaler"] is o["scaler"] and c["stateful"]["guard"] is seen["guard"].result
+    assert c["stateful"]["observer"] is watcher and c["stateful"]["progress"] is o["progress"]
+    assert c["stateful"]["sampler"].sampler.seed == run_cfg.train.seed  # the training stream
+
+
+def test_a_run_resumed_is_noted_for_diagnosis_and_a_finished_run_run_again_only_finishes(
+    tmp_path, stories_file, monkeypatch
+):
+    """A run that trains on clears its old final weights first (they no longer describe it); one
+    stopped while writing them, after its last step or its target, only writes them when run
+    again. Every resume is an event diagnose reads (a loss jump there is the resume's, not the run's)."""
+    import json
+
+    import nanolm.train as T
+
+    cleared, real_clear = [], T.clear_final
+    monkeypatch.setattr(T, "clear_final", lambda out: cleared.append(out) or real_clear(out))
+
+    def run(out, steps, **train_options):
+        said = []
+        cleared.clear()
+        train(_tiny_cfg(stories_file, out, steps=steps, eval_every=2, ckpt_every=2, **train_options), log=said.append)
+        events = out / "events.jsonl"
+        notes = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+        return (
+            [line for line in said if line.startswith("step ")],
+            cleared[:],
+            [e for e in notes if e["kind"] == "resume"],
+        )
+
+    out = tmp_path / "run"
+    assert run(out, 2)[1:] == ([out], [])
+    trained, clears, resumes = run(out, 4)
+    assert len(trained) == 2 and clears == [out] and resumes == [{"step": 2, "kind": "resume"}]
+    real_clear(out)  # as a run stopped while it wrote its final weights leaves it: the checkpoint of its last step
+    trained, clears, resumes = run(out, 4)
+    assert trained == [] and clears == [] and resumes[-1] == {"step": 4, "kind": "resume"}
+    assert (out / "model.safetensors").exists()
+    met = tmp_path / "met"
+    trained, clears, _ = run(met, 6, target_val_bpb=50.0)  # met at the evaluation of step 2
+    assert len(trained) == 2 and clears == [met]
+    real_clear(met)
+    trained, clears, _ = run(met, 6, target_val_bpb=50.0)  # the target was met: no step past it
+    assert trained == [] and clears == [] and (met / "model.safetensors").exists()
+
+
+def test_everything_a_run_says_goes_to_its_log_and_its_thread_count_is_the_one_asked(
+    tmp_path, stories_file, monkeypatch, capsys
+):
+    """A run called from Python says everything through ``log`` (the command prints it above the
+    progress bar; a notebook collects it): nothing on standard output. ``--threads N`` trains at N
+    threads, and the busy-machine hint is said where a fixed count may crawl, never under
+    ``--threads auto`` (which measures for itself, its trial passes under the run's autocast)."""
+    import nanolm.train as T
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (os.cpu_count() + 5.0,) * 3)  # a busy machine
+    counts, tuners = [], []
+
+    def loss_fn(model, batch):
+        counts.append(torch.get_num_threads())
+        return T.summed_token_loss(model, batch)
+
+    real_tuner = T.ThreadTuner
+
+    class RecordedTuner:  # the tuner --threads auto builds, recorded; it then never switches
+        fixed = staticmethod(real_tuner.fixed)
+
+        def __new__(cls, trial_pass, write):
+            tuners.append(trial_pass)
+            return real_tuner.fixed()
+
+    said = []
+    cfg = _tiny_cfg(stories_file, tmp_path / "fixed", steps=2, eval_every=2, threads=2, sample_tokens=8)
+    cfg.optim.optimizer = "muon"
+    train(cfg, log=said.append, factories=T.Factories(loss_fn=loss_fn))
+    assert capsys.readouterr().out == "" and set(counts) == {2}
+    for start in ("precision: fp32", "data: ", "model: ", "optimizer: Muon on ", "cpu: 2 threads on ", "sample:\n"):
+        assert sum(line.startswith(start) for line in said) == 1, start
+    monkeypatch.setattr(T, "ThreadTuner", RecordedTuner)
+    said.clear()
+    cfg = _tiny_cfg(stories_file, tmp_path / "auto", steps=2, eval_every=2, threads=0, precision="bf16")
+    started_with = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count())  # as where OMP_NUM_THREADS is unset: a count the hint would be about
+    try:
+        train(cfg, log=said.append)
+    finally:
+        torch.set_num_threads(started_with)
+    assert capsys.readouterr().out == "" and not [line for line in said if line.startswith("cpu: ")]
+    (trial_pass,) = tuners
+    said.clear()  # --deterministic keeps the count it starts with (no tuner): the hint is for it
+    cfg = _tiny_cfg(stories_file, tmp_path / "kept", steps=2, eval_every=2, threads=0, deterministic=True)
+    torch.set_num_threads(os.cpu_count())
+    try:
+        train(cfg, log=said.append)
+    finally:
+        torch.set_num_threads(started_with)
+    assert [line for line in said if line.startswith("cpu: ")] or os.cpu_count() == 1
+    assert len(tuners) == 1
+    assert trial_pass.keywords["autocast"]().fast_dtype == torch.bfloat16
