@@ -528,13 +528,11 @@ def test_each_component_of_a_run_is_given_the_parts_of_that_run(tmp_path, storie
 
     def with_floor(*args, **kwargs):
         data = real_set_up(*args, **kwargs)
-        data.meta["floor"] = {
-            "bpb": 0.5,
-            "nats_per_token": 1.5,
-        }  # as `nanolm prepare` measures it (a run's own preparation skips it)
+        data.meta["floor"] = floor  # as `nanolm prepare` measures it (a run's own preparation skips it)
         seen["data"] = data
         return data
 
+    floor = {"bpb": 0.5, "nats_per_token": 1.5}
     real_set_up, rolled, explained = T.set_up_run_directory, [], []
     quick = next(r for r in shipped_references() if r.name == "quick-fp32")
     monkeypatch.setattr(T, "set_up_run_directory", with_floor)
@@ -562,25 +560,15 @@ def test_each_component_of_a_run_is_given_the_parts_of_that_run(tmp_path, storie
     o = observer.kwargs
     dist, precision, watcher = o["dist"], o["precision"], observer.result
     run_cfg = seen["validator"].args[0]  # the command's configuration, its defaults resolved
-    assert run_cfg.train.peak_flops == 3e12 and seen["setup_of"].args == (
-        run_cfg,
-        data.digest,
-        precision.name,
-        "cpu",
-        1,
-    )
+    assert run_cfg.train.peak_flops == 3e12
+    assert seen["setup_of"].args == (run_cfg, data.digest, precision.name, "cpu", 1)
     assert seen["find_reference"].args == (seen["setup_of"].result,)
     assert seen["peak_flops"].args == (dist.device, torch.bfloat16, 3e12)  # autocast's type, not the weights'
     assert precision.autocast != contextlib.nullcontext  # bf16 autocast: a step's own, not StepSetup's default
     assert o["setup"] is seen["setup_of"].result and o["reference"] is quick and o["optimizer"] is optimizer
     assert o["model"] is model and o["peak"] == seen["peak_flops"].result
     v = seen["validator"].kwargs
-    assert (
-        v["floor"] == {"bpb": 0.5, "nats_per_token": 1.5}
-        and v["model"] is model
-        and v["dist"] is dist
-        and v["precision"] is precision
-    )
+    assert v["floor"] == floor and v["model"] is model and v["dist"] is dist and v["precision"] is precision
     assert o["evaluates"] == seen["validator"].result.due
     g = seen["guard"].kwargs
     assert g["out_dir"] == tmp_path / "run" and g["log"] == watcher.write
