@@ -161,3 +161,16 @@ def test_a_listed_change_names_its_mutant_and_one_gone_is_reported():
 def test_a_function_the_module_does_not_have_is_refused_in_one_line():
     with pytest.raises(SystemExit, match=r"^error: nanolm/base/lock.py has no function RunLock.relase"):
         _tool().score("nanolm/base/lock.py", ("tests/test_run_lock.py",), 1, False, 15.0, functions=("RunLock.relase",))
+
+
+def test_every_test_is_given_to_the_functions_reached_only_in_started_processes():
+    """cli.py's entry and exit paths run in the `python -m nanolm` processes its tests start, where
+    mutmut cannot see them: their mutants meet every test of the concern. Its prepare and export run
+    in the tests' own process too: their mutants meet the tests mutmut saw reach them."""
+    mutation_score = _tool()
+    assert mutation_score.every_test_only("nanolm/instruments/cli.py") == ",".join(
+        f"nanolm.instruments.cli.x_{name}" for name in ("entry", "_flushed", "_interrupted")
+    )
+    assert mutation_score.every_test_only("nanolm/run/resume.py") == ""  # every function's mutants
+    for module, functions in mutation_score.EVERY_TEST.items():
+        assert functions == "all" or set(functions) <= set(mutation_score.FUNCTIONS.get(module, functions)), module

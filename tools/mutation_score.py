@@ -110,13 +110,16 @@ MODULES = {
     ),
 }
 EVERY_TEST = {
-    "nanolm/machine/runtime.py",
-    "nanolm/run/resume.py",
-    "nanolm/run/directory.py",
-    "nanolm/instruments/cli.py",
+    "nanolm/machine/runtime.py": "all",
+    "nanolm/run/resume.py": "all",
+    "nanolm/run/directory.py": "all",
+    "nanolm/instruments/cli.py": ("entry", "_flushed", "_interrupted"),
 }
 """Modules whose promises are tested in processes the tests start (signals, continued runs, the command
-line): each of their mutants meets every test of its concern, not only those mutmut saw reach it."""
+line): each mutant of theirs (or of the functions named: those reached only there) meets every test of its
+concern, not only those mutmut saw reach it. The command line's other paths (prepare, export, a command's
+run) are called in the tests' own process too, where mutmut sees which tests reach them: their mutants
+meet those tests alone, each survivor costing seconds instead of the whole concern's two and a half minutes."""
 IN_STARTED_PROCESSES = """
 import os
 if os.environ.get("MUTANT_UNDER_TEST") == "stats":
@@ -161,6 +164,7 @@ except (ImportError, AttributeError):  # another mutmut: its own order, the same
     pass
 import os
 if os.environ.get("NANOLM_MUTATION_EVERY_TEST") == "1":
+    only = {name for name in os.environ.get("NANOLM_MUTATION_EVERY_TEST_ONLY", "").split(",") if name}
     # mutmut runs a mutant against the tests it saw reach the function, seen in the test's own process; a
     # module whose promises are tested through `python -m nanolm` processes (signals, continued runs) is
     # reached there unseen: each of its mutants meets every test of its concern instead (fastest first)
@@ -171,12 +175,12 @@ if os.environ.get("NANOLM_MUTATION_EVERY_TEST") == "1":
 
     save_stats = mutmut.stats.save_stats
 
-    class EveryTest(dict):
+    class EveryTest(dict):  # the tests mutmut saw reach a function, or every test where it cannot see them
         def get(self, key, default=None):
-            return set(state().duration_by_test)
+            return dict.get(self, key, default) if only and key not in only else set(state().duration_by_test)
 
         def __getitem__(self, key):
-            return set(state().duration_by_test)
+            return dict.__getitem__(self, key) if only and key not in only else set(state().duration_by_test)
 
     def with_every_test():
         save_stats()
@@ -442,6 +446,14 @@ def tally_mutants(
     }
 
 
+def every_test_only(module: str) -> str:
+    """mutmut's names of the functions whose mutants meet every test (``EVERY_TEST``), comma-separated;
+    "" where all of the module's do, or none."""
+    functions = EVERY_TEST.get(module, "all")
+    dotted = module.removesuffix(".py").replace("/", ".")
+    return "" if functions == "all" else ",".join(f"{dotted}.{_mangled(f)}" for f in functions)
+
+
 def _mangled(function: str) -> str:
     """mutmut's name for a function's mutants: ``x_name`` or ``xǁClassǁmethod``."""
     return "xǁ" + "ǁ".join(function.split(".")) if "." in function else f"x_{function}"
@@ -498,6 +510,7 @@ def score(
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(copy / "mutants"), str(copy / "started")]),
             "NANOLM_MUTATION_EVERY_TEST": "1" if module in EVERY_TEST else "0",
+            "NANOLM_MUTATION_EVERY_TEST_ONLY": every_test_only(module),
         }
         # mutants side by side share the cores: each PyTorch (and tokenizer) thread pool sized to its share, not
         # to the whole machine, or threads that wait for each other's cores spin (the verdicts are the same)
