@@ -360,6 +360,18 @@ def test_prepare_refuses_numbers_past_their_bounds_in_one_line_and_writes_nothin
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt"]
 
 
+def test_prepare_refuses_an_output_path_that_is_not_utf8_naming_its_flag_and_why(tmp_path, capsys):
+    data = tmp_path / "data.txt"
+    data.write_text("plenty of text " * 50)
+    out = str(tmp_path / "caf\udce9")  # the byte 0xE9 of a Latin-1 name, as Python keeps it
+    assert main(["prepare", "--data", str(data), "--out", out]) == 2
+    assert _error_line(capsys) == (
+        f"error: --out {out.encode('utf-8', 'surrogateescape')!r} is not valid UTF-8 text, and the tokenizer "
+        "library can only open UTF-8 paths; rename it (or link to it) with a UTF-8 name"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt"]
+
+
 def test_prepare_accepts_its_bounds_and_sums_up_what_it_wrote_from_its_meta_json(tmp_path, capsys):
     """The lines ``nanolm prepare`` ends with are its meta.json in words: each figure the file's own."""
     from nanolm.data.shards import PreparedData
@@ -369,7 +381,7 @@ def test_prepare_accepts_its_bounds_and_sums_up_what_it_wrote_from_its_meta_json
     for flags in (
         ["--val-fraction", "0", "--seq-len", "2", "--tokenizer", "char"],
         ["--vocab-size", str(2**24), "--seq-len", "16"],  # the largest vocabulary: BPE learns what it can
-        ["--tokenizer", "char", "--seq-len", "16"],
+        ["--tokenizer", "char", "--seq-len", "16", "--vocab-size", "1"],  # the least vocabulary asked (char ignores it)
     ):
         out = tmp_path / f"p{len(list(tmp_path.iterdir()))}"
         capsys.readouterr()
