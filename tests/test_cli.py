@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from conftest import TINY_TRAIN, run_cli
@@ -372,6 +373,46 @@ def test_prepare_refuses_an_output_path_that_is_not_utf8_naming_its_flag_and_why
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.txt"]
 
 
+def test_prepare_names_its_out_flag_in_each_refusal_of_where_it_writes(tmp_path, capsys):
+    """Every refusal of prepare's output names the option to change: --out (not train's --out-dir)."""
+    from nanolm.base.lock import RunLock
+
+    data = tmp_path / "data.txt"
+    data.write_text("plenty of text " * 50)
+    prepared = tmp_path / "prepared"
+    assert main(["prepare", "--data", str(data), "--out", str(prepared), "--tokenizer", "char"]) == 0
+    stories = prepared / "stories.txt"
+    for argv, out in (
+        (["prepare", "--data", str(data), "--out", str(prepared / "p")], prepared / "p"),  # inside prepared data
+        (["prepare", "--data", str(data), "--out", "/"], Path("/")),  # a mount point
+        (["data", "stories", "--docs", "3", "--out", str(stories)], stories),  # `data stories` alike
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2
+        line = _error_line(capsys)
+        assert line.startswith(f"error: --out {out} ") and line.count("--out") == 2, line  # the fix names it too
+    with RunLock() as held:  # another writer holds the directory
+        held.take(tmp_path / "busy")
+        assert main(["prepare", "--data", str(data), "--out", str(tmp_path / "busy")]) == 2
+        assert _error_line(capsys).endswith("; wait for it to end, or choose another --out")
+
+
+def test_prepare_passes_its_text_field_and_progress_on(tmp_path, capsys, monkeypatch):
+    import nanolm.data.prepare as preparing
+
+    records = tmp_path / "stories.jsonl"
+    records.write_text("".join(f'{{"story": "story number {i} is short"}}\n' for i in range(40)))
+    asked = []
+    real = preparing.prepare
+    monkeypatch.setattr(preparing, "prepare", lambda *a, **k: asked.append((a, k)) or real(*a, **k))
+    out = tmp_path / "p"
+    flags = ["--text-field", "story", "--tokenizer", "char", "--progress", "lines"]
+    assert main(["prepare", "--data", str(records), "--out", str(out), *flags]) == 0
+    ((args, kwargs),) = asked
+    assert args[6] == "story" and kwargs["progress"] == "lines"
+    assert "train: 36 documents" in capsys.readouterr().out
+
+
 def test_prepare_accepts_its_bounds_and_sums_up_what_it_wrote_from_its_meta_json(tmp_path, capsys):
     """The lines ``nanolm prepare`` ends with are its meta.json in words: each figure the file's own."""
     from nanolm.data.shards import PreparedData
@@ -455,12 +496,15 @@ def test_each_way_a_command_can_end_has_its_status_and_one_line(capsys):
         ("data", "--out", {"data_command": "stories"}),
         ("export", "--out", {}),
     ):
-        full = OSError(errno.ENOSPC, "No space left on device", "/disk/file")
-        assert _ended(capsys, full, command, **more) == (
-            2,
-            f"error: {describe_os_error(full, flag)}; whatever was saved before is intact: run the same command "
-            f"again once that is fixed\n",
-        )
+        for full in (  # the disk full, and a read-only one: its line names the flag to change
+            OSError(errno.ENOSPC, "No space left on device", "/disk/file"),
+            OSError(errno.EROFS, "Read-only file system", "/disk/file"),
+        ):
+            assert _ended(capsys, full, command, **more) == (
+                2,
+                f"error: {describe_os_error(full, flag)}; whatever was saved before is intact: run the same "
+                f"command again once that is fixed\n",
+            )
     for bug in (OSError(errno.EBADF, "Bad file descriptor"), ValueError("a bug"), KeyError("x")):
         with pytest.raises(type(bug)):  # not the machine's state: a traceback, which a bug report needs
             _ended(capsys, bug)
@@ -520,3 +564,20 @@ def test_what_is_still_buffered_at_exit_is_flushed_and_a_reader_gone_or_a_full_d
     assert _flushed(3) == 3 and capsys.readouterr().err == ""  # an earlier failure's status and line stand
     monkeypatch.setattr(sys, "stdout", None)  # no console at all
     assert _flushed(0) == 0
+
+
+def test_a_training_command_tunes_its_process_only_through_the_tuning_its_entry_gives(tmp_path, stories_file):
+    """`nanolm train` (through `entry`) hands main() the process tuning it may apply; main() called
+    from Python is given none, and leaves the process alone."""
+
+    class Tuning:
+        def __init__(self):
+            self.asked = []
+
+        def before_training(self, mode, device):
+            self.asked.append((mode, device.type))
+
+    tuning = Tuning()
+    flags = ["--steps", "2", "--process-tuning", "off", "--device", "cpu", *TINY_TRAIN[:-2]]
+    assert main(["train", "--data", str(stories_file), "--out-dir", str(tmp_path / "run"), *flags], tuning) == 0
+    assert tuning.asked == [("off", "cpu")]

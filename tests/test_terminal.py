@@ -358,3 +358,19 @@ def test_a_signal_while_a_run_finishes_stops_it_at_once_and_the_rerun_finds_it_f
     assert read_final(out)["step"] == 3
     r = run_cli("train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", 3, "--eval-every", 1000)
     assert r.returncode == 0 and "finished" in r.stdout, r.stdout + r.stderr
+
+
+def test_only_standard_output_is_made_line_buffered_and_forgiving_and_both_are_guarded():
+    """The entry lets standard output replace what it cannot encode (a sample under LC_ALL=C) and
+    go out a line at a time; standard error keeps Python's own (backslashes for what it cannot
+    encode, as a traceback needs). Each is guarded against a reader that left, and with no
+    standard output at all (pythonw, a service), standard error still is."""
+    done = _entry_reports("    print(sys.stdout.errors, sys.stderr.errors, type(sys.stderr).__name__)\n    return 0")
+    assert done.returncode == 0 and done.stdout == "replace backslashreplace ClosableOutput\n", done
+    script = (
+        "import sys\nfrom nanolm.instruments import cli\n"
+        "def command(argv, process_tuning=None):\n    print(type(sys.stderr).__name__, file=sys.stderr)\n    return 0\n"
+        "cli.main = command\nsys.stdout = None\ncli.entry([])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "ClosableOutput\n", done
