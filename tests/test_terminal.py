@@ -374,3 +374,20 @@ def test_only_standard_output_is_made_line_buffered_and_forgiving_and_both_are_g
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "ClosableOutput\n", done
+
+
+@pytest.mark.parametrize(
+    "body, status, err",
+    [
+        ("    print(type(process_tuning).__name__)\n    return 0", 0, ""),  # the command may tune its process
+        ("    raise KeyboardInterrupt", 130, "interrupted\n"),  # Ctrl-C before main() had its own handler
+        ("    raise cli.OutputClosed()", 128 + 13, ""),  # the reader left: the status of a closed pipe
+        ("    raise SystemExit(2)", 2, ""),  # argparse's usage error keeps its status
+        ("    raise SystemExit(None)", 0, ""),
+        ("    raise SystemExit('a message')", 1, "a message\n"),
+    ],
+)
+def test_the_entry_ends_each_way_with_its_own_status_and_line(body, status, err):
+    done = _entry_reports(body)
+    assert (done.returncode, done.stderr) == (status, err), done
+    assert done.stdout == ("ProcessTuning\n" if "process_tuning" in body else "")
