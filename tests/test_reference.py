@@ -336,6 +336,7 @@ _BANDED_KEYS = st.sampled_from(["loss", "lr", "grad_norm", "clipped_frac", "val_
 @settings(max_examples=400, deadline=None)
 @given(key=_BANDED_KEYS, values=_SEED_VALUES, extra=st.floats(-1e9, 1e9, allow_nan=False), order=st.randoms())
 @example(key="clipped_frac", values=[100000000.25, 100000000.25], extra=0.0, order=random.Random(0))  # rounding > floor
+@example(key="loss", values=[806286676.0, 806286925.0], extra=804943114.0, order=random.Random(0))  # median moves down
 def test_every_seed_a_band_is_built_from_lies_inside_it_whatever_their_values_and_order(key, values, extra, order):
     """The band's edges hold its own seeds (rounded to nine figures, never past a seed), do not
     depend on the order the seeds come in, and only widen when a seed is added."""
@@ -358,11 +359,14 @@ def test_a_bands_middle_is_the_seeds_median_and_its_width_at_least_the_numbers_f
     assert even.mid == [1.3]  # the mean of the middle two
     assert band_from_seeds("val_loss", [{5: 1.0}, {5: 1.4}, {5: 2.0}]).mid == [1.4]
     same = [{5: 2.0}] * 3  # no spread: the floor alone sets the width
-    assert band_from_seeds("loss", same).at(5) == pytest.approx((2.0 - 0.01, 2.0 + 0.01))  # 0.5 % of the median
+    assert band_from_seeds("loss", same).at(5) == pytest.approx((2.0 - 0.01, 2.0 + 0.01))  # 0.5 % of the value
     assert band_from_seeds("update_ratio/embed", same).at(5) == pytest.approx((2.0 - 0.04, 2.0 + 0.04))  # 2 %
     assert band_from_seeds("clipped_frac", [{5: 0.5}] * 3).at(5) == pytest.approx((0.4, 0.6))  # 0.1 absolute
     assert band_from_seeds("tokens", same).at(5) == (2.0, 2.0)  # no floor for a number without one
-    assert band_from_seeds("loss", [{5: -2.0}] * 3).at(5) == pytest.approx((-2.01, -1.99))  # of |median|
+    assert band_from_seeds("loss", [{5: -2.0}] * 3).at(5) == pytest.approx((-2.01, -1.99))  # of |value|
+    # of the largest in size, not the median (1000.0): 0.5 % of 1000.1 on each side of the extremes
+    close = [{5: 1000.0}, {5: 1000.0}, {5: 1000.1}]
+    assert band_from_seeds("loss", close).at(5) == pytest.approx((1000.0 - 5.0005, 1000.1 + 5.0005), abs=1e-9)
 
 
 def test_a_band_has_the_steps_every_seed_logged_finitely_and_needs_two_seeds():

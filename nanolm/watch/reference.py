@@ -81,7 +81,7 @@ TRAIN_METRICS = ("loss", "lr", "grad_norm", "clipped_frac")
 EVAL_METRICS = ("val_loss", "val_bpb")
 GROUP_METRICS = ("update_ratio/",)  # one band per group of layers
 
-# the least half-width a band gets, relative to the value (the learning rate is a function of
+# the least half-width a band gets, relative to the value (the seeds' largest in size) (the learning rate is a function of
 # the step: any difference is a different schedule), and absolute for shares in [0, 1]
 RELATIVE_FLOOR = {"lr": 1e-6, "loss": 0.005, "val_loss": 0.002, "val_bpb": 0.002, "grad_norm": 0.02}
 ABSOLUTE_FLOOR = {"clipped_frac": 0.1}  # a running share of clipped steps moves by 1/step per clipped step
@@ -171,7 +171,10 @@ def band_from_seeds(key: str, per_seed: list[dict[int, float]]) -> Band | None:
             else (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
         )
         spread = values[-1] - values[0]
-        floor = (GROUP_RELATIVE_FLOOR if key.startswith(GROUP_METRICS) else RELATIVE_FLOOR.get(key, 0.0)) * abs(median)
+        # the floor is a share of the seeds' largest size, not of their median: a seed added below
+        # the others moves the median down, and a band must never narrow when a seed is added
+        size = max(abs(values[0]), abs(values[-1]))
+        floor = (GROUP_RELATIVE_FLOOR if key.startswith(GROUP_METRICS) else RELATIVE_FLOOR.get(key, 0.0)) * size
         widen = max(WIDEN * spread, floor, ABSOLUTE_FLOOR.get(key, 0.0))
         lo.append(_round(values[0] - widen, -1))
         mid.append(_round(median))
