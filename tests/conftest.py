@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from nanolm.data.corpus import write_stories
 from nanolm.model import GPT, GPTConfig
@@ -33,6 +34,12 @@ suite runs without them, as in a user's bare shell, and its commands with them t
 process inherits this environment). A test that needs one sets it itself."""
 for _name in SHELL_SETTINGS:
     os.environ.pop(_name, None)
+# The property tests (Hypothesis) draw the same examples on every run and keep no example database:
+# CI's verdict on a tree never depends on chance, nor on what an earlier run in the same clone found.
+# NANOLM_EXPLORE=1 draws fresh random examples each time (and keeps what fails), to search further.
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("explore" if os.environ.get("NANOLM_EXPLORE") else "repeatable")
 # torch.compile's cache does not tell the kernel paths apart (PyTorch 2.13): a step compiled under
 # the machine's own kernels, loaded again under ATEN_CPU_CAPABILITY=avx2, computes garbage. The
 # suite keeps one cache per path, as a machine of that kind would have.

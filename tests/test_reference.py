@@ -10,6 +10,7 @@ for their shape and against the configs and data they name, not retrained.
 import dataclasses
 import json
 import math
+import os
 import random
 import shlex
 from pathlib import Path
@@ -349,6 +350,26 @@ def test_every_seed_a_band_is_built_from_lies_inside_it_whatever_their_values_an
     assert wider.lo[0] <= band.lo[0] and wider.hi[0] >= band.hi[0]
     below, above = math.nextafter(band.lo[0], -math.inf), math.nextafter(band.hi[0], math.inf)
     assert band.side(100, below) == -1 and band.side(100, above) == 1  # one float past an edge is outside
+
+
+@pytest.mark.skipif(bool(os.environ.get("NANOLM_EXPLORE")), reason="NANOLM_EXPLORE draws fresh examples on purpose")
+def test_the_property_tests_draw_the_same_examples_on_every_run():
+    """The test above once turned CI red on a case it drew by chance and passed the run before: in
+    the default run every property test draws the same examples (tests/conftest.py), so the verdict
+    on a tree is the same on every machine and every run; NANOLM_EXPLORE=1 searches afresh."""
+
+    def drawn():
+        seen = []
+
+        @settings(max_examples=20)  # the suite's profile decides the rest, as for every property test
+        @given(st.floats(-1e9, 1e9, allow_nan=False))
+        def draw(x):
+            seen.append(x)
+
+        draw()
+        return seen
+
+    assert drawn() == drawn()
 
 
 # ------------------------------------------------------------------ the band's rules at their edges
