@@ -391,3 +391,20 @@ def test_the_entry_ends_each_way_with_its_own_status_and_line(body, status, err)
     done = _entry_reports(body)
     assert (done.returncode, done.stderr) == (status, err), done
     assert done.stdout == ("ProcessTuning\n" if "process_tuning" in body else "")
+
+
+def test_a_signal_while_the_process_exits_changes_nothing():
+    """Once the command has returned, the entry ignores Ctrl-C, a kill and a closed terminal: one
+    arriving while the interpreter shuts down (a second Ctrl-C after the run saved) would otherwise
+    print a traceback from the exit, or end a finished command with a signal's status."""
+    body = (
+        "    import atexit, os, signal\n"
+        "    def late():\n"
+        "        for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):\n"
+        "            os.kill(os.getpid(), getattr(signal, name))\n"
+        "        sys.stderr.write('')\n"  # the interpreter runs a Python handler at its next instruction
+        "    atexit.register(late)\n"
+        "    return 0"
+    )
+    done = _entry_reports(body)
+    assert (done.returncode, done.stderr) == (0, ""), done
