@@ -399,6 +399,11 @@ def test_a_signal_while_the_process_exits_changes_nothing():
     print a traceback from the exit, or end a finished command with a signal's status."""
     body = (
         "    import atexit, os, signal\n"
+        # as in a user's terminal, whatever this test's parent ignores (a job started with `nohup`
+        # or `&` starts with SIGHUP or SIGINT ignored, and so would every process it starts)
+        "    signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+        "    signal.signal(signal.SIGHUP, signal.SIG_DFL)\n"
         "    def late():\n"
         "        for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):\n"
         "            os.kill(os.getpid(), getattr(signal, name))\n"
