@@ -616,8 +616,8 @@ def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_p
         "4",
         "--eval-every",
         "4",
-        "--eval-batches",
-        "1",
+        "--eval-windows",  # as the per-minute configs size their evaluations, not --eval-batches
+        "8",
         "--n-layer",
         "1",
         "--n-embd",
@@ -640,6 +640,7 @@ def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_p
     assert 0 < run["training_time_s"] < run["launch_to_exit_s"] - run["before_training_s"]
     assert out["median_full_val_bpb"] == run["full_val_bpb"] > 0 and out["holdout_shift"] == 5
     assert "target_val_bpb" not in out and ".shift5" in out["data"]
+    assert run["decided_on_the_full_val_split"] in (True, False)
 
 
 def test_a_shifted_holdout_holds_out_other_documents_and_keeps_every_one():
