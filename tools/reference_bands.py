@@ -83,6 +83,11 @@ RECIPES = {
         "--config configs/speedrun_tinystories.toml --data {data_dir}/tinystories_sample.txt",
         ("tinystories_sample.txt",),
     ),
+    "tinystories_60s": (
+        "TinyStories in 60 seconds (configs/tinystories_60s.toml)",
+        "--config configs/tinystories_60s.toml --data {data_dir}/tinystories_sample.txt",
+        ("tinystories_sample.txt",),
+    ),
 }
 SEEDS = (1337, 1, 2, 3, 4)  # the recipes' own default seed and four more
 NOT_COUNTED_FLAGS = "--threads 1 --progress lines --sample-tokens 0"
