@@ -842,6 +842,14 @@ BUGS = [
         "widen = 0.0",
     ),
     Bug(
+        "band_floor_of_the_median",
+        "a band's least width is a share of the seeds' median: a seed added below the others "
+        "narrows the band, and a run inside the band of five seeds is outside that of six",
+        "nanolm/watch/reference.py",
+        "size = max(abs(values[0]), abs(values[-1]))",
+        "size = abs(median)",
+    ),
+    Bug(
         "debug_switches_count_in_the_setup",
         "a run broken by a lab switch is not recognised as its recipe: the band never sees the bugs it exists to catch",
         "nanolm/watch/reference.py",
