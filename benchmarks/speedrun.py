@@ -188,7 +188,7 @@ def full_validation_bpb(run_dir: Path, threads: int | None) -> dict:
     if threads:
         torch.set_num_threads(threads)
     sys.path.insert(0, str(REPO))
-    from nanolm.batches import DEFAULT_EVAL_WINDOWS, eval_batches, eval_window_starts
+    from nanolm.batches import eval_batches, eval_window_starts
     from nanolm.checkpoint import load_weights
     from nanolm.data.shards import PreparedData
     from nanolm.evaluate import estimate_loss
@@ -216,9 +216,8 @@ def full_validation_bpb(run_dir: Path, threads: int | None) -> dict:
         "full_val_bpb": round(result["bpb"], 4),
         "val_tokens": result["tokens"],
         "val_bytes": result["bytes"],
-        # the run's own evaluations: its windows as it recorded them (--eval-windows, or --eval-batches
-        # resolved into windows; a config that names neither gets the default)
-        "decided_on_the_full_val_split": (cfg.train.eval_windows or DEFAULT_EVAL_WINDOWS) >= all_windows,
+        # the run's own evaluations, in windows (load_run_config resolves --eval-batches and the default)
+        "decided_on_the_full_val_split": cfg.train.eval_windows >= all_windows,
     }
 
 

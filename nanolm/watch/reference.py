@@ -81,8 +81,8 @@ TRAIN_METRICS = ("loss", "lr", "grad_norm", "clipped_frac")
 EVAL_METRICS = ("val_loss", "val_bpb")
 GROUP_METRICS = ("update_ratio/",)  # one band per group of layers
 
-# the least half-width a band gets, relative to the value (the seeds' largest in size) (the learning rate is a function of
-# the step: any difference is a different schedule), and absolute for shares in [0, 1]
+# the least half-width a band gets, relative to the seeds' largest value in size (the learning rate
+# is a function of the step: any difference is a different schedule), and absolute for shares in [0, 1]
 RELATIVE_FLOOR = {"lr": 1e-6, "loss": 0.005, "val_loss": 0.002, "val_bpb": 0.002, "grad_norm": 0.02}
 ABSOLUTE_FLOOR = {"clipped_frac": 0.1}  # a running share of clipped steps moves by 1/step per clipped step
 WIDEN = 3.0  # the seeds' extremes are widened on each side by this many times their spread
