@@ -34,7 +34,8 @@ step by step); ``fits_budget`` says whether it fits on this one. Each run also r
 times it went over the training stories (``passes``). ``--holdout-shift K`` moves the file's first
 K documents to its end before the run, so that another tenth of the stories is held out (K=5 with
 the default 10 %: none of the usual validation stories): a record must hold on stories it never
-trained on, whichever they are.
+trained on, whichever they are. ``--keep-runs DIR`` keeps each run's directory (weights,
+tokenizer, metrics) as ``DIR/seed<N>``, to sample a record's stories from its own weights.
 
     python benchmarks/speedrun.py --budget 60 --config configs/tinystories_60s.toml --data tinystories_sample.txt --seeds 1337,1,2
 """
@@ -46,6 +47,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -243,12 +245,21 @@ def main():
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the run (default: PyTorch's)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seeds", default="", help="comma-separated seeds: one run each (× --repeats), --seed passed on")
+    p.add_argument(
+        "--keep-runs",
+        type=Path,
+        default=None,
+        help="keep each run's directory (weights, tokenizer, metrics) under DIR, as seed<N> or run<i>:"
+        " a record's stories are sampled from its own weights",
+    )
     p.add_argument("extra", nargs="*", help="more flags for nanolm train, after --")
     args = p.parse_args()
     if Path(args.data).exists():
         args.data = str(Path(args.data).resolve())
     if args.budget is not None and not args.budget > 0:
         raise SystemExit(f"error: --budget must be a positive number of seconds, got {args.budget}")
+    if args.keep_runs is not None and args.keep_runs.exists() and any(args.keep_runs.iterdir()):
+        raise SystemExit(f"error: --keep-runs {args.keep_runs} is not empty: name a new directory")
     runs = []
     with tempfile.TemporaryDirectory(prefix="speedrun-") as tmp:
         if args.holdout_shift:
@@ -265,6 +276,12 @@ def main():
             result["seed"] = seed
             result.update(full_validation_bpb(run_dir, args.threads))
             runs.append(result)
+            if args.keep_runs is not None:
+                kept = args.keep_runs / (f"seed{seed}" if seed is not None else f"run{i}")
+                if args.repeats > 1 and seed is not None:
+                    kept = kept.with_name(f"{kept.name}_{i}")
+                shutil.copytree(run_dir, kept)
+                result["kept_in"] = str(kept)
     if args.budget:
         print(
             json.dumps(

@@ -595,7 +595,7 @@ def test_the_calibration_benchmark_reports_both_thresholds_for_each_test_and_num
 
 
 def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_passes_over_the_data(
-    monkeypatch, capsys, stories_file
+    monkeypatch, capsys, stories_file, tmp_path
 ):
     out = benchmark_json(
         monkeypatch,
@@ -611,6 +611,8 @@ def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_p
         "1",
         "--holdout-shift",
         "5",
+        "--keep-runs",
+        str(tmp_path / "kept"),
         "--",
         "--steps",
         "4",
@@ -642,6 +644,14 @@ def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_p
     assert "target_val_bpb" not in out and ".shift5" in out["data"]
     # 8 windows of 32 tokens cover 256 of the split's tokens: the run's own evaluations saw part of it
     assert run["val_tokens"] > 8 * 32 and run["decided_on_the_full_val_split"] is False
+    # the run's directory is kept (a record's stories come from its weights), and never mixed into another's
+    assert (
+        run["kept_in"] == str(tmp_path / "kept" / "run0")
+        and (tmp_path / "kept" / "run0" / "model.safetensors").is_file()
+    )
+    monkeypatch.setattr(sys, "argv", ["speedrun.py", "--budget", "60", "--keep-runs", str(tmp_path / "kept")])
+    with pytest.raises(SystemExit, match="--keep-runs .* is not empty: name a new directory"):
+        runpy.run_path(str(BENCHMARKS / "speedrun.py"), run_name="__main__")
 
 
 def test_a_shifted_holdout_holds_out_other_documents_and_keeps_every_one():

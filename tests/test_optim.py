@@ -248,7 +248,7 @@ def test_the_run_options_momentum_and_betas_reach_both_optimizers():
     from nanolm.run.config import load_run_config
 
     configs = Path(__file__).resolve().parents[1] / "configs"
-    for name in ("speedrun_tinystories.toml", "speedrun_cpu.toml", "tinystories_60s.toml"):
+    for name in ("speedrun_tinystories.toml", "speedrun_cpu.toml", "tinystories_60s.toml", "tinystories_5min.toml"):
         cfg = load_run_config(configs / name)
         options = cfg.optim
         opt = optimizer_for(tiny_model(), cfg, resolve_precision("fp32", torch.device("cpu")))
