@@ -249,7 +249,8 @@ def main():
         "--keep-runs",
         type=Path,
         default=None,
-        help="keep each run's directory (weights, tokenizer, metrics) under DIR, as seed<N> or run<i>:"
+        metavar="DIR",
+        help="keep each run's directory (weights, tokenizer, metrics) under DIR, as seed<N> (seed<N>_<i> with --repeats) or run<i>:"
         " a record's stories are sampled from its own weights",
     )
     p.add_argument("extra", nargs="*", help="more flags for nanolm train, after --")
@@ -258,8 +259,9 @@ def main():
         args.data = str(Path(args.data).resolve())
     if args.budget is not None and not args.budget > 0:
         raise SystemExit(f"error: --budget must be a positive number of seconds, got {args.budget}")
-    if args.keep_runs is not None and args.keep_runs.exists() and any(args.keep_runs.iterdir()):
-        raise SystemExit(f"error: --keep-runs {args.keep_runs} is not empty: name a new directory")
+    if args.keep_runs is not None and args.keep_runs.exists():
+        if not args.keep_runs.is_dir() or any(args.keep_runs.iterdir()):
+            raise SystemExit(f"error: --keep-runs {args.keep_runs} is not empty: name a new directory")
     runs = []
     with tempfile.TemporaryDirectory(prefix="speedrun-") as tmp:
         if args.holdout_shift:

@@ -652,6 +652,10 @@ def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_p
     monkeypatch.setattr(sys, "argv", ["speedrun.py", "--budget", "60", "--keep-runs", str(tmp_path / "kept")])
     with pytest.raises(SystemExit, match="--keep-runs .* is not empty: name a new directory"):
         runpy.run_path(str(BENCHMARKS / "speedrun.py"), run_name="__main__")
+    a_file = tmp_path / "kept" / "run0" / "model.safetensors"  # a file where a directory is named: the same line
+    monkeypatch.setattr(sys, "argv", ["speedrun.py", "--budget", "60", "--keep-runs", str(a_file)])
+    with pytest.raises(SystemExit, match="--keep-runs .* is not empty: name a new directory"):
+        runpy.run_path(str(BENCHMARKS / "speedrun.py"), run_name="__main__")
 
 
 def test_a_shifted_holdout_holds_out_other_documents_and_keeps_every_one():
