@@ -88,6 +88,11 @@ RECIPES = {
         "--config configs/tinystories_60s.toml --data {data_dir}/tinystories_sample.txt",
         ("tinystories_sample.txt",),
     ),
+    "tinystories_5min": (
+        "TinyStories in 5 minutes (configs/tinystories_5min.toml)",
+        "--config configs/tinystories_5min.toml --data {data_dir}/tinystories_sample.txt",
+        ("tinystories_sample.txt",),
+    ),
 }
 SEEDS = (1337, 1, 2, 3, 4)  # the recipes' own default seed and four more
 NOT_COUNTED_FLAGS = "--threads 1 --progress lines --sample-tokens 0"
