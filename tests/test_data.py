@@ -369,6 +369,25 @@ def test_prepare_refuses_a_directory_holding_other_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mine.txt"]
 
 
+def test_prepare_refuses_a_directory_holding_only_hidden_files(tmp_path, capsys):
+    """A directory whose only entries are hidden (a ``git init`` made for the data, a Finder's
+    .DS_Store) is still someone's: taken as prepare's own, it would be swapped away whole for the
+    shards, its repository with it. Refused in one line, it is left exactly as it was."""
+    from nanolm.instruments.cli import main
+
+    src = _write_txt(tmp_path / "d.txt", DOCS * 4)
+    out = tmp_path / "out"
+    (out / ".git").mkdir(parents=True)
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / ".DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    before = _tree(out)
+    assert main(["prepare", "--data", str(src), "--out", str(out), "--tokenizer", "char"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {out} already holds .DS_Store, which prepare did not write; choose a new or empty --out"]
+    assert _tree(out) == before and sorted(p.name for p in out.iterdir()) == [".DS_Store", ".git"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt", "out"]  # no scratch left beside it
+
+
 def test_the_bpe_tokenizer_learns_from_training_documents_only():
     """Merges learnt from validation text would let the held-out documents compress better than
     unseen text does: a validation loss flattered by the tokenizer. The char vocabulary sees

@@ -304,6 +304,26 @@ def test_prepare_into_a_directory_being_written_is_refused(tmp_path, stories_fil
     assert main(["prepare", "--data", str(stories_file), "--out", str(tmp_path / "shards"), "--tokenizer", "char"]) == 0
 
 
+def test_a_prepare_refused_by_a_live_prepare_leaves_its_scratch_directory_alone(tmp_path, stories_file, capsys):
+    """A prepare cleans up the scratch directories that killed prepares into its --out left
+    behind, but only once it holds --out's lock: before, a live prepare's scratch directory
+    would look abandoned wherever a directory cannot be locked (a network file system; Windows,
+    where no directory is), and be deleted under it. A second prepare into a directory a live
+    prepare writes is refused before it touches anything."""
+    out = tmp_path / "shards"
+    scratch = tmp_path / ".shards.prepare-abcd1234"  # the live prepare's, its own flock not held
+    scratch.mkdir()
+    (scratch / "train.bin").write_bytes(b"half of a shard")
+    with RunLock() as live:
+        live.take(out, flag="--out")  # the lock a live prepare holds while it writes
+        assert main(["prepare", "--data", str(stories_file), "--out", str(out), "--tokenizer", "char"]) == 2
+        assert f"is being written by process {os.getpid()}" in _one_error_line(capsys)
+        assert (scratch / "train.bin").read_bytes() == b"half of a shard"
+        assert sorted(p.name for p in tmp_path.iterdir()) == [scratch.name, "shards"]
+    assert main(["prepare", "--data", str(stories_file), "--out", str(out), "--tokenizer", "char"]) == 0
+    assert not scratch.exists()  # no one holds the lock now: the scratch is abandoned, and removed
+
+
 def test_a_sweep_takes_its_directory_and_each_rate_s_run(tmp_path, stories_file, capsys, monkeypatch):
     """A sweep on a directory another sweep writes is refused before it writes anything; and
     each rate's run is locked while it trains, since the sweep trains it with ``train()``."""

@@ -6,6 +6,7 @@ one line (or none, for a closed pipe, as Unix pipelines expect) with no tracebac
 must leave a checkpoint from which the same command continues.
 """
 
+import errno
 import os
 import signal
 import subprocess
@@ -138,6 +139,44 @@ def test_training_into_a_pipe_that_closes_saves_and_the_same_command_resumes(tmp
     stopped_at = int(err.split("at step ")[1].split(":")[0])
     assert read_latest(out).name == f"step_{stopped_at:06d}"
     _resumes(stories_file, out, stopped_at)
+
+
+class _DeadStream:
+    """A standard output whose reader is gone: every write and flush fails with ``error``."""
+
+    def __init__(self, error: int):
+        self.error = error
+
+    def write(self, text):
+        raise OSError(self.error, os.strerror(self.error))
+
+    def flush(self):
+        raise OSError(self.error, os.strerror(self.error))
+
+
+@pytest.mark.parametrize("error", [errno.EPIPE, errno.EIO], ids=["EPIPE", "EIO"])
+def test_a_terminal_that_hung_up_is_a_reader_gone_like_a_closed_pipe(error):
+    """When the SSH session drops, SIGHUP asks the run to stop and save, and the run's next line
+    meets a terminal that is gone: its write fails with EIO, not EPIPE. Taken for an error, that
+    line would end the run on the spot, before the checkpoint SIGHUP asked for; it is a reader
+    gone, exactly as a closed pipe is."""
+    from nanolm.instruments.cli import ClosableOutput, OutputClosed
+    from nanolm.machine.runtime import OUTPUT_CLOSED, StopOnSignal
+
+    with StopOnSignal() as stop:
+        stop.request(signal.SIGHUP)  # the session ended
+        out = ClosableOutput(_DeadStream(error))
+        print("step 5 | loss 2.1", file=out)  # the run's next line: nothing escapes
+        print("step 6 | loss 2.0", file=out)
+        out.flush()
+        assert out.gone and stop.requested == signal.SIGHUP  # the run stops after its step and saves
+    with StopOnSignal() as stop:  # no SIGHUP first: the dead terminal alone asks the run to save
+        out = ClosableOutput(_DeadStream(error))
+        print("step 5 | loss 2.1", file=out)
+        assert out.gone and stop.requested == OUTPUT_CLOSED
+    out = ClosableOutput(_DeadStream(error))
+    with pytest.raises(OutputClosed):  # a command with no run to save ends quietly (the entry's status 141)
+        print("a line", file=out)
 
 
 @pytest.fixture(scope="module")

@@ -926,6 +926,16 @@ BUGS = [
         tests=("test_crash_points",),
     ),
     Bug(
+        "prepare_cleans_up_before_it_holds_the_lock",
+        "a second prepare into the --out a live prepare writes removes the live one's scratch "
+        "directory (not flock-held where a directory cannot be locked: NFS, Windows) before it is refused: "
+        "the live prepare fails half-way",
+        "nanolm/instruments/cli.py",
+        '        lock.take(args.out, flag="--out")\n        remove_abandoned_attempts(args.out)\n',
+        '        remove_abandoned_attempts(args.out)\n        lock.take(args.out, flag="--out")\n',
+        tests=("test_run_lock",),
+    ),
+    Bug(
         "killed_pointer_writes_kept",
         "every run killed while it moved checkpoints/latest leaves a temporary file there for ever",
         "nanolm/checkpoint.py",
@@ -1168,6 +1178,14 @@ BUGS = [
         "        _prepare_into(out if out.is_dir() else staging,\n            docs,\n            source,\n            tokenizer_kind,\n            vocab_size,\n            val_fraction,\n            tokenizer,\n            seq_len,\n            progress,\n            compressor_sample_bytes,\n            log,\n            t0,\n        )\n",
     ),
     Bug(
+        "prepare_takes_hidden_files_for_its_own",
+        "prepare --out DIR, where DIR holds only hidden files (a `git init` made for the data, a "
+        ".DS_Store), takes DIR for an empty one and swaps it away for the shards: its repository is gone",
+        "nanolm/data/prepare.py",
+        "sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, META_FILE, LOCK_FILE))",
+        'sorted(p.name for p in out.iterdir() if p.name not in (*DATA_FILES, META_FILE, LOCK_FILE) and not p.name.startswith("."))',
+    ),
+    Bug(
         "output_inside_prepared_data",
         "an export or a report inside prepared data is accepted, and every run on that data "
         "then refuses it as damaged (a file its manifest does not list)",
@@ -1189,6 +1207,15 @@ BUGS = [
         "nanolm/instruments/cli.py",
         "        if StopOnSignal.active is not None:\n            StopOnSignal.active.request(OUTPUT_CLOSED)",
         "        if False:\n            StopOnSignal.active.request(OUTPUT_CLOSED)",
+        tests=("test_terminal",),
+    ),
+    Bug(
+        "hung_up_terminal_ends_the_run_unsaved",
+        "a run whose SSH session dropped dies on its next line (the terminal's write fails with EIO, "
+        "not EPIPE) instead of saving the checkpoint SIGHUP asked for: everything since the last one is lost",
+        "nanolm/instruments/cli.py",
+        "GONE = {errno.EPIPE, errno.EIO, errno.ECONNRESET}",
+        "GONE = {errno.EPIPE, errno.ECONNRESET}",
         tests=("test_terminal",),
     ),
     Bug(
