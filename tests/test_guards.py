@@ -105,6 +105,20 @@ def test_guard_decides_per_step_and_keeps_warned_spikes_in_its_history(tmp_path)
     assert len(g.grad.values) == 26  # warned: it happened, so it is part of the history
 
 
+@pytest.mark.parametrize("on_spike", ["skip", "rollback"])
+def test_a_spike_the_guard_acted_on_stays_out_of_the_history_it_judges_spikes_by(tmp_path, on_spike):
+    """A skipped or rolled-back spike never happened to the model: were it added to the
+    detector's history, a stretch of bad batches would fill the window until the median
+    itself sat at the spikes, and the rest of the stretch would be trained on unseen."""
+    g = Guard(out_dir=tmp_path, on_nan="skip", on_spike=on_spike, window=30, threshold=6.0, log=lambda *_: None)
+    for step in range(1, 26):
+        assert g.check(step, 2.0 + 0.01 * (step % 3), 1.0 + 0.01 * (step % 2), 1e-3) == ("take", None)
+    for step in range(26, 56):  # thirty bad batches in a row: more than the window holds
+        action, event = g.check(step, 10.0, 50.0, 1e-3)
+        assert (action, event["on"]) == (on_spike, ["loss", "grad_norm"]), step
+    assert len(g.loss.values) == len(g.grad.values) == 25 and max(g.loss.values) < 3
+
+
 # --------------------------------------------------------------------------- real runs
 def _run(stories_file, out, **debug_and_guard):
     cfg = tiny_run_config(

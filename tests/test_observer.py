@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from nanolm.batches import Batch
 from nanolm.distributed import Distributed
 from nanolm.errors import NanolmError
 from nanolm.precision import DynamicLossScaler, resolve_precision
@@ -326,6 +327,31 @@ def test_fp16s_watch_reads_the_gradients_of_the_model_at_the_scalers_scale(tmp_p
         "grad_subnormal_frac": grad_subnormal_fraction(params(), observer.scaler.loss_scale).item(),
     }
     assert grad_subnormal_fraction(params(), observer.scaler.loss_scale) != grad_subnormal_fraction(params(), 1.0)
+
+
+def test_an_fp16_steps_per_layer_gradient_figures_are_read_after_unscaling(tmp_path):
+    """During backward every gradient is multiplied by the loss scale (65536 at the start): read
+    before unscaling, each layer's gradient norm would be that much too large, and diagnose would
+    see every layer exploding. The step runs without autocast and the scale is a power of two,
+    so its unscaled gradients are exactly those of a run without a scale: so must its figures be."""
+    from nanolm.optim import build_optimizer
+    from nanolm.precision import grad_subnormal_fraction
+    from nanolm.step import StepSetup, accumulate_gradients, train_step
+
+    batch = Batch(torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32)), torch.ones(2, 32, dtype=torch.bool))
+    figures, scales = {}, {}
+    for precision in ("fp16", "fp32"):
+        observer = _observer(tmp_path / precision, precision=precision, stats_every=1)
+        model, scales[precision] = observer.model, observer.scaler.loss_scale
+        setup = StepSetup(model, build_optimizer(model, 1e-3, 0.1), lambda step: 1e-3, scaler=observer.scaler)
+        setup.watch = observer.gradient_watch
+        figures[precision] = train_step(setup, 1, [batch]).watch.after_update()
+    assert scales == {"fp16": 65536.0, "fp32": 1.0}
+    layers = [k for k in figures["fp32"] if k.startswith("grad_norm/")]
+    assert layers and all(figures["fp16"][k] == pytest.approx(figures["fp32"][k], rel=1e-5) for k in layers)
+    model = tiny_model()  # the step's true gradients, for the underflow share at the scale backward ran at
+    accumulate_gradients(model, [batch], 64)
+    assert figures["fp16"]["grad_subnormal_frac"] == grad_subnormal_fraction(model.parameters(), 65536.0).item()
 
 
 def test_statistics_steps_probe_under_the_runs_autocast(tmp_path):

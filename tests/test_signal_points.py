@@ -95,6 +95,18 @@ def test_a_second_ctrl_c_long_after_stops_at_once_with_the_first_signals_status(
     assert str(stopped.value).startswith("SIGINT after SIGHUP: stopped at once")
 
 
+def test_a_sighup_long_after_a_stop_request_is_not_a_second_ctrl_c():
+    """A run stopped by a Ctrl-C or a scheduler's SIGTERM may still be saving when its terminal
+    closes: that SIGHUP is nobody's second keypress, and must not abandon the save."""
+    for first in (signal.SIGINT, signal.SIGTERM):
+        clock = _Clock()
+        stop = StopOnSignal(clock)
+        _handled(stop, first)
+        clock.now += SAME_REQUEST_SECONDS * 10
+        _handled(stop, signal.SIGHUP)
+        assert stop.requested == first
+
+
 def test_a_signal_while_a_phase_with_nothing_to_save_cleans_up_changes_nothing():
     """The first signal raises so that the cleanup runs; a second one raising inside that
     cleanup would leave half of what it was removing, with the second signal's status."""

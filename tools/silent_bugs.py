@@ -445,6 +445,17 @@ BUGS = [
         "            pass",
     ),
     Bug(
+        "gradient_figures_read_before_unscaling",
+        "fp16's per-layer gradient norms are logged times the loss scale (65536 at the start) and its "
+        "underflow share judged on scaled gradients: every layer reads as exploding, underflow as absent",
+        "nanolm/step.py",
+        "    if setup.scaler.enabled:\n        setup.scaler.unscale_(setup.model.parameters())\n"
+        "    if watch is not None:\n        watch.capture()\n",
+        "    if watch is not None:\n        watch.capture()\n"
+        "    if setup.scaler.enabled:\n        setup.scaler.unscale_(setup.model.parameters())\n",
+        tests=("test_observer",),
+    ),
+    Bug(
         "loss_scale_never_grows",
         "after one overflow fp16 keeps a needlessly small scale: underflow",
         "nanolm/precision.py",
@@ -658,6 +669,14 @@ BUGS = [
         "nanolm/watch/guards.py",
         "        return (self._scaled(value) - median) / scale",
         "        return (value - median) / scale",
+    ),
+    Bug(
+        "skipped_spikes_join_the_history",
+        "a spike the guard skipped or rolled back still joins the detector's history: a stretch "
+        "of bad batches raises the median to its own level, and the rest of the stretch is trained on",
+        "nanolm/watch/guards.py",
+        '            if action == "take":  # a warned spike still belongs to the history\n                self.loss.add(loss)',
+        "            if True:  # a warned spike still belongs to the history\n                self.loss.add(loss)",
     ),
     # instruments
     Bug(
@@ -1080,6 +1099,15 @@ BUGS = [
         "nanolm/machine/runtime.py",
         "and self._clock() - self._requested_at > SAME_REQUEST_SECONDS",
         "and True",
+        tests=("test_signal_points",),
+    ),
+    Bug(
+        "late_sighup_taken_for_a_second_ctrl_c",
+        "a terminal closed while a stopped run saves (after a Ctrl-C, or a scheduler's SIGTERM) "
+        "counts as the second Ctrl-C: the run stops at once, without the checkpoint the first asked for",
+        "nanolm/machine/runtime.py",
+        "            and signum == signal.SIGINT\n",
+        "            and signum in (signal.SIGINT, signal.SIGHUP)\n",
         tests=("test_signal_points",),
     ),
     Bug(
