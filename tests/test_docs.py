@@ -3,6 +3,10 @@
 A document that names a test that was renamed, a module that moved or a file that is gone
 sends a student the wrong way; a placeholder left in a doc is a promise nobody kept. These
 checks read README.md, CONTRIBUTING.md and docs/*.md as text.
+
+The docs also keep a word budget: a page a user reads holds the conclusion, the figure they need
+and the command that reproduces it; how each figure was measured lives in dev/, the lab notebook,
+which has no budget. Words are counted as ``wc -w`` counts them (whitespace-separated tokens).
 """
 
 import argparse
@@ -15,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS_WORD_BUDGET = 28_000  # every markdown file under docs/, together
+README_WORD_BUDGET = 2_000
 
 
 def _text(path: Path) -> str:
@@ -185,3 +191,28 @@ def test_every_link_between_the_docs_lands_on_a_heading(doc):
         if not path.is_file() or anchor not in _anchors(path):
             broken.append(f"{target}#{anchor}")
     assert not broken, f"{doc.name} links to headings that do not exist: {broken}"
+
+
+def _words(path: Path) -> int:
+    """The words of a file as ``wc -w`` counts them: whitespace-separated tokens."""
+    return len(_text(path).split())
+
+
+def test_docs_stay_within_their_word_budget():
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    counts = {page.relative_to(ROOT).as_posix(): _words(page) for page in pages}
+    total = sum(counts.values())
+    largest = ", ".join(f"{name} {n:,}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1])[:3])
+    assert total <= DOCS_WORD_BUDGET, (
+        f"docs/ has {total:,} words, over its {DOCS_WORD_BUDGET:,} budget: move measurements to dev/ "
+        f"(the lab notebook), keeping in docs the conclusion, the figure a user needs and its command, "
+        f"with a link to dev/ (largest: {largest})"
+    )
+
+
+def test_readme_stays_within_its_word_budget():
+    words = _words(ROOT / "README.md")
+    assert words <= README_WORD_BUDGET, (
+        f"README.md has {words:,} words, over its {README_WORD_BUDGET:,} budget: move detail to the "
+        f"docs/ page it links to, and keep in the README what a first reader needs"
+    )
