@@ -49,6 +49,34 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
 )
 
 
+MAX_WORKERS = 4
+"""``-n auto`` (the README's command) runs one worker a core, up to four: each worker imports
+PyTorch and trains its own session fixtures, so more than a few costs memory and start-up for
+little gain on a suite of many short tests."""
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(
+        1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Each test file goes whole to one worker: a file's module-scoped fixtures (the runs its tests
+    only read) are then trained once, not once in each worker that got one of its tests."""
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
+
+
+# Under pytest-xdist each worker takes its share of the cores for PyTorch's threads: two workers
+# that each start a thread a core would fight over them (a step several times slower, and the
+# tests that time something see a machine busier than any user's).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
 def pytest_collection_modifyitems(config, items):
     """With NANOLM_LIST_GPU_MARKS set, print each collected test and whether it is marked ``gpu``
     (what tests/test_gpu.py's check of GPU-only tests reads, from one collection)."""
@@ -71,13 +99,42 @@ def run_cli(*args, cwd=None, timeout=300):
     )
 
 
-def run_harness(harness: Path, data, work: Path) -> dict:
+def run_main(*args) -> subprocess.CompletedProcess:
+    """``nanolm ARGS`` run in this process through :func:`~nanolm.instruments.cli.main` (what every
+    command runs after its entry), its output captured, as :func:`run_cli` returns it. For a test
+    that needs no fresh interpreter (no signal, no kill, no process-wide setting, no import to
+    watch): it saves the ~2 s that starting Python and PyTorch costs each command."""
+    import contextlib
+    import io
+
+    from nanolm.instruments.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's refusal
+            code = e.code if isinstance(e.code, int) else 2
+    return subprocess.CompletedProcess(["nanolm", *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+def run_harness(harness: Path, data, work: Path, *options) -> dict:
     """Run a harness of forked runs (``tests/signal_points.py``, ``tests/continued_runs.py``) in a
     fresh process (a child must not be forked from one that ran PyTorch) and return its result;
     its own failures fail the test, one line each."""
     result = work / "result.json"
     proc = subprocess.run(
-        [sys.executable, str(harness), "--data", str(data), "--work", str(work / "w"), "--json", str(result)],
+        [
+            sys.executable,
+            str(harness),
+            "--data",
+            str(data),
+            "--work",
+            str(work / "w"),
+            "--json",
+            str(result),
+            *map(str, options),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

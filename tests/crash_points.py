@@ -31,6 +31,11 @@ FAULTS = ("stop", errno.ENOSPC, errno.EIO)
 """What happens at the chosen step: the process dies there, or the step fails as a full disk or
 a failing disk would make it fail."""
 EXPLORE = os.environ.get("NANOLM_EXPLORE") == "1"
+EVERY_FAULT = True
+"""Every fault at every step (the exhaustive enumeration), or, when False, the stop at every step
+and one failure at each, ENOSPC and EIO taking turns: every step is still stopped and failed, and
+both errors are still met, at two thirds of the cost (the default suite's share; the code that
+meets a failed step does not ask which error it was, and a test of that is its own)."""
 
 _CHANGING_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _CHANGING_EVENTS = {
@@ -143,8 +148,13 @@ def every_crash_point(name: str, setup, operation, judge, root: Path, faults=FAU
     command run again included). Returns {fault: number of steps tried}."""
     steps = count_steps(setup, operation, root)
     tried = {}
+    failures = [f for f in faults if f != "stop"]
     for fault in faults:
+        tried[fault] = 0
         for k, step in enumerate(steps, start=1):
+            if not EVERY_FAULT and fault in failures and failures[(k - 1) % len(failures)] != fault:
+                continue
+            tried[fault] += 1
             setup()
             raised = run_under(disk.FaultPlan(at=k, fault=fault), root, operation)
             trial = Trial(k, fault, step, raised)
@@ -152,7 +162,6 @@ def every_crash_point(name: str, setup, operation, judge, root: Path, faults=FAU
                 judge(trial)
             except AssertionError as e:
                 raise AssertionError(f"{trial}: {e}") from None
-        tried[fault] = len(steps)
     if EXPLORE:  # a fault, then another in the command run again to recover
         rng = random.Random(seed)
         for _ in range(4 * len(steps)):

@@ -335,18 +335,30 @@ def _stopped_at_once(steps: list) -> list[Case]:
     return [Case("step", ("SIGTERM", "SIGINT"), late), Case(in_a_save, ("SIGINT", "SIGINT"), late)]
 
 
-def selected_cases(steps: list) -> list[Case]:
-    """The suite's share: every phase with each signal alone, every ordered pair at a step,
-    three pairs during the first evaluation and the sample (a stop raised inside another
-    phase), every fifth disk step with one signal alone and one pair (signals rotating), and
-    the two second Ctrl-Cs that stop at once."""
-    cases = [Case(p, (s,)) for p in PHASES for s in SIGNALS]
+SUITE_STRIDE, EXHAUSTIVE_STRIDE = 10, 3
+"""Every how many disk steps a selection stops the run: the default suite's share, and CI's
+exhaustive run (``-m exhaustive``). The steps between are the same operations' other steps (the
+lock, the data, the metadata, each save), so the suite's stride still meets every operation."""
+
+
+def selected_cases(steps: list, stride: int = SUITE_STRIDE, every_signal: bool = False) -> list[Case]:
+    """A selection: every phase with a signal alone (each signal in turn; with ``every_signal``,
+    and always during a step, each of the three), every ordered pair at a step, three pairs
+    during the first evaluation and the sample (a stop raised inside another phase), every
+    ``stride``-th disk step with one signal alone and one pair (signals rotating), and the two
+    second Ctrl-Cs that stop at once."""
+    cases = [
+        Case(p, (s,))
+        for i, p in enumerate(PHASES)
+        for s in SIGNALS
+        if every_signal or p == "step" or s == SIGNALS[i % len(SIGNALS)]
+    ]
     cases += [Case("step", (a, b)) for a in SIGNALS for b in SIGNALS]
     pairs = [(a, b) for a in SIGNALS for b in SIGNALS]
     rotating = [("SIGINT", "SIGTERM"), ("SIGTERM", "SIGHUP"), ("SIGHUP", "SIGINT")]
     cases += [Case(phase, pair) for phase in ("first evaluation", "sample") for pair in rotating]
     n = len(steps)
-    for i, k in enumerate(range(1, n + 1, 5)):
+    for i, k in enumerate(range(1, n + 1, stride)):
         cases.append(Case(k, (SIGNALS[i % 3],)))
         cases.append(Case(k + 2 if k + 2 <= n else k, pairs[i % len(pairs)]))
     return cases + _stopped_at_once(steps)
@@ -399,6 +411,15 @@ def main() -> int:
     p.add_argument("--every", action="store_true", help="the whole matrix, not the suite's selection")
     p.add_argument("--data", type=Path, default=None, help="a text corpus (default: 300 generated stories)")
     p.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary directory)")
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=SUITE_STRIDE,
+        help=f"stop at every Nth disk step (default {SUITE_STRIDE}, the suite's; CI's exhaustive run {EXHAUSTIVE_STRIDE})",
+    )
+    p.add_argument(
+        "--every-signal", action="store_true", help="each phase with each of the three signals (the suite: one in turn)"
+    )
     p.add_argument("--only", default=None, help="one case, as the failures name it, e.g. 'SIGTERM at disk step 7'")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args()
@@ -408,7 +429,9 @@ def main() -> int:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         data = args.data or default_corpus(work)
-        chooser = all_cases if args.every else selected_cases
+        chooser = (
+            all_cases if args.every else lambda steps: selected_cases(steps, max(1, args.stride), args.every_signal)
+        )
         if args.only:
             chooser = lambda steps: [c for c in all_cases(steps) if str(c) == args.only]  # noqa: E731
         result = run(chooser, data.resolve(), work.resolve())

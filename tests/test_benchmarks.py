@@ -3,6 +3,10 @@
 Tests never assert times. One round of one step is enough to catch a script broken by a change
 in the code it drives: ``benchmarks/gpu_check.sh`` runs ``throughput.py`` on a GPU that a
 session may never have, so the CPU suite is where its breakage has to show.
+
+The scripts are the developers' instruments, not the library: their tests are marked
+``exhaustive`` (CI runs them once, ``python -m pytest -m exhaustive``), all but the shipped
+configs' few steps, which a user's README run keeps.
 """
 
 import argparse
@@ -38,6 +42,8 @@ def benchmark_json(monkeypatch, capsys, script: str, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablations_patch(monkeypatch, capsys):
     originals = (
         nanolm.model.apply_rope,
@@ -97,6 +103,7 @@ def test_throughput_benchmark_reports_every_variant_and_puts_back_what_its_ablat
     ) == originals
 
 
+@pytest.mark.exhaustive
 def test_a_toggled_variant_runs_on_nanolms_own_runner_and_leaves_it_as_it_found_it():
     """``--ablations`` times a code-only variant on nanolm's own runner, switched on for its rounds.
     Its patch must be undone after each round, the RoPE table's sign included, or every later
@@ -186,6 +193,8 @@ def test_every_shipped_config_trains_a_few_steps(config, tmp_path, stories_file)
     assert (out / "final.json").is_file()
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 @pytest.mark.parametrize("text, chars_per_byte", [("abcdefghij" * 10, 1.0), ("abcdefghij" * 9 + "é" * 10, 0.5)])
 def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, monkeypatch, capsys, text, chars_per_byte):
     """Against a stand-in checkout (nanoGPT itself is never shipped): the data step writes the
@@ -221,6 +230,8 @@ def test_the_nanogpt_reference_runs_the_recipe_and_reads_its_curve(tmp_path, mon
     assert result["target_seen_at_s"] is not None
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(monkeypatch, capsys):
     """The figures behind the fused head and loss (docs/benchmarks.md): the fused one must
     compute what the whole one does, or its timing means nothing."""
@@ -247,6 +258,8 @@ def test_head_and_loss_benchmark_times_whole_and_fused_with_the_same_gradients(m
         assert r["step_whole_ms"] > 0 and r["step_fused_ms"] > 0
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processes(monkeypatch, capsys):
     """The figures behind keeping freed buffers (docs/benchmarks.md): each configuration in its
     own process, and the kept one really kept (on glibc)."""
@@ -285,6 +298,8 @@ def test_allocator_benchmark_times_kept_and_given_back_buffers_in_fresh_processe
         assert all(r["applied"] for r in results)
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bounds(
     monkeypatch, capsys, stories_file, tmp_path
 ):
@@ -314,6 +329,8 @@ def test_prepare_benchmark_times_preparation_with_and_without_the_compressor_bou
     assert 0 < char["compressor_bpb"]["xz"] < 8
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exemption(
     monkeypatch, capsys, stories_file
 ):
@@ -357,6 +374,8 @@ def test_garbage_collector_benchmark_times_the_command_with_and_without_the_exem
         assert out["saved_s"][key] == pytest.approx(out["collector_alone"][key] - out["exempted"][key], abs=2e-3)
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 @pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
 @pytest.mark.parametrize("native_bf16", [True, False], ids=["bf16_units", "bf16_emulated"])
 def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(native_bf16, monkeypatch, capsys):
@@ -394,6 +413,8 @@ def test_muon_step_benchmark_times_both_muons_on_the_same_gradients(native_bf16,
     assert result["relative_weight_difference"] <= result["rounding_bound"]
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_every_model_alike(
     monkeypatch, capsys, tmp_path
 ):
@@ -443,6 +464,8 @@ def test_loss_per_step_benchmark_trains_each_loop_from_one_start_and_scores_ever
     assert set(result["summary"]) == {"reference", "nanolm_model", "nanolm", "nanolm_model_gelu"}
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 def test_every_loop_of_the_loss_per_step_benchmark_runs_the_same_recipe():
     """What makes the comparison fair: at every step each loop runs at the rate the training loop
     would use (no step off by one between ``train_step`` and the plain loop), with the same AdamW
@@ -474,6 +497,8 @@ def test_every_loop_of_the_loss_per_step_benchmark_runs_the_same_recipe():
     assert weights["blocks.0.mlp_proj.weight"].std() < 0.5 * weights["blocks.0.c_fc.weight"].std()
 
 
+@pytest.mark.exhaustive
+@pytest.mark.kernels
 def test_the_speedrun_counts_training_time_from_the_first_step_to_the_target_evaluation(
     monkeypatch, capsys, stories_file
 ):
@@ -524,6 +549,7 @@ def test_the_speedrun_counts_training_time_from_the_first_step_to_the_target_eva
     assert out["median_training_time_to_target_s"] == run["training_time_to_target_s"]
 
 
+@pytest.mark.exhaustive
 def test_every_regression_the_sensitivity_benchmark_plants_breaks_a_line_that_exists_once():
     """``benchmarks/band_sensitivity.py`` plants regressions by replacing a line of nanolm; a line
     that moved would make the benchmark measure healthy code and call it a regression."""
@@ -540,6 +566,7 @@ def test_every_regression_the_sensitivity_benchmark_plants_breaks_a_line_that_ex
         assert correct != broken and (BENCHMARKS.parent / file).read_text().count(correct) == 1, name
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize(
     "script, args, says",
     [
@@ -581,6 +608,7 @@ def test_the_reference_tools_refuse_bad_seeds_in_one_line_before_training_anythi
     assert len(done.stderr.strip().splitlines()) == 1 and not work.exists()
 
 
+@pytest.mark.exhaustive
 def test_the_calibration_benchmark_reports_both_thresholds_for_each_test_and_number_of_runs():
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "curve_calibration.py"), "--trials", "20", "--samples", "200"],
@@ -594,6 +622,7 @@ def test_the_calibration_benchmark_reports_both_thresholds_for_each_test_and_num
     assert all(0 <= r["now"] <= 1 and 0 <= r["before"] <= 1 for r in rows)
 
 
+@pytest.mark.exhaustive
 def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_passes_over_the_data(
     monkeypatch, capsys, stories_file, tmp_path
 ):
@@ -658,6 +687,7 @@ def test_the_time_budget_track_reports_training_time_by_the_runs_clock_and_its_p
         runpy.run_path(str(BENCHMARKS / "speedrun.py"), run_name="__main__")
 
 
+@pytest.mark.exhaustive
 def test_a_shifted_holdout_holds_out_other_documents_and_keeps_every_one():
     import importlib.util
     import tempfile

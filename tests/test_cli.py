@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import TINY_TRAIN, run_cli
+from conftest import TINY_TRAIN, run_cli, run_main
 
 from nanolm.instruments.cli import main
 from nanolm.watch.sinks import read_metrics
@@ -16,7 +16,7 @@ TRAIN_ROW_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "elapsed_
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, stories_file):
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    result = run_cli(
+    result = run_main(
         "train",
         "--data",
         stories_file,
@@ -48,13 +48,14 @@ def test_training_writes_a_complete_run_directory(trained_run):
     assert "val bpb" in result.stdout and "sample:" in result.stdout and "tok/s" in result.stdout
 
 
+@pytest.mark.kernels
 def test_sample_and_eval_read_the_run_directory(trained_run, stories_file):
     out, _ = trained_run
     a = run_cli("sample", "--run", out, "--prompt", "Once upon", "--max-new-tokens", 20, "--seed", 1)
-    b = run_cli("sample", "--run", out, "--prompt", "Once upon", "--max-new-tokens", 20, "--seed", 1)
+    b = run_main("sample", "--run", out, "--prompt", "Once upon", "--max-new-tokens", 20, "--seed", 1)  # and in-process
     assert a.returncode == 0, a.stderr
     assert a.stdout == b.stdout and a.stdout.startswith("Once upon")
-    r = run_cli("eval", "--run", out, "--data", stories_file, "--json")
+    r = run_main("eval", "--run", out, "--data", stories_file, "--json")
     assert r.returncode == 0, r.stderr
     figures = json.loads(r.stdout.splitlines()[-1])
     assert figures["ppl"] == pytest.approx(2.718281828 ** figures["loss"], rel=1e-6)
@@ -80,7 +81,7 @@ def test_module_entry_points_match_the_cli(trained_run, tmp_path, stories_file):
 
 
 def test_help_documents_every_flag_with_its_default():
-    r = run_cli("train", "--help")
+    r = run_main("train", "--help")
     flags = [
         "--data",
         "--tokenizer",

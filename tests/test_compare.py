@@ -14,7 +14,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from conftest import run_cli, tiny_run_config
+from conftest import run_cli, run_main, tiny_run_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,6 +70,7 @@ def test_batch_times_four_equals_batch_with_grad_accum_four(big_batch, stories_f
     assert proc.returncode == 0 and proc.stdout.strip().endswith("verdict: they agree (exit 0)"), proc.stdout
 
 
+@pytest.mark.kernels
 def test_a_batch_split_differently_scores_the_same_validation_set_and_compares_it(stories_file, tmp_path):
     """The validation set is a number of windows, not of batches: batch 8 and batch 2 x
     grad_accum 4 score the same windows with the options left at their defaults, so the course's
@@ -87,7 +88,7 @@ def test_the_accumulation_bug_parts_the_curves_at_its_first_step(big_batch, stor
     result = compare_runs(big_batch, broken)
     assert not result.agree and result.parted_at == 1, result.lines
     assert "they part at step 1: grad_norm" in result.lines[-1]
-    proc = run_cli("compare", big_batch, broken)
+    proc = run_main("compare", big_batch, broken)
     assert proc.returncode == 1 and "they part at step 1" in proc.stdout
 
 
@@ -116,7 +117,7 @@ def test_different_setups_are_named(big_batch, stories_file, tmp_path):
 
 
 def test_bad_input_is_one_line_and_exit_2(big_batch, tmp_path):
-    proc = run_cli("compare", big_batch, tmp_path / "nothing")
+    proc = run_main("compare", big_batch, tmp_path / "nothing")
     assert proc.returncode == 2 and "is not a run directory" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
@@ -451,6 +452,7 @@ def test_two_seeds_differ_at_the_first_logged_steps_too():
     assert result.kind == "seeds" and result.agree is False and result.parted_at == 5
 
 
+@pytest.mark.kernels
 def test_different_setups_are_named_option_by_option_and_a_different_step_size_too():
     result = compare_records(_record(_curve()), _record(_curve(), lr=2e-3))
     assert result.lines == [
@@ -514,6 +516,7 @@ def test_a_difference_of_exactly_the_rounding_tolerance_is_rounding_and_a_drift_
     assert find_parting(*_pair([1e6, 2.0], [1e6 - 1, 2.1]), ["loss"]) == (None, 20)
 
 
+@pytest.mark.kernels
 def test_the_first_parting_and_the_first_drift_over_all_numbers_decide():
     a = [{"step": s, "loss": 2.0, "grad_norm": 1.0} for s in (10, 20, 30, 40)]
     drift_loss_early = [dict(r) for r in a]

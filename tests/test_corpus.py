@@ -8,6 +8,7 @@ from nanolm.data.corpus import generate_stories, parse, write_stories
 from nanolm.data.prepare import prepare
 
 
+@pytest.mark.kernels
 def test_parsing_a_story_recovers_exactly_its_choices():
     """The floor is exact only if the text determines the choices: one parse, the right one."""
     for story in generate_stories(150, seed=11):
@@ -31,6 +32,7 @@ def test_a_grammar_with_a_hidden_choice_is_caught_by_the_parser(monkeypatch):
     assert len(parse(story.text, limit=2)) == 2
 
 
+@pytest.mark.kernels
 def test_story_information_is_the_sum_of_minus_log_choice_probabilities():
     rng = random.Random(5)
     t = corpus._Teller(rng=rng)
@@ -61,6 +63,7 @@ def test_stories_vary_in_length_and_content():
     assert [s.text for s in generate_stories(20, seed=2)] == [s.text for s in stories[:20]]  # seeded
 
 
+@pytest.mark.kernels
 def test_prepare_reports_the_exact_floor_of_the_validation_documents(tmp_path):
     path = tmp_path / "s.txt"
     summary = write_stories(path, 100, seed=4)

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import crash_points
 import pytest
 from conftest import tiny_model
 from crash_points import every_crash_point, tree
@@ -28,6 +29,20 @@ from nanolm.errors import NanolmError
 from nanolm.instruments.cli import main
 from nanolm.run.final import read_final, write_final
 from nanolm.tokenizer import train_char
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[
+        pytest.param(False, id="stop-and-one-failure-a-step"),
+        pytest.param(True, id="every-fault-at-every-step", marks=pytest.mark.exhaustive),
+    ],
+)
+def every_fault(request, monkeypatch):
+    """The default suite stops each operation at every step and fails it at every step (ENOSPC and
+    EIO in turn); CI's exhaustive run tries every fault at every step (crash_points.EVERY_FAULT)."""
+    monkeypatch.setattr(crash_points, "EVERY_FAULT", request.param)
+    return request.param
 
 
 def _quiet(*_):

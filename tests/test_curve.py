@@ -37,6 +37,7 @@ def flagged(curve: Curve, run: dict[int, float]) -> bool:
     return any(look.departs for look in curve.looks(run))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize(
     "t, df, tail",
     [
@@ -58,6 +59,7 @@ def test_the_t_tail_falls_as_t_grows_and_stays_a_probability(t, dt, df):
     assert 0.0 <= t_tail(t + dt, df) <= t_tail(t, df) <= 0.5
 
 
+@pytest.mark.kernels
 def test_a_curve_of_one_evaluation_has_the_single_look_threshold():
     """One look: the threshold is the two-sided t quantile (the simulation agrees with the
     distribution to the second decimal)."""
@@ -73,6 +75,7 @@ def test_more_looks_need_a_higher_threshold_and_correlated_looks_less_than_indep
     assert single < correlated < independent
 
 
+@pytest.mark.kernels
 def test_the_looks_correlation_is_that_of_running_means():
     cov = np.diag([1.0, 1.0])
     corr = prefix_correlation(cov)  # mean of 1 and mean of 2 independent values: correlation 1/sqrt(2)
@@ -113,6 +116,7 @@ def test_a_three_percent_regression_is_flagged_where_the_band_sees_nothing():
     assert inside > 0.9 * len(broken) and caught > 0.9 * len(broken), (inside, caught)
 
 
+@pytest.mark.kernels
 def test_a_look_reports_how_far_and_how_rare_in_words():
     rng = np.random.default_rng(2)
     curve = curve_from_seeds("val_loss", as_runs(healthy_curves(20, rng, steps=3)[:, :3]))
@@ -163,6 +167,7 @@ def test_a_curve_survives_its_file():
     assert "band over 5 seeds, its curve over 6" in again.describe()
 
 
+@pytest.mark.kernels
 def test_a_run_of_a_seed_the_reference_trained_is_judged_against_its_own_curve():
     """Seeds differ by percents for good; a rerun of one seed by a few hundredths of a per cent.
     Against its own curve a 2 % regression stands out that the seeds' spread hides, and healthy
@@ -221,6 +226,7 @@ def test_how_rare_a_look_is_reads_in_two_figures(tail, words):
     assert _look(tail=tail).one_in() == words
 
 
+@pytest.mark.kernels
 def test_a_look_has_a_side_only_when_it_departs_and_says_against_what():
     assert (_look().side, _look(t=-4.0).side, _look(departs=False).side) == (1, -1, 0)
     assert _look(excess=math.inf).percent == math.inf and _look(excess=math.log(0.9)).percent == pytest.approx(-10.0)
@@ -246,6 +252,7 @@ def test_a_curve_keeps_the_evaluations_every_seed_logged_finite_and_positive_aft
     assert curve_from_seeds("val_loss", [{0: 1.0}] * 6) is None  # no evaluation after step 0
 
 
+@pytest.mark.kernels
 def test_a_seeds_own_curve_needs_five_reruns_of_seeds_it_has_and_a_floor_on_their_noise():
     from nanolm.watch.curve import RERUN_FLOOR, seed_curves_from_runs
 
@@ -259,6 +266,7 @@ def test_a_seeds_own_curve_needs_five_reruns_of_seeds_it_has_and_a_floor_on_thei
     assert seed_curves_from_runs("val_loss", {s: {0: 1.0} for s in range(6)}, {s: {0: 1.0} for s in range(6)}) is None
 
 
+@pytest.mark.kernels
 def test_the_tail_is_a_half_at_zero_none_at_infinity_and_the_threshold_repeats_for_its_seed():
     assert t_tail(0.0, 5) == pytest.approx(0.5) and t_tail(math.inf, 5) == 0.0
     cov = np.array([[1.0, 0.9], [0.9, 1.0]])
@@ -274,6 +282,7 @@ def test_the_tail_is_a_half_at_zero_none_at_infinity_and_the_threshold_repeats_f
 # ------------------------------------------------------------------ the arithmetic, checked by hand
 
 
+@pytest.mark.kernels
 @settings(max_examples=150, deadline=None)
 @given(st.floats(0.5, 200), st.floats(0.5, 200), st.floats(1e-6, 1 - 1e-6))
 def test_the_incomplete_beta_agrees_with_an_arbitrary_precision_one(a, b, x):
@@ -311,6 +320,7 @@ def _by_hand(values, centre, cov, inflation, df, threshold, steps):
     return out
 
 
+@pytest.mark.kernels
 def test_a_look_is_the_precision_weighted_running_mean_excess_over_its_standard_deviation_with_the_seeds_inflation():
     rng = np.random.default_rng(8)
     curve = curve_from_seeds("val_loss", as_runs(healthy_curves(7, rng)))
@@ -327,6 +337,7 @@ def test_a_look_is_the_precision_weighted_running_mean_excess_over_its_standard_
         )
 
 
+@pytest.mark.kernels
 def test_where_seeds_agree_closely_a_departure_weighs_more_than_where_they_wander():
     # evaluation 1: seeds spread 5 %; evaluation 2: 0.5 % (the end of a decayed run)
     cov = [[0.05**2, 0.0], [0.0, 0.005**2]]
@@ -341,6 +352,7 @@ def test_where_seeds_agree_closely_a_departure_weighs_more_than_where_they_wande
     assert equal.looks({100: math.exp(0.01), 200: math.exp(0.03)})[-1].excess == pytest.approx(0.02)  # plain mean
 
 
+@pytest.mark.kernels
 def test_a_look_at_a_seeds_own_curve_has_no_inflation_and_as_many_degrees_of_freedom_as_reruns():
     from nanolm.watch.curve import SeedCurves
 
@@ -376,6 +388,7 @@ def test_a_loss_that_is_not_a_finite_positive_number_is_as_far_above_as_it_gets(
     assert look.t == math.inf and look.departs and look.excess == math.inf
 
 
+@pytest.mark.kernels
 def test_a_curve_is_the_seeds_mean_and_covariance_of_log_values_with_a_threshold_that_can_be_recomputed():
     """The reference file is reproducible: its threshold is the default simulation's for its own
     covariance (the same seed of the simulation), and its mean and covariance are the plain
@@ -391,6 +404,7 @@ def test_a_curve_is_the_seeds_mean_and_covariance_of_log_values_with_a_threshold
     assert curve.threshold == pytest.approx(max_t_threshold(np.array(curve.cov_log), 5, 0.05), rel=2e-5)  # cov rounded
 
 
+@pytest.mark.kernels
 def test_a_seeds_own_curve_is_the_second_moment_of_rerun_differences_floored_and_reproducible():
     from nanolm.watch.curve import RERUN_FLOOR, seed_curves_from_runs
 
@@ -415,6 +429,7 @@ def test_a_seeds_own_curve_is_the_second_moment_of_rerun_differences_floored_and
     assert own.threshold == pytest.approx(max_t_threshold(np.array(own.rerun_cov), 6, 0.05, paired=True), rel=2e-5)
 
 
+@pytest.mark.kernels
 def test_a_new_floor_raises_each_steps_rerun_noise_keeps_its_correlations_and_simulates_the_threshold_again():
     """What ``tools/reference_bands.py --refloor`` does to a shipped reference when the floor moves,
     without its trainings: the steps below the floor are raised to it, the others and every
@@ -443,6 +458,7 @@ def test_every_shipped_own_seed_test_allows_at_least_the_rerun_floor():
         assert min(np.sqrt(np.diag(ref.seed_curves.rerun_cov))) >= RERUN_FLOOR * (1 - 1e-6), ref.name
 
 
+@pytest.mark.kernels
 def test_a_widened_curve_divides_every_look_by_its_factor_and_keeps_its_threshold():
     """A reference whose seeds agree closer than runs on other CPUs do with them is widened by the
     measured root mean square of those runs' t (tools/reference_bands.py --widen): their t is then
@@ -497,6 +513,7 @@ def _within_the_simulations_error(flagged: int, trials: int) -> bool:
     return abs(flagged - expected) <= 3.5 * math.sqrt(expected * (1 - FALSE_ALARM))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("runs", [5, 20])
 def test_the_test_among_seeds_flags_the_stated_share_of_healthy_runs_at_five_seeds_and_at_the_shipped_twenty(runs):
     """The seeds' covariance of the shipped default reference taken for the truth; 5 seeds is the
@@ -508,6 +525,7 @@ def test_the_test_among_seeds_flags_the_stated_share_of_healthy_runs_at_five_see
     assert _within_the_simulations_error(flagged, trials), f"{flagged} of {trials} healthy runs flagged"
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("runs", [5, 10])
 def test_the_own_seed_test_flags_the_stated_share_of_healthy_reruns_at_five_reruns_and_at_the_shipped_ten(runs):
     """The shipped default reference's rerun covariance, three times wider (so that the rerun

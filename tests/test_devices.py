@@ -49,6 +49,7 @@ def token_bytes():
 
 
 # ----------------------------------------------------------------------------- FlexAttention's forward on the CPU
+@pytest.mark.kernels
 def test_flex_block_mask_gives_the_same_evaluation_as_the_boolean_mask():
     flex, sdpa = tiny_model(attention="flex"), tiny_model(attention="sdpa")
     batches = [packed_batch(0), packed_batch(1)]
@@ -57,6 +58,7 @@ def test_flex_block_mask_gives_the_same_evaluation_as_the_boolean_mask():
     assert a["tokens"] == b["tokens"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
+@pytest.mark.kernels
 def test_layer_statistics_take_their_attention_logits_under_a_flex_block_mask():
     flex, sdpa = tiny_model(attention="flex"), tiny_model(attention="sdpa")
     batch = packed_batch(2)
@@ -182,6 +184,7 @@ def simulated_machine(kind: str, monkeypatch) -> str:
     return "cuda:0"
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("kind", ["cuda", "mps"])
 def test_the_training_loop_runs_on_a_gpu_with_the_numbers_of_the_cpu(kind, tmp_path, stories_file, monkeypatch):
     """The real ``train()``: evaluation, per-layer statistics, checkpoints, a NaN rolled back, a

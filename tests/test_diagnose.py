@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_main
 
 from nanolm.instruments import diagnose as dg
 from nanolm.instruments.diagnose import diagnose, diagnose_trace
@@ -287,9 +287,9 @@ def test_cli_prints_findings_with_evidence_and_strict_sets_the_exit_status(tmp_p
     r = run_cli("diagnose", broken, healthy)
     assert r.returncode == 0, r.stderr
     assert "[leak]" in r.stdout and "evidence:" in r.stdout and f"{healthy}: no findings" in r.stdout
-    assert run_cli("diagnose", "--strict", broken).returncode == 1
-    assert run_cli("diagnose", "--strict", healthy).returncode == 0
-    parsed = json.loads(run_cli("diagnose", "--json", broken).stdout)
+    assert run_main("diagnose", "--strict", broken).returncode == 1
+    assert run_main("diagnose", "--strict", healthy).returncode == 0
+    parsed = json.loads(run_main("diagnose", "--json", broken).stdout)
     assert parsed[0]["findings"][0].keys() == {"name", "title", "message", "evidence", "runbook"}
     assert "what to do, step by step: docs/runbooks.md#" in r.stdout or parsed[0]["findings"][0]["runbook"] is None
 
@@ -301,7 +301,7 @@ def test_cli_user_errors_are_one_line(tmp_path, make):
         run.mkdir()
     if make == "empty":
         (run / "metrics.jsonl").write_text("")
-    r = run_cli("diagnose", run)
+    r = run_main("diagnose", run)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
 
@@ -677,6 +677,7 @@ def _spikes(losses, norms=None, every=1):
     )
 
 
+@pytest.mark.kernels
 def test_in_the_first_rows_a_spike_is_a_loss_back_above_where_it_started_after_a_fall():
     """Before the fifth row the local median is lopsided; the one sure sign there is a loss that
     fell by more than 5 % and then climbed above its start, the first row to do so."""

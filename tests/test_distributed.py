@@ -190,6 +190,7 @@ def _counts_per_rank(run_dir, steps=6, world_size=2):
 
 
 # ------------------------------------------------------------------ 2 ranks == 1 process
+@pytest.mark.kernels
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_equal_one_process_with_twice_the_accumulation(mode, one_process, request):
     """Same losses (each the mean over both ranks' counted tokens), same gradient norms
@@ -203,6 +204,7 @@ def test_two_ranks_equal_one_process_with_twice_the_accumulation(mode, one_proce
     _assert_same_weights(mode, _weights(run / "model.safetensors"), _weights(one_process / "model.safetensors"))
 
 
+@pytest.mark.kernels
 @pytest.mark.skipif(not muon_available(), reason="torch.optim.Muon needs PyTorch >= 2.9")
 def test_muon_on_two_ranks_equals_one_process_with_twice_the_accumulation(tmp_path, uneven_corpus):
     """Under DDP every rank orthogonalises the same all-reduced gradient, so Muon's update is
@@ -348,6 +350,7 @@ def test_fsdp_resume_from_a_sharded_checkpoint_is_bit_identical(tmp_path, fsdp_r
     assert _rows(out) == _rows(fsdp_run, after=3)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_resuming_two_ranks_on_one_process_with_the_same_global_batch_continues_the_run(
     mode, request, tmp_path, one_process, uneven_corpus, capsys
@@ -579,6 +582,7 @@ def test_a_failure_on_rank_zero_reaches_every_rank_with_its_message(two_ranks):
 
 
 # ------------------------------------------------------------------ on GPUs (benchmarks/gpu_check.sh)
+@pytest.mark.kernels
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

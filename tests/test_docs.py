@@ -11,6 +11,7 @@ which has no budget. Words are counted as ``wc -w`` counts them (whitespace-sepa
 
 import argparse
 import ast
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -27,13 +28,14 @@ def _text(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _test_names() -> set[str]:
+@functools.lru_cache(maxsize=1)  # every page asks: the suite's files are parsed once
+def _test_names() -> frozenset[str]:
     names = set()
     for path in (ROOT / "tests").glob("test_*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
                 names.add(node.name)
-    return names
+    return frozenset(names)
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

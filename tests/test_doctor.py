@@ -267,7 +267,7 @@ def test_a_model_returning_only_the_last_position_gets_one_line_saying_what_doct
 
 
 def test_doctor_help_says_that_model_imports_and_runs_the_module():
-    from conftest import run_cli
+    from conftest import run_main
 
-    help_text = " ".join(run_cli("doctor", "--help").stdout.split())
+    help_text = " ".join(run_main("doctor", "--help").stdout.split())
     assert "runs its code" in help_text and "only a module you trust" in help_text

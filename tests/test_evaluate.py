@@ -26,6 +26,7 @@ def _batches():
     return [Batch(idx, targets, mask), Batch(idx.flip(1), targets.flip(1), torch.ones(2, 16, dtype=torch.bool))]
 
 
+@pytest.mark.kernels
 def test_the_loss_divides_by_counted_tokens_and_bits_per_byte_by_the_bytes_they_spell():
     model, batches = tiny_model(), _batches()
     token_bytes = torch.arange(64) % 4  # EOS (0) spells no byte, others 1 to 3
@@ -42,6 +43,7 @@ def test_the_loss_divides_by_counted_tokens_and_bits_per_byte_by_the_bytes_they_
     assert isinstance(result["tokens"], int) and isinstance(result["bytes"], int)
 
 
+@pytest.mark.kernels
 def test_the_sums_are_combined_across_ranks_before_dividing():
     model, batches = tiny_model(), _batches()
     alone = estimate_loss(model, batches, torch.ones(64, dtype=torch.long))
@@ -57,6 +59,7 @@ def test_the_sums_are_combined_across_ranks_before_dividing():
     assert both["loss"] == pytest.approx(alone["loss"], rel=1e-12) and both["bpb"] == pytest.approx(alone["bpb"])
 
 
+@pytest.mark.kernels
 def test_the_combined_sums_keep_tokens_and_bytes_apart():
     model, batches = tiny_model(), _batches()
     token_bytes = 1 + torch.arange(64) % 3  # tokens of 1 to 3 bytes: the two counts differ
@@ -76,6 +79,7 @@ def test_the_combined_sums_keep_tokens_and_bytes_apart():
     )
 
 
+@pytest.mark.kernels
 def test_one_counted_token_of_one_byte_divides_by_one():
     model = tiny_model()
     idx = torch.tensor([[5, 6, 7, 8]])
@@ -90,6 +94,7 @@ def test_one_counted_token_of_one_byte_divides_by_one():
     assert result["loss"] == pytest.approx(nats) and result["bpb"] == pytest.approx(nats / math.log(2))
 
 
+@pytest.mark.kernels
 def test_the_rotary_positions_of_a_batch_are_the_ones_scored():
     """A batch whose positions restart at a document (``--reset-positions``) is scored at those
     positions, as the model trained on it."""
@@ -120,6 +125,7 @@ def tiny_run(tmp_path_factory, stories_file):
     return out
 
 
+@pytest.mark.kernels
 def test_a_file_shorter_than_a_window_is_scored_on_every_token_once(tiny_run, tmp_path):
     (tmp_path / "short.txt").write_text("the cat")
     result = evaluate_file(tiny_run, tmp_path / "short.txt", device="cpu")
@@ -130,6 +136,7 @@ def test_a_file_shorter_than_a_window_is_scored_on_every_token_once(tiny_run, tm
     assert evaluate_file(tiny_run, tmp_path / "one.txt", device="cpu")["tokens"] == 2
 
 
+@pytest.mark.kernels
 def test_a_file_is_scored_the_same_whatever_the_batch_size(tiny_run, stories_file, tmp_path):
     (tmp_path / "few.txt").write_text(stories_file.read_text()[:3000])
     one, many = (evaluate_file(tiny_run, tmp_path / "few.txt", batch_size=b, device="cpu") for b in (1, 7))
@@ -150,6 +157,7 @@ def test_a_file_of_blank_documents_holds_no_text(tiny_run, tmp_path):
     assert str(e.value) == f"{tmp_path / 'blank.txt'} holds no text"
 
 
+@pytest.mark.kernels
 def test_a_file_shorter_than_a_window_is_one_window_of_the_whole_file(tiny_run, tmp_path):
     from nanolm.data.shards import join_documents
     from nanolm.run.final import load_run
@@ -176,6 +184,7 @@ def test_a_jsonl_file_is_read_by_the_text_field_the_run_was_prepared_with(tmp_pa
     assert evaluate_file(tmp_path / "run", tmp_path / "eval.jsonl", device="cpu")["tokens"] == len("a story") + 1
 
 
+@pytest.mark.kernels
 def test_with_the_document_mask_each_document_of_a_file_is_scored_as_if_alone(tiny_run, tmp_path):
     """The run's document mask holds in ``nanolm eval`` too: a story is not predicted from the one
     before it (RoPE sees only distances, so where the story sits in the stream changes nothing)."""
@@ -227,6 +236,7 @@ def test_the_validator_evaluates_every_eval_every_steps_at_the_last_and_at_step_
     assert [s for s in range(0, 130) if late.due(s)] == [60, 120]
 
 
+@pytest.mark.kernels
 def test_an_evaluation_gives_the_rows_figures_and_is_kept_in_the_runs_progress():
     validator, progress = _validator(_batches(), floor={"bpb": 0.5, "nats_per_token": 0.3})
     first = validator.evaluate(50)

@@ -27,6 +27,7 @@ def _head_and_loss_both_ways(hidden, weight, targets, mask, chunk, autocast=Fals
     return out
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("chunk", [1, 7, 8, 10, 64, 1000])
 def test_the_fused_head_and_loss_equals_the_loss_of_the_whole_logits(chunk):
     """Chunk sizes that divide the 3 x 21 = 63 positions (1, 7), that leave a short last chunk
@@ -45,6 +46,7 @@ def test_the_fused_head_and_loss_equals_the_loss_of_the_whole_logits(chunk):
     torch.testing.assert_close(gw_fused, gw_whole, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.kernels
 def test_masked_positions_give_the_fused_loss_nothing_and_get_no_gradient():
     torch.manual_seed(4)
     hidden, weight = torch.randn(2, 9, 8), torch.randn(30, 8) * 0.3
@@ -61,6 +63,7 @@ def test_masked_positions_give_the_fused_loss_nothing_and_get_no_gradient():
     torch.testing.assert_close(gw_loud, gw_clean)  # the head's gradient takes nothing from a masked row
 
 
+@pytest.mark.kernels
 def test_the_fused_loss_takes_its_softmax_in_fp32_under_bf16_autocast():
     """The head's product runs in bf16 under autocast (as nn.Linear would), the log-sum-exp in fp32:
     the loss equals nanolm's fp32 loss over the same bf16 logits, and the gradients agree with the
@@ -157,6 +160,7 @@ def test_the_fused_fp16_gradients_of_unlikely_tokens_keep_their_digits():
     assert float((h.grad - expected_gh).norm() / expected_gh.norm()) < 2e-3
 
 
+@pytest.mark.kernels
 def test_the_fused_loss_trains_bf16_weights_without_autocast():
     """``--precision bf16-pure``: weights and hidden states in bf16, no autocast; the gradients
     come back in bf16, close to the whole logits'."""
@@ -188,6 +192,7 @@ def test_a_loss_chunk_keeps_a_cpus_logits_in_cache_and_a_gpus_products_large():
     assert loss_chunk_positions(50_304, "cuda") == 667 and loss_chunk_positions(512, "cuda") == 65_536
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("mask_boundary", [False, True])
 def test_bits_per_byte_count_the_utf8_bytes_of_the_predicted_tokens_only(mask_boundary):
     """bpb divides the information by the bytes the *predicted* tokens spell: the targets that

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.kernels  # the record is per kernel path: every test here is a verdict CI wants on each
 
 
 def _tool():
@@ -136,6 +137,7 @@ def test_another_pytorch_is_not_compared_with_numbers_its_kernels_were_never_mea
 CHANGED = ("norm_epsilon_changed", "weights_drawn_in_another_order")
 
 
+@pytest.mark.exhaustive  # a question about the drift allowed on other kernel paths: CI asks it on each (-m kernels)
 @pytest.mark.parametrize("change", CHANGED)
 def test_a_changed_computation_is_a_moved_number_elsewhere_on_this_kernel_path(tmp_path, change):
     _skip_unless_comparable()

@@ -61,6 +61,7 @@ def test_auto_precision_is_the_devices_fast_format(device):
         assert p.name == ("bf16" if cpu_has_native_bf16() else "fp32")
 
 
+@pytest.mark.kernels
 def test_flex_attention_document_mask_equals_the_sdpa_reference_forward_and_backward(device):
     """FlexAttention's block mask (the CUDA default for the document mask) gives the logits and
     the gradients of SDPA with the boolean block-diagonal mask, in fp32."""
@@ -85,6 +86,7 @@ def test_flex_attention_document_mask_equals_the_sdpa_reference_forward_and_back
         torch.testing.assert_close(grad, results["sdpa"][1][name], rtol=5e-3, atol=5e-5, msg=name)
 
 
+@pytest.mark.kernels
 def test_no_cross_document_leak_with_flex_attention(device):
     """Changing a token of the first document leaves every logit of the later ones unchanged."""
     model = _model(device, attention="flex").eval()
@@ -100,6 +102,7 @@ def test_no_cross_document_leak_with_flex_attention(device):
     assert not torch.allclose(a[0, 1 : first_end - 1], b[0, 1 : first_end - 1])
 
 
+@pytest.mark.kernels
 def test_fused_adamw_follows_the_textbook_update(device):
     """Three steps of the fused kernel land where the textbook loop does, to a thousandth of a
     step. Not to the last bit: where a gradient is as small as Adam's eps (1e-8), the update
@@ -121,6 +124,7 @@ def test_fused_adamw_follows_the_textbook_update(device):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3 * lr * steps)
 
 
+@pytest.mark.kernels
 def test_bf16_autocast_step_follows_the_fp32_step(device):
     """The training step under bf16 autocast: fp32 weights and gradients, a loss within bf16's
     precision of the fp32 loss, gradients pointing the same way."""
@@ -136,6 +140,7 @@ def test_bf16_autocast_step_follows_the_fp32_step(device):
     assert torch.nn.functional.cosine_similarity(g_bf16, g_fp32, dim=0) > 0.99
 
 
+@pytest.mark.kernels
 def test_compiled_model_matches_eager_with_and_without_the_document_mask(device):
     """torch.compile (the --compile path, FlexAttention inside) gives eager's loss and gradients."""
     batch = _documents().to(device)

@@ -61,6 +61,7 @@ def test_without_a_gpu_gpu_check_ends_in_one_line_and_runs_nothing(tmp_path):
         assert not out.exists()
 
 
+@pytest.mark.exhaustive
 def test_every_part_passes_at_toy_sizes_and_writes_its_figures_under_the_directory_named(tmp_path):
     """The whole harness, part by part, on a CPU: a PASS line with a figure and the part's wall
     time each, one JSON per part and a summary under ``--out`` (given relative to the current
@@ -93,6 +94,7 @@ def test_every_part_passes_at_toy_sizes_and_writes_its_figures_under_the_directo
     }
 
 
+@pytest.mark.exhaustive
 def test_a_part_whose_check_breaks_fails_and_the_run_exits_1(tmp_path):
     """Faults planted with the lab's own options: a NaN that is skipped instead of rolled back,
     and a resume that forgets the optimizer state (a rerun that is not bit-identical). Each part
@@ -120,6 +122,7 @@ def test_a_part_whose_check_breaks_fails_and_the_run_exits_1(tmp_path):
     assert sorted(json.loads((out / "summary.json").read_text())["failed"]) == ["kill9", "nan_rollback"]
 
 
+@pytest.mark.exhaustive
 def test_a_part_past_its_time_limit_is_stopped_and_one_past_the_budget_is_not_started(tmp_path):
     """A part past its limit is killed with what it started (the `nanolm train` it waits for):
     nothing of it runs on, nothing finishes behind the verdict's back, and its log keeps what it

@@ -166,6 +166,7 @@ def clean_run(tmp_path_factory, stories_file):
     return out
 
 
+@pytest.mark.kernels
 def test_nan_rollback_skips_the_bad_batch_and_ends_where_a_clean_run_ends(tmp_path, stories_file, clean_run):
     out = tmp_path / "run"
     result, lines = _run(stories_file, out, inject_nan_at=FAULT_AT, on_nan="rollback")
@@ -185,6 +186,7 @@ def test_nan_rollback_skips_the_bad_batch_and_ends_where_a_clean_run_ends(tmp_pa
     assert _final_val(out) == pytest.approx(_final_val(clean_run), rel=0.03)
 
 
+@pytest.mark.kernels
 def test_nan_skip_drops_that_one_update(tmp_path, stories_file, clean_run):
     out = tmp_path / "run"
     result, _ = _run(stories_file, out, inject_nan_at=FAULT_AT, on_nan="skip")
@@ -219,6 +221,7 @@ def test_nothing_non_finite_is_checkpointed_even_with_the_guard_off(tmp_path, st
         assert all(torch.isfinite(v).all() for s in state.values() for v in s.values() if torch.is_tensor(v))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("action", ["skip", "rollback"])
 def test_an_injected_spike_is_caught_and_not_trained_on(tmp_path, stories_file, clean_run, action):
     out = tmp_path / "run"
@@ -365,6 +368,7 @@ def test_a_run_cannot_roll_back_more_than_max_rollbacks_whatever_restores_it(tmp
 
 
 # --------------------------------------------------------------------------- the edges
+@pytest.mark.kernels
 def test_a_flat_history_flags_any_rise_and_judges_its_floor_relative_to_the_median():
     """A history of one repeated value has no spread: its scale is a floor of 1e-3 of the
     median (plus a hair, so a history of zeros still has a direction)."""
@@ -376,6 +380,7 @@ def test_a_flat_history_flags_any_rise_and_judges_its_floor_relative_to_the_medi
     assert hundreds.zscore(100.5) == pytest.approx(0.5 / (0.1 + 1e-12))
 
 
+@pytest.mark.kernels
 def test_the_robust_zscore_is_taken_from_the_median_and_the_median_absolute_deviation():
     rng = random.Random(0)
     for _ in range(50):

@@ -101,6 +101,7 @@ def test_without_a_reading_guard_a_quiet_step_reads_nothing_but_fp16s_overflow_c
     assert counter.per_step(QUIET) == [quiet] * 3 and counter.per_step(LOGGED) == [logged] * 4, counter.reads
 
 
+@pytest.mark.kernels
 def test_the_share_of_zero_gradients_is_summed_on_the_device_and_read_once():
     """One count per parameter tensor read one at a time would wait for the GPU once per tensor."""
     model = tiny_model()

@@ -9,7 +9,7 @@ The mechanics of the resume variant are tested on their own.
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import run_main
 
 from nanolm.checkpoint import load_state, read_latest
 from nanolm.instruments.lab import BY_NAME, VARIANTS, format_table, run_lab, run_variant
@@ -37,6 +37,7 @@ def quick_lab(tmp_path_factory):
     return out, run_lab(out, quick=True, report=False, log=lambda *_: None)
 
 
+@pytest.mark.exhaustive  # the quick lab trains each broken variant: CI runs it once
 def test_quick_lab_diagnosis_names_each_break(quick_lab):
     out, results = quick_lab
     assert [r.name for r in results] == QUICK
@@ -52,6 +53,7 @@ def test_quick_lab_diagnosis_names_each_break(quick_lab):
         assert (out / r.name / "train.log").is_file()
 
 
+@pytest.mark.exhaustive  # the quick lab trains each broken variant: CI runs it once
 def test_quick_lab_says_which_variants_need_the_full_length_and_why(quick_lab):
     out, results = quick_lab
     table = (out / "lab.md").read_text()
@@ -62,6 +64,7 @@ def test_quick_lab_says_which_variants_need_the_full_length_and_why(quick_lab):
         assert f"- {v.name}: {v.needs_full_length}" in table
 
 
+@pytest.mark.exhaustive  # the quick lab trains each broken variant: CI runs it once
 def test_lab_breaks_the_real_run_with_its_switches_and_only_there(quick_lab):
     out, _ = quick_lab
     assert (
@@ -86,6 +89,7 @@ def test_resume_variant_is_killed_after_a_checkpoint_and_resumed_without_optimiz
     assert int(adam_step) == 200 - resume["step"]
 
 
+@pytest.mark.exhaustive  # the quick lab trains each broken variant: CI runs it once
 def test_lab_dashboard_overlays_the_healthy_run(quick_lab, tmp_path):
     pytest.importorskip("matplotlib")
     out, _ = quick_lab
@@ -103,7 +107,7 @@ def test_lab_dashboard_overlays_the_healthy_run(quick_lab, tmp_path):
     ],
 )
 def test_lab_user_errors_are_one_line(tmp_path, args, message):
-    r = run_cli("lab", "--quick", "--out", tmp_path / "lab", *args)
+    r = run_main("lab", "--quick", "--out", tmp_path / "lab", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "lab").exists()
 
@@ -111,7 +115,7 @@ def test_lab_user_errors_are_one_line(tmp_path, args, message):
 def test_a_lab_into_an_out_that_holds_one_of_its_variants_trains_none(tmp_path):
     """A second lab on the same --out would mix its runs with the first one's: it starts none."""
     (tmp_path / "lab" / "healthy").mkdir(parents=True)
-    r = run_cli("lab", "--quick", "--out", tmp_path / "lab", "--only", "healthy,high_lr_no_warmup")
+    r = run_main("lab", "--quick", "--out", tmp_path / "lab", "--only", "healthy,high_lr_no_warmup")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"error: {tmp_path / 'lab' / 'healthy'} already exists; choose another --out"
     assert sorted(p.name for p in (tmp_path / "lab").iterdir()) == ["healthy"]

@@ -29,6 +29,7 @@ from nanolm.model import (
 E = 0  # EOS id
 
 
+@pytest.mark.kernels
 def test_model_is_causal():
     """Logits at position t must not change when tokens after t change."""
     model = tiny_model().eval()
@@ -55,6 +56,7 @@ def test_model_can_overfit_one_batch():
     assert loss.item() < 0.05
 
 
+@pytest.mark.kernels
 def test_initial_loss_is_close_to_ln_vocab():
     for vocab in (64, 512, 2048):
         model = tiny_model(vocab_size=vocab)
@@ -64,6 +66,7 @@ def test_initial_loss_is_close_to_ln_vocab():
         assert abs(loss.item() - math.log(vocab)) < 0.05  # small-std init: near-uniform predictions
 
 
+@pytest.mark.kernels
 def test_fast_attention_matches_reference_attention():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 10, 8) for _ in range(3))
@@ -76,6 +79,7 @@ def test_fast_attention_matches_reference_attention():
     torch.testing.assert_close(causal, reference_attention(q, k, v), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.kernels
 def test_model_attention_equals_reference_implementation(monkeypatch):
     """The whole model with SDPA gives the same logits as with hand-written attention."""
     import nanolm.model as m
@@ -98,6 +102,7 @@ def test_model_attention_equals_reference_implementation(monkeypatch):
     torch.testing.assert_close(fast_docs, slow_docs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.kernels
 def test_kv_cache_gives_the_same_logits_as_a_full_forward():
     model = tiny_model(qk_norm=True).eval()
     idx = torch.randint(64, (2, 20))
@@ -150,6 +155,7 @@ def test_top_k_and_top_p_only_sample_allowed_tokens():
     assert set(sample_next_token(logits, 0.0).tolist()) == {0}
 
 
+@pytest.mark.kernels
 def test_samples_follow_the_softmax_of_the_logits_over_the_temperature_within_the_top_k():
     """Sampling that is merely 'random enough' hides an inverted temperature or a top-k that
     keeps too few tokens: the text still reads, only blander or wilder than asked."""
@@ -185,6 +191,7 @@ def test_num_params_and_flops_per_token_match_hand_counts():
     assert untied.num_params() == model.num_params() + 100 * 32
 
 
+@pytest.mark.kernels
 def test_flex_attention_document_mask_matches_the_sdpa_reference():
     """FlexAttention (the CUDA path) gives the logits of the SDPA boolean-mask path.
 
@@ -251,6 +258,7 @@ def test_rope_equals_the_textbook_rotate_half_formula_bit_for_bit():
     assert torch.equal(apply_rope(x, cos, sin), x * angles.cos().float() + rotate_half * angles.sin().float())
 
 
+@pytest.mark.kernels
 def test_attention_runs_in_fp32_under_cpu_autocast():
     """On CPU under bf16 autocast only the Linear layers use bf16: attention gets fp32 inputs
     (its bf16 backward is several times slower on CPU) and returns exactly fp32 SDPA."""
@@ -270,6 +278,7 @@ def test_attention_runs_in_fp32_under_cpu_autocast():
     torch.testing.assert_close(logits.float(), model(idx)[0], rtol=0.05, atol=0.05)
 
 
+@pytest.mark.kernels
 def test_the_models_loss_in_chunks_is_the_loss_of_its_logits():
     """Given targets, the model computes its head and loss a chunk of positions at a time; the
     mean, the sum and every gradient are those of the loss over its whole logits."""
@@ -328,6 +337,7 @@ def test_qk_norm_under_bf16_autocast_takes_the_fused_norm_with_the_same_numbers(
     assert model.blocks[0].attn.q_norm.weight.grad is not None
 
 
+@pytest.mark.kernels
 def test_projections_into_the_residual_stream_start_smaller_by_sqrt_of_twice_the_depth():
     """Each block adds two branches to the residual stream; with every matrix at N(0, 0.02) its
     variance would grow with depth. The attention output and MLP down projections start at
@@ -347,6 +357,7 @@ def test_projections_into_the_residual_stream_start_smaller_by_sqrt_of_twice_the
 # ------------------------------------------------------------------ the loss: masked cross-entropy
 
 
+@pytest.mark.kernels
 def test_masked_cross_entropy_ignores_masked_positions():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7)
@@ -361,6 +372,7 @@ def test_masked_cross_entropy_ignores_masked_positions():
     assert masked_cross_entropy(logits, absurd_targets, mask).item() == pytest.approx(clean.item(), abs=0)
 
 
+@pytest.mark.kernels
 def test_masked_cross_entropy_is_mean_over_counted_positions():
     torch.manual_seed(1)
     logits = torch.randn(3, 4, 11)
@@ -382,6 +394,7 @@ def test_masked_cross_entropy_is_zero_not_nan_when_nothing_counts():
     assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
 
 
+@pytest.mark.kernels
 def test_masked_cross_entropy_runs_in_fp32_for_low_precision_logits():
     torch.manual_seed(2)
     logits = torch.randn(1, 8, 50) * 4
@@ -391,6 +404,7 @@ def test_masked_cross_entropy_runs_in_fp32_for_low_precision_logits():
     assert low.item() == pytest.approx(masked_cross_entropy(logits.bfloat16().float(), targets).item(), rel=1e-6)
 
 
+@pytest.mark.kernels
 def test_negative_targets_are_not_counted_without_a_mask():
     logits = torch.zeros(1, 4, 3)
     targets = torch.tensor([[0, -100, 1, -1]])
@@ -408,6 +422,7 @@ def _two_document_window():
     return tokens, len(doc_a), len(tokens) - 1
 
 
+@pytest.mark.kernels
 def test_no_cross_document_leak_with_the_mask_on():
     """Change a token of document A: no logit of document B in the same window moves."""
     model = tiny_model().eval()
@@ -429,6 +444,7 @@ def test_no_cross_document_leak_with_the_mask_on():
         assert not torch.allclose(model(a.idx)[0][:, len_a:], model(b.idx)[0][:, len_a:])
 
 
+@pytest.mark.kernels
 def test_masked_window_equals_each_document_run_alone():
     model = tiny_model().eval()
     tokens, len_a, T = _two_document_window()
@@ -441,6 +457,7 @@ def test_masked_window_equals_each_document_run_alone():
     torch.testing.assert_close(together[:, len_a:], alone_b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.kernels
 def test_rotary_attention_makes_the_position_reset_redundant_under_the_mask():
     """RoPE scores depend only on the distance between query and key. Inside a masked
     document every distance is the same wherever the document starts, so resetting the
@@ -458,6 +475,7 @@ def test_rotary_attention_makes_the_position_reset_redundant_under_the_mask():
     assert (outs[False, True] - outs[False, False]).abs().max() > 1e-5
 
 
+@pytest.mark.kernels
 def test_relu2_mlp_is_the_square_of_relu_over_the_gelu_width():
     """ReLU² (modded-nanogpt's MLP) has GELU's two matrices at 4x the width: the same parameters
     and FLOPs, another nonlinearity; negative pre-activations give exactly 0, as ReLU's do."""

@@ -329,6 +329,7 @@ def test_fp16s_watch_reads_the_gradients_of_the_model_at_the_scalers_scale(tmp_p
     assert grad_subnormal_fraction(params(), observer.scaler.loss_scale) != grad_subnormal_fraction(params(), 1.0)
 
 
+@pytest.mark.kernels
 def test_an_fp16_steps_per_layer_gradient_figures_are_read_after_unscaling(tmp_path):
     """During backward every gradient is multiplied by the loss scale (65536 at the start): read
     before unscaling, each layer's gradient norm would be that much too large, and diagnose would

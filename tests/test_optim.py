@@ -38,6 +38,7 @@ def test_param_groups_exclude_norms_and_biases():
     assert _names(with_bias, no_decay_group["params"]) == {"0.bias", "1.weight", "1.bias", "2.weight"}
 
 
+@pytest.mark.kernels
 def test_bias_correction_makes_first_step_full_size():
     """Adam's moments start at zero; without bias correction the first update would be
     (1-β1)/sqrt(1-β2) ≈ 0.45 of lr. With it, every element moves by ≈ lr on step one,
@@ -61,6 +62,7 @@ def test_bias_correction_makes_first_step_full_size():
     assert moved[moving].mean().item() == pytest.approx(lr, rel=0.02)
 
 
+@pytest.mark.kernels
 def test_cosine_lr_warms_up_linearly_then_decays_to_min_lr():
     lrs = [cosine_lr(s, max_lr=1.0, warmup_steps=10, total_steps=110) for s in range(1, 131)]  # lrs[i]: step i + 1
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
@@ -73,6 +75,7 @@ def test_cosine_lr_warms_up_linearly_then_decays_to_min_lr():
     assert cosine_lr(1, 3e-3, 0, 100) == pytest.approx(3e-3)  # no warmup: full rate at once
 
 
+@pytest.mark.kernels
 def test_wsd_lr_holds_the_peak_then_decays_in_a_straight_line_to_min_lr_over_the_last_fraction():
     lrs = [
         wsd_lr(s, max_lr=1.0, warmup_steps=10, total_steps=100, min_lr=0.1, decay_fraction=0.3) for s in range(1, 121)
@@ -88,6 +91,7 @@ def test_wsd_lr_holds_the_peak_then_decays_in_a_straight_line_to_min_lr_over_the
     assert wsd_lr(56, 1.0, 10, 100, min_lr=0.0, decay_fraction=0.99) == pytest.approx(0.5)  # at the peak, after warmup
 
 
+@pytest.mark.kernels
 def test_the_fused_adamw_nanolm_builds_on_cpu_follows_the_textbook_update():
     """build_optimizer uses the fused AdamW kernel on CPU (one pass per tensor instead of ~10
     operations); it must be the same algorithm as PyTorch's reference loop over tensors."""
@@ -150,6 +154,7 @@ def test_a_muon_update_is_orthogonal_and_the_size_of_an_adamw_update_at_the_same
     assert singular.max() / singular.min() < 2  # all directions move alike (measured 1.6; the gradient itself: 3.2)
 
 
+@pytest.mark.kernels
 @muon
 @pytest.mark.parametrize(
     "options",
@@ -256,6 +261,7 @@ def test_the_run_options_momentum_and_betas_reach_both_optimizers():
         assert {g["betas"] for g in opt.adamw.param_groups} == {(options.beta1, options.beta2)} == {(0.9, 0.99)}
 
 
+@pytest.mark.kernels
 @muon
 def test_each_group_runs_at_its_own_peak_on_the_shared_schedule():
     """The schedule's rate times the group's own ratio: Muon's matrices at --muon-lr's share,
@@ -273,6 +279,7 @@ def test_each_group_runs_at_its_own_peak_on_the_shared_schedule():
     assert [g["lr"] for g in resumed.muon.param_groups] == [pytest.approx(1e-3)]
 
 
+@pytest.mark.kernels
 def test_the_schedule_counts_steps_from_one_like_the_loop_and_refuses_step_zero():
     """The loop's first step is step 1 and the schedule's too: its rate is the first of the
     warmup, not 0. A caller still counting from 0 gets an error, not a silent step at rate 0."""

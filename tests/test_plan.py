@@ -79,6 +79,7 @@ def test_hand_worked_7b_on_8_gpus_with_fsdp():
     assert (pure["weights"], pure["optimizer"], pure["autocast_weights"]) == (2 * n / 8, 12 * n / 8, 0)
 
 
+@pytest.mark.kernels
 def test_time_is_flops_over_the_clusters_useful_throughput():
     c = GPTConfig(**PRESETS["124m"])
     p = make_plan(c, gpus=8, gpu="h100", micro_batch=16, tokens=10e9, mfu=0.4)

@@ -74,6 +74,7 @@ def _thousand_updates_of_a_thousandth(master_weights=False, seed=0, n=200):
     return w.detach().float()
 
 
+@pytest.mark.kernels
 def test_a_bf16_weight_loses_small_updates_that_a_master_copy_or_stochastic_rounding_keeps():
     plain = torch.tensor(1.0, dtype=torch.bfloat16)
     for _ in range(1000):
@@ -229,6 +230,7 @@ def test_matmuls_run_in_the_chosen_format_while_optimizer_state_stays_fp32(
 # ---- fp16: loss scaling ---------------------------------------------------------------------
 
 
+@pytest.mark.kernels
 def test_gradients_around_1e_8_underflow_in_fp16_without_loss_scaling_and_survive_with_it():
     fp16 = resolve_precision("fp16", torch.device("cpu"))
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
@@ -253,6 +255,7 @@ def test_gradients_around_1e_8_underflow_in_fp16_without_loss_scaling_and_surviv
     assert torch.allclose(scaled.bias.grad, torch.full((8,), 16e-8), rtol=1e-2)
 
 
+@pytest.mark.kernels
 def test_the_share_below_fp16s_range_follows_from_the_format_and_the_scale_not_the_kernels():
     """The lab's and diagnose's fp16 underflow symptom: gradients as an fp32 kernel leaves them
     (no fp16 rounding at all, as on CPUs whose fp16 kernels compute in fp32) are judged by what
@@ -332,6 +335,7 @@ def test_an_inf_gradient_under_fp16_skips_that_step_halves_the_scale_and_trainin
     assert rows[-1]["loss"] < rows[0]["loss"]  # and later steps still train
 
 
+@pytest.mark.kernels
 def test_clipping_sees_unscaled_gradients_under_fp16(tmp_path, stories_file):
     for precision in ("fp32", "fp16"):
         cfg = _cfg(stories_file, tmp_path / precision, precision, steps=3, log_every=1)
@@ -355,6 +359,7 @@ def fp32_run(tmp_path_factory, stories_file):
     return train(_cfg(stories_file, out), log=lambda *_: None), out
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize(
     "precision, fp32_master", [("bf16", False), ("fp16", False), ("bf16-pure", False), ("bf16-pure", True)]
 )
@@ -375,6 +380,7 @@ def _improvement(stories_file, out, precision="fp32", fp32_master=False):
     return rows[0]["val_loss"] - rows[-1]["val_loss"]
 
 
+@pytest.mark.kernels
 def test_small_learning_rates_train_bf16_weights_only_with_stochastic_rounding_or_a_master_copy(
     tmp_path, stories_file, monkeypatch
 ):

@@ -110,6 +110,7 @@ def using(tiny_reference, monkeypatch):
     return shipped_references()[0]
 
 
+@pytest.mark.kernels
 def test_a_band_is_the_seeds_extremes_widened_by_three_times_their_spread():
     band = band_from_seeds("val_loss", [{10: 1.0}, {10: 1.1}, {10: 1.2}, {10: 1.05}, {10: 1.15}])
     assert band.steps == [10] and band.at(10) == pytest.approx((0.4, 1.8))  # 1.0..1.2, widened by 3 x 0.2
@@ -172,6 +173,7 @@ def test_a_broken_run_of_the_recipe_leaves_its_band_and_diagnose_names_the_step(
     assert finding.evidence["curve"]["since"] == 8 and finding.evidence["curve"]["excess_percent"] > 10
 
 
+@pytest.mark.kernels
 def test_a_curve_above_the_seeds_at_every_evaluation_is_flagged_though_inside_the_band(using, stories_file, tmp_path):
     """The per-point band is wide (a seed lands anywhere in it); a curve that sits above the
     seeds' mean at every evaluation, each point inside the band, is caught by the curve test, in
@@ -308,6 +310,7 @@ def test_docs_list_every_shipped_reference():
         )
 
 
+@pytest.mark.kernels
 def test_a_rerun_of_a_seed_the_reference_trained_is_judged_against_its_own_curve(using, stories_file, tmp_path):
     """The recipe's default seed is one the reference trained: its run is compared with its own
     reference run, which a rerun matches to a fraction of a per cent, so a regression of 2 %,
@@ -375,6 +378,7 @@ def test_the_property_tests_draw_the_same_examples_on_every_run():
 # ------------------------------------------------------------------ the band's rules at their edges
 
 
+@pytest.mark.kernels
 def test_a_bands_middle_is_the_seeds_median_and_its_width_at_least_the_numbers_floor():
     even = band_from_seeds("val_loss", [{5: 1.0}, {5: 1.2}, {5: 1.4}, {5: 2.0}])
     assert even.mid == [1.3]  # the mean of the middle two
@@ -573,6 +577,7 @@ def test_the_evaluation_line_gives_the_curves_departure_in_words():
     assert format_band(both) == " | band 0.2500..0.5000 inside | +0.1 % vs its seed"
 
 
+@pytest.mark.kernels
 def test_a_run_is_judged_against_its_own_seed_when_the_reference_trained_it_else_against_the_seeds():
     rng = random.Random(3)
     steps = (100, 200, 300)

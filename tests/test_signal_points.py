@@ -9,19 +9,31 @@ from pathlib import Path
 
 import pytest
 from conftest import run_harness
+from signal_points import EXHAUSTIVE_STRIDE, PHASES, SUITE_STRIDE
 
 from nanolm.machine.runtime import SAME_REQUEST_SECONDS, StopAtOnce, StopOnSignal, StoppedAtOnce, TrainingInterrupted
 
 pytestmark = pytest.mark.skipif(os.name == "nt" or not hasattr(os, "fork"), reason="POSIX signals and fork")
 
 
-def test_a_signal_at_any_point_of_a_run_keeps_its_status_its_work_and_a_bit_identical_resume(tmp_path, stories_file):
-    """Every phase with each signal, every ordered pair during a step, every fifth disk step of
-    the run (its lock, data preparation, metadata, both checkpoints' saves, final weights)
-    with a signal and with a pair, and a late second Ctrl-C during a step and during a save.
-    ``python tests/signal_points.py --every`` runs every point with every signal and pair."""
-    outcome = run_harness(Path(__file__).with_name("signal_points.py"), stories_file, tmp_path)
-    assert outcome["cases"] > 60 and outcome["disk_steps"] > 100, outcome  # the enumeration really ran
+@pytest.mark.parametrize(
+    "stride, every_signal",
+    [(SUITE_STRIDE, False), pytest.param(EXHAUSTIVE_STRIDE, True, marks=pytest.mark.exhaustive)],
+    ids=["suite", "exhaustive"],
+)
+def test_a_signal_at_any_point_of_a_run_keeps_its_status_its_work_and_a_bit_identical_resume(
+    tmp_path, stories_file, stride, every_signal
+):
+    """Every phase with a signal (each of the three in turn, and all three during a step; in CI's
+    exhaustive run all three in every phase), every ordered pair during a step, every tenth disk
+    step of the run (its lock, data preparation, metadata, both checkpoints' saves, final weights;
+    every third in the exhaustive run) with a signal and with a pair, and a late second Ctrl-C
+    during a step and during a save. ``python tests/signal_points.py --every`` runs every point
+    with every signal and pair."""
+    options = ["--stride", stride] + (["--every-signal"] if every_signal else [])
+    outcome = run_harness(Path(__file__).with_name("signal_points.py"), stories_file, tmp_path, *options)
+    steps, alone = outcome["disk_steps"], 3 * len(PHASES) if every_signal else len(PHASES) + 2
+    assert steps > 100 and outcome["cases"] >= alone + 17 + 2 * (steps // stride), outcome  # the enumeration ran
 
 
 def _handled(stop, signum) -> None:

@@ -47,6 +47,7 @@ def _tree(source: str) -> str:
     return ast.dump(tree)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("columns", [88, 100])
 def test_a_planted_bug_survives_reformatting_of_its_file(columns):
     """Each bug is found by its tokens: reformatted by black (88 or 100 columns, its own quotes,
@@ -103,6 +104,7 @@ def test_every_planted_bug_meets_its_own_and_its_concerns_tests_first_and_then_a
     assert tool.tests_for(pinned, list(tool.FAST_TESTS))[:3] == ["test_devices", "test_data", "test_model"]
 
 
+@pytest.mark.exhaustive
 def test_a_bug_planted_in_a_reformatted_package_is_still_caught():
     """End to end: the tool reformats its copy of the package with black, plants a bug there by
     its tokens, and the bug's own test still catches it (and no formatting broke a test first)."""

@@ -63,6 +63,7 @@ LAYER_KEYS = {"weight_norm", "grad_norm", "update_ratio"}
 BLOCK_KEYS = {"attn_logit_max", "mlp_dead_frac", "act_rms"}
 
 
+@pytest.mark.kernels
 def test_metrics_rows_follow_the_documented_schema(observed_run):
     rows = read_metrics(observed_run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
@@ -201,6 +202,7 @@ def test_a_sink_that_is_not_installed_is_a_one_line_error_before_anything_is_wri
     assert not out.exists()
 
 
+@pytest.mark.kernels
 def test_tensorboard_receives_the_rows_of_metrics_jsonl(observed_run):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

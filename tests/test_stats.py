@@ -25,6 +25,7 @@ def _norm(tensors):
     return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("tie", [True, False])
 def test_layer_statistics_match_hand_computed_norms_and_update_ratios(tie):
     model = tiny_model(tie_embeddings=tie)
@@ -67,6 +68,7 @@ def test_a_parameter_without_a_gradient_counts_as_a_zero_gradient():
     assert all(v > 0 for k, v in row.items() if k.startswith("weight_norm/"))
 
 
+@pytest.mark.kernels
 def test_the_statistics_of_bf16_weights_are_taken_in_fp32():
     """Norms of bf16 weights summed in bf16 would be off by a few parts in a thousand, and an
     update, the difference of two nearly equal weights, rounded away: both are taken in fp32."""
@@ -86,6 +88,7 @@ def test_the_statistics_of_bf16_weights_are_taken_in_fp32():
     assert row["update_ratio/0"] == pytest.approx(moved / w, rel=1e-5)
 
 
+@pytest.mark.kernels
 def test_per_layer_gradient_norms_are_taken_before_clipping(observed_run):
     """With a clip threshold, the groups' norms still add up to the unclipped global norm logged beside them."""
     rows = [r for r in read_metrics(observed_run / "metrics.jsonl") if "grad_norm/0" in r]
@@ -108,6 +111,7 @@ def _constructed_attention(u, v):
     return attn, x, torch.ones(T, 4), torch.zeros(T, 4)
 
 
+@pytest.mark.kernels
 def test_attention_logit_max_counts_only_the_pairs_attention_allows():
     u = [1, 0, 1, 1, 1, 1, 1, 0]
     v = [1, 9, 1, 1, 1, 1, 1, 20]
@@ -120,6 +124,7 @@ def test_attention_logit_max_counts_only_the_pairs_attention_allows():
     assert max_attention_logit(attn, x, cos, sin, document_causal_mask(doc_ids)).item() == pytest.approx(0.5)
 
 
+@pytest.mark.kernels
 def test_attention_logit_max_is_the_scaled_dot_product_with_rope_and_qk_norm():
     """The whole model: the probe's maximum equals q·k/√d recomputed by hand, layer by layer."""
     model = tiny_model(qk_norm=True)
@@ -150,6 +155,7 @@ def test_attention_logit_max_is_the_scaled_dot_product_with_rope_and_qk_norm():
             x = block(x, cos, sin)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("mlp", ["swiglu", "gelu", "relu2"])
 def test_dead_units_are_those_never_open_on_any_token_of_the_batch(mlp):
     """One block whose MLP input is ±√C along two directions A, B; units wired by hand."""
@@ -176,6 +182,7 @@ def test_dead_units_are_those_never_open_on_any_token_of_the_batch(mlp):
     assert dead[0].item() == pytest.approx(2 / hidden)  # units 0 and 3; unit 2 lives on one token of 48
 
 
+@pytest.mark.kernels
 def test_activation_rms_is_the_rms_of_each_block_output():
     model = tiny_model()
     batch = _random_batch()
@@ -226,6 +233,7 @@ def test_gpu_peak_table_matches_the_data_sheets_and_never_mistakes_a_neighbour()
     assert measured > 1e8 and "measured" in source
 
 
+@pytest.mark.kernels
 def test_step_meter_counts_clipped_steps_and_derives_mfu():
     meter = StepMeter(total_steps=10, tokens_per_step=1000, flops_per_token=6000, peak=1e9, clip=1.0, device="cpu")
     for norm in (2.0, 0.5, 1.5, 1.0):  # clipped when above the threshold
@@ -238,6 +246,7 @@ def test_step_meter_counts_clipped_steps_and_derives_mfu():
     assert row["eta_s"] == pytest.approx(row["elapsed_s"] / 4 * 6)
 
 
+@pytest.mark.kernels
 def test_mfu_never_reads_above_100_percent_when_the_peak_was_measured_low():
     """A CPU peak measured while another process held a core is too low; the run's own
     throughput proves it, and the peak rises to it instead of MFU exceeding 100 %."""

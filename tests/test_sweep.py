@@ -1,7 +1,7 @@
 """`nanolm sweep`: one short run per learning rate, and the largest stable one recommended."""
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_main
 
 from nanolm.errors import NanolmError
 from nanolm.instruments.sweep import parse_lrs, recommend
@@ -68,7 +68,7 @@ def test_sweep_trains_each_rate_and_names_the_largest_stable(tmp_path, stories_f
     ],
 )
 def test_sweep_user_errors_are_one_line_and_write_nothing(tmp_path, args, message):
-    r = run_cli("sweep", "--out", tmp_path / "sweep", *args)
+    r = run_main("sweep", "--out", tmp_path / "sweep", *args)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "sweep").exists()
 

@@ -35,6 +35,7 @@ def _rows(batch, rows):
     return Batch(batch.idx[rows], batch.targets[rows], batch.loss_mask[rows])
 
 
+@pytest.mark.kernels
 def test_grad_accum_equals_one_big_batch_with_uneven_token_counts():
     big = _uneven_batch()
     model = tiny_model()
@@ -72,6 +73,7 @@ def _tiny_cfg(path, out_dir, **train):
     return cfg
 
 
+@pytest.mark.kernels
 def test_batch_times_4_equals_grad_accum_4_in_the_training_loop(tmp_path, stories_file):
     train(_tiny_cfg(stories_file, tmp_path / "big", steps=3, batch_size=8, grad_accum=1), log=lambda *_: None)
     train(_tiny_cfg(stories_file, tmp_path / "acc", steps=3, batch_size=2, grad_accum=4), log=lambda *_: None)
@@ -106,6 +108,7 @@ def test_gradients_are_clipped_once_per_step_after_every_backward_pass(tmp_path,
     assert events == ["backward", "backward", "backward", "clip", "step"] * 3
 
 
+@pytest.mark.kernels
 def test_clipping_limits_the_update_to_the_clip_norm(tmp_path, stories_file):
     cfg = _tiny_cfg(stories_file, tmp_path / "run", steps=2, batch_size=2)
     cfg.optim.clip = 1e-3
@@ -128,6 +131,7 @@ def test_clipping_limits_the_update_to_the_clip_norm(tmp_path, stories_file):
     assert all(n == pytest.approx(1e-3, rel=1e-4) for n in norms_seen_by_the_optimizer)  # the one *after*
 
 
+@pytest.mark.kernels
 def test_estimate_loss_is_deterministic_and_equals_a_direct_computation():
     model = tiny_model(dropout=0.2)  # with dropout, an evaluation left in training mode is random and too high
     model.train()  # estimate_loss must switch to eval mode itself and back
@@ -193,6 +197,7 @@ def test_threads_are_set_and_a_busy_cpu_gets_a_hint_only_when_our_threads_would_
         torch.set_num_threads(before)
 
 
+@pytest.mark.kernels
 def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file, monkeypatch):
     """The gradients the optimizer sees at a step are exactly those of that step's micro-batches
     at the weights before the update, with nothing of the previous steps added in: a forgotten
@@ -237,6 +242,7 @@ def test_each_update_uses_exactly_its_own_steps_gradients(tmp_path, stories_file
             assert torch.allclose(step["grads"][name], p.grad, rtol=1e-5, atol=1e-8), name
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_every_step_runs_at_its_scheduled_lr_with_the_configured_optimizer_settings(tmp_path, stories_file, schedule):
     """An LR one step late, swapped betas, a decay that never reaches the optimizer or a
@@ -339,6 +345,8 @@ def test_a_run_whose_final_model_outputs_nan_is_not_a_success(tmp_path, stories_
         assert not (tmp_path / "run" / "final.json").exists()
 
 
+@pytest.mark.kernels
+@pytest.mark.exhaustive  # ~20 s of compiling a fresh machine pays: CI runs it on every kernel path, -m kernels
 def test_a_compiled_step_follows_the_eager_step():
     """``--compile`` runs the same step: torch.compile's model gives eager's loss and updated
     weights (to float32 reordering; SGD, because Adam's first update is lr·sign(g) and a

@@ -565,6 +565,8 @@ def crash_points() -> int:
                 "-q",
                 "-p",
                 "no:cacheprovider",
+                "-m",
+                "exhaustive",  # every fault at every step, not the default suite's share
                 str(ROOT / "tests" / "test_crash_points.py"),
             ],
             cwd=ROOT,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -524,8 +525,15 @@ def flag_name(field_name: str) -> str:
     return field_name.replace("_", "-")
 
 
+@functools.cache
+def _hints(section: type) -> dict:
+    """A section's field types, resolved once: resolving a class's annotations evaluates every
+    one of them again, and each command's parser and each config read ask for every option's."""
+    return typing.get_type_hints(section)
+
+
 def _field_type(f) -> type:
-    hint = typing.get_type_hints(_OWNER[f.name])[f.name]
+    hint = _hints(_OWNER[f.name])[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
