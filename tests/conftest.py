@@ -55,10 +55,12 @@ PyTorch and trains its own session fixtures, so more than a few costs memory and
 little gain on a suite of many short tests."""
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def pytest_xdist_auto_num_workers(config):
-    return max(
-        1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    )
+    return max(1, min(MAX_WORKERS, _cores()))
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -73,8 +75,7 @@ def pytest_xdist_make_scheduler(config, log):
 # that each start a thread a core would fight over them (a step several times slower, and the
 # tests that time something see a machine busier than any user's).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    torch.set_num_threads(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_collection_modifyitems(config, items):
