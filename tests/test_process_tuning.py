@@ -97,7 +97,9 @@ def _process(code, *args):
     return int(frozen), int(mapped)
 
 
-@pytest.mark.parametrize("module, subcommand", [("nanolm", ["train"]), ("nanolm.train", [])])
+@pytest.mark.parametrize(  # `python -m nanolm.train` reaches the same entry (test_cli.py checks it starts): CI runs it
+    "module, subcommand", [("nanolm", ["train"]), pytest.param("nanolm.train", [], marks=pytest.mark.exhaustive)]
+)
 def test_the_training_command_tunes_its_process_and_off_leaves_it_alone(tmp_path, stories_file, module, subcommand):
     """``nanolm train`` and ``python -m nanolm.train`` alike: with ``--process-tuning auto`` (the
     default) the objects that live until exit are exempted from collection and a 64 MiB buffer

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_main
 
 from nanolm.checkpoint import read_latest
 
@@ -80,7 +80,9 @@ def _wait_for_step(proc, step: int) -> None:
 
 
 def _resumes(stories_file, out, stopped_at: int):
-    r = run_cli(
+    """The same command finishes the run: in this process, since what is tested is what the stopped
+    process left, not the resume's own process."""
+    r = run_main(
         "train", "--data", stories_file, "--out-dir", out, *TINY, "--steps", stopped_at + 2, "--eval-every", 1000
     )
     assert r.returncode == 0, r.stderr
