@@ -78,9 +78,30 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, _cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+LONGEST_FILES = (
+    "test_terminal.py",
+    "test_curve.py",
+    "test_distributed.py",
+    "test_run_lock.py",
+    "test_signal_points.py",
+    "test_run_directory.py",
+    "test_precision.py",
+    "test_continued_runs.py",
+    "test_checkpoint.py",
+)
+"""The test files that take longest (dev/measurements.md, "The suite's time"), started first when
+pytest-xdist shares the files among workers: a long file dealt last keeps one worker busy while the
+other waits. Only the order changes; a file missing here is dealt in its usual place."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """With NANOLM_LIST_GPU_MARKS set, print each collected test and whether it is marked ``gpu``
-    (what tests/test_gpu.py's check of GPU-only tests reads, from one collection)."""
+    """Under pytest-xdist, the longest files first (:data:`LONGEST_FILES`; a plain run keeps the
+    order it was given, which ``tools/silent_bugs.py`` chooses). With NANOLM_LIST_GPU_MARKS set,
+    print each collected test and whether it is marked ``gpu`` (what tests/test_gpu.py's check of
+    GPU-only tests reads, from one collection)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if os.environ.get(LIST_GPU_MARKS):
         for item in items:
             print(f"{LIST_GPU_MARKS} {item.get_closest_marker('gpu') is not None} {item.nodeid}")
