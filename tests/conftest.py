@@ -135,8 +135,8 @@ def run_main(*args) -> subprocess.CompletedProcess:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main([str(a) for a in args])
-        except SystemExit as e:  # argparse's refusal
-            code = e.code if isinstance(e.code, int) else 2
+        except SystemExit as e:  # argparse's refusal or --help, with the status Python would exit with
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     return subprocess.CompletedProcess(["nanolm", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 

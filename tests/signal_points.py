@@ -423,15 +423,15 @@ def main() -> int:
     p.add_argument("--only", default=None, help="one case, as the failures name it, e.g. 'SIGTERM at disk step 7'")
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
     args = p.parse_args()
+    if args.stride < 1:
+        p.error(f"--stride {args.stride}: stop at every Nth disk step, N at least 1")
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="nanolm-signals-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         data = args.data or default_corpus(work)
-        chooser = (
-            all_cases if args.every else lambda steps: selected_cases(steps, max(1, args.stride), args.every_signal)
-        )
+        chooser = all_cases if args.every else lambda steps: selected_cases(steps, args.stride, args.every_signal)
         if args.only:
             chooser = lambda steps: [c for c in all_cases(steps) if str(c) == args.only]  # noqa: E731
         result = run(chooser, data.resolve(), work.resolve())

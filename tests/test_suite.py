@@ -61,12 +61,9 @@ def _compares_within_a_tolerance(node: ast.AST) -> bool:
     return False
 
 
-def _called_names(node: ast.AST) -> set[str]:
-    return {n.func.id for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)} | {
-        n.id
-        for n in ast.walk(node)
-        if isinstance(n, ast.Name)  # a helper passed on, or a fixture's function
-    }
+def _names(node: ast.AST) -> set[str]:
+    """Every name ``node``'s code uses: the functions it calls, and those it passes on."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
 def unmarked_kernel_tests(source: str, name: str) -> list[str]:
@@ -76,17 +73,13 @@ def unmarked_kernel_tests(source: str, name: str) -> list[str]:
     tree = ast.parse(source)
     module_marked = "kernels" in _module_marks(tree)
     functions = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    compares: dict[str, bool] = {}
-
-    def reaches(fname: str, seen: frozenset = frozenset()) -> bool:
-        if fname in compares:
-            return compares[fname]
-        fn = functions[fname]
-        found = _compares_within_a_tolerance(fn) or any(
-            reaches(c, seen | {fname}) for c in _called_names(fn) if c in functions and c not in seen | {fname}
-        )
-        compares[fname] = found
-        return found
+    uses = {f: _names(node) & functions.keys() for f, node in functions.items()}
+    comparing = {f for f, node in functions.items() if _compares_within_a_tolerance(node)}
+    grown = True
+    while grown:  # a function that uses one that compares compares too, until nothing more joins
+        more = {f for f, used in uses.items() if used & comparing} - comparing
+        comparing |= more
+        grown = bool(more)
 
     missing = []
     containers = [(tree, set())] + [(c, _marks(c.decorator_list)) for c in tree.body if isinstance(c, ast.ClassDef)]
@@ -95,7 +88,7 @@ def unmarked_kernel_tests(source: str, name: str) -> list[str]:
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not fn.name.startswith("test"):
                 continue
             marked = module_marked or "kernels" in class_marks | _marks(fn.decorator_list)
-            if not marked and reaches(fn.name):
+            if not marked and fn.name in comparing:
                 missing.append(f"{name}::{fn.name}")
     return missing
 
@@ -123,6 +116,9 @@ def test_the_kernel_check_sees_a_tolerance_through_a_helper_and_honours_each_pla
     assert unmarked_kernel_tests("def test_c():\n    assert x == pytest.approx(0.5)\n", "m") == ["m::test_c"]
     assert unmarked_kernel_tests("def test_d():\n    assert load('golden.json')\n", "m") == ["m::test_d"]
     assert unmarked_kernel_tests("def test_e():\n    assert torch.equal(x, y)\n", "m") == []
+    cycle = "def _a(x):\n    return _b(x)\ndef _b(x):\n    return _a(x) or torch.allclose(x, x)\n"
+    calls_a = "def test_i():\n    assert _a(1)\ndef test_j():\n    assert _b(1)\n"
+    assert unmarked_kernel_tests(cycle + calls_a, "m") == ["m::test_i", "m::test_j"]
     marked = "@pytest.mark.kernels\ndef test_f():\n    assert torch.allclose(x, y)\n"
     assert unmarked_kernel_tests(marked, "m") == []
     in_class = "@pytest.mark.kernels\nclass TestG:\n    def test_g(self):\n        assert torch.allclose(x, y)\n"
