@@ -24,13 +24,14 @@ and peak RSS, and the load average around it.
     python benchmarks/speedrun.py --data FILE --threads 1                 # on a busy machine
     python benchmarks/speedrun.py --data FILE --config configs/shakespeare_char.toml   # the baseline
 
-**A time budget** (``--budget SECONDS``, the TinyStories per-minute track): no target; the
-config's steps are the run, and the row is its validation bits per byte on the whole held-out
-split once trained. Its training time (the run's own clock, metrics.jsonl's ``elapsed_s`` at the
-last step: from the first step to the end of the last one, evaluations on the way included, the
-final one not) must fit the budget, as a median over the seeds. A run's steps are fixed rather
-than cut by the clock so that it is the same run on every machine (its reference band judges it
-step by step); ``fits_budget`` says whether it fits on this one. Each run also reports how many
+**A time budget** (``--budget SECONDS``, the TinyStories per-minute track): no target; the row is
+the run's validation bits per byte on the whole held-out split once trained. The per-minute
+configs carry their budget (``time_budget``: the run plans its steps by its own clock and ends its
+training and final evaluation inside it, ``nanolm.run.budget``); a config of fixed steps (or
+``--time-budget off --steps N`` after ``--``) is the same run on every machine instead. Its training
+time (the run's own clock, metrics.jsonl's ``elapsed_s`` at the last step: from the first step to
+the end of the last one, evaluations on the way included, the final one not) must fit the budget,
+as a median over the seeds; ``fits_budget`` says whether it fits on this one. Each run also reports how many
 times it went over the training stories (``passes``). ``--holdout-shift K`` moves the file's first
 K documents to its end before the run, so that another tenth of the stories is held out (K=5 with
 the default 10 %: none of the usual validation stories): a record must hold on stories it never

@@ -24,12 +24,15 @@ For every optimizer step, in order (this is the one place the sequence is told):
    per-layer statistics every ``--stats-every`` steps, and **evaluate** on the validation set
    when due (its figures join the step's row);
 5. **save a checkpoint** when due, and on SIGINT/SIGTERM (then stop, resumable);
-6. **end** at ``--steps``, or as soon as an evaluation reaches ``--target-val-bpb``.
+6. **end** at ``--steps``, as soon as an evaluation reaches ``--target-val-bpb``, or where
+   ``--time-budget``'s clock ends the run (:class:`~nanolm.run.budget.TimeBudget` plans its steps,
+   warmup and decay; with a budget, step 2a's rate is the plan's).
 
 Then the final weights are written, with ``final.json`` that vouches for them, and a sample
 is printed. Each concern other than the step itself is a component that owns its schedule:
 the :class:`~nanolm.machine.threads.ThreadTuner` (``--threads auto``: when to time the step at
-other thread counts), the :class:`~nanolm.watch.observer.Observer` (what to log, and when), the
+other thread counts), the :class:`~nanolm.run.budget.TimeBudget` (``--time-budget``: which step
+is the last), the :class:`~nanolm.watch.observer.Observer` (what to log, and when), the
 :class:`~nanolm.watch.validator.Validator` (when to evaluate), the
 :class:`~nanolm.checkpoint.Checkpointer` (when to save, what state, how to come back), the
 :class:`~nanolm.watch.guards.Guard` (take, skip, roll back or stop, and its fallbacks). Everything
@@ -55,10 +58,19 @@ from functools import partial
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .base.lock import ReadLock, RunLock
-from .batches import DEFAULT_EVAL_WINDOWS, TrainBatches, WindowSampler, eval_batches, get_batch  # noqa: F401 (get_batch: the course's name)
+from .batches import (  # noqa: F401 (get_batch: the course's name)
+    DEFAULT_EVAL_WINDOWS,
+    Batch,
+    TrainBatches,
+    WindowSampler,
+    eval_batches,
+    get_batch,
+    pack_windows,
+)
 from .checkpoint import Checkpointer, rollback_checkpoint
 from .distributed import Distributed, Muted, launch
 from .errors import NanolmError
@@ -80,6 +92,7 @@ from .machine.threads import ThreadTuner
 from .model import GPT
 from .optim import get_param_groups, optimizer_for  # noqa: F401 (get_param_groups: the course's name)
 from .precision import DynamicLossScaler, Precision, cast_weights_, resolve_precision
+from .run.budget import TimeBudget, measure_a_step_and_an_evaluation
 from .run.config import RunConfig
 from .run.directory import RunPlan, hold_prepared_data, locate_run, set_up_run_directory, use_prepared_tokenizer
 from .run.final import clear_final, save_final_weights
@@ -147,6 +160,7 @@ class Run:
     step_setup: StepSetup
     batches: TrainBatches
     threads: ThreadTuner  # --threads auto's trials between steps; does nothing on every other run
+    budget: TimeBudget  # --time-budget: the plan and the clock's last step; ends nothing on every other run
     progress: Progress
     guard: Guard
     observer: Observer
@@ -219,6 +233,7 @@ def run_loop(run: Run, log=print) -> dict:
     )
     row: dict = {}
     with StopOnSignal() as stop, contextlib.closing(observer):
+        run.budget.start(progress.step)  # --time-budget: a new run measures a step and plans; the clock starts
         observer.start(validator.evaluate(0) if progress.step == 0 and validator.due(0) else None)
         stop_signal = dist.first_signal(stop.requested)  # one during the first evaluation: no step to save yet
         if stop_signal:
@@ -239,15 +254,16 @@ def run_loop(run: Run, log=print) -> dict:
                 observer.rewound(progress.step)
                 continue
             progress.advance(step, run.tokens_per_step)
+            last = run.budget.ends_at(step)  # --time-budget: the clock says whether this step is the last
             # 4. log and evaluate when due
-            row = observer.observe(result)  # the step's figures when it is logged, else {}
-            if validator.due(step):
+            row = observer.observe(result, last)  # the step's figures when it is logged, else {}
+            if validator.due(step) or last:
                 row.update(validator.evaluate(step))
             observer.record_step(row)
             # 5. save when due, and on SIGINT/SIGTERM
             reached = observer.target_reached(row)
             stop_signal = dist.first_signal(stop.requested)  # every rank stops after the same step
-            if checkpointer.due(step, stop_signal, reached):
+            if checkpointer.due(step, stop_signal, reached or last):
                 # a signal that came during the save stops the run at this checkpoint too
                 saved = checkpointer.save(step, row.get("val_loss"))
                 stop_signal = dist.first_signal(stop.requested)
@@ -257,8 +273,8 @@ def run_loop(run: Run, log=print) -> dict:
                         f"run the same command again to resume",
                         stop_signal,
                     )
-            # 6. stop early at --target-val-bpb
-            if reached:
+            # 6. stop early at --target-val-bpb, or where the time budget ends
+            if reached or last:
                 break
     with StopAtOnce(FINISH_STOPPED):  # the last checkpoint is saved: a signal stops at once
         return finish(run, row, log)
@@ -292,7 +308,7 @@ def build_run(
     progress, model = Progress(), trainable.model
     # every rank's windows of every micro-batch: the tokens one optimizer step trains on
     tokens_per_step = t.batch_size * t.grad_accum * cfg.model.seq_len * dist.world_size
-    observer, validator, guard, step_setup, checkpointer = build_components(
+    observer, validator, guard, step_setup, checkpointer, budget = build_components(
         cfg,
         dist,
         plan.out_dir,
@@ -313,7 +329,7 @@ def build_run(
         log(f"resumed from {plan.checkpoint} at step {progress.step}")
         guard.note("resume", progress.step)
     target_met = 0 < t.target_val_bpb and progress.val_bpb is not None and progress.val_bpb <= t.target_val_bpb
-    finishing = progress.step >= t.steps or target_met
+    finishing = progress.step >= t.steps or target_met or budget.plan.ended
     if dist.is_main and not finishing:
         clear_final(plan.out_dir)  # this run trains on: its old final weights no longer describe it
     log(
@@ -337,6 +353,7 @@ def build_run(
         step_setup=step_setup,
         batches=batches,
         threads=threads,
+        budget=budget,
         progress=progress,
         guard=guard,
         observer=observer,
@@ -410,12 +427,12 @@ def build_components(
     factories: Factories,
     log=print,
 ):
-    """The observer, the validator, the guard, the step's setup and the checkpointer, each given
-    what it needs when it is built: the validator first (the observer logs every step it
-    evaluates), then the observer (the others write their lines through it, above the progress
-    bar), then the guard (it rolls
-    back to the checkpointer's latest checkpoint, found by
-    :func:`~nanolm.checkpoint.rollback_checkpoint`), then the step, then the checkpointer (it
+    """The observer, the validator, the guard, the step's setup, the checkpointer and the time
+    budget, each given what it needs when it is built: the validator first (the observer logs
+    every step it evaluates), then the observer (the others write their lines through it, above
+    the progress bar), then the guard (it rolls back to the checkpointer's latest checkpoint,
+    found by :func:`~nanolm.checkpoint.rollback_checkpoint`), then the time budget (under
+    ``--time-budget`` its plan sets the learning rate), then the step, then the checkpointer (it
     saves the state of every other component)."""
     t, o, g, tokenizer = cfg.train, cfg.optim, cfg.guard, data.tokenizer
     model, optimizer, scaler = trainable.model, trainable.optimizer, trainable.scaler
@@ -453,10 +470,31 @@ def build_components(
         rollback_to=lambda: rollback_checkpoint(dist, out_dir, observer.write),
         explain_nan=lambda batch: nan_origin(model, batch, precision.autocast, tokenizer.vocab_size),
     )
+    budget = TimeBudget.off()
+    if t.time_budget is not None:
+        budget = TimeBudget(
+            t.time_budget,
+            o,
+            eval_every=t.eval_every,
+            max_steps=t.steps,
+            measure=measure_a_step_and_an_evaluation(
+                trainable.step_model,
+                model,
+                timing_batch(cfg, data),
+                val_batches,
+                grad_accum=t.grad_accum,
+                autocast=precision.autocast,
+                token_bytes=torch.from_numpy(tokenizer.token_bytes()),
+                dist=dist,
+            ),
+            planned=observer.planned,
+            dist=dist,
+            log=observer.write,
+        )
     step_setup = StepSetup(
         model,
         optimizer,
-        schedule=partial(learning_rate, o=o, total_steps=t.steps),
+        schedule=budget.learning_rate if budget.active else partial(learning_rate, o=o, total_steps=t.steps),
         clip=o.clip,
         step_model=trainable.step_model,
         scaler=scaler,
@@ -473,11 +511,27 @@ def build_components(
         model=model,
         optimizer=optimizer,
         tokenizer=tokenizer,
-        stateful={"sampler": batches, "scaler": scaler, "progress": progress, "guard": guard, "observer": observer},
+        stateful={
+            "sampler": batches,
+            "scaler": scaler,
+            "progress": progress,
+            "guard": guard,
+            "observer": observer,
+            **({"budget": budget} if budget.active else {}),
+        },
         data_digest=data.digest,
         log=observer.write,
     )
-    return observer, validator, guard, step_setup, checkpointer
+    return observer, validator, guard, step_setup, checkpointer, budget
+
+
+def timing_batch(cfg: RunConfig, data) -> Batch:
+    """A micro-batch of the training split's first windows, for the time budget to time a step's
+    passes on without drawing from the training stream (a batch costs the same wherever it starts)."""
+    t, d, seq_len = cfg.train, cfg.data, cfg.model.seq_len
+    starts = np.minimum(np.arange(t.batch_size) * seq_len, len(data.train) - seq_len - 1)
+    pack = dict(doc_mask=d.doc_mask, reset_positions=d.reset_positions, mask_boundary=d.mask_boundary)
+    return pack_windows(data.train.tokens, starts, seq_len, data.tokenizer.eos_id, **pack)
 
 
 def finish(run: Run, row: dict, log=print) -> dict:
@@ -489,9 +543,14 @@ def finish(run: Run, row: dict, log=print) -> dict:
             f"the final model's validation loss is {progress.val_loss}: the run did not produce a "
             f"usable model (no final weights written); run `nanolm diagnose {out_dir}`"
         )
-    whole = save_final_weights(
-        dist, run.model, out_dir, progress.step, {"val_loss": progress.val_loss, "val_bpb": progress.val_bpb}
-    )
+    summary = {"val_loss": progress.val_loss, "val_bpb": progress.val_bpb}
+    if run.budget.plan.ended:  # a rerun of the same command then has nothing to do
+        summary["time_budget_s"] = t.time_budget
+        if run.budget.started is not None:  # this process trained: what the budget's clock says now
+            log(
+                f"time budget: {run.budget.used():.1f} s of {t.time_budget:g} s used, the final evaluation and save included"
+            )
+    whole = save_final_weights(dist, run.model, out_dir, progress.step, summary)
     result = {"out_dir": str(out_dir), "elapsed_s": run.observer.elapsed(), **row}
     if t.sample_tokens and dist.is_main and not dist.sharded:
         with run.step_setup.autocast():

@@ -552,3 +552,28 @@ def test_the_first_parting_and_the_first_drift_over_all_numbers_decide():
     drift_first = [dict(r) for r in same_step]
     drift_first[2]["grad_norm"], drift_first[3]["grad_norm"] = 1.0, 1.5  # the jump after the drift: judged as seeds
     assert find_parting(a, drift_first, ["loss", "grad_norm"]) == (None, 30)
+
+
+def _budgeted(rows, seed=1):
+    cfg = tiny_run_config("d.txt", "run", seed=seed, batch_size=8, eval_batches=None, eval_windows=16)
+    cfg.train.time_budget = 60.0
+    cfg = cfg.resolved()
+    return RunRecord(Path("run"), cfg, rows, setup_of(cfg, "digest", "fp32", "cpu", 1))
+
+
+def test_two_time_budgeted_runs_are_compared_until_their_clocks_plans_part():
+    """Two runs of one budget on two machines (or one machine in two moods): each clock planned its
+    own warmup and decay, so past the first step where their rates differ the runs train different
+    schedules, and a difference there is no sign of a bug (no false alarm); before it, the same
+    verdict as any two runs, a real parting included."""
+    a = _curve(30)
+    b = [dict(r, lr=r["lr"] * 0.5, loss=r["loss"] + 0.3) if r["step"] > 20 else dict(r) for r in a]
+    verdict = compare_records(_budgeted(a), _budgeted(b))
+    assert verdict.agree and verdict.parted_at is None
+    assert "compared up to step 20: their time budgets' plans give step 21 different learning rates" in verdict.lines[0]
+    early = [dict(r, loss=r["loss"] + 0.3) if r["step"] > 10 else dict(r) for r in b]
+    verdict = compare_records(_budgeted(a), _budgeted(early))
+    assert not verdict.agree and verdict.parted_at == 11, "a parting before the plans part is still found"
+    apart = [dict(r, lr=r["lr"] * 0.5) for r in a]
+    verdict = compare_records(_budgeted(a), _budgeted(apart))
+    assert verdict.agree and verdict.lines[0].startswith("not compared: their time budgets' plans give step 1")

@@ -39,6 +39,7 @@ def _observer(
     tmp_path.mkdir(parents=True, exist_ok=True)
     for k, v in train.items():
         setattr(cfg.train, k, v)
+    cfg = cfg.resolved()  # as a run hands it on
     said = []
     model = tiny_model()
     observer = Observer(
@@ -97,7 +98,7 @@ def test_the_step_0_row_records_the_recipe_as_run(tmp_path):
     recipe = _observer(tmp_path, cfg=cfg).recipe()
     assert recipe == {
         "peak_lr": o.lr,
-        "min_lr": o.min_lr,
+        "min_lr": o.lr / 10,  # resolved: --min-lr left at its default
         "warmup_steps": 4,
         "beta1": o.beta1,
         "beta2": o.beta2,

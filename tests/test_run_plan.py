@@ -293,6 +293,7 @@ def _this_commands_run(tmp_path, run_file, **train) -> tuple[Path, RunConfig]:
     cfg.train.out_dir = str(out)
     for k, v in train.items():
         setattr(cfg.train, k, v)
+    cfg = cfg.resolved()  # as train() hands it on
     (out / "config.toml").write_text(cfg.to_toml())
     return out, cfg
 

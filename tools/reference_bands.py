@@ -85,12 +85,12 @@ RECIPES = {
     ),
     "tinystories_60s": (
         "TinyStories in 60 seconds (configs/tinystories_60s.toml)",
-        "--config configs/tinystories_60s.toml --data {data_dir}/tinystories_sample.txt",
+        "--config configs/tinystories_60s.toml --time-budget off --steps 700 --data {data_dir}/tinystories_sample.txt",
         ("tinystories_sample.txt",),
     ),
     "tinystories_5min": (
         "TinyStories in 5 minutes (configs/tinystories_5min.toml)",
-        "--config configs/tinystories_5min.toml --data {data_dir}/tinystories_sample.txt",
+        "--config configs/tinystories_5min.toml --time-budget off --steps 1500 --data {data_dir}/tinystories_sample.txt",
         ("tinystories_sample.txt",),
     ),
 }

@@ -1574,13 +1574,63 @@ BUGS = [
         "    shards.py       the prepared data on disk",
         "    shard.py        the prepared data on disk",
     ),
+    Bug(
+        "budget_plans_no_final_evaluation",
+        "a time-budgeted run plans its steps as if the final evaluation took no time: every run ends "
+        "past its budget by one evaluation, and a 60 s record is a 63 s one",
+        "nanolm/run/budget.py",
+        "fit = math.floor((left - p.eval_s - p.step_s) / per_step)",
+        "fit = math.floor((left - p.step_s) / per_step)",
+    ),
+    Bug(
+        "budget_continued_with_its_whole_time",
+        "a time-budgeted run stopped and continued forgets the time it had spent: the continued run "
+        "gets its whole budget again and ends far past it",
+        "nanolm/run/budget.py",
+        'state["spent_s"] = self.plan.spent_s + self.clock() - self.started',
+        'state["spent_s"] = self.plan.spent_s',
+    ),
+    Bug(
+        "budget_decay_never_drawn_again",
+        "once the clock started the decay, a machine that slows down (another job takes a core) keeps "
+        "the old line: the run ends past its budget, or is cut off before its rate reached the floor",
+        "nanolm/run/budget.py",
+        "if end < p.last_step or end > p.last_step",
+        "if end > p.last_step",
+    ),
+    Bug(
+        "budget_decay_redrawn_from_the_peak",
+        "a decay drawn again mid-way starts from the peak, not from where the rate is: the rate jumps "
+        "back up for a few steps, and the loss with it",
+        "nanolm/run/budget.py",
+        "p.decay_share = (rate - o.min_lr) / (o.lr - o.min_lr) if o.lr > o.min_lr else 0.0",
+        "p.decay_share = 1.0",
+    ),
+    Bug(
+        "budget_of_zero_taken",
+        "--time-budget 0 is taken for a budget: the run measures, then says it is too short, instead "
+        "of naming the value as wrong",
+        "nanolm/run/config.py",
+        "t.time_budget is None or (finite(t.time_budget) and t.time_budget > 0)",
+        "t.time_budget is None or (finite(t.time_budget) and t.time_budget >= 0)",
+        tests=("test_budget",),
+    ),
+    Bug(
+        "budgeted_run_never_finished",
+        "the same command run again after a time-budgeted run ended does not see it finished: it "
+        "loads the last checkpoint and writes the final weights again",
+        "nanolm/run/directory.py",
+        'return final["step"] >= t.steps or reached or spent',
+        'return final["step"] >= t.steps or reached',
+        tests=("test_budget",),
+    ),
 ]
 
 FAST_TESTS = (
     "test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
     "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
     "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-    "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs test_run_plan test_observer"
+    "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs test_run_plan test_observer test_budget"
 ).split()
 
 
@@ -1608,6 +1658,7 @@ CONCERN_TESTS = {
     "nanolm/base/documents.py": ("test_documents", "test_hostile_files", "test_untrusted_files", "test_checkpoint"),
     "nanolm/run/config.py": ("test_config", "test_cli"),
     "nanolm/run/plan.py": ("test_plan",),
+    "nanolm/run/budget.py": ("test_budget",),
     "nanolm/run/": ("test_checkpoint", "test_cli"),
     "nanolm/machine/threads.py": ("test_threads",),
     "nanolm/machine/": ("test_devices",),

@@ -38,6 +38,7 @@ from ..machine.device import (
 from ..model import GPT, GPTConfig, flex_attention_chosen
 from ..optim import get_param_groups
 from ..precision import resolve_precision
+from ..run.budget import DEFAULT_MAX_WARMUP, BudgetPlan, budget_learning_rate
 from ..run.config import RunConfig
 from ..step import learning_rate, wsd_decay_start
 
@@ -245,6 +246,8 @@ def check_param_groups(model, weight_decay: float) -> Check:
 def check_lr_schedule(cfg: RunConfig) -> Check:
     """Warmup first, then a decay that ends on the floor and never goes under it."""
     o, t = cfg.optim, cfg.train
+    if t.time_budget is not None:
+        return check_budget_schedule(cfg)
     lrs = [learning_rate(s, o, t.steps) for s in range(1, t.steps + 2)]  # every step, and one after the last
     after_warmup = lrs[o.warmup :]
     problems, meanings = [], []
@@ -275,6 +278,34 @@ def check_lr_schedule(cfg: RunConfig) -> Check:
         else "; ".join(problems)
     )
     return Check("LR schedule", ok, detail, "; ".join(meanings))
+
+
+def check_budget_schedule(cfg: RunConfig, nominal_steps: int = 1000) -> Check:
+    """A time budget's schedule is drawn by the clock during the run: checked here on a plan of
+    ``nominal_steps`` (warmup, the peak, the decay over its last ``--decay-fraction``), the same
+    function of the step and the plan that trains (``nanolm.run.budget``)."""
+    o, t = cfg.optim, cfg.train
+    steps = min(nominal_steps, t.steps)
+    warmup = o.warmup if o.warmup is not None else min(DEFAULT_MAX_WARMUP, steps // 10)
+    plan = BudgetPlan(
+        t.time_budget, warmup=warmup, last_step=steps, decay_from=wsd_decay_start(warmup, steps, o.decay_fraction)
+    )
+    lrs = [budget_learning_rate(s, o, plan) for s in range(1, steps + 2)]
+    problems = []
+    if warmup <= 0 or lrs[0] >= o.lr:
+        problems.append("no warmup: the first step runs at the peak rate")
+    if max(lrs) > o.lr * (1 + 1e-9) or min(lrs) < o.min_lr * (1 - 1e-9) or lrs[-1] != o.min_lr:
+        problems.append(f"the plan's rates leave [--min-lr, --lr] or end off the floor (last {lrs[-1]:.2e})")
+    if any(later > earlier for earlier, later in zip(lrs[warmup:], lrs[warmup + 1 :])):
+        problems.append("the rate rises after the warmup")
+    detail = (
+        f"time budget {t.time_budget:g} s: warmup {'of ' + str(o.warmup) if o.warmup is not None else 'a tenth of the steps that fit (at most 200)'} "
+        f"to {o.lr:.1e}, the peak, then a straight line to the floor {o.min_lr:.1e} over the last "
+        f"{o.decay_fraction:.0%} of the steps, started by the clock"
+        if not problems
+        else "; ".join(problems)
+    )
+    return Check("LR schedule", not problems, detail, "the schedule function is broken" if problems else "")
 
 
 def check_sample_window(tokens: np.ndarray, tokenizer, seq_len: int) -> Check:

@@ -36,6 +36,7 @@ from ..errors import NanolmError
 from ..machine.device import resolve_device
 from ..machine.runtime import configure_determinism, settings_restored
 from ..precision import cast_weights_, resolve_precision
+from ..run.budget import TimeBudget
 from ..run.config import load_run_config
 from ..step import StepSetup, counted_tokens, learning_rate, train_step
 from ..tokenizer import Tokenizer
@@ -122,6 +123,7 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
         mask_boundary=d.mask_boundary,
     )
     guard = Guard.from_options(g, out_dir=None, log=log)
+    budget = TimeBudget(t.time_budget, o) if t.time_budget is not None else TimeBudget.off()
     checkpointer = Checkpointer.for_run(
         cfg,
         dist=Distributed("none", dev),
@@ -131,13 +133,23 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
         tokenizer=tokenizer,
         data_digest=data.digest,
         log=log,
-        stateful={"sampler": batches, "scaler": scaler, "progress": Progress(), "guard": guard, "observer": _Ignored()},
+        stateful={
+            "sampler": batches,
+            "scaler": scaler,
+            "progress": Progress(),
+            "guard": guard,
+            "observer": _Ignored(),
+            **({"budget": budget} if budget.active else {}),
+        },
     )
     start = checkpointer.restore(checkpoint)
+    # a time-budgeted run's rates are its plan's as the checkpoint holds it (a decay the clock drew
+    # again between the checkpoint and the replayed step is not known to it)
+    schedule = budget.learning_rate if budget.active else partial(learning_rate, o=o, total_steps=t.steps)
     step_setup = StepSetup(
         model,
         optimizer,
-        schedule=partial(learning_rate, o=o, total_steps=t.steps),
+        schedule=schedule,
         clip=o.clip,
         scaler=scaler,
         autocast=precision.autocast,
@@ -162,7 +174,7 @@ def _replay(run_dir, step: int, device: str | None, log) -> dict:
         step_setup,
         guard=None,
         watch=lambda s, batches: watch,
-        schedule=lambda s: learning_rate(s, o, t.steps) * lr_scale,
+        schedule=lambda s: schedule(s) * lr_scale,
     )
     result = train_step(examined, step, micro_batches)
     loss, grad_norm = float(result.loss), float(result.grad_norm)

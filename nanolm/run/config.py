@@ -35,6 +35,7 @@ from ..tokenizer import EOS, MAX_BPE_VOCAB
 from ..tokenizer import KINDS as TOKENIZER_KINDS
 from ..watch.guards import NAN_ACTIONS, SPIKE_ACTIONS
 from ..watch.sinks import LOG_SINKS, PROGRESS_MODES, parse_sinks
+from .budget import NO_STEP_LIMIT, parse_duration
 
 MAX_THREADS = 1024
 """The most CPU threads a run may ask for: twice the logical cores of the largest CPUs made. Far
@@ -42,9 +43,11 @@ more (tens of thousands) exhausts what the system lets one process start, and th
 then crashes the process (a segmentation fault) instead of raising an error."""
 
 
-def option(default, help: str, choices=None, flag: str | None = None, parse=None):
-    """A field with its help text; ``parse`` reads a value written as text (``--threads auto``)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "parse": parse})
+def option(default, help: str, choices=None, flag: str | None = None, parse=None, shown: str | None = None):
+    """A field with its help text; ``parse`` reads a value written as text (``--threads auto``);
+    ``shown`` is the default as --help writes it, where the value itself would not say it."""
+    metadata = {"help": help, "choices": choices, "flag": flag, "parse": parse, "shown": shown}
+    return field(default=default, metadata=metadata)
 
 
 def count_or_auto(text: str) -> int:
@@ -111,11 +114,12 @@ class OptimOptions:
     lr: float = option(3e-3, "peak learning rate")
     min_lr: float | None = option(None, "final learning rate, where the decay ends (default: lr / 10)")
     warmup: int | None = option(None, "linear warmup steps (default: steps / 10, at most 200)")
-    schedule: str = option(
-        "cosine",
+    schedule: str | None = option(
+        None,
         "the rate after warmup: cosine (decays from the end of warmup to --min-lr at "
-        "--steps) or wsd (warmup-stable-decay: the peak rate until the last --decay-fraction of "
-        "the steps, then a straight line down to --min-lr; docs/speedrun.md)",
+        "--steps; the default) or wsd (warmup-stable-decay: the peak rate until the last --decay-fraction of "
+        "the steps, then a straight line down to --min-lr; the default with --time-budget, which starts the "
+        "decay by the clock; docs/speedrun.md)",
         choices=SCHEDULES,
     )
     decay_fraction: float = option(0.2, "with --schedule wsd: the share of --steps spent decaying at the end")
@@ -140,7 +144,17 @@ class OptimOptions:
 
 @dataclass
 class TrainOptions:
-    steps: int = option(1000, "optimizer steps")
+    steps: int | None = option(
+        None, "optimizer steps (default 1000; with --time-budget, the most steps its plan may take: default no limit)"
+    )
+    time_budget: float | None = option(
+        None,
+        "train for this long instead of a number of steps: 60, 90s, 5m, 1h (off: none). The run measures "
+        "a step and an evaluation, plans its steps, warmup and warmup-stable-decay schedule to end its "
+        "training and final evaluation inside the budget, and starts the decay by the clock (docs/speedrun.md)",
+        parse=parse_duration,
+        shown="off",
+    )
     batch_size: int = option(16, "sequences per micro-batch")
     grad_accum: int = option(1, "micro-batches per optimizer step (tokens/step = batch_size × grad_accum × seq_len)")
     seed: int = option(1337, "seed for initialisation, data order and sampling")
@@ -333,7 +347,11 @@ class RunConfig:
         o, t = cfg.optim, cfg.train
         if o.min_lr is None:
             o.min_lr = default_min_lr(o.lr)
-        if o.warmup is None:
+        if o.schedule is None:
+            o.schedule = "cosine" if t.time_budget is None else "wsd"
+        if t.steps is None:
+            t.steps = 1000 if t.time_budget is None else NO_STEP_LIMIT
+        if o.warmup is None and t.time_budget is None:  # a time budget's plan sets it from the steps that fit
             o.warmup = min(200, t.steps // 10)
         if o.optimizer == "muon" and o.muon_lr is None:
             o.muon_lr = o.lr
@@ -386,6 +404,17 @@ class RunConfig:
             t.ckpt_every,
             "positive (a checkpoint every N steps)",
         )
+        need(
+            t.time_budget is None or (finite(t.time_budget) and t.time_budget > 0),
+            "time_budget",
+            t.time_budget,
+            "a positive duration such as 60, 90s, 5m or 1h (off: train --steps)",
+        )
+        if t.time_budget is not None and o.schedule != "wsd":
+            raise NanolmError(
+                "--time-budget plans a warmup-stable-decay schedule, whose decay the clock starts; "
+                "leave --schedule at its default (wsd with a budget), as a cosine decays from the first step by a count of steps"
+            )
         need(t.eval_batches is None or t.eval_batches > 0, "eval_batches", t.eval_batches, "positive")
         need(t.eval_windows is None or t.eval_windows > 0, "eval_windows", t.eval_windows, "positive")
         need(finite(o.lr) and o.lr > 0, "lr", o.lr, "a positive number")
@@ -553,7 +582,11 @@ def _coerce(name: str, value, source: str):
         try:
             value = f.metadata["parse"](value)
         except ValueError:
-            raise NanolmError(f"{name} in {source} must be a {kind.__name__} or auto, got {_brief(value)}") from None
+            raise NanolmError(
+                f"{name} in {source} must be a {f.metadata['parse'].__name__}, got {_brief(value)}"
+            ) from None
+        if value is None:  # "off"
+            return None
     if kind is bool:
         if not isinstance(value, bool):
             raise NanolmError(f"{name} in {source} must be true or false, got {_brief(value)}")
@@ -605,7 +638,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             kind = _field_type(f)
             default = f.default
-            shown = "derived" if default is None else ('""' if default == "" else default)
+            shown = f.metadata["shown"] or ("derived" if default is None else ('""' if default == "" else default))
             help_text = argparse.SUPPRESS if hidden else f"{f.metadata['help']} (default: {shown})"
             kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
             if kind is bool:

@@ -164,7 +164,8 @@ def _finished(final: dict | None, cfg: RunConfig) -> bool:
     if final is None:
         return False
     reached = 0 < t.target_val_bpb and final.get("val_bpb") is not None and final["val_bpb"] <= t.target_val_bpb
-    return final["step"] >= t.steps or reached
+    spent = t.time_budget is not None and final.get("time_budget_s") == t.time_budget  # ended by its time budget
+    return final["step"] >= t.steps or reached or spent
 
 
 def _plan_for(
@@ -235,6 +236,12 @@ def _plan_for(
             out_dir,
             finished=True,
             message=_past_steps(out_dir, finished_at, t.steps)
+            or (
+                f"{out_dir} finished at step {finished_at}, where its time budget of {t.time_budget:g} s ended; "
+                f"nothing to do (choose another --out-dir for a new run)"
+                if t.time_budget is not None and final.get("time_budget_s") == t.time_budget
+                else None
+            )
             or (
                 f"{out_dir} finished at step {finished_at} of {t.steps}; nothing to do (raise --steps to train longer, "
                 f"or choose another --out-dir for a new run)"

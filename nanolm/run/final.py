@@ -92,6 +92,8 @@ def write_final(run_dir, model: torch.nn.Module, step: int, summary: dict | None
         "val_bpb": _json_float(summary.get("val_bpb")),
         "files": manifest(run_dir, ("model.safetensors", "config.toml", "tokenizer.json")),
     }
+    if summary.get("time_budget_s") is not None:  # the run ended where its time budget did, not at --steps
+        meta["time_budget_s"] = float(summary["time_budget_s"])
     atomic_write_text(run_dir / FINAL, json.dumps(sealed(meta), indent=2))
 
 
@@ -109,7 +111,7 @@ def read_final(run_dir) -> dict | None:
         isinstance(meta, dict)
         and meta.get("format") == FORMAT
         and _is_int(meta.get("step"))
-        and all(meta.get(k) is None or _is_number(meta.get(k)) for k in ("val_loss", "val_bpb"))
+        and all(meta.get(k) is None or _is_number(meta.get(k)) for k in ("val_loss", "val_bpb", "time_budget_s"))
         and isinstance(meta.get("files"), dict)
         and set(meta["files"]) == {"model.safetensors", "config.toml", "tokenizer.json"}
     ):

@@ -21,6 +21,7 @@ logged step and never on the others (unless the guard already read them).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,7 +77,9 @@ class ObserverOptions:
             "optimizer": o.optimizer,
             "schedule": o.schedule,
         }
-        if o.schedule == "wsd":  # the peak until decay_start_step by design, then a line to min_lr at decay_end_step
+        if t.time_budget is not None:  # the warmup is the plan's, the decay the clock's (its lines say where)
+            recipe["time_budget_s"] = t.time_budget
+        elif o.schedule == "wsd":  # the peak until decay_start_step by design, then a line to min_lr at decay_end_step
             recipe["decay_start_step"] = wsd_decay_start(o.warmup, t.steps, o.decay_fraction) + 1
             recipe["decay_end_step"] = t.steps + 1
         if o.optimizer == "muon":
@@ -207,6 +210,12 @@ class Observer:
         judged against its band), or that there is none for this setup (and nothing is judged)."""
         if self.setup is None:
             return
+        if self.reference is None and "time_budget_s" in self.options.recipe:
+            self.log(
+                "reference: a time-budgeted run is judged by no band: its warmup and decay follow this machine's "
+                "clock, while a band holds a fixed number of steps (--time-budget off and a recipe's --steps is judged)"
+            )
+            return
         if self.reference is None:
             self.log(no_reference_line(self.setup))
             return
@@ -268,14 +277,26 @@ class Observer:
         underflow = self.logs(step) and self.precision.name == "fp16"
         return GradientWatch(self.model, stats, underflow, self.scaler) if stats is not None or underflow else None
 
-    def observe(self, result) -> dict:
-        """After a step that stands: count it; on a logged step, read its figures (one host
-        sync) and return its row, for :meth:`record_step` ({} when the step is not logged)."""
+    def planned(self, steps: int, warmup: int) -> None:
+        """A time budget's plan (``nanolm.run.budget``): the steps it expects in all, which the progress
+        display and the ETA count to, and the warmup it chose, which the step-0 row records."""
+        if self.meter is None:
+            recipe = {**self.options.recipe, "warmup_steps": warmup}
+            self.options = dataclasses.replace(self.options, steps=steps, recipe=recipe)
+            return
+        self.meter.total_steps = steps
+        if self.monitor is not None:
+            self.monitor.terminal.planned(steps)
+
+    def observe(self, result, last: bool = False) -> dict:
+        """After a step that stands: count it; on a logged step (or the ``last``, which a time
+        budget decides after it ran), read its figures (one host sync) and return its row, for
+        :meth:`record_step` ({} when the step is not logged)."""
         step = result.step
         loss, grad_norm = result.read if result.read is not None else (result.loss, result.grad_norm)  # read once
         if result.updated:
             self.meter.count_clipped(grad_norm)
-        if not self.logs(step):
+        if not (self.logs(step) or last):
             return {}
         row = self.meter.row(step, loss, result.lr, grad_norm)  # the one host sync of a logged step
         row["tokens"] = self.progress.tokens_seen

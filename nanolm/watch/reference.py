@@ -102,6 +102,8 @@ def setup_of(cfg, data_digest: str, precision: str, device_type: str, world_size
             continue
         skip = NOT_COUNTED.get(section, set())
         setup[section] = {k: v for k, v in options.items() if k not in skip}
+    if setup["train"].get("time_budget", 0) is None:  # no budget: the setup of every fixed-step run before budgets
+        del setup["train"]["time_budget"]
     t = cfg.train
     setup["run"] = {
         "data_digest": data_digest,

@@ -226,6 +226,12 @@ class Terminal:
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", file=sys.stdout, dynamic_ncols=True)
 
+    def planned(self, total_steps: int) -> None:
+        """A time budget's new estimate of the run's steps."""
+        self.total_steps = total_steps
+        if self.bar is not None:
+            self.bar.total = total_steps
+
     def write(self, line: str) -> None:
         if self.bar is not None:
             self.bar.write(line, file=sys.stdout)
