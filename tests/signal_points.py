@@ -366,10 +366,9 @@ def selected_cases(steps: list, stride: int = SUITE_STRIDE, every_signal: bool =
 
 def import_for_children() -> None:
     """Import once, in the parent, what every child would otherwise import again (PyTorch's
-    optimizer machinery among it), without running any PyTorch operation."""
+    modules among it), without running any PyTorch operation."""
     import safetensors.torch  # noqa: F401
     import tokenizers  # noqa: F401
-    import torch._dynamo  # noqa: F401 - what building an optimizer imports
 
     import nanolm.instruments.cli  # noqa: F401
     import nanolm.train  # noqa: F401

@@ -26,8 +26,10 @@ WEEKS_FILES = {"train.py", "step.py", "model.py", "fused_loss.py", "batches.py"}
 # back, stop), the observer's choice of what to read of the gradients (which asks the validator's
 # schedule: every evaluation step is logged), and the thread tuner the loop calls by name before
 # the step (--threads auto, the default on a CPU: whether a trial of thread counts is due, and the
-# trial when it is).
+# trial when it is). And the optimizer's update and zero_grad: PyTorch's own, reached through
+# nanolm.optim's class that skips their compile guards.
 COMPONENTS = {
+    "optim.py": {"step", "zero_grad"},
     "watch/guards.py": {"decide"},
     "watch/observer.py": {"gradient_watch"},
     "watch/validator.py": {"due"},
@@ -103,7 +105,8 @@ def _nanolm_modules_a_train_imports(tmp_path, stories_file, *flags) -> set[str]:
     """The nanolm modules loaded by the `nanolm train` command on a two-step run, in a fresh process."""
     code = (
         "import atexit, sys\n"
-        "atexit.register(lambda: print('MODULES', *sorted(m for m in sys.modules if m.startswith('nanolm')), "
+        "atexit.register(lambda: print('MODULES', *sorted(m for m in sys.modules if m.startswith('nanolm') "
+        "or m == 'torch._dynamo'), "
         "file=sys.stderr))\n"
         "from nanolm.instruments.cli import entry\n"
         "entry(sys.argv[1:])\n"
@@ -147,11 +150,15 @@ def _nanolm_modules_a_train_imports(tmp_path, stories_file, *flags) -> set[str]:
     return set(next(line for line in result.stderr.splitlines() if line.startswith("MODULES")).split()[1:])
 
 
-def test_a_plain_train_imports_none_of_the_labs_faults(tmp_path, stories_file):
+def test_a_plain_train_imports_none_of_the_labs_faults_and_no_compiler(tmp_path, stories_file):
     """The lab breaks runs by swapping components for broken ones (``nanolm.instruments.faults``);
-    a plain run must not carry them, not even as an import: what it loads is what it runs."""
+    a plain run must not carry them, not even as an import: what it loads is what it runs. Nor does
+    a run without --compile load the compiler (``torch._dynamo``, ~1 s of every start-up), which
+    PyTorch's optimizers import on their first call (``nanolm.optim.WithoutCompileGuards``)."""
     plain = _nanolm_modules_a_train_imports(tmp_path, stories_file)
     assert "nanolm.train" in plain and "nanolm.instruments.faults" not in plain
+    assert "torch._dynamo" not in plain, "a run that compiles nothing imported torch._dynamo"
+    plain.discard("torch._dynamo")
     assert {m for m in plain if m.startswith("nanolm.instruments")} == {  # the command, and the lab's list for --help
         "nanolm.instruments",
         "nanolm.instruments.cli",

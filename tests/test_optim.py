@@ -286,3 +286,30 @@ def test_the_schedule_counts_steps_from_one_like_the_loop_and_refuses_step_zero(
     assert cosine_lr(1, 1.0, 10, 100) == pytest.approx(0.1) and wsd_lr(1, 1.0, 10, 100) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="count from 1"):
         cosine_lr(0, 1.0, 10, 100)
+
+
+def test_adamw_without_compile_guards_takes_torchs_adamw_steps_to_the_bit():
+    """nanolm's AdamW calls PyTorch's own step, zero_grad and state functions without the wrappers
+    that import the compiler (``WithoutCompileGuards``): the same updates, to the bit, under the
+    same gradient mode (none recorded), and a state that loads into either."""
+    from nanolm.optim import AdamW
+
+    torch.manual_seed(0)
+    models = [tiny_model(), tiny_model()]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [
+        cls(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True) for cls, m in zip((AdamW, torch.optim.AdamW), models)
+    ]
+    x = torch.randint(0, 64, (2, 16))
+    for step in range(3):
+        for model, opt in zip(models, opts):
+            model(x, targets=x)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        if step == 1:  # each loads the other's state
+            states = [o.state_dict() for o in opts]
+            opts[0].load_state_dict(states[1])
+            opts[1].load_state_dict(states[0])
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b) and a.grad_fn is None
+    assert all(p.grad is None for p in models[0].parameters())

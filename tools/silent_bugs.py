@@ -1624,6 +1624,15 @@ BUGS = [
         'return final["step"] >= t.steps or reached',
         tests=("test_budget",),
     ),
+    Bug(
+        "optimizer_imports_the_compiler",
+        "AdamW is PyTorch's own class again: its first call imports torch._dynamo, a compiler the run "
+        "never uses, and every command's first step comes about a second later",
+        "nanolm/optim.py",
+        "class AdamW(WithoutCompileGuards, torch.optim.AdamW):",
+        "class AdamW(torch.optim.AdamW):",
+        tests=("test_layout",),
+    ),
 ]
 
 FAST_TESTS = (
