@@ -1,6 +1,8 @@
+import atexit
 import getpass
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,6 +36,14 @@ suite runs without them, as in a user's bare shell, and its commands with them t
 process inherits this environment). A test that needs one sets it itself."""
 for _name in SHELL_SETTINGS:
     os.environ.pop(_name, None)
+# What a run keeps between runs (a CPU's measured matmul peak, downloads) goes to a cache of this
+# session's own, never the user's: each test starts from what the suite itself kept.
+_CACHE = tempfile.mkdtemp(prefix="nanolm-tests-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["NANOLM_CACHE"] = _CACHE
+# Each run prepares its own text, as the tests of preparation expect; the cache of prepared data
+# has its tests (tests/test_data_cache.py), which turn it on.
+os.environ["NANOLM_NO_DATA_CACHE"] = "1"
 # The property tests (Hypothesis) draw the same examples on every run and keep no example database:
 # CI's verdict on a tree never depends on chance, nor on what an earlier run in the same clone found.
 # NANOLM_EXPLORE=1 draws fresh random examples each time (and keeps what fails), to search further.

@@ -406,6 +406,33 @@ def test_the_cpu_bf16_peak_behind_mfu_is_timed_on_products_large_enough_to_reach
     assert min(shapes[0]) >= 512
 
 
+def test_a_cpus_matmul_peak_is_measured_once_per_machine_thread_count_and_format_and_kept(monkeypatch, tmp_path):
+    """The peak behind MFU is measured once and read back by every later run (no 0.3 s at each
+    start, and no MFU read against a peak taken in a busy moment); another thread count or number
+    format is another peak; a damaged or unwritable cache is measured around, never an error."""
+    from nanolm.machine import hardware
+
+    measured = []
+    monkeypatch.setattr(hardware, "measure_matmul_flops", lambda device, dtype, seconds: measured.append(dtype) or 1e11)
+    monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    try:
+        assert hardware.peak_flops(torch.device("cpu"), torch.float32)[0] == 1e11 and len(measured) == 1
+        flops, source = hardware.peak_flops(torch.device("cpu"), torch.float32)
+        assert (flops, len(measured)) == (1e11, 1) and "as measured on this CPU before" in source
+        hardware.peak_flops(torch.device("cpu"), torch.bfloat16)
+        torch.set_num_threads(threads + 1)
+        hardware.peak_flops(torch.device("cpu"), torch.float32)
+        assert len(measured) == 3, "one measurement per format and per thread count"
+    finally:
+        torch.set_num_threads(threads)
+    (tmp_path / "cache" / hardware.PEAKS_FILE).write_text("{not json")
+    assert hardware.peak_flops(torch.device("cpu"), torch.float32)[0] == 1e11 and len(measured) == 4
+    assert hardware.peak_flops(torch.device("cpu"), torch.float32)[1].endswith("as measured on this CPU before")
+    monkeypatch.setenv("NANOLM_CACHE", str(tmp_path / "cache" / hardware.PEAKS_FILE / "below-a-file"))
+    assert hardware.peak_flops(torch.device("cpu"), torch.float32)[0] == 1e11 and len(measured) == 5
+
+
 def test_doctor_says_what_this_machine_would_pick_and_refuses_what_it_cannot_do(monkeypatch):
     from nanolm.instruments.doctor import device_choices
 

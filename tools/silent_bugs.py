@@ -1633,13 +1633,38 @@ BUGS = [
         "class AdamW(torch.optim.AdamW):",
         tests=("test_layout",),
     ),
+    Bug(
+        "cpu_peak_kept_for_every_thread_count",
+        "the kept matmul peak ignores the thread count: a run at --threads 1 reads the peak two "
+        "threads measured, and its MFU is half what it is",
+        "nanolm/machine/hardware.py",
+        'key = f"{cpu_model()} | {kernels} | {threads} threads | {dtype} | torch {torch.__version__}"',
+        'key = f"{cpu_model()} | {kernels} | {dtype} | torch {torch.__version__}"',
+        tests=("test_devices",),
+    ),
+    Bug(
+        "data_cache_ignores_settings",
+        "the cache of prepared data keys on the text alone: a run with another vocabulary size (or "
+        "tokenizer, or validation share) silently trains on the tokens an earlier run prepared",
+        "nanolm/data/cache.py",
+        "h.update(json.dumps(settings, sort_keys=True).encode())",
+        "pass",
+    ),
+    Bug(
+        "data_cache_trusts_kept_copies",
+        "a prepared copy kept in the cache is used unchecked: a flipped bit in its shards trains, "
+        "silently, on other tokens",
+        "nanolm/data/cache.py",
+        "data = PreparedData(out)",
+        "data = PreparedData(out, verify=False)",
+    ),
 ]
 
 FAST_TESTS = (
     "test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
     "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
     "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-    "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs test_run_plan test_observer test_budget"
+    "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs test_run_plan test_observer test_budget test_data_cache"
 ).split()
 
 
@@ -1658,6 +1683,7 @@ CONCERN_TESTS = {
     "nanolm/checkpoint.py": ("test_checkpoint", "test_untrusted_files"),
     "nanolm/distributed.py": ("test_distributed",),
     "nanolm/data/sources.py": ("test_sources", "test_data"),
+    "nanolm/data/cache.py": ("test_data_cache",),
     "nanolm/data/": ("test_data", "test_corpus"),
     "nanolm/run/directory.py": ("test_run_plan", "test_run_directory", "test_run_lock"),
     "nanolm/run/resume.py": ("test_run_directory", "test_checkpoint"),

@@ -53,6 +53,12 @@ ENVIRONMENT_ERRNOS = {
 not a bug: the command line reports them in one line naming the path."""
 
 
+def cache_dir() -> Path:
+    """Where nanolm keeps what outlives a run (downloads, prepared data, a CPU's measured peak):
+    ``$NANOLM_CACHE``, by default ``~/.cache/nanolm``."""
+    return Path(os.environ.get("NANOLM_CACHE", Path.home() / ".cache" / "nanolm"))
+
+
 def require_utf8(flag: str, value: str, why: str) -> None:
     """Refuse a value that is not UTF-8 text (a file name with a byte such as 0xE9, which Python
     keeps as a lone surrogate) before anything is written: the files that record it cannot."""

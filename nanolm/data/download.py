@@ -14,13 +14,12 @@ checked on every later use ("trust on first use"); it is printed so it can be co
 from __future__ import annotations
 
 import hashlib
-import os
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..base.files import replace, sha256_file
+from ..base.files import cache_dir, replace, sha256_file
 from ..errors import NanolmError
 
 
@@ -56,10 +55,6 @@ CORPORA = {
         "TinyStories (GPT-4 stories, the 2.2 GB training file)",
     ),
 }
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("NANOLM_CACHE", Path.home() / ".cache" / "nanolm"))
 
 
 def fetch(name: str, directory: Path | None = None, log=print, progress: bool = True) -> Path:

@@ -5,7 +5,8 @@
 documents are laid out in the stream). Beside the shards it records two references for the loss: the bits per byte that zlib and xz need for the
 validation text, and, for the built-in stories, their exact entropy. :func:`load_training_data`
 is what a run does with ``--data``: the built-in corpus, shards prepared before, a corpus
-downloaded by name, or a file prepared now.
+downloaded by name, or a file prepared now (or copied from the cache of what an earlier run
+prepared from the same text, ``nanolm/data/cache.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..base.files import atomic_write_text, manifest, replace_directory, sealed
 from ..base.lock import LOCK_FILE, ScratchDirectory, remove_abandoned_scratch
 from ..errors import NanolmError
 from ..tokenizer import Tokenizer, train_tokenizer
+from .cache import keep_prepared, prepared_key, reuse_prepared
 from .corpus import entropy_path, write_stories
 from .download import resolve_data_path
 from .progress import PrepareProgress, expected_text_bytes, format_seconds, megabytes, progress_mode
@@ -282,7 +284,21 @@ def load_training_data(cfg, scratch: Path, log=print, compressor_bounds: bool = 
             )
             return data
         log(f"data: {source}")
-    return prepare(
+    compressor_sample_bytes = COMPRESSOR_SAMPLE_BYTES if compressor_bounds else 0
+    settings = dict(
+        tokenizer=d.tokenizer,
+        vocab_size=d.vocab_size,
+        val_fraction=d.val_fraction,
+        separator=d.separator,
+        text_field=d.text_field,
+        seq_len=cfg.model.seq_len,
+        compressor_sample_bytes=compressor_sample_bytes,
+    )
+    key = prepared_key(source, settings)  # None: not kept (too large, the cache off)
+    kept = reuse_prepared(key, scratch / "data", source, log) if key else None
+    if kept is not None:
+        return kept
+    data = prepare(
         source,
         scratch / "data",
         d.tokenizer,
@@ -293,8 +309,11 @@ def load_training_data(cfg, scratch: Path, log=print, compressor_bounds: bool = 
         seq_len=cfg.model.seq_len,
         progress=cfg.train.progress,
         log=log,
-        compressor_sample_bytes=COMPRESSOR_SAMPLE_BYTES if compressor_bounds else 0,
+        compressor_sample_bytes=compressor_sample_bytes,
     )
+    if key:
+        keep_prepared(key, data.dir, log)
+    return data
 
 
 def _refuse_foreign_files(out: Path) -> None:

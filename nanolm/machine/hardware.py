@@ -10,6 +10,7 @@ bf16 or TF32 ones, so a "bf16" run there is emulated and slow).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -115,13 +116,61 @@ def measure_matmul_flops(device_type: str = "cpu", dtype: torch.dtype = torch.fl
             return 2 * n**3 / max(best, 1e-9)
 
 
+PEAKS_FILE = "cpu_peaks.json"
+KEPT_MEASUREMENT_SECONDS = 0.3  # a kept figure is measured longer than a passing one: it serves every later run
+
+
+def cpu_model() -> str:
+    """The CPU's name as the system gives it (Linux's /proc/cpuinfo), or the platform's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def kept_matmul_flops(dtype: torch.dtype, log=None) -> tuple[float, bool]:
+    """This CPU's matmul rate in ``dtype`` at the current thread count and kernel path: measured once
+    per machine (over 0.3 s) and kept in the cache (``$NANOLM_CACHE/cpu_peaks.json``), so that a
+    run neither spends the measurement again nor reads its MFU against a figure taken in a busy
+    moment of its own start-up. Returns (FLOP/s, whether it was read from the cache). A cache
+    that cannot be read or written is measured around, as if there were none."""
+    from ..base.documents import read_json
+    from ..base.files import atomic_write_text, cache_dir
+    from ..errors import NanolmError
+
+    kernels, threads = torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()
+    key = f"{cpu_model()} | {kernels} | {threads} threads | {dtype} | torch {torch.__version__}"
+    path = cache_dir() / PEAKS_FILE
+    try:
+        peaks = read_json(path) if path.is_file() else {}
+    except (NanolmError, OSError):
+        peaks = {}
+    peaks = peaks if isinstance(peaks, dict) else {}
+    kept = peaks.get(key)
+    if isinstance(kept, float) and math.isfinite(kept) and kept > 0:
+        return kept, True
+    measured = measure_matmul_flops("cpu", dtype, KEPT_MEASUREMENT_SECONDS)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({**peaks, key: measured}, indent=1))
+    except (NanolmError, OSError):
+        pass  # not kept: the next run measures again
+    return measured, False
+
+
 def peak_flops(
     device: torch.device, dtype: torch.dtype = torch.float32, declared: float = 0.0
 ) -> tuple[float | None, str]:
     """The peak FLOP/s that MFU is measured against, and where the figure comes from.
 
     Order: a declared value (``--peak-flops``) wins; a CUDA GPU is looked up in
-    :data:`GPUS`; a CPU is measured (:func:`measure_matmul_flops`). Anything else
+    :data:`GPUS`; a CPU is measured once and kept (:func:`kept_matmul_flops`). Anything else
     (an unknown GPU, MPS) has no peak, and rows carry no ``mfu``.
     """
     if declared > 0:
@@ -132,5 +181,7 @@ def peak_flops(
         peak = gpu_peak_flops(name, dtype, tf32)
         return peak, (f"data sheet of {name}" if peak else f"unknown GPU {name!r}: declare --peak-flops for MFU")
     if device.type == "cpu":
-        return measure_matmul_flops("cpu", dtype), f"measured {str(dtype).removeprefix('torch.')} matmul on this CPU"
+        flops, kept = kept_matmul_flops(dtype)
+        how = "as measured on this CPU before" if kept else "measured on this CPU, kept for later runs"
+        return flops, f"{str(dtype).removeprefix('torch.')} matmul {how}"
     return None, f"no peak known for {device.type}: declare --peak-flops for MFU"
