@@ -47,6 +47,7 @@ NO_STEP_LIMIT = 10**9
 RECENT_STEPS = 5  # a step's cost is the median wall time of this many recent steps: a slowdown shows in three
 REDRAW_SHARE = 0.05  # a plan that moves by less than this share of the steps left is not said again (nor
 # lengthened: a faster machine draws a longer decay only past it)
+ESTIMATE_SHARE = 0.1  # before the decay, an estimate of the steps in all is said again when it moves this much
 DEFAULT_MAX_WARMUP = 200
 
 _UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -248,7 +249,7 @@ class TimeBudget:
                     f"({self.left():.1f} s left, ~{p.step_s:.2g} s a step)"
                 )
                 self.announced = end
-            elif self._moved(step, end):
+            elif self._moved(step, end, share=ESTIMATE_SHARE):
                 self.log(
                     f"time budget: a step now takes ~{p.step_s:.2g} s, so ~{end} steps fit in all, not "
                     f"~{self.announced} ({self.left():.1f} s left)"
@@ -268,9 +269,10 @@ class TimeBudget:
                 self.announced = end
         return False
 
-    def _moved(self, step: int, end: int) -> bool:
-        """Whether the plan's end moved enough since it was last said to be said again."""
-        return abs(end - self.announced) >= max(2, REDRAW_SHARE * (self.announced - step))
+    def _moved(self, step: int, end: int, share: float = REDRAW_SHARE) -> bool:
+        """Whether the plan's end moved enough since it was last said to be said again: by ``share``
+        of the steps that were left, and by at least two steps."""
+        return abs(end - self.announced) >= max(2, share * (self.announced - step))
 
     def _draw_decay(self, step: int, end: int) -> None:
         """Start (or draw again) the straight line to the floor: from the rate step ``step + 1``
