@@ -1603,8 +1603,8 @@ BUGS = [
         "a decay drawn again mid-way starts from the peak, not from where the rate is: the rate jumps "
         "back up for a few steps, and the loss with it",
         "nanolm/run/budget.py",
-        "p.decay_share = (rate - o.min_lr) / (o.lr - o.min_lr) if o.lr > o.min_lr else 0.0",
-        "p.decay_share = 1.0",
+        "rate = self.learning_rate(step + 1)",
+        "rate = o.lr",
     ),
     Bug(
         "budget_of_zero_taken",
