@@ -65,9 +65,9 @@ class WithoutCompileGuards:
 
     PyTorch wraps an optimizer's ``step``, ``zero_grad``, ``add_param_group``, ``state_dict`` and
     ``load_state_dict`` so that a compiled program does not trace into them, and each wrapper imports
-    ``torch._dynamo`` on its first call: about a second of every run's start-up on a CPU (~1.0 s of
-    the ~2.3 s from launch to the first step of a prepared run), spent before a single optimizer
-    call, for a compiler nanolm never runs on its optimizers (``--compile`` compiles the model). The
+    ``torch._dynamo`` on its first call: a large share of every run's start-up (docs/benchmarks.md,
+    "Process tuning"), spent for a compiler nanolm never runs on its optimizers (``--compile``
+    compiles the model). The
     methods here call the same functions unwrapped: the same arithmetic, the same state, under the
     gradient mode PyTorch's ``step`` sets (off, unless the optimizer is ``differentiable``). Put first
     among a class's bases; a class with its own ``step`` keeps it.

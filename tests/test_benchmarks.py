@@ -711,3 +711,20 @@ def test_a_shifted_holdout_holds_out_other_documents_and_keeps_every_one():
     held = {text for split, text in split_documents(iter(docs), 0.1) if split == "val"}
     held_after = {text for split, text in split_documents(iter(shifted), 0.1) if split == "val"}
     assert len(held) == len(held_after) == 4 and not held & held_after
+
+
+@pytest.mark.exhaustive
+def test_step_profile_times_nanolm_beside_the_plain_loop_and_groups_the_profile(monkeypatch, capsys):
+    """The figures of dev/measurements.md, "The 60 s step, op by op": every loop timed on the same
+    batches, the ratio the printed times give, and a profile whose groups are the whole step."""
+    result = benchmark_json(
+        monkeypatch, capsys, "step_profile.py", "--threads", "1", "--steps", "2", "--formats", "fp32", "--profile"
+    )
+    fp32 = result["formats"]["fp32"]
+    loops = fp32["loops"]
+    assert set(loops) == {"nanolm (Muon)", "nanolm (AdamW)", "plain loop (AdamW)"}
+    assert all(v["ms_per_step"] > 0 and 0 < v["mfu"] for v in loops.values())
+    ms = {k: v["ms_per_step"] for k, v in loops.items()}
+    assert fp32["plain_over_nanolm_adamw"] == round(ms["plain loop (AdamW)"] / ms["nanolm (AdamW)"], 3)
+    groups = fp32["profile"]["groups_share"]
+    assert {"matmul", "attention", "other"} <= set(groups) and 0.99 <= sum(groups.values()) <= 1.01

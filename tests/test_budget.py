@@ -203,3 +203,24 @@ def test_a_bad_time_budget_is_one_line(tmp_path, flags, message):
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and message in err[-1] and "Traceback" not in r.stderr, r.stderr
     assert not list(out.glob("checkpoints/*")), "nothing trained, nothing saved"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("spent_s", "12"),
+        ("spent_s", float("nan")),
+        ("warmup", True),
+        ("decay_share", 2.0),
+        ("last_step", -1),
+        ("ended", 1),
+    ],
+)
+def test_a_checkpoints_plan_out_of_its_types_is_refused_before_a_step_reads_it(field, value):
+    """A crafted or damaged state.pt: the checkpointer turns the ValueError into one line naming the
+    budget state malformed; without the check a string would first fail as a TypeError mid-run."""
+    good = json.loads(json.dumps(TimeBudget(60).state_dict()))
+    fresh = TimeBudget(60, SimpleNamespace(lr=PEAK, min_lr=0.0))
+    fresh.load_state_dict(good)  # the state as written loads
+    with pytest.raises(ValueError, match="time budget's plan"):
+        TimeBudget(60).load_state_dict({**good, field: value})

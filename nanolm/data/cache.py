@@ -1,8 +1,7 @@
 """Prepared data kept between runs: the same text with the same settings is tokenized once.
 
 A run given raw text (``--data FILE``) prepares it in its run directory: it trains a tokenizer
-and encodes every document (~0.7 s for 2 MB of stories at a 4,096-token BPE, minutes for hundreds
-of megabytes). A second run on the same text with the same settings, in another directory (the
+and encodes every document (docs/data.md says what that costs). A second run on the same text with the same settings, in another directory (the
 next seed, the next config of a sweep), would do all of it again. So what a run prepares is also
 kept in the cache, ``$NANOLM_CACHE/prepared/<key>`` (default ``~/.cache/nanolm``), and a later
 run copies it in instead, checks every file against the manifest as it does any prepared data,

@@ -152,9 +152,10 @@ def compare_records(a: RunRecord, b: RunRecord) -> Comparison:
     kind = "same_training" if a.seed == b.seed else "seeds"
     budget_note = []
     if a.setup["train"].get("time_budget") is not None:
-        a, b, budget_note = until_the_schedules_part(a, b)
-        if not budget_note[0]:
-            return Comparison(kind, True, budget_note[1:])
+        a, b, line = until_the_schedules_part(a, b)
+        budget_note = [line]
+        if not a.rows:
+            return Comparison(kind, True, budget_note)
     broken = first_non_finite_difference(a.rows, b.rows, ("loss", "val_loss", "grad_norm"))
     if broken is not None:
         step, key, x, y = broken
@@ -168,25 +169,28 @@ def compare_records(a: RunRecord, b: RunRecord) -> Comparison:
             parted_at=step,
         )
     verdict = _same_training(a, b, split) if a.seed == b.seed else _seeds(a, b)
-    verdict.lines[:0] = budget_note[1:]
+    verdict.lines[:0] = budget_note
     return verdict
 
 
-def until_the_schedules_part(a: RunRecord, b: RunRecord) -> tuple[RunRecord, RunRecord, list]:
+def until_the_schedules_part(a: RunRecord, b: RunRecord) -> tuple[RunRecord, RunRecord, str]:
     """Two runs with one time budget: each one's clock planned its warmup and started its decay, so
     their learning rates may part at any step, and past it the runs no longer train the same
     thing (a difference there is the plans', not a bug's). Returns both runs cut before the first
-    logged step where their rates differ, and ``[compared, line]``: whether any trained step is left
-    to compare, and a line that says where the comparison stops."""
+    logged step where their rates differ (no rows: no trained step is left to compare), and a line
+    that says where the comparison stops."""
     rates = common_rows(a.rows, b.rows, "lr")
     parted = next((step for step, x, y in rates if x != y), None)
     if parted is None:
-        return a, b, [True, "time budget: their learning rates agree at every logged step, so they are compared whole"]
+        return a, b, "time budget: their learning rates agree at every logged step, so they are compared whole"
     why = f"their time budgets' plans give step {parted} different learning rates (each run's clock planned its own)"
-    if not any(step < parted for step, _, _ in rates):
-        return a, b, [False, f"not compared: {why}, and no earlier trained step was logged by both"]
-    cut = [dataclasses.replace(r, rows=[row for row in r.rows if row["step"] < parted]) for r in (a, b)]
-    return cut[0], cut[1], [True, f"compared up to step {parted - 1}: {why}"]
+    compared = any(step < parted for step, _, _ in rates)
+    cut = [
+        dataclasses.replace(r, rows=[row for row in r.rows if row["step"] < parted] if compared else []) for r in (a, b)
+    ]
+    if not compared:
+        return cut[0], cut[1], f"not compared: {why}, and no earlier trained step was logged by both"
+    return cut[0], cut[1], f"compared up to step {parted - 1}: {why}"
 
 
 def first_non_finite_difference(a: list[dict], b: list[dict], keys) -> tuple[int, str, float, float] | None:

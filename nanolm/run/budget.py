@@ -1,8 +1,8 @@
 """``--time-budget``: a run as long as the user's time, on whatever machine runs it.
 
 A fixed number of steps is the same run on every machine and takes a different time on each: the
-per-minute track's 700 steps take under a minute on the CPU they were fitted to and two on
-another. A user's budget is time, so with ``--time-budget 60`` the run plans its own length:
+per-minute track's steps fit their minute only on the CPU they were fitted to (docs/speedrun.md).
+A user's budget is time, so with ``--time-budget 60`` the run plans its own length:
 
 1. **Measure, then plan** (before a new run's first step): a forward and backward pass of one
    micro-batch and one validation batch, each timed on its second run (the first pays for
@@ -91,6 +91,29 @@ class BudgetPlan:
     decay_from: int | None = None
     decay_share: float = 1.0
     ended: bool = False
+
+
+def checked_plan(state: dict) -> BudgetPlan:
+    """The plan a checkpoint holds, each field of its type and range (a ValueError otherwise: the
+    checkpointer names the state malformed in one line, before any step reads a field of it)."""
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+    def count(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= NO_STEP_LIMIT
+
+    plan = BudgetPlan(**{f.name: state[f.name] for f in dataclasses.fields(BudgetPlan)})
+    ok = (
+        all(number(getattr(plan, k)) for k in ("budget_s", "spent_s", "step_s", "eval_s", "decay_share"))
+        and plan.decay_share <= 1
+        and all(count(getattr(plan, k)) or getattr(plan, k) is None for k in ("warmup", "decay_from"))
+        and count(plan.last_step)
+        and isinstance(plan.ended, bool)
+    )
+    if not ok:
+        raise ValueError(f"a time budget's plan out of its types or ranges: {state!r:.200}")
+    return plan
 
 
 def budget_learning_rate(step: int, o, plan: BudgetPlan) -> float:
@@ -301,7 +324,7 @@ class TimeBudget:
         """A continued run takes its plan and the time spent from the checkpoint. A rollback (the
         clock already running) keeps the live plan and clock: the discarded steps took real time."""
         if self.started is None:
-            self.plan = BudgetPlan(**{f.name: state[f.name] for f in dataclasses.fields(BudgetPlan) if f.name in state})
+            self.plan = checked_plan(state)
 
 
 def measure_a_step_and_an_evaluation(
@@ -339,6 +362,7 @@ def measure_a_step_and_an_evaluation(
         if val_batches:
             with autocast():
                 one = timed(lambda: estimate_loss(model, val_batches[:1], token_bytes, device))
+            dist.reshard(model)  # as after any evaluation: FSDP frees the weights it gathered
             eval_s = one * len(dist.share_of(val_batches))
         return step_s, eval_s
 

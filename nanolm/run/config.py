@@ -122,7 +122,10 @@ class OptimOptions:
         "decay by the clock; docs/speedrun.md)",
         choices=SCHEDULES,
     )
-    decay_fraction: float = option(0.2, "with --schedule wsd: the share of --steps spent decaying at the end")
+    decay_fraction: float = option(
+        0.2,
+        "with --schedule wsd: the share of --steps spent decaying at the end (with --time-budget: of the steps that fit)",
+    )
     weight_decay: float = option(0.1, "AdamW weight decay on matrices (never on norms, biases, embeddings)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
