@@ -1,3 +1,4 @@
 from .instruments.cli import entry
 
-entry()
+if __name__ == "__main__":  # not when a worker process re-imports the parent's main module (spawn)
+    entry()

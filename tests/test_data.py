@@ -517,7 +517,7 @@ def test_a_refused_prepare_leaves_an_existing_prepared_directory_byte_identical(
     prepare(_write_txt(tmp_path / "d.txt", DOCS * 4), out, "char", progress=False)
     before = _tree(out)
     (tmp_path / name).write_text(content)
-    with pytest.raises(NanolmError, match="holds no document with text"):
+    with pytest.raises(NanolmError, match="holds no document with text|records have no string field"):
         prepare(tmp_path / name, out, "char", progress=False)
     assert _tree(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["prepared", "d.txt", name])  # no scratch left
@@ -532,8 +532,11 @@ def test_a_refused_prepare_into_a_new_directory_leaves_none(tmp_path):
 
 
 @pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError(28, "No space left on device")])
-def test_an_interrupted_prepare_leaves_out_as_it_was(tmp_path, monkeypatch, interruption):
-    """Ctrl-C or a full disk in the middle of the shards: --out holds the old data, whole."""
+def test_an_interrupted_prepare_leaves_out_as_it_was_and_keeps_its_pieces_for_the_rerun(
+    tmp_path, monkeypatch, interruption
+):
+    """Ctrl-C or a full disk in the middle of the shards: --out holds the old data, whole; the
+    pieces finished are kept beside it, and the same prepare again continues from them."""
     import nanolm.data.prepare as prepare_mod
 
     out = tmp_path / "prepared"
@@ -549,7 +552,15 @@ def test_an_interrupted_prepare_leaves_out_as_it_was(tmp_path, monkeypatch, inte
     with pytest.raises(type(interruption) if isinstance(interruption, Exception) else interruption):
         prepare(_write_txt(tmp_path / "e.txt", DOCS * 8), out, "char", progress=False)
     assert _tree(out) == before
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept[1:] == ["d.txt", "e.txt", "prepared"] and kept[0].startswith(".prepared.prepare-"), kept
+    monkeypatch.setattr(prepare_mod, "_encode", real_encode)
+    lines = []
+    prepare(tmp_path / "e.txt", out, "char", progress=False, log=lines.append)
+    assert any("continuing the interrupted prepare" in line for line in lines), lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt", "e.txt", "prepared"]
+    prepare(tmp_path / "e.txt", tmp_path / "whole", "char", progress=False)
+    assert PreparedData(out).digest == PreparedData(tmp_path / "whole").digest
 
 
 def test_a_prepare_replaces_a_prepared_directory_whole(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import nanolm.data.sources as sources_mod
+from nanolm.data.published import SUPPORTED
 from nanolm.data.sources import DocumentSource, split_documents, split_single_document
 from nanolm.errors import NanolmError
 from nanolm.tokenizer import EOS
@@ -219,10 +220,7 @@ def test_an_unsupported_file_type_is_named_with_the_types_nanolm_reads(tmp_path)
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(NanolmError) as e:
         DocumentSource(tmp_path / "d.csv")
-    assert (
-        str(e.value) == f"{tmp_path / 'd.csv'}: unsupported file type '.csv'; use .txt, .jsonl, .parquet or a "
-        f"directory of .txt files"
-    )
+    assert str(e.value) == f"{tmp_path / 'd.csv'}: unsupported file type '.csv'; use {SUPPORTED}"
 
 
 def test_a_directory_without_text_files_is_named(tmp_path):
@@ -230,7 +228,7 @@ def test_a_directory_without_text_files_is_named(tmp_path):
     (tmp_path / "d" / "notes.csv").write_text("x")
     with pytest.raises(NanolmError) as e:
         DocumentSource(tmp_path / "d")
-    assert str(e.value) == f"directory {tmp_path / 'd'} holds no .txt files"
+    assert str(e.value) == f"directory {tmp_path / 'd'} holds no corpus shards ({SUPPORTED})"
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are a POSIX thing")

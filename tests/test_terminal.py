@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import run_cli, run_main
@@ -348,7 +349,8 @@ def test_a_signal_while_a_run_prepares_its_data_stops_it_at_once_and_leaves_noth
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(scratch)}
     )
     deadline = time.time() + 120
-    while not list(scratch.glob("nanolm-*/.*.prepare-*")) and proc.poll() is None and time.time() < deadline:
+    preparing = Path(os.environ["NANOLM_CACHE"]) / "preparing"  # where a run's preparation works
+    while not list(preparing.glob("*/.*.prepare-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)  # until the run's own preparation has begun
     proc.send_signal(getattr(signal, sig))
     _, err = proc.communicate(timeout=120)
@@ -357,6 +359,7 @@ def test_a_signal_while_a_run_prepares_its_data_stops_it_at_once_and_leaves_noth
         f"{sig} while the run was being set up, before its first step: run the same command again to go on"
     ], err
     assert list(scratch.iterdir()) == [] and not out.exists()  # no half-prepared corpus, no run directory
+    assert not list(preparing.glob("*/.*.prepare-*"))  # stopped before its first piece: nothing to continue
 
 
 def test_a_signal_while_a_run_finishes_stops_it_at_once_and_the_rerun_finds_it_finished_or_finishes_it(

@@ -405,9 +405,13 @@ class ScratchDirectory:
     holds an ``flock`` on it until done: a scratch directory whose lock is held belongs to a live
     command (a second export into the same ``--out``), and is left alone."""
 
-    def __init__(self, target, purpose: str):
+    def __init__(self, target, purpose: str, adopt: Path | None = None):
+        """``adopt``: an abandoned scratch directory of the same target and purpose, taken over to
+        continue its work (an interrupted prepare), instead of a new one."""
         target = Path(target)
-        self.path = disk.make_scratch_dir(target.parent, f".{target.name}.{purpose}-")
+        self.path = (
+            Path(adopt) if adopt is not None else disk.make_scratch_dir(target.parent, f".{target.name}.{purpose}-")
+        )
         self._fd: int | None = None
         try:
             fd = _open_directory(self.path)

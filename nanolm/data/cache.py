@@ -29,20 +29,24 @@ from pathlib import Path
 from ..base.documents import read_json
 from ..base.files import SEAL, atomic_write_text, cache_dir, check_seal, sealed
 from ..errors import NanolmError, brief
+from .pieces import writer_code_digest
+from .published import find_shards
 from .shards import META_FILE, PreparedData
 
 CACHEABLE_BYTES = 256 * 2**20
 OFF = "NANOLM_NO_DATA_CACHE"
-# the modules whose code decides what a prepared directory holds
-WRITERS = ("prepare.py", "shards.py", "sources.py", "corpus.py", "../tokenizer.py")
 
 
-def _source_files(source: Path) -> list[Path] | None:
-    """Every file the source is made of, in a fixed order; None if it is too large to keep."""
-    files = sorted(p for p in source.rglob("*") if p.is_file()) if source.is_dir() else [source]
-    if sum(p.stat().st_size for p in files) > CACHEABLE_BYTES:
+def _source_files(source) -> list[tuple[str, Path]] | None:
+    """Every shard the source is made of (its name and path), in reading order; None if it is too
+    large to keep or names nothing readable (prepare says why, in its own words)."""
+    try:
+        shards = find_shards(source)
+    except NanolmError:
         return None
-    return files
+    if sum(s.path.stat().st_size for s in shards) > CACHEABLE_BYTES:
+        return None
+    return [(s.name, s.path) for s in shards]
 
 
 def prepared_key(source, settings: dict) -> str | None:
@@ -54,13 +58,10 @@ def prepared_key(source, settings: dict) -> str | None:
         files = _source_files(source)
         if files is None:
             return None
-        h = hashlib.sha256()
-        here = Path(__file__).parent
-        for writer in WRITERS:
-            h.update((here / writer).read_bytes())
+        h = hashlib.sha256(writer_code_digest().encode())
         h.update(json.dumps(settings, sort_keys=True).encode())
-        for path in files:
-            h.update(str(path.relative_to(source) if source.is_dir() else "").encode() + b"\0")
+        for name, path in files:
+            h.update((name if len(files) > 1 or source.is_dir() else "").encode() + b"\0")
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     h.update(block)

@@ -25,13 +25,15 @@ import numpy as np
 
 from ..base import disk
 from ..base.documents import MAX_METADATA_BYTES, read_json
-from ..base.files import atomic_write_text, manifest, replace_directory, sealed
-from ..base.lock import LOCK_FILE, ScratchDirectory, remove_abandoned_scratch
-from ..errors import NanolmError
+from ..base.files import atomic_write_text, cache_dir, manifest, move_directory, replace_directory, sealed, sha256_file
+from ..base.lock import LOCK_FILE, DirectoryBusy, RunLock, ScratchDirectory
+from ..errors import NanolmError, brief
 from ..tokenizer import Tokenizer, train_tokenizer
 from .cache import keep_prepared, prepared_key, reuse_prepared
 from .corpus import entropy_path, write_stories
 from .download import resolve_data_path
+from .encoders import Encoders
+from .pieces import PIECE_CHARS, PROGRESS_FILE, Progress, SplitProgress, unfinished_attempt, writer_code_digest
 from .progress import PrepareProgress, expected_text_bytes, format_seconds, megabytes, progress_mode
 from .shards import DATA_FILES, META_FILE, PreparedData, SplitWriter
 from .sources import SEPARATOR, DocumentSource, split_documents
@@ -44,15 +46,23 @@ def boundary_crossing_windows(doc_starts: np.ndarray, n_tokens: int, seq_len: in
 
     A document's span starts at the EOS before its first token (the EOS opens it), so a
     window w crosses a boundary when such an EOS sits strictly inside it: w·T < eos < w·T + T.
+    Counted a block of starts at a time (they may be memory-mapped: a corpus of millions of
+    documents); the starts increase, so a window met at the end of one block and the start of the
+    next is the same window, counted once.
     """
     n_windows = max(0, (n_tokens - 1) // seq_len)
     if n_windows == 0:
         return 0, 0
-    eos = np.asarray(doc_starts)[np.asarray(doc_starts) > 0] - 1
-    eos = eos[eos % seq_len != 0]
-    window = eos // seq_len
-    crossing = np.unique(window[window < n_windows])
-    return int(len(crossing)), n_windows
+    crossing, last = 0, -1
+    for begin in range(0, len(doc_starts), 1 << 20):
+        starts = np.asarray(doc_starts[begin : begin + (1 << 20)])
+        eos = starts[starts > 0] - 1
+        eos = eos[eos % seq_len != 0]
+        window = eos // seq_len
+        window = np.unique(window[window < n_windows])
+        crossing += len(window) - int(len(window) > 0 and window[0] == last)
+        last = window[-1] if len(window) else last
+    return int(crossing), n_windows
 
 
 COMPRESSOR_SAMPLE_BYTES = 1 << 21  # of each split: the xz bound's context and text
@@ -119,6 +129,8 @@ def prepare(
     progress: bool | str = True,
     compressor_sample_bytes: int = COMPRESSOR_SAMPLE_BYTES,
     log=print,
+    work_dir=None,
+    workers: int = 0,
 ) -> PreparedData:
     """Tokenize ``source`` once into ``out_dir``; returns the opened result.
 
@@ -133,25 +145,47 @@ def prepare(
     encoding for the cores and nothing in the run reads the figures (``benchmarks/prepare_throughput.py``
     measures the difference).
 
+    ``workers``: processes that encode a large source (0: one per core; ``nanolm/data/encoders.py``).
+
     ``progress``: ``"auto"`` (True), ``"bar"``, ``"lines"`` or False, as
     :class:`~nanolm.data.progress.PrepareProgress` shows it; a small source prepares silently
     whatever it says.
+
+    The work is done a piece at a time in a scratch directory beside ``out_dir`` (or in
+    ``work_dir``, from where the result is moved), and an interrupted prepare continues from its
+    last finished piece (:mod:`nanolm.data.pieces`).
     """
     t0 = time.perf_counter()
     docs = DocumentSource(source, separator, text_field)
+    docs.check()  # every shard's head, before anything is written
     out = Path(out_dir)
     _refuse_foreign_files(out)
+    settings = dict(
+        tokenizer=tokenizer_kind if tokenizer is None else f"given {tokenizer.fingerprint()}",
+        vocab_size=vocab_size if tokenizer is None else None,
+        val_fraction=val_fraction,
+        separator=separator,
+        text_field=text_field,
+        seq_len=seq_len,
+        compressor_sample_bytes=compressor_sample_bytes,
+    )
+    request = (settings, docs.identity(), writer_code_digest())
+    target = out if work_dir is None else Path(work_dir) / out.name
     made = []
     scratch = None
     try:
-        disk.make_dir(out.parent, parents=True, exist_ok=True, made=made)
-        scratch = ScratchDirectory(out, "prepare")
-        staging = scratch.path
-        disk.chmod(staging, 0o777 & ~_umask())  # as a plain mkdir would make it (mkdtemp's is private)
+        disk.make_dir(target.parent, parents=True, exist_ok=True, made=made)
+        adopt = unfinished_attempt(target, *request, log=log)
+        scratch = ScratchDirectory(target, "prepare", adopt=adopt)
+        if adopt is None:
+            disk.chmod(scratch.path, 0o777 & ~_umask())  # as a plain mkdir would make it (mkdtemp's is private)
+        record = Progress.load(scratch.path) if adopt is not None else None
         _prepare_into(
-            staging,
+            scratch.path,
             docs,
             source,
+            request,
+            record,
             tokenizer_kind,
             vocab_size,
             val_fraction,
@@ -161,18 +195,29 @@ def prepare(
             compressor_sample_bytes,
             log,
             t0,
+            workers,
         )
-        replace_directory(staging, out, last=META_FILE)
+        if work_dir is None:
+            replace_directory(scratch.path / "data", out, last=META_FILE)
+        else:
+            disk.make_dir(out.parent, parents=True, exist_ok=True)
+            move_directory(scratch.path / "data", out)
+        disk.remove_tree(scratch.path, ignore_errors=True)
     except BaseException as e:  # refused, interrupted or out of room: --out as it was, a new one never made
-        if scratch is not None:
+        if scratch is not None and _worth_keeping(e, scratch.path):
+            log(
+                f"prepare: stopped ({brief(e) or type(e).__name__}); its finished pieces are kept in "
+                f"{scratch.path}, and the same command continues from them"
+            )
+        elif scratch is not None:
             disk.remove_tree(scratch.path, ignore_errors=True)
-            if isinstance(e, OSError) and isinstance(e.filename, str):  # the file --out would have held
-                e.filename = e.filename.replace(str(scratch.path), str(out), 1)
-        for directory in reversed(made):
-            try:
-                disk.remove_dir(directory)
-            except OSError:
-                break
+            for directory in reversed(made):
+                try:
+                    disk.remove_dir(directory)
+                except OSError:
+                    break
+        if scratch is not None and isinstance(e, OSError) and isinstance(e.filename, str):
+            e.filename = e.filename.replace(str(scratch.path / "data"), str(out), 1)  # the file --out would hold
         raise
     finally:
         if scratch is not None:
@@ -180,11 +225,10 @@ def prepare(
     return PreparedData(out, verify=False)
 
 
-def remove_abandoned_attempts(out_dir) -> None:
-    """Delete the scratch directories that killed preparations into ``out_dir`` left beside it
-    (``kill -9`` runs no cleanup). Only for a caller that holds ``out_dir``'s lock: then no
-    other preparation into it is under way."""
-    remove_abandoned_scratch(out_dir, "prepare")
+def _worth_keeping(e: BaseException, attempt: Path) -> bool:
+    """An interrupted prepare (Ctrl-C, a full or failing disk, a kill) keeps what it finished for the
+    next attempt; one refused for its input (a damaged shard) leaves nothing: the input changes next."""
+    return not isinstance(e, (NanolmError, disk.Stopped)) and (attempt / PROGRESS_FILE).is_file()
 
 
 def _umask() -> int:
@@ -194,9 +238,11 @@ def _umask() -> int:
 
 
 def _prepare_into(
-    out: Path,
+    work: Path,
     docs: DocumentSource,
     source,
+    request: tuple,
+    record: Progress | None,
     tokenizer_kind: str,
     vocab_size: int,
     val_fraction: float,
@@ -206,31 +252,67 @@ def _prepare_into(
     compressor_sample_bytes: int,
     log,
     t0: float,
+    workers: int,
 ):
-    """:func:`prepare`'s work, into ``out``: a scratch directory that becomes ``--out`` only when whole."""
+    """:func:`prepare`'s work in the scratch directory ``work``: the data in ``work/data``, which
+    becomes ``--out`` only when whole; ``record``, the progress of an interrupted attempt."""
     total_bytes = docs.size_bytes()
-    shown = PrepareProgress(progress_mode(progress, total_bytes, log), log)
-    expected = expected_text_bytes(docs) if shown.mode else 0
-    if tokenizer is None:
-        tokenizer = _trained_tokenizer(docs, tokenizer_kind, vocab_size, val_fraction, expected, shown)
-    tokenizer.save(out / "tokenizer.json")
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    writers = {name: SplitWriter(out / f"{name}.bin", dtype) for name in ("train", "val")}
+    expected = expected_text_bytes(docs)  # the text inside, compressed or not
+    shown = PrepareProgress(progress_mode(progress, expected, log), log)
+    out = work / "data"
+    if record is None:
+        disk.make_dir(out)
+        if tokenizer is None:
+            tokenizer = _trained_tokenizer(docs, tokenizer_kind, vocab_size, val_fraction, expected, shown)
+        tokenizer.save(out / "tokenizer.json")
+        dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+        record = Progress(*request, tokenizer_fingerprint=tokenizer.fingerprint(), dtype=np.dtype(dtype).name)
+        record.save(work)  # from here on, an interrupted prepare continues
+    else:
+        tokenizer = Tokenizer.load(out / "tokenizer.json")  # the record's (Progress.load checked it)
+        dtype = np.dtype(record.dtype)
+        done = sum(s.bytes for s in record.splits.values())
+        log(
+            f"prepare: continuing the interrupted prepare in {work}: {record.documents_read:,} documents "
+            f"({megabytes(done)}) were encoded before"
+        )
+        expected = max(0, expected - done)
+    writers = {
+        name: SplitWriter(out / f"{name}.bin", work / f"{name}_docs.raw", dtype, record.splits[name])
+        for name in ("train", "val")
+    }
     doc_nats = _known_document_entropy(Path(source), log)
     shown.begin("encoding", expected)
-    try:
-        n_docs, val_nats, compressor_bpb = _encode(
-            docs, tokenizer, writers, val_fraction, doc_nats, compressor_sample_bytes, shown
-        )
-    except BaseException:
-        for w in writers.values():  # the scratch directory is deleted next
-            with contextlib.suppress(OSError):
-                w.f.close()
-        raise
+    with ThreadPoolExecutor(max_workers=1) as hashing:  # the shards' digests, read beside the encoding
+        digests = hashing.submit(_shard_digests, docs)
+        try:
+            val_nats, compressor_bpb = _encode(
+                docs,
+                tokenizer,
+                writers,
+                val_fraction,
+                doc_nats,
+                compressor_sample_bytes,
+                shown,
+                record,
+                work,
+                workers,
+                expected,
+            )
+        except BaseException:
+            for w in writers.values():  # what they hold was recorded or is cut back by the next attempt
+                with contextlib.suppress(OSError):
+                    w.f.close()
+                    w.starts.close()
+            raise
+        source_files = digests.result()
     done, seconds = shown.end()
     shown.say(
         f"prepare: encoded {megabytes(done)} in {format_seconds(seconds)} ({done / 1e6 / max(seconds, 1e-9):.1f} MB/s)"
     )
+    if docs.identity() != record.source:
+        raise NanolmError(f"{source} changed while it was being prepared; run the command again")
+    n_docs = {name: w.n_docs for name, w in writers.items()}
     if n_docs["train"] == 0:
         raise NanolmError(
             f"{source} holds no document with text (empty documents skipped: {docs.empty}"
@@ -241,7 +323,10 @@ def _prepare_into(
         w.close(out, name)
 
     seconds = time.perf_counter() - t0
-    meta = _prepared_meta(source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes)
+    meta = _prepared_meta(
+        source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes, out
+    )
+    meta["source_files"] = source_files
     meta["compressor_bpb"] = compressor_bpb
     if doc_nats is not None and len(doc_nats) == sum(n_docs.values()) and writers["val"].n_tokens:
         meta["floor"] = {
@@ -258,6 +343,11 @@ def _prepare_into(
     if len(docs.problems) > 20:
         log(f"... and {len(docs.problems) - 20} more bad records")
     shown.closing(f"{megabytes(total_bytes)} into {sum(w.n_tokens for w in writers.values()):,} tokens")
+
+
+def _shard_digests(docs: DocumentSource) -> list[dict]:
+    """Each shard's name, size and SHA-256, for the prepared data's meta: what it was made from."""
+    return [{"name": s.name, "bytes": s.path.stat().st_size, "sha256": sha256_file(s.path)} for s in docs.shards]
 
 
 def load_training_data(cfg, scratch: Path, log=print, compressor_bounds: bool = True) -> PreparedData:
@@ -298,22 +388,50 @@ def load_training_data(cfg, scratch: Path, log=print, compressor_bounds: bool = 
     kept = reuse_prepared(key, scratch / "data", source, log) if key else None
     if kept is not None:
         return kept
-    data = prepare(
-        source,
-        scratch / "data",
-        d.tokenizer,
-        d.vocab_size,
-        d.val_fraction,
-        d.separator,
-        d.text_field,
-        seq_len=cfg.model.seq_len,
-        progress=cfg.train.progress,
-        log=log,
-        compressor_sample_bytes=compressor_sample_bytes,
-    )
+    work = unfinished_work_dir(source, log)
+    with RunLock() as lock:  # two runs preparing the same source: the second would remove the first's pieces
+        if work is not None:
+            try:
+                lock.take(work, flag="--data")
+            except DirectoryBusy as e:
+                raise NanolmError(
+                    f"{source} is being prepared by another nanolm now ({brief(e, 120)}); wait for it to "
+                    f"finish, then run this again"
+                ) from None
+        data = prepare(
+            source,
+            scratch / "data",
+            d.tokenizer,
+            d.vocab_size,
+            d.val_fraction,
+            d.separator,
+            d.text_field,
+            seq_len=cfg.model.seq_len,
+            progress=cfg.train.progress,
+            log=log,
+            compressor_sample_bytes=compressor_sample_bytes,
+            work_dir=work,
+        )
     if key:
         keep_prepared(key, data.dir, log)
     return data
+
+
+def unfinished_work_dir(source, log=print) -> Path | None:
+    """Where a run prepares ``source``, so that a run killed while it prepares continues the
+    work when started again: ``$NANOLM_CACHE/preparing/<hash of the source's path>`` (a run
+    prepares in a temporary directory, gone with the process). None where the cache cannot be
+    written: the run prepares as before, and a kill costs the whole preparation."""
+    import hashlib
+
+    key = hashlib.sha256(str(Path(source).absolute()).encode()).hexdigest()[:16]
+    work = cache_dir() / "preparing" / key
+    try:
+        disk.make_dir(work, parents=True, exist_ok=True)
+    except (OSError, NanolmError) as e:
+        log(f"warning: {work} cannot be made ({brief(e)}); a run stopped while it prepares will start that over")
+        return None
+    return work
 
 
 def _refuse_foreign_files(out: Path) -> None:
@@ -337,46 +455,72 @@ def _encode(
     doc_nats: list[float] | None,
     compressor_sample_bytes: int,
     shown: PrepareProgress,
-) -> tuple[dict, float, dict | None]:
-    """The second pass: every document encoded into its split's shard, ~8 MB of text at a time.
-    Returns the documents per split, the validation documents' known information (nats) and
-    the compressor bounds (None when ``compressor_sample_bytes`` is 0)."""
-    chunk: dict[str, list[str]] = {"train": [], "val": []}
-    chunk_chars = 0
+    record: Progress,
+    work: Path,
+    workers: int,
+    text_bytes: int,
+) -> tuple[float, dict | None]:
+    """The second pass: every document encoded into its split's shard, a piece (~8 MB of text)
+    at a time, each piece recorded in ``work``'s progress once it is on disk. The documents an
+    earlier attempt recorded are read again but not encoded (they give the compressors their
+    sample and the floor its information as before). A piece is encoded in a thread (the
+    tokenizer's Rust code runs outside the GIL, on its own threads) while the next is read; it is
+    written and recorded before the next is handed to the encoder, so a kill at any moment loses
+    at most the one piece being encoded or written.
+    Returns the validation documents' known information (nats) and the compressor bounds (None
+    when ``compressor_sample_bytes`` is 0)."""
     sample = {"train": [], "val": []}
     sample_size = {"train": 0, "val": 0}
-
-    def flush():
-        nonlocal chunk_chars
-        for name, texts in chunk.items():
-            if texts:
-                before = writers[name].n_bytes
-                writers[name].write_docs(tokenizer.encode_batch(texts), texts, tokenizer.eos_id)
-                shown.advance(writers[name].n_bytes - before)
-        chunk["train"], chunk["val"], chunk_chars = [], [], 0
-
     val_nats = 0.0
-    n_docs = {"train": 0, "val": 0}
-    for i, (split, text) in enumerate(split_documents(iter(docs), val_fraction)):
-        chunk[split].append(text)
-        n_docs[split] += 1
-        if doc_nats is not None and split == "val" and i < len(doc_nats):
-            val_nats += doc_nats[i]
-        chunk_chars += len(text)
-        if sample_size[split] < compressor_sample_bytes:
-            piece = text.encode("utf-8")[: compressor_sample_bytes - sample_size[split]]
-            sample[split].append(piece)
-            sample_size[split] += len(piece)
-        if chunk_chars >= 8_000_000:
-            flush()
-    with ThreadPoolExecutor(max_workers=1) as background:  # the compressors run while the last chunk encodes
+    piece: dict[str, list[str]] = {"train": [], "val": []}
+    chars = 0
+    in_flight = None  # (encoding, texts, documents read when it ends)
+
+    def write(encoding, texts, documents_read):
+        encoded = encoding.result()
+        for name in ("train", "val"):
+            before = writers[name].n_bytes
+            writers[name].write_docs(encoded[name], texts[name], tokenizer.eos_id)
+            shown.advance(writers[name].n_bytes - before)
+        for w in writers.values():
+            w.sync()
+        record.documents_read = documents_read
+        record.splits = {name: SplitProgress(w.n_tokens, w.n_bytes, w.n_docs, w.max_id) for name, w in writers.items()}
+        record.save(work)
+
+    encoder = Encoders(tokenizer, workers, text_bytes, shown.log)
+    piece_chars = PIECE_CHARS * (encoder.workers if encoder.pool is not None else 1)  # a piece's share per worker
+    i = -1
+    with encoder, ThreadPoolExecutor(max_workers=1) as background:
+        for i, (split, text) in enumerate(split_documents(iter(docs), val_fraction)):
+            if doc_nats is not None and split == "val" and i < len(doc_nats):
+                val_nats += doc_nats[i]
+            if sample_size[split] < compressor_sample_bytes:
+                part = text.encode("utf-8")[: compressor_sample_bytes - sample_size[split]]
+                sample[split].append(part)
+                sample_size[split] += len(part)
+            if i < record.documents_read:
+                continue  # encoded by an earlier attempt
+            piece[split].append(text)
+            chars += len(text)
+            if chars >= piece_chars:
+                if in_flight is not None:  # recorded before the next starts: a kill loses one piece at most
+                    write(*in_flight)
+                in_flight = (encoder.submit(piece), piece, i + 1)
+                piece, chars = {"train": [], "val": []}, 0
+        # the compressors run while the last pieces encode
         compressor_bpb = (
             background.submit(compressor_bits_per_byte, b"".join(sample["train"]), b"".join(sample["val"]))
             if compressor_sample_bytes
             else None
         )
-        flush()
-    return n_docs, val_nats, compressor_bpb.result() if compressor_bpb is not None else None
+        if chars:
+            if in_flight is not None:
+                write(*in_flight)
+            in_flight = (encoder.submit(piece), piece, i + 1)
+        if in_flight is not None:
+            write(*in_flight)
+    return val_nats, compressor_bpb.result() if compressor_bpb is not None else None
 
 
 def _trained_tokenizer(
@@ -418,10 +562,10 @@ def _tokenizer_texts(docs, kind: str, val_fraction: float):
 
 
 def _prepared_meta(
-    source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes
+    source, tokenizer, dtype, writers, n_docs, docs, val_fraction, seq_len, seconds, total_bytes, out
 ) -> dict:
     crossing, n_windows = boundary_crossing_windows(
-        np.asarray(writers["train"].doc_starts), writers["train"].n_tokens, seq_len
+        np.load(out / "train_docs.npy", mmap_mode="r", allow_pickle=False), writers["train"].n_tokens, seq_len
     )
     return {
         "source": str(source),

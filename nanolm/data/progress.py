@@ -37,20 +37,9 @@ def progress_mode(progress, source_bytes: int, log) -> str | None:
 
 
 def expected_text_bytes(docs: DocumentSource) -> int:
-    """About how many UTF-8 bytes of text ``docs`` holds, for the percentage and the ETA: the
-    file sizes, except for parquet, whose file is compressed (there, the column's size
-    uncompressed, from the file's metadata)."""
-    if docs.path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-
-            meta = pq.ParquetFile(docs.path).metadata
-            names = [meta.schema.column(j).name for j in range(meta.num_columns)]
-            j = names.index(docs.text_field)
-            return sum(meta.row_group(i).column(j).total_uncompressed_size for i in range(meta.num_row_groups))
-        except Exception:  # an unreadable file is reported by the reading itself
-            pass
-    return docs.size_bytes()
+    """About how many UTF-8 bytes of text ``docs`` holds, for the percentage and the ETA (the
+    file sizes, read through what compresses them: :meth:`DocumentSource.expected_text_bytes`)."""
+    return docs.expected_text_bytes()
 
 
 class PrepareProgress:

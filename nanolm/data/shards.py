@@ -171,25 +171,29 @@ def _load_doc_starts(path: Path, n_tokens: int) -> np.ndarray:
 
 
 class SplitWriter:
-    """Appends one split's documents to its ``.bin``, each after an EOS, and records where each
-    starts and the largest id written."""
+    """Appends one split's documents to its ``.bin``, each after an EOS, and where each starts to
+    a raw file of int64 offsets beside it, counting tokens, bytes, documents and the largest id.
 
-    def __init__(self, path: Path, dtype):
-        self.path = path
-        self.f = disk.create(path, "wb")
-        self.dtype = dtype
-        self.n_tokens = 0
-        self.n_bytes = 0
-        self.doc_starts: list[int] = []
-        self.max_id = -1
+    ``done``: what an interrupted prepare recorded of this split (:mod:`nanolm.data.pieces`);
+    the files are cut back to it (a piece written after the record is written again)."""
+
+    def __init__(self, path: Path, starts_path: Path, dtype, done=None):
+        self.path, self.starts_path, self.dtype = path, starts_path, np.dtype(dtype)
+        self.n_tokens = done.tokens if done else 0
+        self.n_bytes = done.bytes if done else 0
+        self.n_docs = done.documents if done else 0
+        self.max_id = done.max_id if done else -1
+        self.f = _opened_at(path, self.n_tokens * self.dtype.itemsize)
+        self.starts = _opened_at(starts_path, self.n_docs * 8)
 
     def write_docs(self, ids_list: list[np.ndarray], texts: list[str], eos_id: int):
         if not ids_list:
             return
         parts = [] if self.n_tokens else [np.array([eos_id])]  # the stream opens with EOS
         offset = self.n_tokens + len(parts)
+        starts = []
         for ids, text in zip(ids_list, texts):
-            self.doc_starts.append(offset)
+            starts.append(offset)
             parts += [ids, np.array([eos_id])]
             offset += len(ids) + 1
             self.n_bytes += len(text.encode("utf-8"))
@@ -197,19 +201,53 @@ class SplitWriter:
         self.max_id = max(self.max_id, int(block.max()))
         with naming_the_file(self.path):
             disk.write(self.f, block.astype(self.dtype).tobytes(), self.path)
+        with naming_the_file(self.starts_path):
+            disk.write(self.starts, np.asarray(starts, dtype=np.int64).tobytes(), self.starts_path)
         self.n_tokens += len(block)
+        self.n_docs += len(starts)
+
+    def sync(self) -> None:
+        """The bytes written so far on the disk: a record that counts them may follow."""
+        for f, path in ((self.f, self.path), (self.starts, self.starts_path)):
+            with naming_the_file(path):
+                f.flush()
+                disk.sync(f, path)
 
     def close(self, directory: Path, name: str):
-        with naming_the_file(self.path):
-            self.f.flush()
-            disk.sync(self.f, self.path)
-            self.f.close()
+        """Seal the split: the shard synced, the document starts written as ``NAME_docs.npy``
+        (copied from the raw file a block at a time: memory stays bounded however many documents)."""
+        self.sync()
+        self.f.close()
+        self.starts.close()
         starts = directory / f"{name}_docs.npy"
-        with naming_the_file(starts), disk.create(starts, "wb") as f:
+        header = {
+            "descr": np.lib.format.dtype_to_descr(np.dtype(np.int64)),
+            "fortran_order": False,
+            "shape": (self.n_docs,),
+        }
+        with naming_the_file(starts), disk.create(starts, "wb") as f, open(self.starts_path, "rb") as raw:
             with disk.written_by_library(starts):
-                np.save(f, np.asarray(self.doc_starts, dtype=np.int64))
+                np.lib.format.write_array_header_1_0(f, header)
+            for block in iter(lambda: raw.read(1 << 22), b""):
+                disk.write(f, block, starts)
             f.flush()
             disk.sync(f, starts)
+
+
+def _opened_at(path: Path, length: int):
+    """``path`` open for appending after its first ``length`` bytes (a new file when 0)."""
+    if length == 0:
+        return disk.create(path, "wb")
+    f = disk.create(path, "r+b")
+    try:
+        if path.stat().st_size < length:
+            raise NanolmError(f"{path} is shorter than its prepare recorded; prepare again")
+        disk.truncate_fd(f.fileno(), length, path)
+        f.seek(length)
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def join_documents(ids_list: list[np.ndarray], eos_id: int) -> np.ndarray:

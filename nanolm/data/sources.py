@@ -1,38 +1,47 @@
-"""Reading documents: the text files, directories, JSON lines and Parquet files a corpus comes in.
+"""Reading documents out of a corpus's shards, and holding out whole ones for validation.
 
-A corpus is a sequence of documents (stories, articles, files). They are read from a ``.txt``
-file (one document, or several separated by lines holding exactly ``<|endoftext|>``), a
-directory of ``.txt`` files (one document each), a ``.jsonl`` file (one JSON object per line
-with a text field) or a ``.parquet`` file (the Hugging Face datasets layout; needs
-``pyarrow``). The validation split holds out *whole documents* (every k-th one,
-:func:`split_documents`), so no validation story was half-seen in training.
+A corpus is a sequence of documents (stories, articles, files), read from its shards in order
+(``nanolm/data/published.py`` finds them and opens archives). A ``.txt`` shard holds one document,
+or several separated by lines holding exactly ``<|endoftext|>``; a ``.jsonl`` shard one JSON object
+per line with a text field (``.json`` is read the same way); a ``.parquet`` or ``.arrow`` shard a
+text column (read with ``pyarrow``). The validation split holds out *whole documents* (every k-th
+one, :func:`split_documents`) counted across the shards, so the same documents give the same split
+whatever form they arrive in, and no validation story was half-seen in training.
+
+Every shard is looked at before anything is written (:meth:`DocumentSource.check`): an empty
+shard, a shard without the text column, a damaged archive's head are one line each then, not a
+failure an hour into the encoding.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..base.documents import parse_json
-from ..errors import NanolmError
+from ..errors import NanolmError, brief
 from ..tokenizer import EOS
+from .published import Shard, damaged, expected_text_bytes_of, find_shards, is_damage, open_binary, shard_form
 
 SEPARATOR = EOS
 MAX_DOC_CHARS = 1 << 24  # 16 Mi characters; longer documents are split at a line boundary
 BINARY_SNIFF_BYTES = 8192  # a file whose head holds a NUL byte is binary, named before its bytes fail as UTF-8
 
 
-def _open_text_lines(path: Path):
-    """Lines of a UTF-8 text file (whatever the system's locale: Windows would read cp1252), with
-    errors that name the problem. A NUL byte is no text: a binary file is named as one from its
-    head (before its bytes fail as UTF-8), and a NUL further on (a damaged download) too, at its line."""
-    with open(path, "rb") as f:
-        head = f.read(BINARY_SNIFF_BYTES)
-    if b"\x00" in head:
-        raise NanolmError(f"{path} looks like a binary file (it contains NUL bytes); pass a UTF-8 text file")
+def _text_lines(shard: Shard) -> Iterator[str]:
+    """Lines of a UTF-8 text shard (whatever the system's locale: Windows would read cp1252),
+    with errors that name the problem. A NUL byte is no text: a binary file is named as one
+    from its head (before its bytes fail as UTF-8), and a NUL further on (a damaged download)
+    too, at its line. A damaged archive is named as one wherever its damage is met."""
+    path = shard.path
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            for lineno, line in enumerate(f, start=1):
+        with open_binary(shard) as f:
+            head = f.read(BINARY_SNIFF_BYTES)
+        if b"\x00" in head:
+            raise NanolmError(f"{path} looks like a binary file (it contains NUL bytes); pass a UTF-8 text file")
+        with open_binary(shard) as f:
+            for lineno, line in enumerate(io.TextIOWrapper(f, encoding="utf-8", newline=""), start=1):
                 if "\x00" in line:
                     raise NanolmError(
                         f"{path} looks like a binary file (line {lineno} contains a NUL byte); pass a UTF-8 text file"
@@ -40,10 +49,24 @@ def _open_text_lines(path: Path):
                 yield line
     except UnicodeDecodeError as e:
         raise NanolmError(f"{path} is not valid UTF-8 ({e.reason} near byte {e.start}); convert it to UTF-8") from None
+    except NanolmError:
+        raise
+    except Exception as e:
+        if shard.compression and is_damage(e):
+            raise damaged(shard, e) from None
+        raise
 
 
-def _txt_documents(path: Path, separator: str) -> Iterator[str]:
-    """Documents of a text file split on lines that hold exactly ``separator``.
+def _as_shard(shard) -> Shard:
+    return (
+        shard
+        if isinstance(shard, Shard)
+        else Shard(Path(shard), Path(shard).name, *shard_form(Path(shard), alone=True))
+    )
+
+
+def _txt_documents(shard: Shard | Path, separator: str) -> Iterator[str]:
+    """Documents of a text shard split on lines that hold exactly ``separator``.
 
     The line break before a separator line is not part of the document. Over-long documents
     (more than ``MAX_DOC_CHARS``) are cut at the next line end into pieces that become
@@ -51,7 +74,7 @@ def _txt_documents(path: Path, separator: str) -> Iterator[str]:
     """
     parts: list[str] = []
     size = 0
-    for line in _open_text_lines(path):
+    for line in _text_lines(_as_shard(shard)):
         if separator and line.rstrip("\r\n") == separator:
             yield _strip_one_line_break("".join(parts))
             parts, size = [], 0
@@ -72,43 +95,86 @@ def _strip_one_line_break(text: str) -> str:
     return text[:-1] if text.endswith(("\n", "\r")) else text
 
 
-def _jsonl_documents(path: Path, text_field: str, problems: list[str]) -> Iterator[str]:
-    for lineno, line in enumerate(_open_text_lines(path), start=1):
+def _jsonl_documents(shard: Shard | Path, text_field: str, problems: list[str]) -> Iterator[str]:
+    shard = _as_shard(shard)
+    for lineno, line in enumerate(_text_lines(shard), start=1):
         if not line.strip():
             continue
         try:
             record = parse_json(line, "it")
         except NanolmError as e:  # not JSON, or JSON Python cannot hold (too deep, an integer too long)
-            problems.append(f"{path}:{lineno}: {str(e).removeprefix('it ').split('; the file')[0]}")
+            problems.append(f"{shard.path}:{lineno}: {str(e).removeprefix('it ').split('; the file')[0]}")
             continue
         text = record.get(text_field) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            problems.append(f"{path}:{lineno}: no string field {text_field!r}")
+            problems.append(f"{shard.path}:{lineno}: no string field {text_field!r}")
             continue
         yield text
 
 
-def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+def _pyarrow(shard: Shard):
     try:
-        import pyarrow.parquet as pq
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
     except ImportError:
-        raise NanolmError("reading .parquet needs pyarrow: pip install 'nanolm[parquet]'") from None
+        raise NanolmError(f"reading .{shard.form} needs pyarrow: pip install 'nanolm[parquet]'") from None
+    return pyarrow
+
+
+def _table_batches(shard: Shard, text_field: str, check_only: bool = False):
+    """The text column of a parquet or arrow shard, a batch at a time, after its schema is checked."""
+    pa = _pyarrow(shard)
     try:
-        pf = pq.ParquetFile(path)
+        if shard.form == "parquet":
+            table = pa.parquet.ParquetFile(shard.path)
+            schema, rows = table.schema_arrow, table.metadata.num_rows
+        else:
+            table = _arrow_reader(pa, shard.path)
+            schema, rows = table.schema, None
+    except NanolmError:
+        raise
     except Exception as e:
-        raise NanolmError(f"{path} is not a readable parquet file ({e})") from None
-    if text_field not in pf.schema_arrow.names:
+        raise NanolmError(f"{shard.path} is not a readable {shard.form} file ({brief(str(e), 160)})") from None
+    if text_field not in schema.names:
         raise NanolmError(
-            f"{path} has no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); set --text-field"
+            f"{shard.path} has no column {text_field!r} (columns: {', '.join(schema.names)}); set --text-field"
         )
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        for text in batch.column(0).to_pylist():
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise NanolmError(f"{shard.path}: column {text_field!r} holds {kind}, not text; set --text-field")
+    if check_only:
+        if rows == 0:
+            raise NanolmError(f"{shard.path} holds no rows (an empty shard); remove it from the corpus")
+        return iter(())
+    if shard.form == "parquet":
+        return (b.column(0) for b in table.iter_batches(columns=[text_field], batch_size=1024))
+    index = schema.get_field_index(text_field)
+    return (b.column(index) for b in _arrow_batches(table))
+
+
+def _arrow_reader(pa, path: Path):
+    """An ``.arrow`` file as ``save_to_disk`` writes it (the IPC stream format), or the IPC file format."""
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:
+        return pa.ipc.open_file(pa.memory_map(str(path)))
+
+
+def _arrow_batches(reader):
+    if hasattr(reader, "num_record_batches"):
+        return (reader.get_batch(i) for i in range(reader.num_record_batches))
+    return iter(reader)
+
+
+def _table_documents(shard: Shard, text_field: str) -> Iterator[str]:
+    for column in _table_batches(shard, text_field):
+        for text in column.to_pylist():
             if isinstance(text, str):
                 yield text
 
 
 class DocumentSource:
-    """Iterates the documents of a path, counting what it skips.
+    """Iterates the documents of ``--data``'s shards, counting what it skips.
 
     ``problems`` collects unreadable records (bad JSON lines with their line number);
     ``empty`` counts documents skipped because they hold only whitespace.
@@ -120,40 +186,57 @@ class DocumentSource:
         self.text_field = text_field
         self.problems: list[str] = []
         self.empty = 0
-        if not self.path.exists():
-            raise NanolmError(f"data path {self.path} does not exist")
-        if not self.path.is_dir() and not self.path.is_file():  # a pipe: <(command), a FIFO, a terminal
-            raise NanolmError(
-                f"data path {self.path} is a pipe or a device, which can be read only once, and nanolm "
-                f"reads its data twice (the tokenizer, then the shards); save it to a file first "
-                f"(command > data.txt) and pass that file"
-            )
-        if self.path.is_dir():
-            self.files = sorted(p for p in self.path.rglob("*.txt") if p.is_file())
-            if not self.files:
-                raise NanolmError(f"directory {self.path} holds no .txt files")
-        elif self.path.suffix not in (".txt", ".jsonl", ".parquet", ".md", ".text", ""):
-            raise NanolmError(
-                f"{self.path}: unsupported file type {self.path.suffix!r}; use .txt, .jsonl, .parquet or a directory of .txt files"
-            )
-        if self.path.is_file() and self.path.stat().st_size == 0:
-            raise NanolmError(f"{self.path} is empty")
+        self.shards = find_shards(path)
+        for shard in self.shards:
+            if shard.path.stat().st_size == 0:
+                raise NanolmError(
+                    f"{shard.path} is empty"
+                    + ("" if len(self.shards) == 1 else f" (a shard of {path}); remove it from the corpus")
+                )
+
+    def check(self) -> None:
+        """Look at every shard's head before anything is written: its schema (the text column),
+        rows, compression and text encoding. Damage further inside is found where it is read."""
+        for shard in self.shards:
+            if shard.form in ("parquet", "arrow"):
+                _table_batches(shard, self.text_field, check_only=True)
+                continue
+            lines = _text_lines(shard)
+            first = next((line for line in lines if line.strip()), None)
+            lines.close()
+            if first is None and len(self.shards) > 1:
+                raise NanolmError(f"{shard.path} holds no text (an empty shard); remove it from the corpus")
+            if shard.form == "jsonl" and first is not None:
+                try:
+                    record = parse_json(first, "its first line")
+                except NanolmError:
+                    continue  # a bad record, skipped and counted like any other
+                if isinstance(record, dict) and not isinstance(record.get(self.text_field), str):
+                    raise NanolmError(
+                        f"{shard.path}: its records have no string field {self.text_field!r} "
+                        f"(fields: {', '.join(map(str, record)) or 'none'}); set --text-field"
+                    )
+
+    def identity(self) -> list[dict]:
+        """Each shard's name, size and modification time: equal iff (for all practical purposes)
+        the same files are read again."""
+        return [s.identity() for s in self.shards]
 
     def size_bytes(self) -> int:
-        if self.path.is_dir():
-            return sum(f.stat().st_size for f in self.files)
-        return self.path.stat().st_size
+        return sum(s.path.stat().st_size for s in self.shards)
+
+    def expected_text_bytes(self) -> int:
+        """About how many UTF-8 bytes of text the shards hold, for the percentage and the ETA."""
+        return sum(expected_text_bytes_of(s, self.text_field) for s in self.shards)
 
     def _raw(self) -> Iterator[str]:
-        if self.path.is_dir():
-            for f in self.files:
-                yield "".join(_open_text_lines(f))
-        elif self.path.suffix == ".jsonl":
-            yield from _jsonl_documents(self.path, self.text_field, self.problems)
-        elif self.path.suffix == ".parquet":
-            yield from _parquet_documents(self.path, self.text_field)
-        else:
-            yield from _txt_documents(self.path, self.separator)
+        for shard in self.shards:
+            if shard.form == "jsonl":
+                yield from _jsonl_documents(shard, self.text_field, self.problems)
+            elif shard.form in ("parquet", "arrow"):
+                yield from _table_documents(shard, self.text_field)
+            else:
+                yield from _txt_documents(shard, self.separator)
 
     def __iter__(self) -> Iterator[str]:
         self.problems.clear()

@@ -64,7 +64,7 @@ def _eval(args) -> None:
 def _prepare(args) -> None:
     from ..base.files import refuse_mount_point, require_utf8
     from ..base.lock import RunLock
-    from ..data.prepare import prepare, remove_abandoned_attempts
+    from ..data.prepare import prepare
     from ..run.directory import refuse_output_inside_a_run
     from ..tokenizer import MAX_BPE_VOCAB
 
@@ -74,13 +74,14 @@ def _prepare(args) -> None:
         raise NanolmError(f"--seq-len must be at least 2, got {args.seq_len}")
     if not 0 < args.vocab_size <= MAX_BPE_VOCAB:
         raise NanolmError(f"--vocab-size must be positive and at most {MAX_BPE_VOCAB}, got {args.vocab_size}")
+    if args.workers < 0:
+        raise NanolmError(f"--workers must be 0 (every core) or a positive number of processes, got {args.workers}")
     require_utf8("--out", str(args.out), "the tokenizer library can only open UTF-8 paths")
     refuse_output_inside_a_run(args.out, "--out")
     refuse_mount_point(args.out, "--out")
 
     with RunLock() as lock:  # one writer: two prepares into one directory would interleave their shards
         lock.take(args.out, flag="--out")
-        remove_abandoned_attempts(args.out)
         data = prepare(
             args.data,
             args.out,
@@ -91,6 +92,7 @@ def _prepare(args) -> None:
             args.text_field,
             seq_len=args.seq_len,
             progress=args.progress,
+            workers=args.workers,
         )
     m = data.meta
     s = m["splits"]
@@ -349,7 +351,13 @@ def _add_training_commands(sub) -> None:
     from ..watch.sinks import PROGRESS_MODES
 
     p = sub.add_parser("prepare", help="tokenize a corpus once into token shards", formatter_class=fmt)
-    p.add_argument("--data", required=True, metavar="SRC", help=".txt, .jsonl, .parquet or a directory of .txt files")
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="SRC",
+        help="a .txt, .jsonl or .parquet file (the text forms also .gz, .bz2, .xz or .zst), a directory or quoted "
+        "glob of such shards (read in sorted order), or a Hugging Face save_to_disk directory",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the shards, tokenizer.json and meta.json")
     p.add_argument("--tokenizer", choices=KINDS, default="bpe", help="tokenizer to train")
     p.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary size (EOS included)")
@@ -362,6 +370,14 @@ def _add_training_commands(sub) -> None:
         choices=PROGRESS_MODES,
         default="auto",
         help="progress of a long preparation (10 MB and more): a bar, plain lines, or auto (a bar on a terminal)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="processes that encode a large corpus (16 MB of text and more), one core each; 0: every core "
+        "this process may use",
     )
     p.set_defaults(func=_prepare)
 
