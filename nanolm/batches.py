@@ -263,6 +263,13 @@ def eval_window_starts(n_tokens: int, seq_len: int, max_windows: int | None = No
     return starts, tail_from
 
 
+def eval_window_count(n_tokens: int, seq_len: int, max_windows: int | None = None) -> int:
+    """How many windows :func:`eval_batches` scores: ``max_windows`` or fewer, as many as the split
+    holds. What the memory check before a run counts, so that ``--eval-windows 1000000000`` is
+    the split's windows, not a billion the check would refuse."""
+    return len(eval_window_starts(n_tokens, seq_len, max_windows)[0])
+
+
 DEFAULT_EVAL_WINDOWS = 320
 """The validation set's size when a run does not say (``--eval-windows``): 20 batches of the
 default 16 windows, as it was first counted; a run continued keeps its own."""

@@ -89,11 +89,14 @@ def test_an_export_goes_into_a_new_or_empty_directory_readable_by_all_and_nothin
     out = export_run(run, tmp_path / "empty", log=lambda *_: None)  # an empty directory is replaced in one rename
     assert sorted(p.name for p in out.iterdir())[0] == "config.json" and (out.stat().st_mode & 0o777) == 0o755
     (tmp_path / "file").write_text("mine")
-    for taken in (tmp_path / "empty", tmp_path / "file"):
-        assert main(["export", str(run), "--out", str(taken)]) == 2
-        assert capsys.readouterr().err.strip() == (
-            f"error: {taken} exists and is not an empty directory; choose another --out"
-        )
+    taken = tmp_path / "empty"
+    assert main(["export", str(run), "--out", str(taken)]) == 2
+    assert (
+        capsys.readouterr().err.strip() == f"error: {taken} exists and is not an empty directory; choose another --out"
+    )
+    file = tmp_path / "file"
+    assert main(["export", str(run), "--out", str(file)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --out {file} is a file, not a directory; choose another --out"
     assert (tmp_path / "file").read_text() == "mine"
 
 

@@ -196,6 +196,44 @@ def test_the_memory_check_of_a_muon_run_counts_muons_state(stories_file, tmp_pat
     assert seen == [("muon",)]
 
 
+def test_the_memory_check_counts_the_validation_windows_the_split_holds_not_those_asked(
+    stories_file, tmp_path, monkeypatch
+):
+    """``--eval-windows 1000000000`` was refused for ~1,856 GB of validation batches that the
+    split does not have. The check counts the windows the evaluation scores, as many as asked or
+    as the split holds, and the log says once that it holds fewer."""
+    import nanolm.run.plan
+    import nanolm.train
+    from nanolm.batches import eval_window_starts
+    from nanolm.data.shards import PreparedData
+    from nanolm.train import train
+
+    monkeypatch.setattr(nanolm.run.plan, "available_memory", lambda device: (2e9, "available RAM"))
+    checked, scored = [], []
+    check, batches = nanolm.run.plan.check_memory, nanolm.train.eval_batches
+
+    def checking(*args, **kwargs):
+        checked.append(args[4])
+        return check(*args, **kwargs)
+
+    def scoring(*args, **kwargs):
+        built = batches(*args, **kwargs)
+        scored.append(sum(len(b.idx) for b in built))
+        return built
+
+    monkeypatch.setattr(nanolm.run.plan, "check_memory", checking)
+    monkeypatch.setattr(nanolm.train, "eval_batches", scoring)
+    cfg = tiny_run_config(stories_file, tmp_path / "run", steps=1, eval_every=1, eval_windows=10**9)
+    lines = []
+    train(cfg, log=lines.append)
+    held = len(eval_window_starts(len(PreparedData(tmp_path / "run" / "data").val), 32)[0])
+    assert checked == scored == [held] and 0 < held < 10**9
+    assert [line for line in lines if "--eval-windows" in line] == [
+        f"validation: the split holds {held} windows of 32 tokens, fewer than --eval-windows 1000000000; "
+        f"all {held} are scored"
+    ]
+
+
 def test_nanolm_plan_counts_the_optimizer_of_the_config(capsys):
     """`nanolm plan --config` of a Muon config sizes Muon's state, as the run's own check does."""
     from pathlib import Path

@@ -619,7 +619,8 @@ def test_a_run_directory_is_made_with_its_parents_or_taken_as_the_lock_left_it_a
         assert (out / "config.toml").read_text() == cfg.to_toml() and (out / "data" / "meta.json").is_file()
     args, kwargs = checked[0]
     assert args[0] == cfg.model.gpt_config(data.tokenizer.vocab_size) and args[1] == "fp32"
-    assert args[3:] == (2, 3, cfg.optim.optimizer) and kwargs == {"grad_accum": 5}
+    # the validation windows the split holds (none: --val-fraction 0), not the 3 asked for
+    assert args[3:] == (2, 0, cfg.optim.optimizer) and kwargs == {"grad_accum": 5}
 
 
 def test_setting_up_a_run_removes_its_killed_writes_and_a_restarted_attempts_logs(tmp_path):

@@ -766,8 +766,8 @@ BUGS = [
         "muon_state_counted_as_adamws",
         "the memory check refuses a Muon run that fits: it counts AdamW's two moments",
         "nanolm/run/directory.py",
-        "        check_memory(\n            cfg.model.gpt_config(data.tokenizer.vocab_size),\n            precision,\n            dist,\n            t.batch_size,\n            t.eval_windows,\n            cfg.optim.optimizer,\n            grad_accum=t.grad_accum,\n        )\n",
-        "        check_memory(\n            cfg.model.gpt_config(data.tokenizer.vocab_size),\n            precision,\n            dist,\n            t.batch_size,\n            t.eval_windows, grad_accum=t.grad_accum,\n        )\n",
+        "        check_memory(\n            cfg.model.gpt_config(data.tokenizer.vocab_size),\n            precision,\n            dist,\n            t.batch_size,\n            windows,\n            cfg.optim.optimizer,\n            grad_accum=t.grad_accum,\n        )\n",
+        "        check_memory(\n            cfg.model.gpt_config(data.tokenizer.vocab_size),\n            precision,\n            dist,\n            t.batch_size,\n            windows, grad_accum=t.grad_accum,\n        )\n",
         tests=("test_plan",),
     ),
     Bug(
@@ -1694,13 +1694,40 @@ BUGS = [
         "if False:",
         tests=("test_corpus_forms",),
     ),
+    Bug(
+        "busy_output_is_a_traceback",
+        "nanolm export or prepare onto a bind mount (a container's volume) ends in EBUSY and a "
+        "traceback after all its work, instead of one line naming the mount point and the fix",
+        "nanolm/base/files.py",
+        "    errno.ENAMETOOLONG,\n    errno.EBUSY,\n}",
+        "    errno.ENAMETOOLONG,\n}",
+        tests=("test_hostile_outputs",),
+    ),
+    Bug(
+        "stories_written_in_place",
+        "nanolm data stories truncates the old corpus before it writes the new: a full disk "
+        "leaves half a corpus, or a new corpus beside the old one's entropy (a wrong loss floor)",
+        "nanolm/data/corpus.py",
+        "atomic_write_all({path: text, entropy_path(path): json.dumps(summary)})",
+        "path.write_text(text) and entropy_path(path).write_text(json.dumps(summary))",
+        tests=("test_hostile_outputs",),
+    ),
+    Bug(
+        "eval_windows_counted_as_asked",
+        "--eval-windows above what the validation split holds is refused for memory the "
+        "evaluation never uses (a billion windows: ~1,856 GB)",
+        "nanolm/run/directory.py",
+        "            t.batch_size,\n            windows,\n",
+        "            t.batch_size,\n            t.eval_windows,\n",
+        tests=("test_plan",),
+    ),
 ]
 
 FAST_TESTS = (
     "test_model test_fused_loss test_optim test_data test_train test_tokenizer test_checkpoint test_run_directory test_run_lock "
     "test_untrusted_files test_export test_doctor test_precision test_stats test_sinks test_cli "
     "test_corpus test_guards test_distributed test_replay test_threads test_plan test_devices test_host_reads test_process_tuning "
-    "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs test_run_plan test_observer test_budget test_data_cache test_corpus_forms test_prepare_resume"
+    "test_layout test_platforms test_full_disk test_reference test_compare test_hostile_files test_terminal test_curve test_config test_sources test_documents test_files test_evaluate test_golden test_diagnose test_crash_points test_signal_points test_continued_runs test_run_plan test_observer test_budget test_data_cache test_corpus_forms test_prepare_resume test_hostile_outputs"
 ).split()
 
 

@@ -48,9 +48,11 @@ ENVIRONMENT_ERRNOS = {
     errno.ENOTDIR,
     errno.EISDIR,
     errno.ENAMETOOLONG,
+    errno.EBUSY,
 }
-"""OS errors that are the machine's state (a full disk, a read-only or foreign directory),
-not a bug: the command line reports them in one line naming the path."""
+"""OS errors that are the machine's state (a full disk, a read-only or foreign directory, a
+mount point that cannot be renamed over), not a bug: the command line reports them in one line
+naming the path."""
 
 
 def cache_dir() -> Path:
@@ -104,6 +106,7 @@ def describe_os_error(e: OSError, flag: str = "--out-dir") -> str:
         errno.EACCES: f"you may not write there; choose another {flag}",
         errno.EPERM: f"you may not write there; choose another {flag}",
         errno.EFBIG: "the file is larger than this system allows",
+        errno.EBUSY: f"a mount point, or in use: it cannot be replaced in one step; choose a path inside it or another {flag}",
     }.get(e.errno, "")
     return f"cannot write {where}: {e.strerror or e}" + (f" ({hint})" if hint else "")
 
@@ -287,17 +290,60 @@ def fsync_dir(path) -> None:
 
 def atomic_write_text(path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
-    path = Path(path)
-    fd, tmp = disk.make_scratch_file(path.parent, f".{path.name}.")
+    atomic_write_all({path: text})
+
+
+def atomic_write_bytes(path, data: bytes) -> None:
+    """:func:`atomic_write_text` for bytes (an image)."""
+    atomic_write_all({path: data})
+
+
+def atomic_write_all(contents: dict) -> None:
+    """Write several files (path -> text or bytes) so that none is replaced before all are
+    written: each goes to a temporary file beside it, synced, and only then are they renamed into
+    place. A full disk (met while writing, the step that needs room) leaves every old file as it
+    was: never a new corpus beside the old one's entropy file."""
+    staged: list[tuple[Path, Path]] = []
     try:
-        with naming_the_file(path), os.fdopen(fd, "w", encoding="utf-8") as f:
-            disk.write(f, text, tmp)
-            f.flush()
-            disk.sync(f, tmp)
-        replace(tmp, path)
-        fsync_dir(path.parent)
+        for path, content in contents.items():
+            path = Path(path)
+            fd, tmp = disk.make_scratch_file(path.parent, f".{path.name}.")
+            staged.append((tmp, path))
+            binary = isinstance(content, bytes)
+            with (
+                naming_the_file(path),
+                os.fdopen(fd, "wb" if binary else "w", encoding=None if binary else "utf-8") as f,
+            ):
+                disk.write(f, content, tmp)
+                f.flush()
+                disk.sync(f, tmp)
+        while staged:
+            tmp, path = staged[0]
+            replace(tmp, path)
+            staged.pop(0)
+        for parent in dict.fromkeys(Path(path).parent for path in contents):
+            fsync_dir(parent)
     except BaseException:
-        disk.remove(tmp, missing_ok=True)
+        for tmp, _ in staged:
+            disk.remove(tmp, missing_ok=True)
+        raise
+
+
+@contextmanager
+def parents_made(path):
+    """Make the directories missing above ``path`` for the block that writes it; if the block
+    fails, remove the ones made (each while still empty), so that a write refused or stopped by a
+    full disk leaves no trace."""
+    made: list[Path] = []
+    try:
+        disk.make_dir(Path(path).parent, parents=True, exist_ok=True, made=made)
+        yield made
+    except BaseException:
+        for directory in reversed(made):
+            try:
+                disk.remove_dir(directory)
+            except OSError:
+                break
         raise
 
 
@@ -431,40 +477,79 @@ def refuse_taken_outputs(out: Path, names, flag: str = "--out") -> None:
         raise NanolmError(f"{Path(out) / taken[0]} already exists; choose another {flag}")
 
 
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def mount_points() -> set[str]:
+    """The mount points Linux lists for this process (none elsewhere). ``os.path.ismount``
+    compares a directory's device with its parent's, so it misses a bind mount of a directory of
+    the same file system (``mount --bind``, a container's volume), which refuses a rename all the
+    same (EBUSY)."""
+    try:
+        with open(MOUNTINFO, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    found = set()
+    for line in lines:
+        fields = line.split(b" ")
+        if len(fields) > 4:  # the fifth field, with a space or a newline written as \040, \012
+            found.add(os.fsdecode(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), fields[4])))
+    return found
+
+
 def refuse_mount_point(path, flag: str) -> None:
     """Refuse an output that is a mount point: a command that replaces its whole output in one
     rename (prepare, export) cannot rename onto a mount point (the system answers EBUSY or
-    EXDEV, and what was built beside it would be lost); a directory inside it is fine."""
+    EXDEV, and what was built beside it would be lost); a directory inside it is fine. A bind
+    mount counts (:func:`mount_points`): it is refused here, before the work, not at its end."""
     path = Path(path)
-    if path.is_dir() and not path.is_symlink() and os.path.ismount(path):
+    if path.is_dir() and not path.is_symlink() and (os.path.ismount(path) or os.path.realpath(path) in mount_points()):
         raise NanolmError(
             f"{flag} {path} is a mount point, which nanolm cannot replace in one step; choose a "
             f"directory inside it ({flag} {path / 'out'})"
         )
 
 
-def probe_writable(path) -> None:
-    """Refuse, before anything is written, a run directory that cannot be created or written.
-
-    Walks up to the nearest existing ancestor and creates (then removes) a file there: the
-    only test that also holds for root, read-only mounts and network file systems.
-    """
+def refuse_unmakeable(path, flag: str, file: bool = False) -> Path:
+    """Refuse, before anything is written, an output that no ``mkdir`` or ``open`` could make:
+    one under a symbolic link to nothing or under a regular file, a file where a directory is
+    wanted or a directory where a file is (``file``). Every command that writes checks its output
+    so (the command line's ``check_output``), so each of these is the same one line whichever
+    command met it, not a traceback from its first ``mkdir``. Returns the nearest existing
+    directory at or above ``path`` (above it for a file), the one a write would start in."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise NanolmError(f"--out-dir {path} is a file, not a directory; choose another --out-dir")
-    existing = path
+    disk.refuse_dangling_link(path)
+    if file and path.is_dir():
+        raise NanolmError(f"{flag} {path} is a directory; give the name of a file (inside it, or elsewhere)")
+    if not file and path.exists() and not path.is_dir():
+        raise NanolmError(f"{flag} {path} is a file, not a directory; choose another {flag}")
+    existing = path.parent if file else path
     while not existing.exists():
         disk.refuse_dangling_link(existing)
         if existing.parent == existing:
             break
         existing = existing.parent
     if not existing.is_dir():
-        raise NanolmError(f"--out-dir {path}: {existing} is a file, not a directory; choose another --out-dir")
+        raise NanolmError(f"{flag} {path}: {existing} is a file, not a directory; choose another {flag}")
+    return existing
+
+
+def probe_writable(path, flag: str = "--out-dir") -> None:
+    """Refuse, before anything is written, a run directory that cannot be created or written.
+
+    Past :func:`refuse_unmakeable`, creates (then removes) a file in the nearest existing
+    directory: the only test that also holds for root, read-only mounts and network file
+    systems. A training run does, as its first write comes only after its data is prepared;
+    the other commands write within moments of starting, and their first write's refusal is the
+    same one line.
+    """
+    existing = refuse_unmakeable(path, flag)
     try:
         fd, probe = disk.make_scratch_file(existing, ".nanolm-write-probe-")
         os.close(fd)
         disk.remove(probe)
     except OSError as e:
         raise NanolmError(
-            f"--out-dir {path}: cannot write in {existing} ({e.strerror or e}); choose a directory you can write"
+            f"{flag} {path}: cannot write in {existing} ({e.strerror or e}); choose a directory you can write"
         ) from None

@@ -26,6 +26,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..base.files import atomic_write_all, parents_made
 from ..tokenizer import EOS
 
 HEROES = [  # name, pronoun, possessive, kind
@@ -244,13 +245,18 @@ def parse(text: str, limit: int = 2) -> list[Story]:
 
 def write_stories(path, n_docs: int, seed: int = 0) -> dict:
     """Write ``n_docs`` stories separated by ``<|endoftext|>`` lines, and beside them
-    ``<path>.entropy.json`` with each story's information content in nats."""
+    ``<path>.entropy.json`` with each story's information content in nats.
+
+    The two files replace what ``path`` held together (:func:`~nanolm.base.files.atomic_write_all`),
+    in the directories made for them: a full disk leaves the old corpus and its entropy as they
+    were and no directory made, never a corpus beside another one's entropy."""
     stories = generate_stories(n_docs, seed)
     path = Path(path)
-    path.write_text(f"\n{EOS}\n".join(s.text for s in stories), encoding="utf-8")
     summary = corpus_entropy(stories)
     summary.update(seed=seed, documents=n_docs, doc_nats=[round(s.nats, 6) for s in stories])
-    entropy_path(path).write_text(json.dumps(summary))
+    text = f"\n{EOS}\n".join(s.text for s in stories)
+    with parents_made(path):
+        atomic_write_all({path: text, entropy_path(path): json.dumps(summary)})
     return summary
 
 

@@ -13,13 +13,15 @@ checked on every later use ("trust on first use"); it is printed so it can be co
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..base.files import cache_dir, replace, sha256_file
+from ..base import disk
+from ..base.files import atomic_write_text, cache_dir, naming_the_file, parents_made, replace, sha256_file
 from ..errors import NanolmError
 
 
@@ -70,28 +72,37 @@ def fetch(name: str, directory: Path | None = None, log=print, progress: bool = 
         if path.stat().st_size == corpus.size and expected and sha256_file(path) == expected:
             return path
         log(f"cached {path} does not match the expected size/checksum; downloading it again")
-        path.unlink()
+        disk.remove(path)
+    with parents_made(path):  # a download that fails leaves no directory made for it
+        return _download(name, corpus, path, log, progress)
 
-    directory.mkdir(parents=True, exist_ok=True)
+
+def _download(name: str, corpus: RemoteCorpus, path: Path, log, progress: bool) -> Path:
+    """:func:`fetch`'s download into ``path``, verified before it takes that name."""
+    recorded = path.with_name(path.name + ".sha256")
     partial = path.with_name(path.name + ".partial")
     log(f"downloading {name} from {corpus.url}")
     digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(corpus.url, timeout=30) as response, open(partial, "wb") as out:
+        with urllib.request.urlopen(corpus.url, timeout=30) as response, disk.create(partial, "wb") as out:
             bar = None
             if progress:
                 from tqdm.auto import tqdm
 
                 bar = tqdm(total=corpus.size, unit="B", unit_scale=True, desc=name, leave=False)
             for block in iter(lambda: response.read(1 << 20), b""):
-                out.write(block)
+                with naming_the_file(partial):  # a write's error is this disk's, not the network's
+                    disk.write(out, block, partial)
                 digest.update(block)
                 if bar is not None:
                     bar.update(len(block))
             if bar is not None:
                 bar.close()
     except (urllib.error.URLError, OSError, TimeoutError) as e:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            disk.remove(partial, missing_ok=True)
+        if isinstance(e, OSError) and e.filename == str(partial):  # a full or read-only disk: said as such
+            raise
         reason = getattr(e, "reason", e)
         raise NanolmError(
             f"could not download {name} ({reason}); if this machine is offline, fetch {corpus.url} "
@@ -99,7 +110,7 @@ def fetch(name: str, directory: Path | None = None, log=print, progress: bool = 
         ) from None
     size, sha = partial.stat().st_size, digest.hexdigest()
     if size != corpus.size or (corpus.sha256 and sha != corpus.sha256):
-        partial.unlink()
+        disk.remove(partial)
         raise NanolmError(
             f"the download of {name} does not match: {size} bytes, sha256 {sha[:16]}…; expected "
             f"{corpus.size} bytes"
@@ -108,7 +119,7 @@ def fetch(name: str, directory: Path | None = None, log=print, progress: bool = 
         )
     replace(partial, path)
     if corpus.sha256 is None:
-        recorded.write_text(sha + "\n")
+        atomic_write_text(recorded, sha + "\n")
         log(f"no published checksum to compare with; recorded sha256 {sha} for later checks")
     log(f"saved {path} ({size} bytes, verified)")
     return path

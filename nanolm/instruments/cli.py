@@ -65,7 +65,6 @@ def _prepare(args) -> None:
     from ..base.files import refuse_mount_point, require_utf8
     from ..base.lock import RunLock
     from ..data.prepare import prepare
-    from ..run.directory import refuse_output_inside_a_run
     from ..tokenizer import MAX_BPE_VOCAB
 
     if not 0 <= args.val_fraction < 1:
@@ -77,7 +76,7 @@ def _prepare(args) -> None:
     if args.workers < 0:
         raise NanolmError(f"--workers must be 0 (every core) or a positive number of processes, got {args.workers}")
     require_utf8("--out", str(args.out), "the tokenizer library can only open UTF-8 paths")
-    refuse_output_inside_a_run(args.out, "--out")
+    check_output(args.out, "--out")
     refuse_mount_point(args.out, "--out")
 
     with RunLock() as lock:  # one writer: two prepares into one directory would interleave their shards
@@ -123,6 +122,8 @@ def _prepare(args) -> None:
 def _report(args) -> None:
     from .report import render
 
+    if args.out is not None:  # the default, FIRST_RUN/report, is in a directory that exists
+        check_output(args.out, "--out")
     result = render(args.runs, args.out, args.x)
     print(f"{len(result['panels'])} panels ({', '.join(result['panels'])}) in {result['out_dir']}/panels")
     print(f"dashboard: {result['dashboard']}")
@@ -134,8 +135,7 @@ def _data_stories(args) -> None:
 
     if args.docs <= 0:
         raise NanolmError(f"--docs must be positive, got {args.docs}")
-    _refuse_inside_a_run(args.out, "--out")
-
+    check_output(args.out, "--out", file=True)
     summary = write_stories(args.out, args.docs, args.seed)
     print(
         f"wrote {args.docs} stories ({summary['bytes']} bytes) to {args.out}; "
@@ -148,7 +148,7 @@ def _data_download(args) -> None:
     from ..data.download import CORPORA, fetch
 
     if args.dir is not None:
-        _refuse_inside_a_run(args.dir, "--dir")
+        check_output(args.dir, "--dir")
     path = fetch(args.name, args.dir, progress=sys.stderr.isatty())
     print(f"{path}  ({CORPORA[args.name].about})")
 
@@ -270,7 +270,7 @@ def _lab(args) -> int:
     from .lab import run_lab
 
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
-    _refuse_inside_a_run(args.out, "--out")
+    check_output(args.out, "--out")
     results = run_lab(args.out, only, args.steps, args.quick, args.seed, report=not args.no_report)
     return 0 if all(r.matched for r in results) else 1
 
@@ -278,20 +278,29 @@ def _lab(args) -> int:
 def _sweep(args) -> None:
     from .sweep import parse_lrs, run_sweep
 
-    _refuse_inside_a_run(args.out, "--out")
+    check_output(args.out, "--out")
     run_sweep(args, parse_lrs(args.lrs), args.out, args.tolerance, report=not args.no_report)
 
 
 def _export(args) -> None:
     from .export import export_run
 
+    check_output(args.out, "--out")
     export_run(args.run, args.out)
 
 
-def _refuse_inside_a_run(path, flag: str) -> None:
+def check_output(path, flag: str, file: bool = False) -> None:
+    """The check every command that writes makes of its output before it writes anything
+    (``train`` makes the same in ``nanolm.run.directory``): not among a run's own files, and a
+    path that can be made (not under a symbolic link to nothing or a regular file). Each refusal
+    is one line naming the path and the fix; what a command meets when it writes (a read-only
+    directory, a full disk, a mount point it cannot rename onto) is an ``OSError`` that
+    :func:`_run` says in one line too. ``file``: the output is a file, not a directory."""
+    from ..base.files import refuse_unmakeable
     from ..run.directory import refuse_output_inside_a_run
 
     refuse_output_inside_a_run(path, flag)
+    refuse_unmakeable(path, flag, file=file)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -144,9 +144,11 @@ def export_run(run_dir, out_dir, log=print) -> Path:
         disk.sync_dir(staging)
         replace(staging, out)  # onto nothing, or onto an empty directory: one atomic rename
         disk.sync_dir(out.parent)
-    except BaseException:
+    except BaseException as e:
         if scratch is not None:
             disk.remove_tree(scratch.path, ignore_errors=True)
+            if isinstance(e, OSError) and isinstance(e.filename, str):  # the file --out would have held
+                e.filename = e.filename.replace(str(scratch.path), str(out), 1)
         for directory in reversed(made):
             try:
                 disk.remove_dir(directory)

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..base.files import refuse_taken_outputs
+from ..base import disk
+from ..base.files import atomic_write_text, refuse_taken_outputs
 from ..base.lock import RunLock
 from ..errors import NanolmError
 from ..run.config import RunConfig
@@ -292,16 +293,16 @@ def run_variant(
             first = cfg.resolved()  # a copy
             first.debug.drop_optimizer_state = False
             first.debug.kill_after_checkpoint = stop
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            disk.make_dir(run_dir.parent, parents=True, exist_ok=True)
             config_file = out / f".{variant.name}-part1.toml"
-            config_file.write_text(first.to_toml(), encoding="utf-8")
+            atomic_write_text(config_file, first.to_toml())
             proc = subprocess.run(
                 [sys.executable, "-m", "nanolm", "train", "--config", str(config_file)],
                 capture_output=True,
                 text=True,
                 env=_subprocess_env(),
             )
-            config_file.unlink()
+            disk.remove(config_file)
             lines += proc.stdout.splitlines() + proc.stderr.splitlines()
             if proc.returncode != -9 or not (run_dir / "checkpoints").is_dir():
                 raise NanolmError(
@@ -321,7 +322,7 @@ def run_variant(
         lines.append(f"error: {e}")
     finally:
         if run_dir.is_dir() and lines is not None:
-            (run_dir / "train.log").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            atomic_write_text(run_dir / "train.log", "\n".join(lines) + "\n")
     return run_dir, error
 
 
@@ -352,7 +353,7 @@ def _lab(names: list[str], out: Path, steps, quick: bool, seed: int, report: boo
     from .diagnose import diagnose, format_findings  # here: `nanolm train` reads VARIANTS for --help, nothing more
 
     refuse_taken_outputs(out, names)
-    out.mkdir(parents=True, exist_ok=True)
+    disk.make_dir(out, parents=True, exist_ok=True)
     results = []
     for name in names:
         variant = BY_NAME[name]
@@ -366,7 +367,7 @@ def _lab(names: list[str], out: Path, steps, quick: bool, seed: int, report: boo
             findings, error = [], error or str(e)
         text = format_findings(run_dir, findings)
         if run_dir.is_dir():
-            (run_dir / "diagnosis.txt").write_text(text + "\n", encoding="utf-8")
+            atomic_write_text(run_dir / "diagnosis.txt", text + "\n")
         found = [f.name for f in findings]
         matched = (not found) if not variant.expect else any(n in variant.expect for n in found)
         result = LabResult(
@@ -390,8 +391,8 @@ def _lab(names: list[str], out: Path, steps, quick: bool, seed: int, report: boo
         log(f"lab: {name}: {'matched' if matched else 'NOT matched'} ({wall:.0f}s)\n")
     left_out = [] if only or not quick else [v for v in VARIANTS if v.needs_full_length]
     table = format_table(results, left_out)
-    (out / "lab.md").write_text(table + "\n", encoding="utf-8")
-    (out / "lab.json").write_text(json.dumps([r.__dict__ for r in results], indent=2) + "\n", encoding="utf-8")
+    atomic_write_text(out / "lab.md", table + "\n")
+    atomic_write_text(out / "lab.json", json.dumps([r.__dict__ for r in results], indent=2) + "\n")
     log(table)
     return results
 

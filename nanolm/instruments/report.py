@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..base import disk
+from ..base.files import atomic_write_bytes, atomic_write_text
 from ..errors import NanolmError
 from ..run.directory import refuse_output_inside_a_run
 from ..watch.reference import reference_for_digest
@@ -505,7 +507,7 @@ def render(run_dirs, out_dir=None, x: str = "step", dpi: int = 90) -> dict:
     _unique_names(runs)
     out = Path(out_dir) if out_dir else runs[0].path / "report"
     refuse_output_inside_a_run(out, "--out")
-    (out / "panels").mkdir(parents=True, exist_ok=True)
+    disk.make_dir(out / "panels", parents=True, exist_ok=True)
     panels = [p for p in PANELS if p.present(runs)]
 
     images = {}
@@ -513,7 +515,7 @@ def render(run_dirs, out_dir=None, x: str = "step", dpi: int = 90) -> dict:
         fig = Figure(figsize=(5.2, 3.4), layout="constrained")
         _draw(panel, fig.add_subplot(), runs, x)
         images[panel.name] = _png(fig, dpi)
-        (out / "panels" / f"{panel.name}.png").write_bytes(images[panel.name])
+        atomic_write_bytes(out / "panels" / f"{panel.name}.png", images[panel.name])
 
     cols = 3
     rows = math.ceil(len(panels) / cols)
@@ -521,9 +523,9 @@ def render(run_dirs, out_dir=None, x: str = "step", dpi: int = 90) -> dict:
     fig.suptitle("nanolm: " + ", ".join(r.name for r in runs), fontsize=12)
     for i, panel in enumerate(panels):
         _draw(panel, fig.add_subplot(rows, cols, i + 1), runs, x)
-    (out / "dashboard.png").write_bytes(_png(fig, int(dpi * 0.75)))
-
-    (out / "report.html").write_text(_html(runs, panels, images), encoding="utf-8")
+    atomic_write_bytes(out / "dashboard.png", _png(fig, int(dpi * 0.75)))
+    # each file whole, the old one or the new: a full disk half-way leaves a report that opens
+    atomic_write_text(out / "report.html", _html(runs, panels, images))
     return {
         "out_dir": str(out),
         "dashboard": str(out / "dashboard.png"),

@@ -29,6 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
+from ..base import disk
+from ..base.files import atomic_write_text
 from ..errors import NanolmError
 
 UNSTABLE_FINDINGS = ("non_finite", "guard_actions", "loss_stuck", "loss_spike", "train_loss_rising", "fp16_overflow")
@@ -121,7 +123,7 @@ def _sweep(configs: dict, out: Path, tolerance: float, report: bool, log) -> dic
 
     lrs = list(configs)
     refuse_taken_outputs(out, [lr_dir_name(lr) for lr in lrs])
-    out.mkdir(parents=True, exist_ok=True)
+    disk.make_dir(out, parents=True, exist_ok=True)
     rows = []
     for lr in lrs:
         cfg = configs[lr]
@@ -138,7 +140,7 @@ def _sweep(configs: dict, out: Path, tolerance: float, report: bool, log) -> dic
             error = str(e)
             lines.append(f"error: {e}")
         if run_dir.is_dir():
-            (run_dir / "train.log").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            atomic_write_text(run_dir / "train.log", "\n".join(lines) + "\n")
         findings = diagnose(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
         loss, kind = final_loss(run_dir) if (run_dir / "metrics.jsonl").is_file() else (None, "none")
         bad = [f.name for f in findings if f.name in UNSTABLE_FINDINGS]
@@ -171,7 +173,7 @@ def _sweep(configs: dict, out: Path, tolerance: float, report: bool, log) -> dic
             )["dashboard"]
         except NanolmError as e:
             log(f"sweep: no plots ({e})")
-    (out / "sweep.md").write_text(format_sweep(result) + "\n", encoding="utf-8")
+    atomic_write_text(out / "sweep.md", format_sweep(result) + "\n")
     log(format_sweep(result))
     return result
 

@@ -206,8 +206,8 @@ class TrainOptions:
     )
     eval_windows: int | None = option(
         None,
-        "validation windows per evaluation: one fixed set whatever --batch-size, "
-        "--grad-accum or the ranks (default: 320 for a new run, its own for a run continued)",
+        "validation windows per evaluation, at most what the split holds: one fixed set whatever "
+        "--batch-size, --grad-accum or the ranks (default: 320 for a new run, its own for a run continued)",
     )
     eval_batches: int | None = option(
         None, "the earlier sizing, still read: N batches of --batch-size per rank (--eval-windows wins)"

@@ -49,7 +49,7 @@ from ..base import disk
 from ..base.documents import read_json
 from ..base.files import atomic_write_text, move_directory, probe_writable, remove_abandoned_writes
 from ..base.lock import DirectoryBusy, ReadLock, RunLock, busy_refusal, held_by_another
-from ..batches import fewer_tokens_than_a_window
+from ..batches import eval_window_count, fewer_tokens_than_a_window
 from ..checkpoint import (
     CHECKPOINTS,
     check_training_state,
@@ -475,12 +475,18 @@ def set_up_run_directory(cfg: RunConfig, dist, plan: RunPlan, precision: str, lo
         if checkpoint is not None:
             check_resume_compatible(checkpoint, cfg, data.tokenizer, log, dist, data, plan.data_moved)
         data.check_vocab(data.tokenizer.vocab_size)
+        windows = eval_window_count(len(data.val), cfg.model.seq_len, t.eval_windows)
+        if 0 < windows < t.eval_windows:  # no window at all has its own warning, once the run is built
+            log(
+                f"validation: the split holds {windows} windows of {cfg.model.seq_len} tokens, fewer than "
+                f"--eval-windows {t.eval_windows}; all {windows} are scored"
+            )
         check_memory(
             cfg.model.gpt_config(data.tokenizer.vocab_size),
             precision,
             dist,
             t.batch_size,
-            t.eval_windows,
+            windows,
             cfg.optim.optimizer,
             grad_accum=t.grad_accum,
         )
