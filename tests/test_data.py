@@ -549,6 +549,7 @@ def test_an_interrupted_prepare_leaves_out_as_it_was_and_keeps_its_pieces_for_th
         raise interruption
 
     monkeypatch.setattr(prepare_mod, "_encode", encode_then_fail)
+    monkeypatch.setattr(prepare_mod, "PIECE_CHARS", 40)  # several pieces, recorded (one piece records nothing)
     with pytest.raises(type(interruption) if isinstance(interruption, Exception) else interruption):
         prepare(_write_txt(tmp_path / "e.txt", DOCS * 8), out, "char", progress=False)
     assert _tree(out) == before

@@ -12,6 +12,7 @@ prepared from the same text, ``nanolm/data/cache.py``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import lzma
 import math
@@ -227,8 +228,10 @@ def prepare(
 
 def _worth_keeping(e: BaseException, attempt: Path) -> bool:
     """An interrupted prepare (Ctrl-C, a full or failing disk, a kill) keeps what it finished for the
-    next attempt; one refused for its input (a damaged shard) leaves nothing: the input changes next."""
-    return not isinstance(e, (NanolmError, disk.Stopped)) and (attempt / PROGRESS_FILE).is_file()
+    next attempt; one refused for its input (a damaged shard) or for its --out (a mount point that
+    cannot be renamed over) leaves nothing: the next attempt is another command."""
+    refused = isinstance(e, (NanolmError, disk.Stopped)) or (isinstance(e, OSError) and e.errno == errno.EBUSY)
+    return not refused and (attempt / PROGRESS_FILE).is_file()
 
 
 def _umask() -> int:
@@ -267,7 +270,8 @@ def _prepare_into(
         tokenizer.save(out / "tokenizer.json")
         dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
         record = Progress(*request, tokenizer_fingerprint=tokenizer.fingerprint(), dtype=np.dtype(dtype).name)
-        record.save(work)  # from here on, an interrupted prepare continues
+        if expected > PIECE_CHARS:  # from here on, an interrupted prepare continues (one piece: nothing to continue)
+            record.save(work)
     else:
         tokenizer = Tokenizer.load(out / "tokenizer.json")  # the record's (Progress.load checked it)
         dtype = np.dtype(record.dtype)
@@ -476,7 +480,7 @@ def _encode(
     chars = 0
     in_flight = None  # (encoding, texts, documents read when it ends)
 
-    def write(encoding, texts, documents_read):
+    def write(encoding, texts, documents_read, last=False):
         encoded = encoding.result()
         for name in ("train", "val"):
             before = writers[name].n_bytes
@@ -486,7 +490,8 @@ def _encode(
             w.sync()
         record.documents_read = documents_read
         record.splits = {name: SplitProgress(w.n_tokens, w.n_bytes, w.n_docs, w.max_id) for name, w in writers.items()}
-        record.save(work)
+        if not last:  # after the last piece the prepare finishes: a kill there loses that piece, as anywhere
+            record.save(work)
 
     encoder = Encoders(tokenizer, workers, text_bytes, shown.log)
     piece_chars = PIECE_CHARS * (encoder.workers if encoder.pool is not None else 1)  # a piece's share per worker
@@ -519,7 +524,7 @@ def _encode(
                 write(*in_flight)
             in_flight = (encoder.submit(piece), piece, i + 1)
         if in_flight is not None:
-            write(*in_flight)
+            write(*in_flight, last=True)
     return val_nats, compressor_bpb.result() if compressor_bpb is not None else None
 
 
