@@ -806,7 +806,7 @@ def test_a_corpus_past_one_chunk_is_encoded_a_chunk_at_a_time_each_document_once
     said = []
     monkeypatch.setattr(progress_mod, "PROGRESS_MIN_BYTES", 0)  # shown as for a larger corpus
     data = prepare(source, tmp_path / "p", "char", val_fraction=0.5, progress="lines", log=said.append)
-    assert len(encoded) == 4 and sum(encoded) == len(docs)  # each split twice: one chunk, then the rest
+    assert len(encoded) == 6 and sum(encoded) == len(docs)  # each split three times: two halves of a piece, the rest
     assert not [line for line in said if line.startswith("note:")]  # plain text: no entropy file, and none missed
     by_split = {"train": [], "val": []}
     as_read = list(DocumentSource(source, sources_mod.SEPARATOR, "text"))

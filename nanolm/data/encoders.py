@@ -7,7 +7,10 @@ large corpus is encoded by ``workers`` processes, each limited to one thread: th
 reads the documents, cuts each piece into one part per worker (by characters, in order), and
 puts the parts' tokens back together in order, so the result is the same whatever the number of
 workers. A small source (a few seconds of encoding) is encoded in this process instead: starting
-the workers would cost more than they save.
+the workers would cost more than they save. So is any source when ``workers`` is None, the default
+of :func:`~nanolm.data.prepare.prepare` called from Python and of a training run: a worker
+re-imports the main module, and a user's script without an ``if __name__ == "__main__":`` guard
+would run again in each (the command line's entry has the guard; ``nanolm prepare`` uses workers).
 
 The workers are started with ``spawn`` (a fresh interpreter: forking a process that has loaded
 PyTorch or started the tokenizer's threads is unsafe), ignore Ctrl-C (the main process stops them
@@ -37,12 +40,12 @@ class Encoders:
     """Encodes pieces of documents, ``{split: [text, ...]}`` to ``{split: [ids, ...]}``, in the
     background: :meth:`submit` returns at once, the result's ``.result()`` waits for it."""
 
-    def __init__(self, tokenizer, workers: int, text_bytes: int, log=print):
+    def __init__(self, tokenizer, workers: int | None, text_bytes: int, log=print):
         self.tokenizer, self.log = tokenizer, log
         self.workers = workers or default_workers()
         self.pool, self.broken = None, False
         self.thread = ThreadPoolExecutor(max_workers=1)  # the in-process encoder, or the gatherer
-        if text_bytes >= POOL_MIN_BYTES:
+        if workers is not None and text_bytes >= POOL_MIN_BYTES:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 

@@ -131,7 +131,7 @@ def prepare(
     compressor_sample_bytes: int = COMPRESSOR_SAMPLE_BYTES,
     log=print,
     work_dir=None,
-    workers: int = 0,
+    workers: int | None = None,
 ) -> PreparedData:
     """Tokenize ``source`` once into ``out_dir``; returns the opened result.
 
@@ -146,7 +146,8 @@ def prepare(
     encoding for the cores and nothing in the run reads the figures (``benchmarks/prepare_throughput.py``
     measures the difference).
 
-    ``workers``: processes that encode a large source (0: one per core; ``nanolm/data/encoders.py``).
+    ``workers``: processes that encode a large source (0: one per core; None, the default: this
+    process's threads, which needs no main-module guard; ``nanolm/data/encoders.py``).
 
     ``progress``: ``"auto"`` (True), ``"bar"``, ``"lines"`` or False, as
     :class:`~nanolm.data.progress.PrepareProgress` shows it; a small source prepares silently
@@ -255,7 +256,7 @@ def _prepare_into(
     compressor_sample_bytes: int,
     log,
     t0: float,
-    workers: int,
+    workers: int | None,
 ):
     """:func:`prepare`'s work in the scratch directory ``work``: the data in ``work/data``, which
     becomes ``--out`` only when whole; ``record``, the progress of an interrupted attempt."""
@@ -461,24 +462,25 @@ def _encode(
     shown: PrepareProgress,
     record: Progress,
     work: Path,
-    workers: int,
+    workers: int | None,
     text_bytes: int,
 ) -> tuple[float, dict | None]:
-    """The second pass: every document encoded into its split's shard, a piece (~8 MB of text)
-    at a time, each piece recorded in ``work``'s progress once it is on disk. The documents an
-    earlier attempt recorded are read again but not encoded (they give the compressors their
-    sample and the floor its information as before). A piece is encoded in a thread (the
-    tokenizer's Rust code runs outside the GIL, on its own threads) while the next is read; it is
-    written and recorded before the next is handed to the encoder, so a kill at any moment loses
-    at most the one piece being encoded or written.
-    Returns the validation documents' known information (nats) and the compressor bounds (None
-    when ``compressor_sample_bytes`` is 0)."""
+    """The second pass: every document encoded into its split's shard, half a piece at a time,
+    each half recorded in ``work``'s progress once it is on disk. The documents an earlier
+    attempt recorded are read again but not encoded (they give the compressors their sample and
+    the floor its information as before).
+
+    Two halves are in the encoders at once, so that they never wait for the disk: while one is
+    encoded, the one before it is written, synced and recorded, and the next is read. So a kill
+    at any moment loses at most the two halves not yet recorded: one piece (``PIECE_CHARS`` of
+    text per worker). Returns the validation documents' known information (nats) and the
+    compressor bounds (None when ``compressor_sample_bytes`` is 0)."""
     sample = {"train": [], "val": []}
     sample_size = {"train": 0, "val": 0}
     val_nats = 0.0
-    piece: dict[str, list[str]] = {"train": [], "val": []}
+    half: dict[str, list[str]] = {"train": [], "val": []}
     chars = 0
-    in_flight = None  # (encoding, texts, documents read when it ends)
+    in_flight = []  # (encoding, texts, documents read when it ends), oldest first: two at most
 
     def write(encoding, texts, documents_read, last=False):
         encoded = encoding.result()
@@ -486,15 +488,16 @@ def _encode(
             before = writers[name].n_bytes
             writers[name].write_docs(encoded[name], texts[name], tokenizer.eos_id)
             shown.advance(writers[name].n_bytes - before)
+        if last:  # the prepare finishes next: a kill there loses this half, as anywhere
+            return
         for w in writers.values():
             w.sync()
         record.documents_read = documents_read
         record.splits = {name: SplitProgress(w.n_tokens, w.n_bytes, w.n_docs, w.max_id) for name, w in writers.items()}
-        if not last:  # after the last piece the prepare finishes: a kill there loses that piece, as anywhere
-            record.save(work)
+        record.save(work)
 
     encoder = Encoders(tokenizer, workers, text_bytes, shown.log)
-    piece_chars = PIECE_CHARS * (encoder.workers if encoder.pool is not None else 1)  # a piece's share per worker
+    half_chars = PIECE_CHARS // 2 * (encoder.workers if encoder.pool is not None else 1)
     i = -1
     with encoder, ThreadPoolExecutor(max_workers=1) as background:
         for i, (split, text) in enumerate(split_documents(iter(docs), val_fraction)):
@@ -506,25 +509,25 @@ def _encode(
                 sample_size[split] += len(part)
             if i < record.documents_read:
                 continue  # encoded by an earlier attempt
-            piece[split].append(text)
+            half[split].append(text)
             chars += len(text)
-            if chars >= piece_chars:
-                if in_flight is not None:  # recorded before the next starts: a kill loses one piece at most
-                    write(*in_flight)
-                in_flight = (encoder.submit(piece), piece, i + 1)
-                piece, chars = {"train": [], "val": []}, 0
-        # the compressors run while the last pieces encode
+            if chars >= half_chars:
+                if len(in_flight) == 2:  # the oldest is done by now, or nearly: written while the other encodes
+                    write(*in_flight.pop(0))
+                in_flight.append((encoder.submit(half), half, i + 1))
+                half, chars = {"train": [], "val": []}, 0
+        # the compressors run while the last halves encode
         compressor_bpb = (
             background.submit(compressor_bits_per_byte, b"".join(sample["train"]), b"".join(sample["val"]))
             if compressor_sample_bytes
             else None
         )
         if chars:
-            if in_flight is not None:
-                write(*in_flight)
-            in_flight = (encoder.submit(piece), piece, i + 1)
-        if in_flight is not None:
-            write(*in_flight, last=True)
+            if len(in_flight) == 2:
+                write(*in_flight.pop(0))
+            in_flight.append((encoder.submit(half), half, i + 1))
+        while in_flight:
+            write(*in_flight.pop(0), last=len(in_flight) == 0)
     return val_nats, compressor_bpb.result() if compressor_bpb is not None else None
 
 
