@@ -2,6 +2,7 @@
 where an uninterrupted prepare ends; a source or a setting that changed meanwhile starts it over,
 said in one line; a training run on raw text continues its preparation the same way."""
 
+import json
 import os
 import shutil
 import signal
@@ -211,3 +212,27 @@ def test_a_prepare_of_several_pieces_stopped_or_failed_at_any_step_continues_to_
     )
     monkeypatch.undo()
     assert tried["stop"] >= 40, tried
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda r: r.update(source="not a list"),
+        lambda r: r.update(documents_read="many"),
+        lambda r: r["splits"]["train"].update(tokens=10**12),  # more than its shard holds
+    ],
+)
+def test_a_damaged_progress_record_starts_the_work_over_and_never_fails_it(tmp_path, small_pieces, damage):
+    source = _corpus(tmp_path / "corpus.txt")
+    stop_at = _record_steps(source, tmp_path / "out")[4] + 3
+    with disk.faults(disk.FaultPlan(at=stop_at)), pytest.raises(disk.Stopped):
+        _prepare(source, tmp_path / "out")
+    record = next(tmp_path.glob(".out.prepare-*")) / PROGRESS_FILE
+    raw = json.loads(record.read_text())
+    damage(raw)
+    record.write_text(json.dumps(raw))
+    lines = []
+    data = _prepare(source, tmp_path / "out", log=lines.append)
+    assert not any(line.startswith("prepare: continuing") for line in lines), lines
+    assert data.digest == _prepare(source, tmp_path / "whole").digest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "out", "whole"]

@@ -24,6 +24,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..base import disk
 from ..base.documents import read_json
 from ..base.files import atomic_write_text, remove_abandoned_writes
 from ..base.lock import abandoned_scratch
@@ -90,6 +91,15 @@ class Progress:
             )
         except (NanolmError, KeyError, TypeError):
             return None
+        shapes = (
+            isinstance(progress.settings, dict)
+            and isinstance(progress.code, str)
+            and isinstance(progress.tokenizer_fingerprint, str)
+            and isinstance(progress.source, list)
+            and all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in progress.source)
+        )
+        if not shapes:  # damaged, or written by hand: its work is started over
+            return None
         counts = [progress.documents_read] + [v for s in splits.values() for v in asdict(s).values()]
         if not all(isinstance(c, int) and not isinstance(c, bool) and c >= -1 for c in counts):
             return None
@@ -144,8 +154,6 @@ def why_not_the_same(progress: Progress, settings: dict, source: list[dict], cod
 def unfinished_attempt(out: Path, settings: dict, source: list[dict], code: str, log=print) -> Path | None:
     """An abandoned scratch directory of a prepare into ``out`` that this request continues;
     the others (a different request, or killed before their first record) are deleted."""
-    from ..base import disk
-
     found = None
     for attempt in abandoned_scratch(out, "prepare"):
         progress = Progress.load(attempt)
