@@ -4,7 +4,7 @@ large (4 GB of text): the shards are memory-mapped, so the run's memory should n
 The large corpus is the small one's training tokens repeated 100 times (document starts shifted
 to match), sealed as ``nanolm prepare`` seals its output: a run checks it like any other. Each
 run is its own process (``python -m nanolm train``, the same options, fixed steps); its peak
-resident memory is the child's own (``wait4``), file pages mapped from the shards included.
+resident memory is the child's own (``/usr/bin/time``), file pages mapped from the shards included.
 
     python benchmarks/corpus_memory.py                 # 40 MB and 4 GB, 200 steps each
     python benchmarks/corpus_memory.py --times 10 --steps 50
@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from corpus_prepare import run_measured  # the same measurement of a child's peak
 
 
 def small_corpus(work: Path, mb: float) -> Path:
@@ -69,12 +68,10 @@ def peak_memory(data: Path, steps: int, out: Path) -> dict:
     cmd += ["--steps", str(steps), "--time-budget", "off", "--n-layer", "3", "--n-embd", "128", "--n-head", "4"]
     cmd += ["--seq-len", "256", "--batch-size", "8", "--eval-every", "100", "--eval-windows", "64", "--threads", "1"]
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
+    peak, status, err = run_measured(cmd, out.parent / "peak.txt")
     if status != 0:
         raise SystemExit(f"train failed:\n{err[-2000:]}")
-    return {"peak_rss_mb": round(usage.ru_maxrss / 1024), "seconds": round(time.perf_counter() - start, 1)}
+    return {"peak_rss_mb": peak, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def main():

@@ -18,6 +18,7 @@ Three things make that honest:
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,16 +210,35 @@ class TrainBatches:
 
     def next(self, step: int) -> list[Batch]:
         """The micro-batches of optimizer step ``step``."""
-        return [
+        batches = [
             pack_windows(self.tokens, self.sampler.next_starts(), self.seq_len, self.eos_id, **self.pack)
             for _ in range(self.grad_accum)
         ]
+        let_go_of_pages(self.tokens)
+        return batches
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
+
+
+def let_go_of_pages(tokens: np.ndarray) -> None:
+    """Unmap the pages of a memory-mapped shard that the last windows touched.
+
+    The windows were copied out (``pack_windows``), so nothing needs those pages mapped. Left
+    mapped, each window read from a shard the page cache holds maps whole runs of pages around it
+    (up to megabytes: the cache keeps large folios of a file written in order), and a run's
+    resident memory grew by ~3.6 MB a step with the size of its corpus: 1.9 GB after 200 steps on
+    a 2 GB shard. ``MADV_DONTNEED`` drops the mappings, not the data (it stays in the page cache,
+    shared and reclaimable), in ~16 µs. Windows (no ``madvise``) keeps the old behaviour."""
+    handle = getattr(tokens, "_mmap", None)
+    if handle is not None and hasattr(handle, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            handle.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):  # closed, or a platform that refuses it: only memory is at stake
+            pass
 
 
 def get_batch(tokens: np.ndarray, batch_size: int, seq_len: int, generator: torch.Generator | None = None):

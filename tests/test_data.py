@@ -14,6 +14,7 @@ import nanolm.data.progress as progress_mod
 import nanolm.data.sources as sources_mod
 from nanolm.batches import (
     Split,
+    TrainBatches,
     WindowSampler,
     eval_batches,
     eval_window_starts,
@@ -1001,3 +1002,30 @@ def test_a_failed_encoding_reaches_the_user_as_itself_even_when_closing_its_shar
     with pytest.raises(OSError) as raised:
         prepare(_write_txt(tmp_path / "d.txt", DOCS), tmp_path / "p", "char", progress=False)
     assert raised.value.errno == errno.ENOSPC and not (tmp_path / "p").exists()
+
+
+def _resident_kb_of_mapping(path) -> int:
+    """Resident kilobytes of this process's mappings of ``path`` (Linux's /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the resident pages from Linux's /proc")
+def test_the_training_windows_leave_no_page_of_the_shard_mapped(tmp_path):
+    """A run's resident memory must not grow with its corpus: the windows are copied out of the
+    memory-mapped shard, and the pages they touched (and the runs of cached pages the kernel maps
+    around them) are unmapped again, step after step."""
+    path = tmp_path / "train.bin"
+    np.arange(4_000_000, dtype=np.uint16).tofile(path)  # 8 MB, in the page cache
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    batches = TrainBatches(tokens, WindowSampler(len(tokens), 64, 8), 64, eos_id=0)
+    for step in range(20):
+        batches.next(step)
+    assert _resident_kb_of_mapping(path) == 0
+    int(tokens[::2048].sum())  # reading maps pages, and the measure sees them
+    assert _resident_kb_of_mapping(path) > 0
