@@ -116,7 +116,7 @@ def run_prepare(source: Path, out: Path, workers: int, vocab_size: int) -> dict:
     seconds = time.perf_counter() - start
     if status != 0:
         raise SystemExit(f"prepare failed ({status}):\n{output[-2000:]}")
-    encoded = re.search(r"encoded ([\d.]+) MB in .*? \(([\d.]+) MB/s\)", output)
+    encoded = re.search(r"encoded ([\d.]+) [MG]B in .*? \(([\d.]+) MB/s\)", output)
     tokenizer = re.search(r"tokenizer trained in ([\d.]+ ?\w+)", output)
     return {
         "workers": workers,
