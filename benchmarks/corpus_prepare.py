@@ -18,6 +18,7 @@ documents in prepare's pieces and times only the ``encode_batch`` calls, with ev
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -92,7 +93,7 @@ def build_form(corpus: Path, form: str) -> Path:
         partial = corpus.with_suffix(".parquet.partial")
         partial.mkdir(exist_ok=True)
         shard, batch, size = 0, [], 0
-        for doc in [*DocumentSource(corpus), None]:
+        for doc in itertools.chain(DocumentSource(corpus), [None]):  # streamed: the corpus may not fit in memory
             if doc is not None:
                 batch.append(doc)
                 size += len(doc)
