@@ -229,10 +229,10 @@ def let_go_of_pages(tokens: np.ndarray) -> None:
 
     The windows were copied out (``pack_windows``), so nothing needs those pages mapped. Left
     mapped, each window read from a shard the page cache holds maps whole runs of pages around it
-    (up to megabytes: the cache keeps large folios of a file written in order), and a run's
-    resident memory grew by ~3.6 MB a step with the size of its corpus: 1.9 GB after 200 steps on
-    a 2 GB shard. ``MADV_DONTNEED`` drops the mappings, not the data (it stays in the page cache,
-    shared and reclaimable), in ~16 µs. Windows (no ``madvise``) keeps the old behaviour."""
+    (the cache keeps large folios of a file written in order), and a run's resident memory grew
+    step by step with the size of its corpus (docs/data.md, Benchmarks). ``MADV_DONTNEED`` drops
+    the mappings, not the data (it stays in the page cache, shared and reclaimable), and costs
+    microseconds. Windows (no ``madvise``) keeps the old behaviour."""
     handle = getattr(tokens, "_mmap", None)
     if handle is not None and hasattr(handle, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
         try:

@@ -219,6 +219,7 @@ def test_a_prepare_of_several_pieces_stopped_or_failed_at_any_step_continues_to_
     [
         lambda r: r.update(source="not a list"),
         lambda r: r.update(documents_read="many"),
+        lambda r: r["splits"]["val"].update(tokens=-1),  # a count below zero, not a shorter file
         lambda r: r["splits"]["train"].update(tokens=10**12),  # more than its shard holds
     ],
 )

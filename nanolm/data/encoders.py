@@ -1,8 +1,8 @@
 """Encoding on every core: worker processes, each with its own copy of the tokenizer.
 
 The tokenizer's batch encoding runs in Rust threads, but one process's threads share one memory
-allocator and hand their results back through one Python thread: on 2 cores they encode 1.7x as
-fast as one thread, where two processes encode 1.8x as fast (docs/data.md has the figures). So a
+allocator and hand their results back through one Python thread, and they scale less well than
+processes (measured in dev/data.md, "Corpora of gigabytes, as published"). So a
 large corpus is encoded by ``workers`` processes, each limited to one thread: the main process
 reads the documents, cuts each piece into one part per worker (by characters, in order), and
 puts the parts' tokens back together in order, so the result is the same whatever the number of

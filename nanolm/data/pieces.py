@@ -100,8 +100,11 @@ class Progress:
         )
         if not shapes:  # damaged, or written by hand: its work is started over
             return None
-        counts = [progress.documents_read] + [v for s in splits.values() for v in asdict(s).values()]
-        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= -1 for c in counts):
+        counts = [progress.documents_read] + [c for s in splits.values() for c in (s.tokens, s.bytes, s.documents)]
+        largest = [s.max_id for s in splits.values()]
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts) or not all(
+            isinstance(m, int) and not isinstance(m, bool) and m >= -1 for m in largest
+        ):
             return None
         if progress.dtype not in ("uint16", "uint32") or not _files_hold_the_record(directory, progress):
             return None
