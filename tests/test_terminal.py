@@ -7,6 +7,7 @@ must leave a checkpoint from which the same command continues.
 """
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -320,7 +321,9 @@ def test_output_onto_a_full_disk_is_one_line_and_a_failed_status(argv):
 def test_a_signal_while_a_run_prepares_its_data_stops_it_at_once_and_leaves_nothing(tmp_path, stories_file, sig):
     """Before its first step a run has nothing to save, but SIGTERM's and SIGHUP's default would
     kill it on the spot, leaving a half-tokenized corpus in the system's temporary directory that
-    nothing removes. Each stop signal ends the set-up at once, through its cleanup."""
+    nothing removes. Each stop signal ends the set-up at once, through its cleanup. Only a finished
+    piece of the encoding is kept, in the cache, for the same command to continue from (whether the
+    signal lands before the first piece is recorded is up to the scheduler)."""
     import random
 
     words = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=3 + i % 7)) for i in range(3000)]
@@ -345,11 +348,11 @@ def test_a_signal_while_a_run_prepares_its_data_stops_it_at_once_and_leaves_noth
         "--steps",
         "2",
     ]
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(scratch)}
-    )
+    cache = tmp_path / "cache"  # this run's own: another test's kept pieces must not look like its start
+    env = {**os.environ, "TMPDIR": str(scratch), "NANOLM_CACHE": str(cache)}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 120
-    preparing = Path(os.environ["NANOLM_CACHE"]) / "preparing"  # where a run's preparation works
+    preparing = cache / "preparing"  # where a run's preparation works
     while not list(preparing.glob("*/.*.prepare-*")) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)  # until the run's own preparation has begun
     proc.send_signal(getattr(signal, sig))
@@ -359,7 +362,8 @@ def test_a_signal_while_a_run_prepares_its_data_stops_it_at_once_and_leaves_noth
         f"{sig} while the run was being set up, before its first step: run the same command again to go on"
     ], err
     assert list(scratch.iterdir()) == [] and not out.exists()  # no half-prepared corpus, no run directory
-    assert not list(preparing.glob("*/.*.prepare-*"))  # stopped before its first piece: nothing to continue
+    for kept in preparing.glob("*/.*.prepare-*"):  # kept only with a finished piece to continue from
+        assert json.loads((kept / "progress.json").read_text())["documents_read"] > 0, list(kept.iterdir())
 
 
 def test_a_signal_while_a_run_finishes_stops_it_at_once_and_the_rerun_finds_it_finished_or_finishes_it(
