@@ -18,6 +18,7 @@ document mask), on random tokens (a step costs the same whatever the tokens say)
 
     python benchmarks/step_profile.py --threads 2
     python benchmarks/step_profile.py --threads 2 --profile --formats bf16,fp32
+    python benchmarks/step_profile.py --threads 2 --compile --formats bf16,fp32 --plain-formats bf16,fp32
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from nanolm.batches import pack_windows
 from nanolm.machine.hardware import measure_matmul_flops
-from nanolm.model import GPT
+from nanolm.model import GPT, compile_blocks
 from nanolm.optim import optimizer_for
 from nanolm.precision import resolve_precision
 from nanolm.run.config import add_run_arguments, config_from_args
@@ -75,7 +76,9 @@ def batches(cfg, count: int, seed: int = 0) -> list:
     return out
 
 
-def nanolm_step(cfg, model, precision):
+def nanolm_step(cfg, model, precision, compile=False):
+    if compile:
+        compile_blocks(model)  # what --compile does
     optimizer = optimizer_for(model, cfg, precision)
     setup = StepSetup(
         model, optimizer, schedule=lambda s: cfg.optim.lr, clip=cfg.optim.clip, autocast=precision.autocast
@@ -147,6 +150,7 @@ def main() -> None:
     p.add_argument("--formats", default="bf16,fp32", help="number formats for the MFU (bf16 needs native units)")
     p.add_argument("--plain-formats", default="fp32", help="formats in which to time the plain loop beside nanolm")
     p.add_argument("--profile", action="store_true", help="add torch.profiler's table of nanolm's step")
+    p.add_argument("--compile", action="store_true", help="add nanolm's step with --compile (its compile untimed)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -166,6 +170,8 @@ def main() -> None:
         tokens = cfg.train.batch_size * cfg.model.seq_len
         peak = measure_matmul_flops("cpu", precision.autocast_dtype or torch.float32)
         loops = {"nanolm (Muon)": nanolm_step(cfg, model, precision)}
+        if args.compile:
+            loops["nanolm (Muon), --compile"] = nanolm_step(cfg, copy.deepcopy(model), precision, compile=True)
         if name in args.plain_formats.split(","):
             adamw = the_config(["--precision", name])
             adamw.optim.optimizer, adamw.optim.muon_lr = "adamw", None  # the config's AdamW settings, on every matrix
@@ -193,6 +199,10 @@ def main() -> None:
             )
         if args.profile:
             entry["profile"] = profile(nanolm_step(cfg, copy.deepcopy(model), precision), data, min(10, args.steps))
+            if args.compile:
+                entry["profile_compiled"] = profile(
+                    nanolm_step(cfg, copy.deepcopy(model), precision, compile=True), data, min(10, args.steps)
+                )
         results["formats"][name] = entry
     print(json.dumps(results, indent=1))
 

@@ -67,7 +67,7 @@ import nanolm.model
 from nanolm.batches import TrainBatches, WindowSampler, get_batch, pack_windows
 from nanolm.data.corpus import write_stories
 from nanolm.data.prepare import prepare
-from nanolm.model import GPT, GPTConfig
+from nanolm.model import GPT, GPTConfig, compile_blocks
 from nanolm.optim import build_optimizer, get_param_groups
 from nanolm.precision import cpu_has_native_bf16, resolve_precision
 from nanolm.step import StepSetup, train_step
@@ -267,6 +267,8 @@ def nanolm_runner(
             n_embd=shape["n_embd"],
         )
     ).to(device)
+    if compile:
+        compile_blocks(model)  # what --compile does
     if fused_adamw:
         opt = build_optimizer(model, lr, 0.1)
     else:  # PyTorch's default AdamW for the device: one tensor at a time on CPU
@@ -276,7 +278,6 @@ def nanolm_runner(
         opt,
         schedule=lambda step: lr,
         clip=1.0,
-        step_model=torch.compile(model) if compile else model,
         autocast=autocast,
     )
     batches = TrainBatches(

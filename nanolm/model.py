@@ -336,6 +336,25 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
+def _run_block(block, x, cos, sin, mask):
+    return block(x, cos, sin, mask)
+
+
+def compile_blocks(model: "GPT", backend: str = "inductor") -> None:
+    """``--compile``: the training passes run each block through one ``torch.compile``\ d function.
+
+    Why the blocks and not the whole model (torchtitan compiles the same way): every block is
+    the same code on other weights, so the compiler traces and generates code for one block
+    and all of them reuse it, where compiling the whole model traces every block again, and the
+    head's loss, a chunk at a time, unrolled. Most of what compiling wins is inside the blocks:
+    RoPE, the norms, the activation and autocast's casts fused into a few kernels instead of a
+    pass over memory each (docs/benchmarks.md has the compile time and the step time of both).
+    Only passes that compute gradients take it: an evaluation or a sample runs under
+    ``no_grad``, at other batch sizes and lengths, and would each be compiled again for a few
+    forward passes."""
+    model.compiled_block = torch.compile(_run_block, dynamic=False, backend=backend)
+
+
 def flex_attention_chosen(attention: str, device) -> bool:
     """The one rule for the document mask's kernel: FlexAttention when ``--attention flex`` asks
     for it, or under ``auto`` on CUDA with Triton (there it is a compiled kernel, far cheaper than a
@@ -356,6 +375,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(config.seq_len, config.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.compiled_block = None  # set by compile_blocks: the training passes' compiled block
         self.reset_parameters()
 
     @torch.no_grad()
@@ -438,8 +458,9 @@ class GPT(nn.Module):
         cos, sin = self.rope(T, positions)
         mask = self.attention_mask(doc_ids)
         x = self.embed(idx)
+        compiled = self.compiled_block if torch.is_grad_enabled() else None  # evaluation and sampling stay eager
         for block in self.blocks:
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, mask) if compiled is None else compiled(block, x, cos, sin, mask)
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None

@@ -89,7 +89,7 @@ from .machine.runtime import (
     stop_reason,
 )
 from .machine.threads import ThreadTuner
-from .model import GPT
+from .model import GPT, compile_blocks
 from .optim import get_param_groups, optimizer_for  # noqa: F401 (get_param_groups: the course's name)
 from .precision import DynamicLossScaler, Precision, cast_weights_, resolve_precision
 from .run.budget import TimeBudget, measure_a_step_and_an_evaluation
@@ -391,7 +391,8 @@ def build_model(
     if hasattr(optimizer, "describe"):
         log(optimizer.describe(model))
     scaler = factories.scaler(enabled=precision.name == "fp16")
-    step_model = torch.compile(step_model) if t.compile else step_model
+    if t.compile:
+        compile_blocks(model)
     return Trainable(model, step_model, optimizer, scaler)
 
 
@@ -490,6 +491,7 @@ def build_components(
             planned=observer.planned,
             dist=dist,
             log=observer.write,
+            compiling=t.compile,
         )
     step_setup = StepSetup(
         model,

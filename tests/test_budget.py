@@ -22,8 +22,19 @@ class SimulatedRun:
     ``step_cost(t)`` seconds a step at simulated time ``t``, ``eval_s`` an evaluation (with its
     save), every ``eval_every`` steps and after the last."""
 
-    def __init__(self, budget_s, step_cost, *, eval_s=0.5, eval_every=100, decay_fraction=0.3, max_steps=NO_STEP_LIMIT):
+    def __init__(
+        self,
+        budget_s,
+        step_cost,
+        *,
+        eval_s=0.5,
+        eval_every=100,
+        decay_fraction=0.3,
+        max_steps=NO_STEP_LIMIT,
+        compile_s=None,
+    ):
         self.clock, self.step_cost, self.eval_s, self.eval_every = 0.0, step_cost, eval_s, eval_every
+        self.compile_s = compile_s
         self.lines, self.rates = [], {}
         optim = SimpleNamespace(lr=PEAK, min_lr=0.0, warmup=None, decay_fraction=decay_fraction)
         self.budget = TimeBudget(
@@ -34,13 +45,14 @@ class SimulatedRun:
             measure=self.measure,
             log=self.lines.append,
             clock=lambda: self.clock,
+            compiling=compile_s is not None,
         )
 
     def measure(self):
         """As the real measurement: a step's passes and an evaluation, each run twice; the step
         without the optimizer's update, so a little cheaper than a real one."""
         cost = self.step_cost(self.clock)
-        self.clock += 2 * (0.8 * cost + self.eval_s)
+        self.clock += 2 * (0.8 * cost + self.eval_s) + (self.compile_s or 0.0)  # --compile: in the first pass
         return 0.8 * cost, self.eval_s
 
     def train(self, from_step=0, stop_after=None) -> int:
@@ -94,6 +106,17 @@ def test_a_budget_ends_training_and_its_final_evaluation_inside_it_on_a_simulate
     assert run.rates[last] < 0.01 * PEAK, "the last step trains at the foot of the decay"
     assert decay_is_smooth(run.rates, plan.warmup)
     assert run.lines[0].startswith("time budget 60 s: ~")
+
+
+def test_a_compile_is_paid_out_of_the_budget_and_the_plan_says_so():
+    """``--compile`` compiles in the measurement's first pass, after the clock started: the steps
+    planned are those that fit in what the compile left, and the run still ends inside."""
+    eager, compiled = SimulatedRun(60, lambda t: 0.1), SimulatedRun(60, lambda t: 0.1, compile_s=20.0)
+    eager.train(), compiled.train()
+    planned = [int(run.lines[0].split("~")[1].split()[0]) for run in (eager, compiled)]
+    assert compiled.clock <= 60 and planned[1] < planned[0] - 190, planned  # 20 s: ~250 steps of 0.08 s fewer
+    assert compiled.lines[0].endswith("an evaluation; 21.2 s measuring them, the compile included)"), compiled.lines[0]
+    assert eager.lines[0].endswith("an evaluation)")
 
 
 @pytest.mark.parametrize("slows_at", [30.0, 50.0], ids=["before-the-decay", "during-the-decay"])

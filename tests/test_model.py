@@ -489,3 +489,32 @@ def test_relu2_mlp_is_the_square_of_relu_over_the_gelu_width():
     x = torch.randn(3, 5, 32)
     torch.testing.assert_close(mlp(x), mlp.down(torch.relu(mlp.up(x)) ** 2), rtol=0, atol=0)
     assert not hasattr(mlp, "gate")
+
+
+def test_compiled_blocks_are_one_graph_for_every_block_and_only_for_passes_with_gradients():
+    """``--compile`` traces one block and reuses it for all: a deeper model traces no more (a model
+    compiled whole traces every block again, and its loss), and only the training passes take it:
+    an evaluation or a sample under no_grad, compiled, would be a second compile for a few forward
+    passes (and one more per length while sampling). Dynamo's own backend: the graphs, not the
+    kernels, are what this counts."""
+    from torch._dynamo.utils import counters
+
+    from nanolm.model import compile_blocks
+
+    idx = torch.randint(0, 64, (2, 16))
+    doc_ids = torch.zeros(2, 16, dtype=torch.long)
+    traced = {}
+    for depth in (1, 3):
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny_model(n_layer=depth)
+        compile_blocks(model, backend="eager")
+        _, loss = model(idx, targets=idx, doc_ids=doc_ids)
+        loss.backward()
+        traced[depth] = dict(counters["stats"])
+    assert traced[3] == traced[1] and traced[3]["unique_graphs"] == 1, traced
+    with torch.no_grad():
+        model(idx, targets=idx, doc_ids=doc_ids)
+        model.generate(idx[:1, :4], max_new_tokens=3)
+    assert dict(counters["stats"]) == traced[3], "a pass without gradients was compiled"
+    torch._dynamo.reset()

@@ -348,13 +348,14 @@ def test_a_run_whose_final_model_outputs_nan_is_not_a_success(tmp_path, stories_
 @pytest.mark.kernels
 @pytest.mark.exhaustive  # ~20 s of compiling a fresh machine pays: CI runs it on every kernel path, -m kernels
 def test_a_compiled_step_follows_the_eager_step():
-    """``--compile`` runs the same step: torch.compile's model gives eager's loss and updated
+    """``--compile`` runs the same step: the compiled blocks give eager's loss and updated
     weights (to float32 reordering; SGD, because Adam's first update is lr·sign(g) and a
     gradient element near zero may change sign when the sums are reordered). On CPU too,
     where the compile is the slow part."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     from nanolm.batches import pack_windows
+    from nanolm.model import compile_blocks
     from nanolm.step import StepSetup, train_step
 
     if not pick_vec_isa():
@@ -367,17 +368,14 @@ def test_a_compiled_step_follows_the_eager_step():
     batch = pack_windows(tokens, np.array([0, 100, 200, 300]), 32, eos_id=0)
     results = []
     for compile in (False, True):
-        model = tiny_model(n_layer=1)
-        setup = StepSetup(
-            model,
-            torch.optim.SGD(model.parameters(), lr=1.0),
-            schedule=lambda step: 1.0,
-            step_model=torch.compile(model) if compile else model,
-        )
+        model = tiny_model(n_layer=2)
+        if compile:
+            compile_blocks(model)  # what --compile does
+        setup = StepSetup(model, torch.optim.SGD(model.parameters(), lr=1.0), schedule=lambda step: 1.0)
         results.append((train_step(setup, 1, [batch]).loss.item(), [p.detach().clone() for p in model.parameters()]))
     (eager_loss, eager_weights), (compiled_loss, compiled_weights) = results
     assert compiled_loss == pytest.approx(eager_loss, rel=1e-5)
-    start = [p.detach() for p in tiny_model(n_layer=1).parameters()]
+    start = [p.detach() for p in tiny_model(n_layer=2).parameters()]
     for a, b, s in zip(eager_weights, compiled_weights, start):
         # the step moved the weights (PyTorch 2.11 compiled a step with the right loss and no gradient at
         # all), and the compiled step's update is eager's up to float32 reordering (measured ~1e-6 of it)

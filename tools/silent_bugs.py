@@ -1731,6 +1731,24 @@ BUGS = [
         "            t.batch_size,\n            t.eval_windows,\n",
         tests=("test_plan",),
     ),
+    Bug(
+        "evaluation_compiled_too",
+        "with --compile the evaluations and samples run the compiled block as well: each is compiled "
+        "again for its batch size and every sampled length, tens of seconds of a time budget spent "
+        "compiling forward passes that run a few times, and the run trains fewer steps",
+        "nanolm/model.py",
+        "compiled = self.compiled_block if torch.is_grad_enabled() else None",
+        "compiled = self.compiled_block",
+    ),
+    Bug(
+        "model_compiled_whole",
+        "--compile compiles the whole model: every block traced and its code generated again, and "
+        "the head's loss unrolled chunk by chunk; the same steps, after a compile ~2.3x as long "
+        "at the 60 s record's shape, all of it out of a time budget",
+        "nanolm/model.py",
+        "model.compiled_block = torch.compile(_run_block, dynamic=False, backend=backend)",
+        "model.forward = torch.compile(model.forward, dynamic=False, backend=backend)",
+    ),
 ]
 
 FAST_TESTS = (

@@ -156,8 +156,9 @@ class TimeBudget:
         dist=None,
         log=print,
         clock: Callable[[], float] = time.perf_counter,
+        compiling: bool = False,
     ):
-        self.seconds, self.optim = seconds, optim
+        self.seconds, self.optim, self.compiling = seconds, optim, compiling
         self.eval_every, self.max_steps = eval_every, max_steps
         self.measure, self.planned, self.dist, self.log, self.clock = measure, planned, dist, log, clock
         self.plan = BudgetPlan(budget_s=seconds or 0.0)
@@ -216,9 +217,11 @@ class TimeBudget:
                 self.optim.warmup if self.optim.warmup is not None else min(DEFAULT_MAX_WARMUP, p.last_step // 10)
             )
             decay = wsd_decay_start(p.warmup, p.last_step, self.optim.decay_fraction) + 1
+            measuring = self.clock() - self.started  # a --compile run compiles here, on the budget's clock
             self.log(
                 f"time budget {describe_duration(p.budget_s)}: ~{p.last_step} steps at ~{p.step_s:.2g} s, "
-                f"warmup {p.warmup}, decay from step ~{decay} by the clock (~{p.eval_s:.2g} s an evaluation)"
+                f"warmup {p.warmup}, decay from step ~{decay} by the clock (~{p.eval_s:.2g} s an evaluation"
+                + (f"; {measuring:.1f} s measuring them, the compile included)" if self.compiling else ")")
             )
         else:
             self.log(

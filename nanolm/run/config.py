@@ -181,9 +181,10 @@ class TrainOptions:
     )
     compile: bool = option(
         False,
-        "torch.compile the model: tens of seconds of compiling at start-up, then faster steps, "
-        "so it pays only on long runs (docs/benchmarks.md has the break-even on a CPU); "
-        "leave it off while debugging",
+        "torch.compile the blocks (one compiled block, reused by all): seconds to tens of seconds of "
+        "compiling at the first step, less when this machine compiled the same shape before, then "
+        "faster steps; a --time-budget counts the compiling (docs/benchmarks.md has the break-even "
+        "on a CPU); leave it off while debugging",
     )
     precision: str = option(
         "auto",
