@@ -294,6 +294,9 @@ def build_run(
     precision = resolve_precision(t.precision, device)
     log(f"precision: {precision.describe()}")
     auto_threads = t.threads == 0 and device.type == "cpu" and not dist.active and not t.deterministic
+    if auto_threads and t.compile:  # compiled code is specialised to a thread count: a trial of another compiles again
+        auto_threads = False
+        log(f"threads: {torch.get_num_threads()}, kept (--compile: each thread count tried would be compiled again)")
     configure_threads(t.threads, device, log, auto=auto_threads)
     if dist.active:
         log(f"distributed: {dist.describe()}")

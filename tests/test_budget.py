@@ -119,6 +119,23 @@ def test_a_compile_is_paid_out_of_the_budget_and_the_plan_says_so():
     assert eager.lines[0].endswith("an evaluation)")
 
 
+def test_one_slow_early_step_does_not_end_the_run():
+    """A process's second step may take seconds that are not a step's cost (found on a --compile
+    run: a thread trial compiled its other thread count, ~9 s). Taken alone as the step's price it
+    left room for one more step, and the run ended at step 3 with an untrained model."""
+    run = SimulatedRun(60, lambda t: 0.1, compile_s=26.0)  # as that run: 26 s of its 60 compiling
+    calls = []
+
+    def step_cost(t):
+        calls.append(t)
+        return 9.0 if len(calls) == 3 else 0.1  # the measurement's call, step 1, then step 2
+
+    run.step_cost = step_cost
+    last = run.train()
+    assert run.rates[3] > 0  # step 2 was trained, and the run went on
+    assert run.clock <= 60 and last > 150, (last, run.lines)
+
+
 @pytest.mark.parametrize("slows_at", [30.0, 50.0], ids=["before-the-decay", "during-the-decay"])
 def test_a_machine_that_slows_down_still_ends_on_time_with_a_decayed_model(slows_at):
     run = SimulatedRun(60, lambda t: 0.1 if t < slows_at else 0.25)

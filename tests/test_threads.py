@@ -168,3 +168,31 @@ def test_deterministic_runs_keep_their_numbers_and_thread_count_on_a_busy_machin
     assert switched == switched_idle == [] and busy == idle
     switched_free, _ = run("free", False)
     assert switched_free and "-> 1" in switched_free[0], switched_free  # the simulated machine is one that switches
+
+
+def test_a_compiled_run_keeps_its_thread_count_on_a_busy_machine(tmp_path, stories_file, monkeypatch):
+    """``--compile`` specialises its code to the thread count it ran at: a trial of another count
+    compiles the blocks again (measured on a 60 s budget: 9 s of it at the second step, and the
+    plan then ended the run at step 3). So a compiled run keeps its count, and says so; the
+    simulated busy machine is the one the test above shows the tuner switching on."""
+    from conftest import tiny_run_config
+
+    import nanolm.train as train_module
+    from nanolm.machine import threads as threads_module
+    from nanolm.model import compile_blocks
+
+    monkeypatch.setattr(train_module, "compile_blocks", lambda model: compile_blocks(model, backend="eager"))
+    monkeypatch.setattr(
+        threads_module.ThreadTuner, "_time_pass", lambda self, batch: 0.01 if torch.get_num_threads() == 1 else 0.05
+    )
+    lines, started_with = [], torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count())
+    try:
+        cfg = tiny_run_config(stories_file, tmp_path / "run", steps=3, eval_every=3)
+        cfg.train.compile = True
+        train_module.train(cfg, log=lines.append)
+    finally:
+        torch.set_num_threads(started_with)
+        torch._dynamo.reset()
+    said = [line for line in lines if line.startswith("threads: ")]
+    assert said == [f"threads: {os.cpu_count()}, kept (--compile: each thread count tried would be compiled again)"]

@@ -1749,6 +1749,25 @@ BUGS = [
         "model.compiled_block = torch.compile(_run_block, dynamic=False, backend=backend)",
         "model.forward = torch.compile(model.forward, dynamic=False, backend=backend)",
     ),
+    Bug(
+        "early_step_alone_plans_the_run",
+        "a time budget prices a step by the recent steps alone from the first: one slow early step "
+        "(a compile, another job's burst) is the whole estimate, the decay is drawn to end a step "
+        "later, and the run stops at step 3 with an untrained model, inside its budget",
+        "nanolm/run/budget.py",
+        "self.recent.extend([p.step_s] * ESTIMATE_VOTES)",
+        "self.recent.extend([])",
+        tests=("test_budget",),
+    ),
+    Bug(
+        "compiled_run_tries_thread_counts",
+        "--threads auto tries other thread counts on a --compile run: each count compiles the blocks "
+        "again (seconds, tens of seconds on a cold cache), out of a time budget, at every trial",
+        "nanolm/train.py",
+        "if auto_threads and t.compile:",
+        "if False:",
+        tests=("test_threads",),
+    ),
 ]
 
 FAST_TESTS = (

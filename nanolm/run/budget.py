@@ -45,6 +45,7 @@ NO_STEP_LIMIT = 10**9
 """``--steps`` of a budgeted run that names none: the clock alone ends it."""
 
 RECENT_STEPS = 5  # a step's cost is the median wall time of this many recent steps: a slowdown shows in three
+ESTIMATE_VOTES = 2  # the plan's first estimate counts as this many of them, until real steps replace it
 REDRAW_SHARE = 0.05  # a plan that moves by less than this share of the steps left is not said again (nor
 # lengthened: a faster machine draws a longer decay only past it)
 ESTIMATE_SHARE = 0.1  # before the decay, an estimate of the steps in all is said again when it moves this much
@@ -229,6 +230,10 @@ class TimeBudget:
                 f"(~{p.step_s:.2g} s a step, ~{p.last_step} steps planned"
                 + (f", decaying since step {p.decay_from + 1})" if p.decay_from is not None else ")")
             )
+        # the estimate counts as two of the recent steps until real ones push it out: one odd early
+        # step (a page fault storm, another job's burst) is then one vote of three, not the whole plan
+        self.recent.clear()
+        self.recent.extend([p.step_s] * ESTIMATE_VOTES)
         self.announced = p.last_step
         self._tell_observer()
 
