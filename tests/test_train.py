@@ -468,6 +468,7 @@ def test_the_model_is_built_with_the_runs_precision_seed_and_optimizer(precision
     split said once, and compiled only when asked."""
     from nanolm.distributed import Distributed
     from nanolm.machine.runtime import derived_seed, seed_everything
+    from nanolm.model import _run_block
     from nanolm.precision import Precision
     from nanolm.train import Factories, build_model
 
@@ -475,7 +476,7 @@ def test_the_model_is_built_with_the_runs_precision_seed_and_optimizer(precision
     cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.seq_len = 1, 32, 2, 16
     cfg.train.seed, cfg.optim.optimizer = 11, "muon"
     said, scalers, compiled = [], [], []
-    monkeypatch.setattr(torch, "compile", lambda module: compiled.append(module) or module)
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: compiled.append(fn) or fn)
     seed_everything(0)
     built = build_model(
         cfg,
@@ -507,7 +508,9 @@ def test_the_model_is_built_with_the_runs_precision_seed_and_optimizer(precision
     assert {p.device.type for p in on_meta.model.parameters()} == {"meta"}  # built on the run's device
     cfg.train.compile = True
     compiled_run = build_model(cfg, Distributed(), Precision(precision, "cpu", "asked"), 64, Factories(), said.append)
-    assert compiled == [compiled_run.model] and compiled_run.step_model is compiled_run.model
+    # --compile: one block's function compiled, which the model's training passes run every block through
+    assert compiled == [_run_block] and compiled_run.model.compiled_block is _run_block
+    assert compiled_run.step_model is compiled_run.model
 
 
 def test_each_component_of_a_run_is_given_the_parts_of_that_run(tmp_path, stories_file, monkeypatch):
