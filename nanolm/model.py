@@ -341,7 +341,7 @@ def _run_block(block, x, cos, sin, mask):
 
 
 def compile_blocks(model: "GPT", backend: str = "inductor") -> None:
-    """``--compile``: the training passes run each block through one ``torch.compile``\ d function.
+    """``--compile``: the training passes run every block through one function, compiled once.
 
     Why the blocks and not the whole model (torchtitan compiles the same way): every block is
     the same code on other weights, so the compiler traces and generates code for one block
