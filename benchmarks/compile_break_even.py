@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))  # step_profile's random batches
 
 
 def run_config(args):
@@ -51,10 +52,9 @@ def run_config(args):
 
 def one_variant(args) -> dict:
     """In this process (its compile cache empty): eager and ``args.one``, timed as the docstring says."""
-    import numpy as np
     import torch
+    from step_profile import batches as random_batches
 
-    from nanolm.batches import pack_windows
     from nanolm.machine.hardware import measure_matmul_flops
     from nanolm.model import GPT, compile_blocks
     from nanolm.optim import optimizer_for
@@ -65,14 +65,9 @@ def one_variant(args) -> dict:
         torch.set_num_threads(args.threads)
     cfg = run_config(args)
     precision = resolve_precision(cfg.train.precision, torch.device("cpu"))
-    vocab, seq_len, batch_size = cfg.data.vocab_size or 256, cfg.model.seq_len, cfg.train.batch_size
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, vocab, size=200_000).astype(np.int32)
-    tokens[rng.random(tokens.size) < 1 / 230] = 0  # a document every ~230 tokens: the mask is compiled too
-    batches = [
-        pack_windows(tokens, rng.integers(0, tokens.size - seq_len - 1, size=batch_size), seq_len, 0, doc_mask=True)
-        for _ in range(2 * args.first + args.steps + 1)
-    ]
+    cfg.data.vocab_size = vocab = cfg.data.vocab_size or 256  # nanolm train's default: characters, ~100 of them
+    seq_len, batch_size = cfg.model.seq_len, cfg.train.batch_size
+    batches = random_batches(cfg, 2 * args.first + args.steps + 1)  # documents packed: the mask is compiled too
 
     def variant(kind: str):
         torch.manual_seed(0)
